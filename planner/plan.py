@@ -1,0 +1,252 @@
+"""ParallelPlan: the one object that says everything about a plan.
+
+The search returns it, ``hetpar compile`` consumes it, and it round-trips to JSON with
+real lists and numbers. The format is documented in docs/plan-format.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+PLAN_KIND = "hetpar.plan"
+
+
+class PlanError(ValueError):
+    """A plan is inconsistent, or a plan file is corrupt or not a hetpar plan."""
+
+
+class Schedule(str, Enum):
+    """Pipeline schedules hetpar can run."""
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+
+
+class Sharding(str, Enum):
+    """How a module's weight is split across the tensor-parallel ranks of its stage."""
+
+    COLWISE = "colwise"  # output features split; the output stays sharded
+    ROWWISE = "rowwise"  # input features split; outputs are summed (all-reduce)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRef:
+    """Which model a plan is for."""
+
+    file: str  # absolute path of the model file when planned
+    args: dict[str, Any] = field(default_factory=dict)
+    fingerprint: str  # sha256 of the model file's bytes
+    layer_names: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage: a contiguous run of layers on ``data_parallel * tensor_parallel`` ranks.
+
+    ``ranks[d][t]`` is the global rank of data-parallel replica d, tensor-parallel index t.
+    """
+
+    index: int
+    layers: list[int]  # layer indices, contiguous, ascending
+    device_type: str
+    tensor_parallel: int
+    ranks: list[list[int]]
+    tp_sharding: dict[str, Sharding] = field(default_factory=dict)  # module path -> sharding
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise PlanError(f"stage {self.index} has no layers")
+        if self.layers != list(range(self.layers[0], self.layers[-1] + 1)):
+            raise PlanError(f"stage {self.index} layers {self.layers} are not contiguous")
+        if self.tensor_parallel < 1:
+            raise PlanError(f"stage {self.index}: tensor_parallel({self.tensor_parallel}) must be >= 1")
+        widths = {len(r) for r in self.ranks}
+        if widths != {self.tensor_parallel}:
+            raise PlanError(
+                f"stage {self.index}: each replica needs tensor_parallel({self.tensor_parallel}) ranks, got {sorted(widths)}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Predicted:
+    """What the cost model predicts for one training step."""
+
+    step_time_s: float
+    throughput_samples_per_s: float
+    peak_memory_bytes: list[int]  # per stage, per device
+    compute_time_s: float = 0.0
+    bubble_time_s: float = 0.0
+    dp_comm_time_s: float = 0.0
+    pp_comm_time_s: float = 0.0
+    tp_comm_time_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverInfo:
+    """How the search ended."""
+
+    status: str  # "optimal", "feasible", "pinned"
+    wall_time_s: float
+    objective_gap: float = 0.0
+    candidates: int = 0  # outer (dp, tp, pp, micro-batch) combinations solved
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterRef:
+    """The cluster a plan is for, as the user gave it and as hetpar laid it out."""
+
+    spec: str
+    world_size: int
+    device_types: list[str]  # device type of each global rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelPlan:
+    """A complete parallel execution plan. Degrees check themselves on construction."""
+
+    model: ModelRef
+    cluster: ClusterRef
+    global_batch_size: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: Schedule
+    data_parallel: int
+    dtype: str
+    stages: list[StagePlan]
+    predicted: Predicted
+    solver: SolverInfo
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+    kind: str = PLAN_KIND
+
+    def __post_init__(self) -> None:
+        pp = len(self.stages)
+        world = self.cluster.world_size
+        tps = {s.tensor_parallel for s in self.stages}
+        used = sum(self.data_parallel * s.tensor_parallel for s in self.stages)
+        if used != world:
+            tp_text = f"tp({tps.pop()})" if len(tps) == 1 else "sum of stage tp"
+            raise PlanError(f"dp({self.data_parallel}) * {tp_text} * pp({pp}) = {used} != world_size({world})")
+        expected = self.data_parallel * self.micro_batch_size * self.num_microbatches
+        if expected != self.global_batch_size:
+            raise PlanError(
+                f"dp({self.data_parallel}) * micro_batch_size({self.micro_batch_size}) * "
+                f"num_microbatches({self.num_microbatches}) = {expected} != global_batch_size({self.global_batch_size})"
+            )
+        for s in self.stages:
+            if len(s.ranks) != self.data_parallel:
+                raise PlanError(f"stage {s.index} has {len(s.ranks)} replicas, data_parallel is {self.data_parallel}")
+        all_ranks = sorted(r for s in self.stages for rep in s.ranks for r in rep)
+        if all_ranks != list(range(world)):
+            raise PlanError(f"stage ranks must cover 0..{world - 1} exactly once")
+        layers = [l for s in self.stages for l in s.layers]
+        if layers != list(range(len(self.model.layer_names))):
+            raise PlanError(f"stages cover layers {layers}, the model has {len(self.model.layer_names)} layers")
+
+    @property
+    def pipeline_parallel(self) -> int:
+        return len(self.stages)
+
+    def to_json(self) -> str:
+        """The plan as indented JSON text."""
+        return json.dumps(_to_jsonable(asdict(self)), indent=2) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan atomically: a crash never leaves a half-written file."""
+        write_text_atomic(Path(path), self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "ParallelPlan":
+        """Build a plan from parsed JSON.
+
+        Raises:
+            PlanError: not a hetpar plan, another schema version, or inconsistent.
+        """
+        if not isinstance(data, dict) or data.get("kind") != PLAN_KIND:
+            raise PlanError("not a hetpar plan (no \"kind\": \"hetpar.plan\"); make one with `hetpar plan`")
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise PlanError(
+                f"plan schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}; re-run `hetpar plan`"
+            )
+        try:
+            stages = [
+                StagePlan(**{**s, "tp_sharding": {k: Sharding(v) for k, v in s.get("tp_sharding", {}).items()}})
+                for s in data["stages"]
+            ]
+            return cls(
+                **{
+                    **data,
+                    "model": ModelRef(**data["model"]),
+                    "cluster": ClusterRef(**data["cluster"]),
+                    "schedule": Schedule(data["schedule"]),
+                    "stages": stages,
+                    "predicted": Predicted(**data["predicted"]),
+                    "solver": SolverInfo(**data["solver"]),
+                }
+            )
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"plan is malformed: {type(exc).__name__}: {exc}") from exc
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ParallelPlan":
+        """Read a plan file.
+
+        Raises:
+            PlanError: missing, unreadable, not JSON, or not a valid plan.
+        """
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise PlanError(f"cannot read plan {str(path)!r}: {exc.strerror}") from exc
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan {str(path)!r} is not valid JSON (line {exc.lineno}): {exc.msg}") from exc
+        return cls.from_dict(data)
+
+
+def _to_jsonable(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_jsonable(v) for v in value]
+    return value
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+__all__ = [
+    "ParallelPlan",
+    "StagePlan",
+    "ModelRef",
+    "ClusterRef",
+    "Predicted",
+    "SolverInfo",
+    "Schedule",
+    "Sharding",
+    "PlanError",
+    "write_text_atomic",
+]

@@ -1,0 +1,195 @@
+"""The model-file contract: load a user's model file and fill in its optional parts.
+
+A model file is a plain Python file with
+
+- ``build_model(**model_args) -> nn.Module`` (required),
+- ``example_inputs(batch_size, **model_args) -> tuple`` (required): the positional
+  inputs of ``forward``,
+- ``loss_fn(outputs, targets) -> scalar`` (optional, mean over the batch),
+- ``batches(batch_size, seed, **model_args)`` (optional): an iterator of
+  ``(inputs, targets)`` global batches.
+
+Without ``loss_fn`` the loss is cross-entropy when the output has one more dimension
+than integer targets, mean squared error otherwise. Without ``batches`` the data is
+deterministic synthetic data shaped like ``example_inputs`` (see [Note: synthetic data]).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+
+class ModelFileError(Exception):
+    """A model file is missing, does not import, or breaks the contract."""
+
+
+def parse_model_args(pairs: list[str]) -> dict[str, Any]:
+    """Parse ``key=value`` strings; values become int, float, bool or str.
+
+    Raises:
+        ModelFileError: a pair has no ``=`` or an empty key.
+    """
+    args: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ModelFileError(f"--model-arg {pair!r} is not key=value (e.g. --model-arg n_layers=4)")
+        args[key.strip()] = _parse_value(raw.strip())
+    return args
+
+
+def _parse_value(raw: str) -> Any:
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """sha256 of the model file's bytes, as ``sha256:<hex>``."""
+    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFile:
+    """A loaded model file with its model args bound."""
+
+    path: Path
+    model_args: dict[str, Any] = field(default_factory=dict)
+    module: Any = None
+
+    def build_model(self) -> torch.nn.Module:
+        """Build the model; runs under whatever device context the caller set."""
+        model = self._call("build_model", self.module.build_model)
+        if not isinstance(model, torch.nn.Module):
+            raise ModelFileError(f"{self.path}: build_model() returned {type(model).__name__}, not torch.nn.Module")
+        return model
+
+    def example_inputs(self, batch_size: int) -> tuple:
+        """The positional inputs of ``forward`` for ``batch_size`` samples."""
+        inputs = self._call("example_inputs", self.module.example_inputs, batch_size)
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        if not isinstance(inputs, tuple) or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise ModelFileError(f"{self.path}: example_inputs() must return a tuple of tensors")
+        return inputs
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model file's ``loss_fn``, or the default loss."""
+        user_loss = getattr(self.module, "loss_fn", None)
+        if user_loss is not None:
+            return user_loss(outputs, targets)
+        return default_loss(outputs, targets)
+
+    def batches(self, batch_size: int, seed: int) -> Iterator[tuple[tuple, torch.Tensor]]:
+        """Global batches ``(inputs, targets)``: the model file's, or synthetic ones."""
+        user_batches = getattr(self.module, "batches", None)
+        if user_batches is not None:
+            for inputs, targets in self._call("batches", user_batches, batch_size, seed):
+                yield (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), targets
+            return
+        yield from synthetic_batches(self, batch_size, seed)
+
+    def _call(self, name: str, fn: Callable, *args: Any) -> Any:
+        accepted = inspect.signature(fn).parameters
+        takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+        unknown = [k for k in self.model_args if k not in accepted and not takes_kwargs]
+        if unknown and name == "build_model":
+            raise ModelFileError(
+                f"{self.path}: build_model() takes no argument {', '.join(map(repr, unknown))}; "
+                f"drop the --model-arg or add the parameter"
+            )
+        kwargs = {k: v for k, v in self.model_args.items() if k in accepted or takes_kwargs}
+        return fn(*args, **kwargs)
+
+
+def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None) -> ModelFile:
+    """Import a model file by path and check the contract.
+
+    Raises:
+        ModelFileError: missing file, import failure, or missing required functions.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"model file {str(path)!r} not found; pass the path of a Python file that defines build_model()")
+    name = "hetpar_model_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"model file {str(path)!r} is not an importable Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - any import failure becomes one line
+        del sys.modules[name]
+        where = _innermost_line(exc, path)
+        raise ModelFileError(f"model file {str(path)!r} failed to import{where}: {type(exc).__name__}: {exc}") from exc
+    for required in ("build_model", "example_inputs"):
+        if not callable(getattr(module, required, None)):
+            raise ModelFileError(f"model file {str(path)!r} defines no {required}(); see docs/model-file.md")
+    return ModelFile(path=path, model_args=dict(model_args or {}), module=module)
+
+
+def _innermost_line(exc: BaseException, path: Path) -> str:
+    tb = exc.__traceback__
+    line = None
+    while tb is not None:
+        if Path(tb.tb_frame.f_code.co_filename).resolve() == path.resolve():
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    if line is None and isinstance(exc, SyntaxError) and exc.lineno:
+        line = exc.lineno
+    return f" at line {line}" if line else ""
+
+
+def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy when ``outputs`` has one more dimension than integer ``targets``;
+    mean squared error otherwise. Both are means over the batch."""
+    if outputs.dim() == targets.dim() + 1 and not targets.is_floating_point():
+        return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]).float(), targets.reshape(-1))
+    return F.mse_loss(outputs.float(), targets.float())
+
+
+# [Note: synthetic data]
+# Without a ``batches`` function every rank draws the same global batches from a
+# torch.Generator seeded with ``seed``: float inputs are standard normal; integer inputs
+# are uniform in [0, max(example) + 1) so token ids stay inside the example's range.
+# Targets follow the output of the model on the example (computed on the meta device):
+# integer class labels over the last output dimension when the first input is integer
+# (token models), standard normal values shaped like the output otherwise.
+def synthetic_batches(model_file: ModelFile, batch_size: int, seed: int) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """Deterministic synthetic global batches; see [Note: synthetic data]."""
+    example = model_file.example_inputs(batch_size)
+    with torch.device("meta"):
+        model = model_file.build_model()
+    out = model(*(t.to("meta") for t in example))
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        inputs = tuple(_like(t, gen) for t in example)
+        if not example[0].is_floating_point():
+            targets = torch.randint(0, out.shape[-1], tuple(out.shape[:-1]), generator=gen)
+        else:
+            targets = torch.randn(tuple(out.shape), generator=gen)
+        yield inputs, targets
+
+
+def _like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    if t.is_floating_point():
+        return torch.randn(tuple(t.shape), generator=gen, dtype=t.dtype)
+    high = int(t.max().item()) + 1 if t.numel() else 2
+    return torch.randint(0, max(high, 2), tuple(t.shape), generator=gen, dtype=t.dtype)
