@@ -1,0 +1,51 @@
+"""LayerProfile: what the cost models need to know about one layer of a model.
+
+The planner measures these on the meta device (planner.trace); the cost models only
+read them. Every quantity is per sample (batch size 1) and in fp32 bytes; the cost
+models scale by micro-batch size and training dtype.
+
+[Note: tensor-parallel scaling]
+A layer's work splits into a part that tensor parallelism divides (the colwise and
+rowwise Linears and the ops between them) and a part every rank repeats (norms,
+residual adds). Measuring the layer once whole and once as one of 2 ranks gives both:
+split = 2 * (whole - half), repeated = whole - split. At degree t a rank does
+repeated + split / t. The same holds for parameters and saved activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    """One layer, per sample, fp32; see [Note: tensor-parallel scaling]."""
+
+    name: str
+    fwd_flops: float
+    bwd_flops: float
+    params: int
+    saved_activation_bytes: float
+    boundary_bytes: float  # tensors this layer hands to the next one
+    num_ops: int  # graph nodes that run kernels; each costs a launch overhead
+    tp_split_flops_fraction: float = 0.0  # of fwd and bwd FLOPs, divided by tp
+    tp_split_params: int = 0
+    tp_split_saved_bytes: float = 0.0
+    tp_allreduce_bytes: float = 0.0  # forward all-reduce payload (rowwise outputs); backward repeats it
+
+    def flops_at(self, tp: int) -> tuple[float, float]:
+        """(forward, backward) FLOPs one tensor-parallel rank runs, per sample."""
+        keep = 1.0 - self.tp_split_flops_fraction * (1.0 - 1.0 / tp)
+        return self.fwd_flops * keep, self.bwd_flops * keep
+
+    def params_at(self, tp: int) -> float:
+        """Parameters one tensor-parallel rank holds."""
+        return self.params - self.tp_split_params * (1.0 - 1.0 / tp)
+
+    def saved_bytes_at(self, tp: int) -> float:
+        """Activation bytes one tensor-parallel rank saves for backward, per sample."""
+        return self.saved_activation_bytes - self.tp_split_saved_bytes * (1.0 - 1.0 / tp)
+
+    @property
+    def tp_capable(self) -> bool:
+        return self.tp_split_params > 0

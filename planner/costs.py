@@ -1,0 +1,196 @@
+"""Cost tables for one outer candidate (dp, tp, pp, micro-batch size, schedule).
+
+The search's CP-SAT model and the exact evaluator both read these tables, so the
+solver and brute force optimise exactly the same function; see [Note: split objective].
+
+[Note: split objective]
+For a split of the layers into stages (stage s holds layers first_s..last_s):
+
+    stage_time[s] = sum_{l in s} layer_time[l][s] + cut_time[last_s][s]   (no cut after the last stage)
+    dp_sync[s]    = dp_latency[s] + sum_{l in s} dp_time[l][s]
+    objective     = sum_s stage_time[s] + (m - 1) * max_s stage_time[s] + max_s dp_sync[s]
+
+layer_time includes tensor-parallel all-reduces; cut_time is the p2p of the boundary
+tensors, forward and backward, per micro-batch; see [Note: pipeline step time] for the
+first two terms. Memory: sum_{l in s} layer_memory[l][s] <= capacity[s].
+Ranks follow Megatron's order (tensor-parallel innermost, then data-parallel, then
+pipeline) over the devices in the order the cluster lists them; a stage whose ranks
+span device types is costed on the slowest of them and the smallest memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.collectives import all_reduce_time_s, p2p_time_s
+from cost_models.compute import dtype_bytes, layer_time_s
+from cost_models.devices import get_device
+from cost_models.memory import MemoryBreakdown, stage_memory, state_bytes_per_param
+from cost_models.pipeline import in_flight_microbatches
+from planner.trace import ModelGraph
+
+# The size at which the data-parallel all-reduce's per-byte cost is read off the
+# collective model: DDP's default gradient bucket (torch.nn.parallel.DistributedDataParallel,
+# bucket_cap_mb=25).
+_DP_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """The choices the search enumerates outside the CP-SAT model."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: str
+
+    def describe(self) -> str:
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} micro-batch {self.micro_batch_size}x{self.num_microbatches} {self.schedule}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSlot:
+    """Where a stage runs: its ranks and the device it is costed on."""
+
+    ranks: list[list[int]]  # [data-parallel replica][tensor-parallel index]
+    device_type: str
+    memory_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostTables:
+    """Per layer x stage coefficients of [Note: split objective]; seconds and bytes."""
+
+    candidate: Candidate
+    slots: list[StageSlot]
+    layer_time_s: list[list[float]]
+    cut_time_s: list[list[float]]
+    layer_memory_bytes: list[list[float]]
+    capacity_bytes: list[float]
+    dp_latency_s: list[float]
+    dp_time_s: list[list[float]]
+    tp_time_s: list[list[float]]  # the tensor-parallel part of layer_time, for reporting
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_time_s)
+
+
+def stage_slots(device_types: list[str], cand: Candidate) -> list[StageSlot]:
+    """Megatron's rank layout: rank = s * dp * tp + d * tp + t; see [Note: split objective]."""
+    slots = []
+    for s in range(cand.pp):
+        ranks = [[s * cand.dp * cand.tp + d * cand.tp + t for t in range(cand.tp)] for d in range(cand.dp)]
+        types = sorted({device_types[r] for rep in ranks for r in rep})
+        profiles = [get_device(t) for t in types]
+        slowest = min(profiles, key=_peak)
+        smallest = min(p.memory_bytes for p in profiles)
+        slots.append(StageSlot(ranks=ranks, device_type=slowest.name, memory_bytes=smallest))
+    return slots
+
+
+def _peak(profile) -> float:
+    for dtype in ("bf16", "fp16", "fp32"):
+        try:
+            return profile.peak_flops(dtype)
+        except (KeyError, ValueError):
+            continue
+    return 0.0
+
+
+def build_tables(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimizer: str = "adamw") -> CostTables:
+    """Fill the coefficient tables of [Note: split objective] for one candidate."""
+    slots = stage_slots(cluster.device_types(), cand)
+    scale = dtype_bytes(dtype) / 4
+    grad_bytes = state_bytes_per_param(dtype, optimizer)[1]
+    lt, ct, mem, dpt, tpt, dpl = [], [], [], [], [], []
+    for layer in model.layers:
+        row_t, row_c, row_m, row_d, row_tp = [], [], [], [], []
+        for s, slot in enumerate(slots):
+            device = get_device(slot.device_type)
+            fwd, bwd = layer_time_s(layer, device, tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
+            tp_ranks = slot.ranks[0]
+            tp_comm = 0.0
+            if cand.tp > 1 and layer.tp_allreduce_bytes:
+                payload = layer.tp_allreduce_bytes * cand.micro_batch_size * scale
+                tp_comm = 2 * all_reduce_time_s(payload, tp_ranks, cluster)
+            row_t.append(fwd + bwd + tp_comm)
+            row_tp.append(tp_comm)
+            cut = 0.0
+            if s + 1 < cand.pp:
+                payload = layer.boundary_bytes * cand.micro_batch_size * scale
+                cut = 2 * p2p_time_s(payload, slot.ranks[0][0], slots[s + 1].ranks[0][0], cluster)
+            row_c.append(cut)
+            in_flight = in_flight_microbatches(cand.schedule, s, cand.pp, cand.num_microbatches)
+            row_m.append(
+                stage_memory([layer], tp=cand.tp, micro_batch_size=cand.micro_batch_size, in_flight=in_flight, dtype=dtype, optimizer=optimizer).total_bytes
+            )
+            latency, per_byte = _dp_linear(cluster, [rep[0] for rep in slot.ranks])
+            row_d.append(layer.params_at(cand.tp) * grad_bytes * per_byte)
+        lt.append(row_t)
+        ct.append(row_c)
+        mem.append(row_m)
+        dpt.append(row_d)
+        tpt.append(row_tp)
+    for slot in slots:
+        dpl.append(_dp_linear(cluster, [rep[0] for rep in slot.ranks])[0])
+    return CostTables(
+        candidate=cand,
+        slots=slots,
+        layer_time_s=lt,
+        cut_time_s=ct,
+        layer_memory_bytes=mem,
+        capacity_bytes=[float(s.memory_bytes) for s in slots],
+        dp_latency_s=dpl,
+        dp_time_s=dpt,
+        tp_time_s=tpt,
+    )
+
+
+def _dp_linear(cluster, ranks: list[int]) -> tuple[float, float]:
+    """(latency s, s per byte) of the gradient all-reduce among ``ranks``, read off the collective model."""
+    if len(ranks) < 2:
+        return 0.0, 0.0
+    latency = all_reduce_time_s(1, ranks, cluster)
+    per_byte = (all_reduce_time_s(_DP_BUCKET_BYTES, ranks, cluster) - latency) / _DP_BUCKET_BYTES
+    return latency, max(per_byte, 0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitCost:
+    """The exact value of [Note: split objective] for one split, with its parts."""
+
+    objective_s: float
+    stage_time_s: list[float]
+    dp_sync_s: list[float]
+    stage_memory_bytes: list[float]
+
+    def fits(self, tables: CostTables) -> bool:
+        return all(m <= c for m, c in zip(self.stage_memory_bytes, tables.capacity_bytes))
+
+
+def evaluate_split(tables: CostTables, bounds: list[tuple[int, int]]) -> SplitCost:
+    """Evaluate a split given as inclusive (first, last) layer ranges per stage."""
+    m = tables.candidate.num_microbatches
+    stage_time, sync, memory = [], [], []
+    for s, (first, last) in enumerate(bounds):
+        layers = range(first, last + 1)
+        t = sum(tables.layer_time_s[l][s] for l in layers)
+        if s + 1 < len(bounds):
+            t += tables.cut_time_s[last][s]
+        stage_time.append(t)
+        sync.append(tables.dp_latency_s[s] + sum(tables.dp_time_s[l][s] for l in layers))
+        memory.append(sum(tables.layer_memory_bytes[l][s] for l in layers))
+    objective = sum(stage_time) + (m - 1) * max(stage_time) + max(sync)
+    return SplitCost(objective_s=objective, stage_time_s=stage_time, dp_sync_s=sync, stage_memory_bytes=memory)
+
+
+def stage_memory_breakdown(model: ModelGraph, tables: CostTables, s: int, first: int, last: int, dtype: str, optimizer: str = "adamw") -> MemoryBreakdown:
+    """The memory terms of stage ``s`` holding layers ``first..last``."""
+    cand = tables.candidate
+    in_flight = in_flight_microbatches(cand.schedule, s, cand.pp, cand.num_microbatches)
+    return stage_memory(
+        model.layers[first : last + 1], tp=cand.tp, micro_batch_size=cand.micro_batch_size, in_flight=in_flight, dtype=dtype, optimizer=optimizer
+    )

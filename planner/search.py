@@ -1,0 +1,324 @@
+"""The search: the fastest plan under the cost model, with proof of optimality.
+
+Outer enumeration covers what the CP-SAT model keeps fixed (data-, tensor- and
+pipeline-parallel degrees, micro-batch size, schedule); for each such candidate one
+CP-SAT model chooses the cut points of the layer sequence into stages, which may be
+uneven and which see each stage's own device type. The objective is
+[Note: split objective] in planner.costs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from cost_models.pipeline import SCHEDULES
+from planner.costs import Candidate, CostTables, SplitCost, build_tables, evaluate_split, stage_memory_breakdown
+from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
+from planner.trace import ModelGraph
+
+# Solver resolution: the objective's scale divided into this many ticks.
+_TICKS_PER_OBJECTIVE = 1_000_000
+
+
+class PlanningError(Exception):
+    """No plan satisfies the request; the message says why and what to change."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchOptions:
+    """What the user asked for; ``None`` pins leave the choice to the search."""
+
+    global_batch_size: int
+    dtype: str
+    optimizer: str = "adamw"
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    micro_batch_size: int | None = None
+    schedule: str | None = None
+    max_tp: int = 8
+    time_limit_s: float = 30.0
+    workers: int = 2
+    seed: int = 0
+    top_k: int = 3
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> list[Candidate]:
+    """Every (dp, tp, pp, micro-batch size, schedule) the pins allow.
+
+    Raises:
+        PlanningError: the pins or the batch size rule out every candidate; says why.
+    """
+    world = cluster.world_size
+    num_layers = len(model.layers)
+    gbs = options.global_batch_size
+    _check_pins(model, cluster, options)
+    tp_ok = any(l.tp_capable for l in model.layers)
+    schedules = [options.schedule] if options.schedule else list(SCHEDULES)
+    node_width = min(g.devices_per_node for g in cluster.groups)
+    out = []
+    for tp in divisors(world):
+        if tp > 1 and (not tp_ok or tp > min(options.max_tp, node_width)):
+            continue
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            if pp > num_layers or gbs % dp:
+                continue
+            if (options.dp, options.tp, options.pp) != (options.dp or dp, options.tp or tp, options.pp or pp):
+                continue
+            for mbs in divisors(gbs // dp):
+                if options.micro_batch_size and mbs != options.micro_batch_size:
+                    continue
+                for schedule in schedules:
+                    out.append(Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=gbs // (dp * mbs), schedule=schedule))
+    if not out:
+        raise PlanningError(
+            f"no (dp, tp, pp) fits world_size({world}) with global batch {gbs}"
+            + ("" if tp_ok else " (the model has no tensor-parallel layers, so tp is 1)")
+            + "; change the pins or --global-batch"
+        )
+    return out
+
+
+def _check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
+    world = cluster.world_size
+    gbs = options.global_batch_size
+    if gbs < 1:
+        raise PlanningError(f"--global-batch must be positive, got {gbs}")
+    for name, value in (("dp", options.dp), ("tp", options.tp), ("pp", options.pp)):
+        if value is not None and (value < 1 or world % value):
+            raise PlanningError(f"--{name} {value} does not divide the cluster's world size ({world})")
+    dp, tp, pp = options.dp, options.tp, options.pp
+    if dp and tp and pp and dp * tp * pp != world:
+        raise PlanningError(f"dp({dp}) * tp({tp}) * pp({pp}) = {dp * tp * pp} != world_size({world})")
+    if pp and pp > len(model.layers):
+        raise PlanningError(f"--pp {pp} exceeds the model's {len(model.layers)} layers")
+    if tp and tp > 1 and not any(l.tp_capable for l in model.layers):
+        raise PlanningError(f"--tp {tp}: the model has no layer that tensor parallelism can split")
+    if dp and gbs % dp:
+        raise PlanningError(f"--global-batch {gbs} is not divisible by dp({dp})")
+    mbs = options.micro_batch_size
+    if mbs and dp and (gbs // dp) % mbs:
+        raise PlanningError(f"--micro-batch-size {mbs} does not divide the per-replica batch {gbs // dp}")
+    if mbs and mbs > gbs:
+        raise PlanningError(f"--micro-batch-size {mbs} exceeds --global-batch {gbs}")
+    if options.schedule and options.schedule not in SCHEDULES:
+        raise PlanningError(f"unknown --schedule {options.schedule!r}; use one of {', '.join(SCHEDULES)}")
+
+
+def to_ticks(seconds: float, tick_s: float) -> int:
+    """The one place where seconds become integer solver ticks."""
+    return int(round(seconds / tick_s))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitResult:
+    bounds: list[tuple[int, int]]
+    cost: SplitCost
+    status: str  # "optimal" | "feasible"
+
+
+def solve_split(tables: CostTables, options: SearchOptions) -> SplitResult | None:
+    """The best split of layers into ``pp`` stages for one candidate, or None if none fits.
+
+    CP-SAT model of [Note: split objective].
+    """
+    L, P = tables.num_layers, tables.candidate.pp
+    m = tables.candidate.num_microbatches
+    hint = equal_split(L, P)
+    scale = evaluate_split(tables, hint).objective_s or 1.0
+    tick_s = scale / _TICKS_PER_OBJECTIVE
+    model = cp_model.CpModel()
+
+    # Variables
+    # in_stage[l, s] is 1 iff layer l runs in stage s
+    in_stage = {(l, s): model.new_bool_var(f"in_stage_{l}_{s}") for l in range(L) for s in range(P)}
+    # cut[l, s] is 1 iff layer l is the last layer of stage s and stage s + 1 follows
+    cut = {(l, s): model.new_bool_var(f"cut_{l}_{s}") for l in range(L - 1) for s in range(P - 1)}
+    horizon = sum(to_ticks(max(row) + max(c), tick_s) for row, c in zip(tables.layer_time_s, tables.cut_time_s)) + 1
+    # stage_time[s]: ticks of one micro-batch's forward + backward (+ p2p) on stage s
+    stage_time = [model.new_int_var(0, horizon, f"stage_time_{s}") for s in range(P)]
+    slowest = model.new_int_var(0, horizon, "slowest_stage_time")
+    sync_horizon = sum(to_ticks(max(row), tick_s) for row in tables.dp_time_s) + to_ticks(max(tables.dp_latency_s), tick_s) + 1
+    # dp_sync[s]: ticks of stage s's gradient all-reduce; slowest_sync is their max
+    dp_sync = [model.new_int_var(0, sync_horizon, f"dp_sync_{s}") for s in range(P)]
+    slowest_sync = model.new_int_var(0, sync_horizon, "slowest_sync")
+
+    # Constraints
+    for l in range(L):
+        model.add_exactly_one(in_stage[l, s] for s in range(P))
+    stage_of = [sum(s * in_stage[l, s] for s in range(P)) for l in range(L)]
+    model.add(stage_of[0] == 0)
+    model.add(stage_of[L - 1] == P - 1)
+    for l in range(L - 1):
+        model.add(stage_of[l + 1] - stage_of[l] >= 0)
+        model.add(stage_of[l + 1] - stage_of[l] <= 1)
+        for s in range(P - 1):
+            model.add_bool_or([in_stage[l, s].Not(), in_stage[l + 1, s + 1].Not(), cut[l, s]])
+    for s in range(P):
+        work = sum(to_ticks(tables.layer_time_s[l][s], tick_s) * in_stage[l, s] for l in range(L))
+        if s < P - 1:
+            work += sum(to_ticks(tables.cut_time_s[l][s], tick_s) * cut[l, s] for l in range(L - 1))
+        model.add(stage_time[s] == work)
+        model.add(slowest >= stage_time[s])
+        model.add(
+            dp_sync[s]
+            == to_ticks(tables.dp_latency_s[s], tick_s) + sum(to_ticks(tables.dp_time_s[l][s], tick_s) * in_stage[l, s] for l in range(L))
+        )
+        model.add(slowest_sync >= dp_sync[s])
+        model.add(sum(math.ceil(tables.layer_memory_bytes[l][s]) * in_stage[l, s] for l in range(L)) <= int(tables.capacity_bytes[s]))
+
+    # Objective
+    model.minimize(sum(stage_time) + (m - 1) * slowest + slowest_sync)
+
+    for s, (first, last) in enumerate(hint):
+        for l in range(L):
+            model.add_hint(in_stage[l, s], first <= l <= last)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = options.time_limit_s
+    solver.parameters.num_workers = options.workers
+    solver.parameters.random_seed = options.seed
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    stages = [next(s for s in range(P) if solver.value(in_stage[l, s])) for l in range(L)]
+    bounds = [(stages.index(s), L - 1 - stages[::-1].index(s)) for s in range(P)]
+    return SplitResult(bounds=bounds, cost=evaluate_split(tables, bounds), status="optimal" if status == cp_model.OPTIMAL else "feasible")
+
+
+def equal_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Layers dealt out as evenly as possible, earlier stages taking the remainder."""
+    base, extra = divmod(num_layers, num_stages)
+    bounds, first = [], 0
+    for s in range(num_stages):
+        size = base + (1 if s < extra else 0)
+        bounds.append((first, first + size - 1))
+        first += size
+    return bounds
+
+
+@dataclass(frozen=True, kw_only=True)
+class Solved:
+    tables: CostTables
+    split: SplitResult
+
+
+def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) -> ParallelPlan:
+    """Find the fastest plan; see the module docstring.
+
+    Args:
+        progress: optional callable(done, total, description) for a progress bar.
+
+    Raises:
+        PlanningError: nothing fits or the pins are impossible.
+    """
+    start = time.perf_counter()
+    candidates = enumerate_candidates(model, cluster, options)
+    solved: list[Solved] = []
+    misfits: list[tuple[float, CostTables]] = []
+    for i, cand in enumerate(candidates):
+        tables = build_tables(model, cluster, cand, options.dtype, options.optimizer)
+        split = solve_split(tables, options)
+        if split is None:
+            misfits.append((_overflow(tables), tables))
+        else:
+            solved.append(Solved(tables=tables, split=split))
+        if progress:
+            progress(i + 1, len(candidates), cand.describe())
+    if not solved:
+        raise PlanningError(_explain_misfit(model, options, min(misfits, key=lambda x: x[0])[1]))
+    solved.sort(key=lambda s: s.split.cost.objective_s)
+    best = solved[0]
+    status = "optimal" if all(s.split.status == "optimal" for s in solved) else "feasible"
+    info = SolverInfo(status=status, wall_time_s=round(time.perf_counter() - start, 3), candidates=len(candidates))
+    alternatives = [
+        {**_candidate_dict(s.tables.candidate), "stage_layers": [b - a + 1 for a, b in s.split.bounds], "step_time_s": s.split.cost.objective_s}
+        for s in solved[1 : 1 + options.top_k]
+    ]
+    return assemble_plan(model, cluster, options, best.tables, best.split.bounds, info, alternatives)
+
+
+def _candidate_dict(c: Candidate) -> dict:
+    return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batch_size": c.micro_batch_size, "schedule": c.schedule}
+
+
+def _overflow(tables: CostTables) -> float:
+    cost = evaluate_split(tables, equal_split(tables.num_layers, tables.candidate.pp))
+    return max(m / c for m, c in zip(cost.stage_memory_bytes, tables.capacity_bytes))
+
+
+def _explain_misfit(model: ModelGraph, options: SearchOptions, tables: CostTables) -> str:
+    bounds = equal_split(tables.num_layers, tables.candidate.pp)
+    cost = evaluate_split(tables, bounds)
+    s = max(range(len(bounds)), key=lambda i: cost.stage_memory_bytes[i] / tables.capacity_bytes[i])
+    breakdown = stage_memory_breakdown(model, tables, s, *bounds[s], options.dtype, options.optimizer)
+    gib = 2**30
+    return (
+        f"no plan fits in memory: the closest ({tables.candidate.describe()}) needs "
+        f"{breakdown.total_bytes / gib:.1f} GiB on stage {s}, {tables.slots[s].device_type} has "
+        f"{tables.capacity_bytes[s] / gib:.1f} GiB (mostly {breakdown.dominant_term()}); "
+        "add devices, lower --global-batch or use --dtype bf16"
+    )
+
+
+def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: CostTables, bounds, info: SolverInfo, alternatives=()) -> ParallelPlan:
+    """Turn a solved split into a ParallelPlan with its predicted cost."""
+    cand = tables.candidate
+    cost = evaluate_split(tables, bounds)
+    stages = []
+    for s, (first, last) in enumerate(bounds):
+        sharding = {}
+        if cand.tp > 1:
+            for l in range(first, last + 1):
+                sharding.update(model.tp_sharding[l])
+        stages.append(
+            StagePlan(
+                index=s,
+                layers=list(range(first, last + 1)),
+                device_type=tables.slots[s].device_type,
+                tensor_parallel=cand.tp,
+                ranks=tables.slots[s].ranks,
+                tp_sharding=sharding,
+            )
+        )
+    step = cost.objective_s
+    slowest = max(cost.stage_time_s)
+    m = cand.num_microbatches
+    tp_comm = max(
+        sum(tables.tp_time_s[l][s] for l in range(first, last + 1)) for s, (first, last) in enumerate(bounds)
+    ) * m
+    predicted = Predicted(
+        step_time_s=step,
+        throughput_samples_per_s=options.global_batch_size / step if step > 0 else 0.0,
+        peak_memory_bytes=[int(b) for b in cost.stage_memory_bytes],
+        compute_time_s=m * slowest,
+        bubble_time_s=sum(cost.stage_time_s) - slowest,
+        dp_comm_time_s=max(cost.dp_sync_s),
+        pp_comm_time_s=sum(tables.cut_time_s[last][s] for s, (_, last) in enumerate(bounds[:-1])) * m,
+        tp_comm_time_s=tp_comm,
+    )
+    return ParallelPlan(
+        model=ModelRef(file=model.file, args=dict(model.args), fingerprint=model.fingerprint, layer_names=model.layer_names),
+        cluster=ClusterRef(spec=cluster.spec, world_size=cluster.world_size, device_types=cluster.device_types()),
+        global_batch_size=options.global_batch_size,
+        micro_batch_size=cand.micro_batch_size,
+        num_microbatches=m,
+        schedule=Schedule(cand.schedule),
+        data_parallel=cand.dp,
+        dtype=options.dtype,
+        stages=stages,
+        predicted=predicted,
+        solver=info,
+        alternatives=list(alternatives),
+    )
+
+
+__all__ = ["search", "SearchOptions", "PlanningError", "solve_split", "equal_split", "enumerate_candidates", "to_ticks"]
