@@ -1,0 +1,110 @@
+"""``hetpar plan``: trace a model, cost it on a cluster, search, write the plan."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cost_models.cluster import parse_cluster
+from cost_models.devices import get_device
+from hetpar.commands.common import console, domain_errors, fail, gib, print_json, seconds
+from planner.plan import ParallelPlan
+from planner.search import SearchOptions, search
+from planner.trace import trace_model
+from runtime.model_file import load_model_file, parse_model_args
+
+
+class DType(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class ScheduleChoice(str, Enum):
+    one_f_one_b = "1f1b"
+    gpipe = "gpipe"
+
+
+def default_dtype(device_types: list[str]) -> str:
+    """fp32 on a CPU-only cluster; bf16 where every device has it; fp16 otherwise (V100, T4)."""
+    profiles = [get_device(t) for t in set(device_types)]
+    if all(p.name == "cpu" for p in profiles):
+        return "fp32"
+    return "bf16" if all("bf16" in p.peak_flops_per_s for p in profiles) else "fp16"
+
+
+@domain_errors
+def plan(
+    model_file: Annotated[Path, typer.Argument(help="Python file defining build_model() and example_inputs().", show_default=False)],
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help="Cluster shorthand like 2x8xA100-80GB+1x8xV100-32GB, or a TOML file.")],
+    global_batch: Annotated[int, typer.Option("--global-batch", "-b", help="Samples per optimizer step, over the whole cluster.")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Where to write the plan [default: plan.json, or nowhere with --json].")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON to stdout.")] = False,
+    model_arg: Annotated[Optional[list[str]], typer.Option("--model-arg", "-a", help="key=value passed to build_model(); repeatable.")] = None,
+    dp: Annotated[Optional[int], typer.Option(help="Pin the data-parallel degree.")] = None,
+    tp: Annotated[Optional[int], typer.Option(help="Pin the tensor-parallel degree.")] = None,
+    pp: Annotated[Optional[int], typer.Option(help="Pin the number of pipeline stages.")] = None,
+    micro_batch_size: Annotated[Optional[int], typer.Option(help="Pin the micro-batch size.")] = None,
+    schedule: Annotated[Optional[ScheduleChoice], typer.Option(help="Pin the pipeline schedule.")] = None,
+    dtype: Annotated[Optional[DType], typer.Option(help="Training precision the costs assume [default: fp32 on cpu, bf16 else].")] = None,
+    max_tp: Annotated[int, typer.Option(help="Largest tensor-parallel degree to consider.")] = 8,
+    time_limit: Annotated[float, typer.Option(help="CP-SAT time limit per candidate, seconds.")] = 30.0,
+    leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
+) -> None:
+    """Find the fastest parallel plan for MODEL_FILE on a cluster and write it as JSON."""
+    the_cluster = parse_cluster(cluster)
+    model = load_model_file(model_file, parse_model_args(model_arg or []))
+    with console.status("tracing the model on the meta device"):
+        graph = trace_model(model, tuple(leaf_module or ()))
+    options = SearchOptions(
+        global_batch_size=global_batch,
+        dtype=(dtype.value if dtype else default_dtype(the_cluster.device_types())),
+        dp=dp, tp=tp, pp=pp,
+        micro_batch_size=micro_batch_size,
+        schedule=schedule.value if schedule else None,
+        max_tp=max_tp,
+        time_limit_s=time_limit,
+    )
+    with Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.description}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("", total=None)
+        result = search(graph, the_cluster, options, progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what))
+    if output is None and not as_json:
+        output = Path("plan.json")
+    if output is not None:
+        if output.is_dir():
+            fail(f"--output {str(output)!r} is a directory; give a file name such as plan.json")
+        result.save(output)
+    print_summary(result, output)
+    if as_json:
+        print_json(__import__("json").loads(result.to_json()))
+
+
+def print_summary(plan: ParallelPlan, output: Optional[Path]) -> None:
+    """The plan as a rich table on stderr."""
+    names = plan.model.layer_names
+    table = Table(title=f"hetpar plan: {Path(plan.model.file).name} on {plan.cluster.spec}", title_justify="left")
+    for column in ("stage", "layers", "device", "tp", "ranks", "memory/device"):
+        table.add_column(column)
+    for s in plan.stages:
+        layers = names[s.layers[0]] if len(s.layers) == 1 else f"{names[s.layers[0]]} .. {names[s.layers[-1]]} ({len(s.layers)})"
+        ranks = ", ".join(str(r) for rep in s.ranks for r in rep)
+        table.add_row(str(s.index), layers, s.device_type, str(s.tensor_parallel), ranks, gib(plan.predicted.peak_memory_bytes[s.index]))
+    console.print(table)
+    p = plan.predicted
+    console.print(
+        f"dp={plan.data_parallel} tp={plan.stages[0].tensor_parallel} pp={plan.pipeline_parallel}  "
+        f"micro-batch {plan.micro_batch_size} x {plan.num_microbatches}  schedule {plan.schedule.value}  dtype {plan.dtype}"
+    )
+    console.print(
+        f"predicted step {seconds(p.step_time_s)}  ({p.throughput_samples_per_s:.1f} samples/s; "
+        f"bubble {seconds(p.bubble_time_s)}, dp comm {seconds(p.dp_comm_time_s)}, tp comm {seconds(p.tp_comm_time_s)})"
+    )
+    console.print(f"solver: {plan.solver.status} over {plan.solver.candidates} candidates in {plan.solver.wall_time_s:.2f} s")
+    if output is not None:
+        console.print(f"wrote {output}")

@@ -1,0 +1,77 @@
+"""The CP-SAT split search against brute force on every instance small enough to enumerate."""
+
+import itertools
+import random
+
+import pytest
+
+from planner.costs import Candidate, CostTables, StageSlot, evaluate_split
+from planner.search import SearchOptions, equal_split, solve_split, to_ticks
+
+
+def compositions(num_layers, num_stages):
+    """Every split of num_layers into num_stages non-empty contiguous runs."""
+    for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
+        edges = (0, *cuts, num_layers)
+        yield [(edges[i], edges[i + 1] - 1) for i in range(num_stages)]
+
+
+def random_tables(rng, num_layers, num_stages, num_microbatches, tight_memory):
+    layer_time = [[rng.uniform(1e-3, 5e-3) * (1 + s % 2) for s in range(num_stages)] for _ in range(num_layers)]
+    memory = [[rng.uniform(1, 4) * 2**30 for _ in range(num_stages)] for _ in range(num_layers)]
+    total = sum(r[0] for r in memory)
+    cap = total / num_stages * (1.3 if tight_memory else 100)
+    return CostTables(
+        candidate=Candidate(dp=2, tp=1, pp=num_stages, micro_batch_size=1, num_microbatches=num_microbatches, schedule="1f1b"),
+        slots=[StageSlot(ranks=[[0], [1]], device_type="cpu", memory_bytes=int(cap)) for _ in range(num_stages)],
+        layer_time_s=layer_time,
+        cut_time_s=[[rng.uniform(0, 1e-3) for _ in range(num_stages)] for _ in range(num_layers)],
+        layer_memory_bytes=memory,
+        capacity_bytes=[cap] * num_stages,
+        dp_latency_s=[rng.uniform(0, 1e-4) for _ in range(num_stages)],
+        dp_time_s=[[rng.uniform(0, 2e-3) for _ in range(num_stages)] for _ in range(num_layers)],
+        tp_time_s=[[0.0] * num_stages for _ in range(num_layers)],
+    )
+
+
+INSTANCES = [(seed, L, P, m, tight) for seed, (L, P, m, tight) in enumerate(
+    (L, P, m, tight) for L in (2, 5, 8) for P in (1, 2, 3, 4) if P <= L for m in (1, 4) for tight in (False, True)
+)]
+
+
+@pytest.mark.parametrize("seed,num_layers,num_stages,num_microbatches,tight", INSTANCES)
+def test_solver_matches_brute_force(seed, num_layers, num_stages, num_microbatches, tight):
+    tables = random_tables(random.Random(seed), num_layers, num_stages, num_microbatches, tight)
+    options = SearchOptions(global_batch_size=num_microbatches * 2, dtype="fp32", time_limit_s=10, workers=1)
+    fitting = [evaluate_split(tables, b) for b in compositions(num_layers, num_stages)]
+    fitting = [c for c in fitting if c.fits(tables)]
+    result = solve_split(tables, options)
+    if not fitting:
+        assert result is None
+        return
+    best = min(c.objective_s for c in fitting)
+    assert result is not None and result.status == "optimal"
+    assert result.cost.fits(tables)
+    # The solver works in ticks of objective/1e6; its optimum may differ by rounding only.
+    assert result.cost.objective_s == pytest.approx(best, rel=1e-4)
+
+
+def test_uneven_stages_get_uneven_splits():
+    """A stage on a device twice as fast should take about twice the layers."""
+    rng = random.Random(0)
+    tables = random_tables(rng, 9, 2, 8, False)
+    fast, slow = 1e-3, 2e-3
+    tables = CostTables(**{**tables.__dict__, "layer_time_s": [[fast, slow] for _ in range(9)],
+                           "cut_time_s": [[0.0, 0.0] for _ in range(9)], "dp_time_s": [[0.0, 0.0] for _ in range(9)]})
+    result = solve_split(tables, SearchOptions(global_batch_size=16, dtype="fp32"))
+    assert result.bounds == [(0, 5), (6, 8)]
+
+
+def test_equal_split_gives_remainder_to_early_stages():
+    assert equal_split(10, 4) == [(0, 2), (3, 5), (6, 7), (8, 9)]
+    assert equal_split(3, 3) == [(0, 0), (1, 1), (2, 2)]
+
+
+def test_ticks_round_to_nearest():
+    assert to_ticks(2.5e-3, 1e-3) == 2 or to_ticks(2.5e-3, 1e-3) == 3
+    assert to_ticks(1.0, 1e-6) == 1_000_000
