@@ -1,0 +1,374 @@
+"""Device profiles: what one accelerator (or one CPU worker) can compute, hold and move.
+
+Every profile is a TOML file in ``cost_models/profiles/`` so that each number sits next
+to its public source; ``load_profile`` reads any such file (``hetpar profile`` writes
+them for measured hosts). The file format and the sourcing rules are documented in
+docs/devices.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROFILES_DIR = Path(__file__).parent / "profiles"
+
+INTRA_NODE_LINKS = ("nvlink2", "nvlink3", "nvlink4", "pcie3", "pcie4", "xgmi", "hccs", "shm")
+COLLECTIVE_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
+
+# Spellings users and torch use for the same dtype; the profile keys are the values.
+_DTYPE_ALIASES = {
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "tensorfloat32": "tf32",
+    "float8": "fp8",
+}
+_KNOWN_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+_REQUIRED_DTYPES = ("fp32",)
+
+_NUMERIC_FIELDS = (
+    "memory_bytes",
+    "mem_bw_bytes_per_s",
+    "matmul_efficiency",
+    "intra_node_bw_bytes_per_s",
+    "intra_node_latency_s",
+    "default_nic_bw_bytes_per_s",
+    "default_nics_per_node",
+    "inter_node_latency_s",
+)
+_OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",)
+_STRING_FIELDS = ("name", "vendor", "intra_node_link")
+_TABLE_FIELDS = ("peak_flops_per_s", "collectives", "sources")
+
+
+class UnknownDeviceError(ValueError):
+    """A device type name matches no built-in profile."""
+
+
+class ProfileError(ValueError):
+    """A device profile is inconsistent, or a profile file is malformed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredCollective:
+    """A measured alpha-beta fit of one collective: ``time_s = latency_s + nbytes / bw_bytes_per_s``.
+
+    ``nbytes`` is the full tensor (the all-reduce buffer, the gathered output, the
+    scattered input), as nccl-tests and torch's benchmarks count it. ``ranks`` is the
+    group size the fit was measured at; other sizes are scaled by the algorithm's step
+    and volume factors (see cost_models/collectives.py).
+    """
+
+    latency_s: float
+    bw_bytes_per_s: float
+    ranks: int
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or self.bw_bytes_per_s <= 0 or self.ranks < 2:
+            raise ProfileError(
+                f"measured collective needs latency_s >= 0, bw_bytes_per_s > 0 and ranks >= 2; "
+                f"got latency_s={self.latency_s}, bw_bytes_per_s={self.bw_bytes_per_s}, ranks={self.ranks}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceProfile:
+    """One device type: peak compute per dtype, memory, and the links it usually sits on.
+
+    Bandwidths are one direction, per device, in bytes per second (vendors often quote
+    duplex, twice as much). ``sources`` maps each field name (``peak_flops_per_s.bf16``,
+    ``collectives.all_reduce`` for table entries) to the public source of its value.
+    """
+
+    name: str  # canonical, e.g. "A100-80GB"
+    vendor: str
+    memory_bytes: int
+    peak_flops_per_s: dict[str, float]  # dense; tensor-core rate where the device has one
+    mem_bw_bytes_per_s: float
+    matmul_efficiency: float  # achievable fraction of peak for large matmuls
+    intra_node_link: str
+    intra_node_bw_bytes_per_s: float  # per device, one direction, all peers together
+    intra_node_latency_s: float  # per step of a ring or chain
+    default_nic_bw_bytes_per_s: float  # one NIC, one direction
+    default_nics_per_node: int
+    inter_node_latency_s: float  # per step of a ring or tree across nodes
+    sources: dict[str, str]
+    # Point-to-point meshes (xGMI, HCCS) give each peer pair one link: a group of c
+    # devices gets min(intra_node_bw, (c - 1) * peer_bw). None on switched fabrics.
+    intra_node_peer_bw_bytes_per_s: float | None = None
+    collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_profile(self)
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s of this device in ``dtype``.
+
+        Args:
+            dtype: "fp32", "tf32", "bf16", "fp16" or "fp8"; torch spellings
+                ("bfloat16", "torch.float16") are accepted too.
+
+        Returns:
+            Peak FLOP/s (not derated by ``matmul_efficiency``).
+
+        Raises:
+            ProfileError: the device has no such dtype, or the dtype is unknown.
+        """
+        key = normalize_dtype(dtype)
+        if key in self.peak_flops_per_s:
+            return self.peak_flops_per_s[key]
+        if key not in _KNOWN_DTYPES:
+            raise ProfileError(f"unknown dtype '{dtype}'; known: {', '.join(_KNOWN_DTYPES)}")
+        alternatives = [d for d in ("bf16", "fp16", "fp32") if d in self.peak_flops_per_s]
+        raise ProfileError(f"{self.name} has no {key}; use --dtype {alternatives[0]}")
+
+    def achievable_matmul_flops(self, dtype: str) -> float:
+        """Peak FLOP/s in ``dtype`` times ``matmul_efficiency``: what a large, well-shaped matmul reaches.
+
+        Args:
+            dtype: as for ``peak_flops``.
+
+        Returns:
+            Achievable FLOP/s.
+
+        Raises:
+            ProfileError: as for ``peak_flops``.
+        """
+        return self.peak_flops(dtype) * self.matmul_efficiency
+
+    def source_keys(self) -> list[str]:
+        """The keys ``sources`` must hold: every numeric field, each dtype and measured collective.
+
+        Returns:
+            Field names, table entries as ``table.key``.
+        """
+        keys = list(_NUMERIC_FIELDS) + ["intra_node_link"]
+        if self.intra_node_peer_bw_bytes_per_s is not None:
+            keys.append("intra_node_peer_bw_bytes_per_s")
+        keys += [f"peak_flops_per_s.{d}" for d in self.peak_flops_per_s]
+        keys += [f"collectives.{c}" for c in self.collectives]
+        return keys
+
+
+def normalize_dtype(dtype: str) -> str:
+    """Map a dtype spelling to a profile key.
+
+    Args:
+        dtype: e.g. "bf16", "bfloat16", "torch.bfloat16".
+
+    Returns:
+        The profile key, e.g. "bf16" (unknown spellings come back lower-cased).
+    """
+    key = str(dtype).strip().lower()
+    return _DTYPE_ALIASES.get(key, key)
+
+
+def _check_profile(p: DeviceProfile) -> None:
+    """Raise ProfileError naming the first field of ``p`` that is out of range."""
+    who = p.name or "<unnamed profile>"
+    if not p.name or not p.vendor:
+        raise ProfileError(f"{who}: name and vendor must be non-empty")
+    positive = {
+        "memory_bytes": p.memory_bytes,
+        "mem_bw_bytes_per_s": p.mem_bw_bytes_per_s,
+        "intra_node_bw_bytes_per_s": p.intra_node_bw_bytes_per_s,
+        "default_nic_bw_bytes_per_s": p.default_nic_bw_bytes_per_s,
+        "default_nics_per_node": p.default_nics_per_node,
+    }
+    for key, value in positive.items():
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ProfileError(f"{who}: {key} must be a positive number, got {value!r}")
+    if not isinstance(p.memory_bytes, int) or not isinstance(p.default_nics_per_node, int):
+        raise ProfileError(f"{who}: memory_bytes and default_nics_per_node must be integers")
+    for key in ("intra_node_latency_s", "inter_node_latency_s"):
+        value = getattr(p, key)
+        if not (isinstance(value, (int, float)) and value >= 0):
+            raise ProfileError(f"{who}: {key} must be >= 0, got {value!r}")
+    if not 0 < p.matmul_efficiency <= 1:
+        raise ProfileError(f"{who}: matmul_efficiency must be in (0, 1], got {p.matmul_efficiency}")
+    if p.intra_node_link not in INTRA_NODE_LINKS:
+        raise ProfileError(
+            f"{who}: unknown intra_node_link '{p.intra_node_link}'; known: {', '.join(INTRA_NODE_LINKS)}"
+        )
+    if p.intra_node_peer_bw_bytes_per_s is not None and p.intra_node_peer_bw_bytes_per_s <= 0:
+        raise ProfileError(f"{who}: intra_node_peer_bw_bytes_per_s must be positive when given")
+    for dtype in _REQUIRED_DTYPES:
+        if dtype not in p.peak_flops_per_s:
+            raise ProfileError(f"{who}: peak_flops_per_s needs a '{dtype}' entry")
+    for dtype, flops in p.peak_flops_per_s.items():
+        if dtype not in _KNOWN_DTYPES:
+            raise ProfileError(f"{who}: unknown dtype '{dtype}' in peak_flops_per_s; known: {', '.join(_KNOWN_DTYPES)}")
+        if not flops > 0:
+            raise ProfileError(f"{who}: peak_flops_per_s.{dtype} must be positive, got {flops!r}")
+    for name in p.collectives:
+        if name not in COLLECTIVE_NAMES:
+            raise ProfileError(f"{who}: unknown collective '{name}'; known: {', '.join(COLLECTIVE_NAMES)}")
+    missing = [k for k in p.source_keys() if not p.sources.get(k, "").strip()]
+    if missing:
+        raise ProfileError(f"{who}: no source for {', '.join(missing)}; add them under [sources]")
+
+
+# --- Reading and writing profile files ---------------------------------------------
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    """Read a device profile TOML file (a built-in one, or one ``hetpar profile`` wrote).
+
+    Args:
+        path: the .toml file.
+
+    Returns:
+        The profile.
+
+    Raises:
+        ProfileError: the file is missing, not TOML, has unknown or missing keys, or a
+            numeric field without a source.
+    """
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"device profile '{path}' not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"device profile '{path}' is not valid TOML: {exc}") from None
+    try:
+        return profile_from_dict(data)
+    except ProfileError as exc:
+        raise ProfileError(f"device profile '{path}': {exc}") from None
+
+
+def profile_from_dict(data: dict[str, Any]) -> DeviceProfile:
+    """Build a profile from parsed TOML (the layout of docs/devices.md).
+
+    Args:
+        data: the parsed file.
+
+    Returns:
+        The profile.
+
+    Raises:
+        ProfileError: unknown or missing keys, or values out of range.
+    """
+    allowed = set(_NUMERIC_FIELDS + _OPTIONAL_NUMERIC_FIELDS + _STRING_FIELDS + _TABLE_FIELDS)
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ProfileError(f"unknown keys {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+    required = _NUMERIC_FIELDS + _STRING_FIELDS + ("peak_flops_per_s", "sources")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ProfileError(f"missing keys {', '.join(missing)}")
+    kwargs = {k: data[k] for k in _NUMERIC_FIELDS + _OPTIONAL_NUMERIC_FIELDS + _STRING_FIELDS if k in data}
+    kwargs["peak_flops_per_s"] = {k: float(v) for k, v in data["peak_flops_per_s"].items()}
+    kwargs["collectives"] = {name: _measured_collective(name, fit) for name, fit in data.get("collectives", {}).items()}
+    kwargs["sources"] = _flatten_sources(data["sources"])
+    for key in ("mem_bw_bytes_per_s", "intra_node_bw_bytes_per_s", "default_nic_bw_bytes_per_s"):
+        kwargs[key] = float(kwargs[key])
+    return DeviceProfile(**kwargs)
+
+
+def _measured_collective(name: str, fit: Any) -> MeasuredCollective:
+    keys = {"latency_s", "bw_bytes_per_s", "ranks"}
+    if not isinstance(fit, dict) or set(fit) != keys:
+        raise ProfileError(f"[collectives.{name}] needs exactly the keys latency_s, bw_bytes_per_s, ranks")
+    return MeasuredCollective(
+        latency_s=float(fit["latency_s"]), bw_bytes_per_s=float(fit["bw_bytes_per_s"]), ranks=int(fit["ranks"])
+    )
+
+
+def _flatten_sources(table: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"peak_flops_per_s": {"bf16": "..."}}`` -> ``{"peak_flops_per_s.bf16": "..."}``."""
+    flat: dict[str, str] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            flat.update(_flatten_sources(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = str(value)
+    return flat
+
+
+def dump_profile(profile: DeviceProfile) -> str:
+    """Write a profile as TOML text that ``load_profile`` reads back to an equal profile.
+
+    Args:
+        profile: the profile.
+
+    Returns:
+        TOML text.
+    """
+    lines = [f"{k} = {_toml_value(getattr(profile, k))}" for k in _STRING_FIELDS + _NUMERIC_FIELDS]
+    if profile.intra_node_peer_bw_bytes_per_s is not None:
+        lines.append(f"intra_node_peer_bw_bytes_per_s = {_toml_value(profile.intra_node_peer_bw_bytes_per_s)}")
+    lines += ["", "[peak_flops_per_s]"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in profile.peak_flops_per_s.items()]
+    for name, fit in profile.collectives.items():
+        lines += ["", f"[collectives.{name}]"]
+        lines += [f"{k} = {_toml_value(getattr(fit, k))}" for k in ("latency_s", "bw_bytes_per_s", "ranks")]
+    tables: dict[str, list[str]] = {"sources": []}
+    for key, text in profile.sources.items():
+        table, _, leaf = key.rpartition(".")
+        tables.setdefault(f"sources.{table}" if table else "sources", []).append(f"{leaf} = {_toml_value(text)}")
+    for table, entries in tables.items():
+        lines += ["", f"[{table}]", *entries]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'
+
+
+# --- Built-in profiles ---------------------------------------------------------------
+
+
+@functools.cache
+def _builtin_profiles() -> dict[str, DeviceProfile]:
+    """Lower-cased canonical name -> profile, for every file in PROFILES_DIR."""
+    profiles = {}
+    for path in sorted(PROFILES_DIR.glob("*.toml")):
+        profile = load_profile(path)
+        profiles[profile.name.lower()] = profile
+    return profiles
+
+
+def known_devices() -> list[DeviceProfile]:
+    """All built-in device profiles, sorted by name (case-insensitively).
+
+    Returns:
+        The profiles.
+    """
+    return sorted(_builtin_profiles().values(), key=lambda p: p.name.lower())
+
+
+def get_device(name: str) -> DeviceProfile:
+    """Look up a built-in profile by its canonical name, case-insensitively.
+
+    Args:
+        name: e.g. "A100-80GB", "a100-80gb", "cpu".
+
+    Returns:
+        The profile.
+
+    Raises:
+        UnknownDeviceError: no built-in profile has that name; the message lists them.
+    """
+    profile = _builtin_profiles().get(name.strip().lower())
+    if profile is None:
+        known = ", ".join(p.name for p in known_devices())
+        raise UnknownDeviceError(f"unknown device type '{name}'; known: {known}")
+    return profile
