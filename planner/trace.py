@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from cost_models.layers import LayerProfile
@@ -82,18 +84,9 @@ class _Run:
 
 
 def _run_fwd_bwd(module: torch.nn.Module, inputs: list[torch.Tensor]) -> _Run:
-    """Forward and backward on meta tensors, counting FLOPs and saved activations."""
-    params = {id(p) for p in module.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if id(t) not in params and id(base) not in params:
-            saved[id(base)] = base.numel() * base.element_size()
-        return t
-
+    """Forward and backward on meta tensors counting FLOPs, then a forward counting saved activations."""
     args = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-    with FlopCounterMode(display=False) as fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with FlopCounterMode(display=False) as fwd_counter:
         out = module(*args)
     outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
     with FlopCounterMode(display=False) as bwd_counter:
@@ -102,9 +95,59 @@ def _run_fwd_bwd(module: torch.nn.Module, inputs: list[torch.Tensor]) -> _Run:
     return _Run(
         fwd_flops=float(fwd_counter.get_total_flops()),
         bwd_flops=float(bwd_counter.get_total_flops()),
-        saved_bytes=float(sum(saved.values())),
+        saved_bytes=_saved_bytes(module, inputs),
         outputs=out,
     )
+
+
+def _saved_bytes(module: torch.nn.Module, inputs: list[torch.Tensor]) -> float:
+    """Bytes autograd keeps for backward, parameters excluded, each storage counted once.
+
+    See [Note: fused attention on meta].
+    """
+    params = {p.untyped_storage()._cdata for p in module.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in params:
+            saved[storage._cdata] = storage.nbytes()
+        return t
+
+    args = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    with _FusedAttention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*args)
+    return float(sum(saved.values()))
+
+
+# [Note: fused attention on meta]
+# On the meta device scaled_dot_product_attention always takes the math path, which
+# saves the T x T attention matrix. Real devices run a fused kernel (flash attention on
+# CUDA and on CPU) that saves only q, k, v, the output and the row log-sum-exp. The
+# saved-bytes pass stands in that kernel's footprint; the FLOP pass keeps the math
+# path, whose FLOPs equal the fused kernel's.
+class _FusedSDPA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        # Fused kernels return (B, T, H, D) memory seen as (B, H, T, D), so the usual
+        # transpose(1, 2).reshape(B, T, -1) after attention is a view, not a copy.
+        batch, heads, length = q.shape[0], q.shape[1], q.shape[2]
+        out = q.new_empty((batch, length, heads, v.shape[-1])).transpose(1, 2)
+        logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, logsumexp)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+class _FusedAttention(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            return _FusedSDPA.apply(*args[:3])
+        return func(*args, **(kwargs or {}))
 
 
 def _measure_layer(lg: LayeredGraph, values: dict, meta_inputs: tuple, index: int) -> tuple[LayerProfile, dict]:

@@ -88,7 +88,7 @@ def _find_blocks(model: nn.Module) -> list[str]:
         for name, child in module.named_children():
             by_class[type(child)].append(name)
         for names in by_class.values():
-            if len(names) < 2:
+            if len(names) < 2 and not isinstance(module, nn.ModuleList):
                 continue
             children = [module.get_submodule(n) for n in names]
             params = sum(p.numel() for c in children for p in c.parameters())
@@ -97,7 +97,10 @@ def _find_blocks(model: nn.Module) -> list[str]:
             key = (params, -path.count("."), [f"{path}.{n}" if path else n for n in names])
             if best is None or key[:2] > best[:2]:
                 best = key
-    return best[2] if best else []
+    if best:
+        return best[2]
+    # No repeated blocks: every top-level child with parameters is a layer.
+    return [name for name, child in model.named_children() if any(True for _ in child.parameters())]
 
 
 def _module_paths(node: fx.Node) -> list[str]:
