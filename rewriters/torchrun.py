@@ -1,0 +1,349 @@
+"""ParallelPlan -> a self-contained directory that torchrun runs.
+
+``compile_plan`` writes ``train.py`` (a short program in the style of nanoGPT: the
+plan's numbers as constants, then rank setup, the model shard, tensor parallel, the
+schedule and the training loop, with the logic in ``runtime``), ``launch.sh``, and a
+copy of the model file. See docs/running.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+from planner.plan import ParallelPlan, StagePlan
+
+PROGRAM = "train.py"
+LAUNCHER = "launch.sh"
+
+# plan.dtype -> the torch dtype the program autocasts to
+_DTYPES = {
+    "fp32": "torch.float32",
+    "float32": "torch.float32",
+    "bf16": "torch.bfloat16",
+    "bfloat16": "torch.bfloat16",
+    "fp16": "torch.float16",
+    "float16": "torch.float16",
+}
+
+
+class CompileError(Exception):
+    """A plan cannot be compiled; the message is one line that says what to do."""
+
+
+def compile_plan(plan: ParallelPlan, out_dir: Path) -> list[Path]:
+    """Write the program for ``plan`` into ``out_dir``.
+
+    All files are written to a temporary directory first and then renamed into place,
+    so a failure leaves ``out_dir`` as it was.
+
+    Args:
+        plan: the plan to compile.
+        out_dir: where ``train.py``, ``launch.sh`` and the model file go; created if
+            missing; other files in it are left alone.
+
+    Returns:
+        The paths written: ``train.py``, ``launch.sh``, the model file.
+
+    Raises:
+        CompileError: the model file is missing or changed since planning, or the plan
+            uses something the program cannot run.
+    """
+    out_dir = Path(out_dir)
+    model_path = _checked_model_file(plan)
+    texts = {PROGRAM: program_source(plan), LAUNCHER: launcher_source(plan)}
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
+    try:
+        for name, text in texts.items():
+            (tmp / name).write_text(text)
+        (tmp / LAUNCHER).chmod((tmp / LAUNCHER).stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        shutil.copyfile(model_path, tmp / model_path.name)
+        names = [PROGRAM, LAUNCHER, model_path.name]
+        if not out_dir.exists():
+            os.replace(tmp, out_dir)
+        else:
+            for name in names:
+                os.replace(tmp / name, out_dir / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [out_dir / name for name in names]
+
+
+def _checked_model_file(plan: ParallelPlan) -> Path:
+    path = Path(plan.model.file)
+    if not path.is_file():
+        raise CompileError(f"model file {path} not found; restore it or re-run hetpar plan")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != plan.model.fingerprint.removeprefix("sha256:"):
+        raise CompileError(f"model file {path} changed since planning; re-run hetpar plan")
+    if path.name in (PROGRAM, LAUNCHER):
+        raise CompileError(f"model file {path} is named like the program; rename it (e.g. model.py) and re-run hetpar plan")
+    if not path.name.endswith(".py") or not path.stem.isidentifier():
+        raise CompileError(f"model file {path} must be a .py file with a Python identifier as its name")
+    if plan.dtype not in _DTYPES:
+        raise CompileError(f"plan dtype {plan.dtype!r} is not one of {', '.join(_DTYPES)}; re-run hetpar plan with --dtype")
+    return path
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def node_layout(plan: ParallelPlan) -> tuple[int, int]:
+    """``(nodes, processes per node)`` read from a cluster spec like ``2x8xA100+2x8xV100``.
+
+    A spec that does not read that way, or whose nodes differ in size, counts as one
+    node holding the whole world.
+    """
+    parts = [re.fullmatch(r"\s*(\d+)x(\d+)x.+", p) for p in plan.cluster.spec.split("+")]
+    if not parts or not all(parts):
+        return 1, plan.cluster.world_size
+    sizes = {int(m[2]) for m in parts}
+    nodes = sum(int(m[1]) for m in parts)
+    if len(sizes) != 1 or nodes * sizes.copy().pop() != plan.cluster.world_size:
+        return 1, plan.cluster.world_size
+    return nodes, sizes.pop()
+
+
+def torchrun_line(plan: ParallelPlan) -> str:
+    """The command that runs the program on one host."""
+    return f"torchrun --nproc_per_node={plan.cluster.world_size} {PROGRAM}"
+
+
+# ----------------------------------------------------------------------------- train.py
+
+
+def _layer_summary(plan: ParallelPlan, stage: StagePlan) -> str:
+    names = [plan.model.layer_names[i] for i in stage.layers]
+    shown = ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ..., {names[-1]}"
+    span = f"{stage.layers[0]}" if len(stage.layers) == 1 else f"{stage.layers[0]}-{stage.layers[-1]}"
+    return f"{span}: {shown}"
+
+
+def stage_table(plan: ParallelPlan) -> str:
+    """The stage -> layers -> ranks -> device type -> tp table of the docstring."""
+    header = ("stage", "layers", "ranks[d][t]", "device", "tp")
+    rows = [
+        (str(s.index), _layer_summary(plan, s), str(s.ranks), s.device_type, str(s.tensor_parallel))
+        for s in plan.stages
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return " | ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    rule = "-+-".join("-" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def _stage_spec_source(plan: ParallelPlan, stage: StagePlan) -> str:
+    first, last = stage.layers[0], stage.layers[-1]
+    names = plan.model.layer_names
+    lines = [
+        "    StageSpec(",
+        f"        layers=({first}, {last}),  # {names[first]} .. {names[last]}",
+        f"        device_type={stage.device_type!r},",
+        f"        tensor_parallel={stage.tensor_parallel},",
+        f"        ranks={stage.ranks!r},",
+    ]
+    if stage.tp_sharding:
+        lines.append("        tp_sharding={")
+        lines += [f"            {path!r}: {kind.value!r}," for path, kind in stage.tp_sharding.items()]
+        lines.append("        },")
+    lines.append("    ),")
+    return "\n".join(lines)
+
+
+def program_source(plan: ParallelPlan) -> str:
+    """The text of ``train.py`` for ``plan``."""
+    model_name = Path(plan.model.file).name
+    nodes, per_node = node_layout(plan)
+    multi = (
+        f"\nOn {nodes} hosts of {per_node} processes, run ./launch.sh on each (see its header).\n" if nodes > 1 else ""
+    )
+    table = "\n".join(("    " + l).rstrip() for l in stage_table(plan).splitlines())
+    stages = "\n".join(_stage_spec_source(plan, s) for s in plan.stages)
+    return _PROGRAM_TEMPLATE.format(
+        model_name=model_name,
+        world=plan.cluster.world_size,
+        torchrun=torchrun_line(plan),
+        multi=multi,
+        cluster=plan.cluster.spec,
+        schedule=plan.schedule.value,
+        dp=plan.data_parallel,
+        pp=plan.pipeline_parallel,
+        step_time=plan.predicted.step_time_s,
+        table=table,
+        model_args=repr(dict(plan.model.args)),
+        layer_names=repr(list(plan.model.layer_names)),
+        mbs=plan.micro_batch_size,
+        m=plan.num_microbatches,
+        gbs=plan.global_batch_size,
+        dtype=_DTYPES[plan.dtype],
+        plan_dtype=plan.dtype,
+        stages=stages,
+        program=PROGRAM,
+    )
+
+
+_PROGRAM_TEMPLATE = '''\
+"""Train {model_name} on {world} processes, as hetpar planned it.
+
+    {torchrun} --steps 10
+{multi}
+Options (steps, lr, optimizer, seed, init/save, metrics): python {program} --help.
+Plan: cluster {cluster}, dp {dp} x pp {pp}, schedule {schedule}, predicted {step_time:.4g} s/step.
+
+{table}
+
+Generated by `hetpar compile`; change the plan and compile again rather than this file.
+"""
+
+import time
+from pathlib import Path
+
+import torch
+
+from runtime import cli, distributed, executor, schedule, shard, training
+from runtime.distributed import StageSpec
+from runtime.model_file import load_model_file
+
+# -----------------------------------------------------------------------------
+# the plan
+MODEL_FILE = {model_name!r}  # plan.model.file, copied next to this program
+MODEL_ARGS = {model_args}  # plan.model.args
+LAYER_NAMES = {layer_names}  # plan.model.layer_names
+WORLD_SIZE = {world}  # plan.cluster.world_size
+DATA_PARALLEL = {dp}  # plan.data_parallel
+MICRO_BATCH_SIZE = {mbs}  # plan.micro_batch_size
+NUM_MICROBATCHES = {m}  # plan.num_microbatches
+GLOBAL_BATCH_SIZE = {gbs}  # plan.global_batch_size = DATA_PARALLEL * NUM_MICROBATCHES * MICRO_BATCH_SIZE
+SCHEDULE = {schedule!r}  # plan.schedule
+DTYPE = {dtype}  # plan.dtype {plan_dtype!r}: autocast compute dtype; parameters stay float32
+STAGES = [  # plan.stages: layers (first, last), ranks[d][t] = rank of replica d, tp index t
+{stages}
+]
+
+# -----------------------------------------------------------------------------
+# rank setup: which stage, data-parallel replica and tp index this process is
+args = cli.parse_args(__doc__)
+cli.check_world_size(WORLD_SIZE, __file__)
+device = distributed.init_distributed(args.dist_timeout_s)
+me = distributed.locate(STAGES, torch.distributed.get_rank())
+groups = distributed.build_groups(STAGES, me, device)  # collective: every rank builds every group
+peers = distributed.peers_of(STAGES, me)
+my_stage = STAGES[me.stage]
+
+# -----------------------------------------------------------------------------
+# the model shard: the whole model, identical on every rank, cut to this rank's stage
+model_file = load_model_file(Path(__file__).with_name(MODEL_FILE), MODEL_ARGS)
+torch.manual_seed(args.seed)
+model = model_file.build_model()
+if args.init_from:
+    shard.load_full_state(model, args.init_from)
+stage = shard.cut_stage(model, model_file, MICRO_BATCH_SIZE, my_stage.layers, LAYER_NAMES)
+stage.module.to(device)
+
+# tensor parallel: shard the stage's Linears column- or row-wise over its tp ranks
+if my_stage.tensor_parallel > 1:
+    shard.apply_tensor_parallel(stage.module, groups.tp_mesh, my_stage.tp_sharding)
+optimizer = training.make_optimizer(args.optimizer, stage.module.parameters(), args.lr)
+
+# -----------------------------------------------------------------------------
+# the schedule: this stage's actions, e.g. 0F0 0F1 0B0 0F2 0B1 ... (runtime/schedule.py)
+actions = schedule.make_schedule(SCHEDULE, len(STAGES), NUM_MICROBATCHES)[me.stage]
+pipeline = executor.StageExecutor(
+    stage=stage,
+    peers=peers,
+    loss_fn=model_file.loss,
+    num_microbatches=NUM_MICROBATCHES,
+    device=device,
+    compute_dtype=DTYPE,
+)
+
+# -----------------------------------------------------------------------------
+# training loop: one optimizer step per global batch
+logger = training.StepLogger(
+    enabled=me.rank == 0, total_steps=args.steps, global_batch_size=GLOBAL_BATCH_SIZE, metrics=args.metrics
+)
+data = model_file.batches(GLOBAL_BATCH_SIZE, args.seed)  # the same global batches on every rank
+for step in range(1, args.steps + 1):
+    t0 = time.perf_counter()
+    inputs, targets = next(data)
+    micro = shard.microbatches(
+        inputs, targets, replica=me.replica, data_parallel=DATA_PARALLEL, num_microbatches=NUM_MICROBATCHES, device=device
+    )
+    optimizer.zero_grad(set_to_none=True)
+    local_loss = pipeline.run(actions, micro)  # each micro-batch loss / NUM_MICROBATCHES, summed
+    training.all_reduce_gradients(stage.module.parameters(), groups.dp_group, DATA_PARALLEL)
+    optimizer.step()
+    loss = training.global_mean_loss(local_loss, me, last_stage=len(STAGES) - 1, data_parallel=DATA_PARALLEL)
+    logger.log(step, loss, time.perf_counter() - t0)
+logger.close()
+
+# -----------------------------------------------------------------------------
+# save the trained full state_dict (rank 0) and tear down
+if args.save_final:
+    training.save_full_state(args.save_final, model, stage.module, me)
+del optimizer, pipeline, stage, model
+distributed.shutdown()
+'''
+
+
+# ----------------------------------------------------------------------------- launch.sh
+
+
+def launcher_source(plan: ParallelPlan) -> str:
+    """The text of ``launch.sh``: torchrun on one host, or on many with NNODES etc. set."""
+    world = plan.cluster.world_size
+    nodes, per_node = node_layout(plan)
+    node_lines = []
+    if nodes > 1:
+        types = plan.cluster.device_types
+        for n in range(nodes):
+            ranks = range(n * per_node, (n + 1) * per_node)
+            kinds = sorted({types[r] for r in ranks if r < len(types)})
+            node_lines.append(f"#   NODE_RANK={n}: ranks {ranks.start}-{ranks.stop - 1} ({', '.join(kinds) or '?'})")
+    planned = (
+        f"# The plan is for {nodes} hosts of {per_node} processes; NODE_RANK n must be the\n"
+        f"# n-th host of the cluster spec {plan.cluster.spec!r}:\n" + "\n".join(node_lines) + "\n"
+        if nodes > 1
+        else ""
+    )
+    return _LAUNCHER_TEMPLATE.format(world=world, planned=planned, program=PROGRAM)
+
+
+_LAUNCHER_TEMPLATE = """\
+#!/bin/sh
+# Runs {program} (compiled by hetpar for {world} processes); arguments go to {program}.
+#
+# One host:    ./launch.sh --steps 100
+# Many hosts:  on every host, with the same MASTER_ADDR (host of NODE_RANK=0):
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 ./launch.sh --steps 100
+# Global rank = NODE_RANK * (world size / NNODES) + local rank, as the plan numbers them.
+{planned}set -eu
+HERE=$(cd "$(dirname "$0")" && pwd)
+PLAN_WORLD_SIZE={world}
+NNODES=${{NNODES:-1}}
+if [ "$NNODES" -eq 1 ]; then
+    exec torchrun --nproc_per_node="$PLAN_WORLD_SIZE" "$HERE/{program}" "$@"
+fi
+if [ $((PLAN_WORLD_SIZE % NNODES)) -ne 0 ]; then
+    echo "launch.sh: world size $PLAN_WORLD_SIZE does not split over NNODES=$NNODES hosts" >&2
+    exit 2
+fi
+: "${{NODE_RANK:?set NODE_RANK (0..NNODES-1) on every host}}"
+: "${{MASTER_ADDR:?set MASTER_ADDR to the host of NODE_RANK=0}}"
+exec torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" \\
+    --nproc_per_node=$((PLAN_WORLD_SIZE / NNODES)) \\
+    --master_addr="$MASTER_ADDR" --master_port="${{MASTER_PORT:-29500}}" \\
+    "$HERE/{program}" "$@"
+"""
+
+
+__all__ = ["CompileError", "compile_plan", "launcher_source", "node_layout", "program_source", "stage_table", "torchrun_line"]

@@ -1,0 +1,99 @@
+"""The command line every generated program shares, and its world-size check.
+
+    torchrun --nproc_per_node=4 train.py --steps 100 --optimizer adamw --lr 3e-4 \
+        --init-from init.pt --save-final final.pt --metrics metrics.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainArgs:
+    """Options of one training run."""
+
+    steps: int
+    lr: float
+    optimizer: str  # "sgd" or "adamw"
+    seed: int
+    init_from: Path | None  # a full single-file state_dict loaded before the model is cut
+    save_final: Path | None  # where rank 0 writes the trained full state_dict
+    metrics: Path | None  # one JSON line per step
+    dist_timeout_s: float  # bound on every collective and on rendezvous
+
+
+def parse_args(description: str | None = None, argv: list[str] | None = None) -> TrainArgs:
+    """Parse the program's options; ``description`` is the program's docstring."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps (one per global batch)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw", help="plain SGD or AdamW (torch defaults)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds model init (torch.manual_seed) and the data")
+    parser.add_argument("--init-from", type=Path, metavar="FILE", help="full state_dict (torch.save) to start from")
+    parser.add_argument("--save-final", type=Path, metavar="FILE", help="write the trained full state_dict here (rank 0)")
+    parser.add_argument("--metrics", type=Path, metavar="FILE", help="append one JSON line per step (rank 0)")
+    parser.add_argument("--dist-timeout-s", type=float, default=300.0, help="timeout of collectives and rendezvous")
+    ns = parser.parse_args(argv)
+    if ns.steps < 0:
+        parser.error(f"--steps {ns.steps} must be >= 0")
+    if ns.init_from is not None and not ns.init_from.is_file():
+        parser.error(f"--init-from {str(ns.init_from)!r}: no such file")
+    return TrainArgs(
+        steps=ns.steps,
+        lr=ns.lr,
+        optimizer=ns.optimizer,
+        seed=ns.seed,
+        init_from=ns.init_from,
+        save_final=ns.save_final,
+        metrics=ns.metrics,
+        dist_timeout_s=ns.dist_timeout_s,
+    )
+
+
+def world_size_from_env() -> int | None:
+    """The world size torchrun set, or None when the program runs without torchrun."""
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value else None
+
+
+def check_world_size(expected: int, program: str) -> None:
+    """Exit with code 2 and one line on stderr unless torchrun started ``expected`` processes.
+
+    A plan for one process also runs as plain ``python train.py``: the rendezvous
+    variables torchrun would set are filled in for a single local process.
+    """
+    started = world_size_from_env()
+    if started is None and expected == 1:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        return
+    if started == expected:
+        return
+    name = Path(program).name
+    got = "it was started without torchrun" if started is None else (
+        f"torchrun started {started} process{'es' if started != 1 else ''}"
+    )
+    print(
+        f"hetpar: this program was compiled for world size {expected} but {got}; "
+        f"run: torchrun --nproc_per_node={expected} {name}",
+        file=sys.stderr,
+        flush=True,
+    )
+    raise SystemExit(2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+__all__ = ["TrainArgs", "check_world_size", "parse_args", "world_size_from_env"]

@@ -1,0 +1,164 @@
+"""Rank setup: the process group, where this rank sits in the plan, its groups and peers.
+
+[Note: rank layout]
+A program lists its stages as ``StageSpec``s. ``ranks[d][t]`` is the global rank of
+data-parallel replica d, tensor-parallel index t of a stage. A rank belongs to exactly
+one stage. Its tensor-parallel group is its replica's row ``ranks[d]``; its
+data-parallel group is the column ``ranks[*][t]`` (the ranks that hold the same shard
+of the same stage). ``dist.new_group`` is collective over the whole world, so every
+rank creates every group, stage by stage, in the same order, and keeps its own.
+
+Pipeline peers are the ranks of the neighbouring stage in the same replica. When both
+stages have the same tensor-parallel degree, index t talks to index t. Otherwise a
+receiver with index t reads from the sender with index ``t % tp_sender`` (tensors
+between stages are replicated over the tensor-parallel ranks, so any sender has
+them), and each sender sends to every receiver that reads from it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSpec:
+    """One pipeline stage of a compiled plan (mirrors the plan's ``StagePlan``)."""
+
+    layers: tuple[int, int]  # first and last layer index, inclusive
+    device_type: str  # the plan's device type (informational; the runtime device comes from the backend)
+    tensor_parallel: int
+    ranks: list[list[int]]  # ranks[d][t]
+    tp_sharding: dict[str, str] = field(default_factory=dict)  # module path -> "colwise" | "rowwise"
+
+    def __post_init__(self) -> None:
+        if any(len(replica) != self.tensor_parallel for replica in self.ranks):
+            raise ValueError(f"stage with layers {self.layers}: every replica needs tensor_parallel({self.tensor_parallel}) ranks")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where one rank sits: its stage, data-parallel replica and tensor-parallel index."""
+
+    rank: int
+    stage: int
+    replica: int
+    tp_index: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Peers:
+    """The ranks a stage exchanges pipeline tensors with; see [Note: rank layout]."""
+
+    recv_activations_from: int | None  # previous stage; None on the first stage
+    send_activations_to: tuple[int, ...]  # next stage
+    recv_grads_from: int | None  # next stage; None on the last stage
+    send_grads_to: tuple[int, ...]  # previous stage
+
+
+@dataclass(frozen=True, kw_only=True)
+class Groups:
+    """This rank's process groups; None where the group would hold only this rank."""
+
+    tp_mesh: DeviceMesh | None  # 1-D mesh over ranks[d] of this rank's stage
+    dp_group: dist.ProcessGroup | None  # ranks[*][t] of this rank's stage
+
+
+def init_distributed(timeout_s: float) -> torch.device:
+    """Join the process group torchrun describes: nccl with one GPU per local rank when
+    CUDA is available, gloo on CPU otherwise.
+
+    Returns:
+        The device this rank computes on.
+    """
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def locate(stages: list[StageSpec], rank: int) -> Placement:
+    """This rank's stage, replica and tensor-parallel index.
+
+    Raises:
+        ValueError: no stage lists the rank.
+    """
+    for s, stage in enumerate(stages):
+        for d, replica in enumerate(stage.ranks):
+            if rank in replica:
+                return Placement(rank=rank, stage=s, replica=d, tp_index=replica.index(rank))
+    raise ValueError(f"rank {rank} is in no stage of this program")
+
+
+def build_groups(stages: list[StageSpec], me: Placement, device: torch.device) -> Groups:
+    """Create every stage's tensor- and data-parallel groups on every rank (collective),
+    keeping this rank's; see [Note: rank layout]."""
+    tp_mesh = dp_group = None
+    for s, stage in enumerate(stages):
+        for d, replica in enumerate(stage.ranks):
+            if len(replica) > 1:
+                group = dist.new_group(replica)
+                if (s, d) == (me.stage, me.replica):
+                    tp_mesh = DeviceMesh.from_group(group, device.type, mesh=list(replica))
+        for t in range(stage.tensor_parallel):
+            column = [replica[t] for replica in stage.ranks]
+            if len(column) > 1:
+                group = dist.new_group(column)
+                if (s, t) == (me.stage, me.tp_index):
+                    dp_group = group
+    return Groups(tp_mesh=tp_mesh, dp_group=dp_group)
+
+
+def peers_of(stages: list[StageSpec], me: Placement) -> Peers:
+    """The pipeline peers of this rank; see [Note: rank layout]."""
+    tp = stages[me.stage].tensor_parallel
+    prev = stages[me.stage - 1] if me.stage > 0 else None
+    nxt = stages[me.stage + 1] if me.stage + 1 < len(stages) else None
+
+    def reader(stage: StageSpec | None) -> int | None:
+        return None if stage is None else stage.ranks[me.replica][me.tp_index % stage.tensor_parallel]
+
+    def readers_of_me(stage: StageSpec | None) -> tuple[int, ...]:
+        if stage is None:
+            return ()
+        return tuple(r for t, r in enumerate(stage.ranks[me.replica]) if t % tp == me.tp_index)
+
+    return Peers(
+        recv_activations_from=reader(prev),
+        send_activations_to=readers_of_me(nxt),
+        recv_grads_from=reader(nxt),
+        send_grads_to=readers_of_me(prev),
+    )
+
+
+def shutdown() -> None:
+    """Leave the process group cleanly: collect garbage (a process group object alive at
+    exit can abort a rank), wait for every rank, then destroy the group."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+__all__ = [
+    "Groups",
+    "Peers",
+    "Placement",
+    "StageSpec",
+    "build_groups",
+    "init_distributed",
+    "locate",
+    "peers_of",
+    "shutdown",
+]

@@ -1,0 +1,148 @@
+"""The parts of a training step around the pipeline: optimizer, data-parallel gradient
+averaging, the reported loss, progress and metrics, and the final state_dict."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from runtime.distributed import Placement
+
+
+def make_optimizer(name: str, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """Plain SGD (no momentum) or AdamW with torch's defaults, at learning rate ``lr``."""
+    params = list(params)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}; choose sgd or adamw")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def all_reduce_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, data_parallel: int) -> None:
+    """Average gradients over the data-parallel group: one all-reduce (SUM, then / dp)
+    per dtype over the flattened gradients.
+
+    Works for plain and DTensor parameters alike: a DTensor contributes its local
+    shard, which the same tensor-parallel index of every replica holds. Parameters
+    without a gradient are skipped; every replica of a stage runs the same graph, so
+    they skip the same ones.
+    """
+    if group is None or data_parallel == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            grad = _local(p.grad)
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat /= data_parallel
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def global_mean_loss(local_loss: torch.Tensor, me: Placement, *, last_stage: int, data_parallel: int) -> float:
+    """The mean loss of the global batch, known on every rank.
+
+    ``local_loss`` is a replica's mean over its micro-batches on the last stage. The
+    tensor-parallel index 0 of each replica of the last stage contributes
+    ``local_loss / dp``, every other rank zero, and one all-reduce over the world sums.
+    """
+    reports = me.stage == last_stage and me.tp_index == 0
+    value = (local_loss.detach().float() / data_parallel) if reports else torch.zeros((), device=local_loss.device)
+    value = value.reshape(1).clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return float(value.item())
+
+
+class StepLogger:
+    """A progress line per step on stderr, and one JSON line per step in ``metrics``.
+
+    Only the rank that logs (rank 0) writes; the metrics file is truncated at start.
+    """
+
+    def __init__(self, *, enabled: bool, total_steps: int, global_batch_size: int, metrics: Path | None):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.global_batch_size = global_batch_size
+        self._file = None
+        if enabled and metrics is not None:
+            metrics.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(metrics, "w")
+
+    def log(self, step: int, loss: float, step_time_s: float) -> None:
+        """Record step ``step`` (1-based)."""
+        if not self.enabled:
+            return
+        samples_per_s = self.global_batch_size / step_time_s if step_time_s > 0 else float("inf")
+        width = len(str(self.total_steps))
+        print(
+            f"step {step:>{width}}/{self.total_steps} | loss {loss:.6f} | "
+            f"{step_time_s * 1e3:8.1f} ms | {samples_per_s:9.1f} samples/s",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self._file is not None:
+            record = {"step": step, "loss": loss, "step_time_s": step_time_s, "samples_per_s": samples_per_s}
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def save_full_state(path: Path, model: nn.Module, stage_module: nn.Module, me: Placement) -> None:
+    """Gather the trained full state_dict to rank 0 and write it atomically (collective).
+
+    Every rank turns its stage's DTensors into full tensors (collective within its
+    tensor-parallel group); replica 0, tensor-parallel index 0 of each stage sends its
+    stage's tensors to rank 0. Rank 0 orders the keys as ``model.state_dict()`` does;
+    a key no stage holds (a parameter no layer uses) keeps rank 0's value.
+    """
+    local = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in stage_module.state_dict().items()}
+    mine = local if (me.replica, me.tp_index) == (0, 0) else {}
+    gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] if me.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if me.rank != 0:
+        return
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    full = {k: merged[k] if k in merged else _local(v).detach().cpu() for k, v in model.state_dict().items()}
+    save_atomic(full, path)
+
+
+def save_atomic(obj: object, path: Path) -> None:
+    """``torch.save`` through a temporary file in the same directory and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+__all__ = ["StepLogger", "all_reduce_gradients", "global_mean_loss", "make_optimizer", "save_atomic", "save_full_state"]

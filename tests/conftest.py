@@ -1,0 +1,120 @@
+"""Shared helpers of the runtime, compile and distributed tests.
+
+``make_plan`` builds a ParallelPlan by hand (layer names from runtime.graph), and
+``run_torchrun`` runs a compiled program under torchrun with a bounded time and a
+free rendezvous port.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, Sharding, SolverInfo, StagePlan  # noqa: E402
+from runtime.graph import trace_layers  # noqa: E402
+from runtime.model_file import file_fingerprint, load_model_file  # noqa: E402
+
+TORCHRUN_TIMEOUT_S = 180
+
+# Megatron's pattern for a GPT block, written out as a plan would hold it.
+GPT_BLOCK_TP = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
+                "mlp.fc": "colwise", "mlp.proj": "rowwise"}
+
+
+def layer_names(model_path: Path, model_args: dict[str, Any]) -> list[str]:
+    return list(trace_layers(load_model_file(model_path, model_args).build_model()).layer_names)
+
+
+def build_plan(
+    model_path: Path,
+    model_args: dict[str, Any],
+    *,
+    splits: list[list[int]],
+    data_parallel: int = 1,
+    tensor_parallel: int = 1,
+    micro_batch_size: int = 2,
+    num_microbatches: int = 1,
+    schedule: str = "1f1b",
+    tp_blocks: bool = False,
+    dtype: str = "fp32",
+) -> ParallelPlan:
+    """A plan whose stage s holds layers ``splits[s]``; ranks numbered stage by stage,
+    replica by replica. ``tp_blocks`` shards the GPT blocks of each stage Megatron-style."""
+    names = layer_names(model_path, model_args)
+    stages, next_rank = [], 0
+    for s, layers in enumerate(splits):
+        ranks = []
+        for _ in range(data_parallel):
+            ranks.append(list(range(next_rank, next_rank + tensor_parallel)))
+            next_rank += tensor_parallel
+        sharding = {}
+        if tp_blocks and tensor_parallel > 1:
+            sharding = {
+                f"{names[l]}.{path}": Sharding(kind)
+                for l in layers
+                if names[l].startswith("blocks.")
+                for path, kind in GPT_BLOCK_TP.items()
+            }
+        stages.append(
+            StagePlan(index=s, layers=layers, device_type="cpu", tensor_parallel=tensor_parallel, ranks=ranks,
+                      tp_sharding=sharding)
+        )
+    world = next_rank
+    return ParallelPlan(
+        model=ModelRef(file=str(model_path), args=dict(model_args), fingerprint=file_fingerprint(model_path),
+                       layer_names=names),
+        cluster=ClusterRef(spec=f"1x{world}xcpu", world_size=world, device_types=["cpu"] * world),
+        global_batch_size=data_parallel * micro_batch_size * num_microbatches,
+        micro_batch_size=micro_batch_size,
+        num_microbatches=num_microbatches,
+        schedule=Schedule(schedule),
+        data_parallel=data_parallel,
+        dtype=dtype,
+        stages=stages,
+        predicted=Predicted(step_time_s=0.1, throughput_samples_per_s=10.0, peak_memory_bytes=[0] * len(splits)),
+        solver=SolverInfo(status="pinned", wall_time_s=0.0),
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment of a program run: runtime importable, one thread per process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def run_torchrun(program: Path, nproc: int, args: list[str], *, timeout_s: float = TORCHRUN_TIMEOUT_S
+                 ) -> subprocess.CompletedProcess:
+    """Run ``program`` under torchrun on this host; its working directory is the program's."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           str(program), *args]
+    return subprocess.run(cmd, cwd=program.parent, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+@pytest.fixture
+def gpt_path() -> Path:
+    return ROOT / "examples" / "gpt.py"
+
+
+@pytest.fixture
+def mlp_path() -> Path:
+    return ROOT / "examples" / "mlp.py"
