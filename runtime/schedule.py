@@ -158,8 +158,13 @@ def validate(schedule: list[list[Action]], num_microbatches: int) -> None:
             seen.add(a)
         expected = {Action(s, k, i) for k in Kind for i in range(num_microbatches)}
         if seen != expected:
-            missing = sorted(expected - seen)
-            raise ScheduleError(f"stage {s} lacks {format_actions(missing) or 'nothing'}; extra {format_actions(sorted(seen - expected))}")
+            faults = [f"lacks {_in_order(expected - seen)}"] if expected - seen else []
+            faults += [f"has extra {_in_order(seen - expected)}"] if seen - expected else []
+            raise ScheduleError(f"stage {s} " + " and ".join(faults))
+
+
+def _in_order(actions: set[Action]) -> str:
+    return format_actions(sorted(actions, key=lambda a: (a.microbatch, a.kind is Kind.BACKWARD)))
 
 
 def _dependency(action: Action, num_stages: int) -> Action | None:

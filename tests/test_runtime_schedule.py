@@ -1,0 +1,131 @@
+"""Pipeline schedules as data: generators, print/parse, validation and the deadlock simulator."""
+
+import re
+
+import pytest
+
+from runtime import schedule
+from runtime.schedule import Action, Kind, ScheduleError
+
+GRID = [(p, m) for p in range(1, 6) for m in range(1, 9)]
+
+
+def test_action_prints_and_parses_back():
+    a = Action(1, Kind.FORWARD, 0)
+    assert str(a) == "1F0"
+    assert str(Action(12, Kind.BACKWARD, 31)) == "12B31"
+    assert Action.parse("1F0") == a
+    assert Action.parse(" 12B31 ") == Action(12, Kind.BACKWARD, 31)
+
+
+@pytest.mark.parametrize("bad", ["", "F0", "1X0", "1F", "-1F0", "1f0", "1F0 2F0"])
+def test_parse_rejects_malformed_actions(bad):
+    with pytest.raises(ScheduleError, match="is not an action"):
+        Action.parse(bad)
+
+
+@pytest.mark.parametrize("p,m", GRID)
+@pytest.mark.parametrize("generator", [schedule.one_f_one_b, schedule.gpipe])
+def test_schedules_round_trip_through_text(generator, p, m):
+    for actions in generator(p, m):
+        assert schedule.parse_actions(schedule.format_actions(actions)) == actions
+
+
+def expected_one_f_one_b(s: int, p: int, m: int) -> str:
+    warmup = min(p - s - 1, m)
+    words = [f"{s}F{i}" for i in range(warmup)]
+    for i in range(m - warmup):
+        words += [f"{s}F{warmup + i}", f"{s}B{i}"]
+    words += [f"{s}B{i}" for i in range(m - warmup, m)]
+    return " ".join(words)
+
+
+def test_one_f_one_b_order_by_hand():
+    assert [schedule.format_actions(a) for a in schedule.one_f_one_b(2, 4)] == [
+        "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3",
+        "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3",
+    ]
+    assert schedule.format_actions(schedule.one_f_one_b(4, 2)[0]) == "0F0 0F1 0B0 0B1"
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_one_f_one_b_order_and_memory_bound(p, m):
+    plan = schedule.one_f_one_b(p, m)
+    assert len(plan) == p
+    for s, actions in enumerate(plan):
+        assert schedule.format_actions(actions) == expected_one_f_one_b(s, p, m)
+        assert schedule.max_in_flight(actions) <= p - s
+        assert schedule.max_in_flight(actions) == min(p - s, m)
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_gpipe_holds_every_microbatch_at_the_turn(p, m):
+    for actions in schedule.gpipe(p, m):
+        assert schedule.max_in_flight(actions) == m
+
+
+@pytest.mark.parametrize("p,m", GRID)
+@pytest.mark.parametrize("generator", [schedule.one_f_one_b, schedule.gpipe])
+def test_generated_schedules_are_valid_and_never_deadlock(generator, p, m):
+    plan = generator(p, m)
+    schedule.validate(plan, m)
+    timeline = schedule.simulate(plan)
+    for s, row in enumerate(timeline):
+        assert [a for a in row if a is not None] == plan[s]
+    # Every receive comes strictly after its send: F of stage s after F of s-1, B of s after B of s+1.
+    tick = {a: t for row in timeline for t, a in enumerate(row) if a is not None}
+    for a, t in tick.items():
+        if a.kind is Kind.FORWARD and a.stage > 0:
+            assert tick[Action(a.stage - 1, Kind.FORWARD, a.microbatch)] < t
+        if a.kind is Kind.BACKWARD and a.stage < p - 1:
+            assert tick[Action(a.stage + 1, Kind.BACKWARD, a.microbatch)] < t
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 3)])
+def test_one_f_one_b_and_gpipe_take_the_same_ticks(p, m):
+    # Both have the classic (p - 1) bubbles per direction: 2 * (m + p - 1) ticks at one tick per action.
+    for generator in (schedule.one_f_one_b, schedule.gpipe):
+        assert len(schedule.simulate(generator(p, m))[0]) == 2 * (m + p - 1)
+
+
+def test_simulator_finds_a_deadlock():
+    # Stage 0 waits for its backward before sending the second forward that stage 1 waits for.
+    plan = [
+        schedule.parse_actions("0F0 0B0 0F1 0B1"),
+        schedule.parse_actions("1F0 1F1 1B0 1B1"),
+    ]
+    schedule.validate(plan, 2)
+    with pytest.raises(ScheduleError, match="deadlock: 0B0 waits for 1B0; 1F1 waits for 0F1"):
+        schedule.simulate(plan)
+
+
+@pytest.mark.parametrize(
+    "text,m,message",
+    [
+        ("0F0 0B0 0F0 0B1", 2, "lists 0F0 twice"),
+        ("0B0 0F0", 1, "runs 0B0 before its forward"),
+        ("0F0", 1, "lacks 0B0"),
+        ("0F0 0B0 0F1 0B1", 1, "stage 0 has extra 0F1 0B1"),
+        ("1F0 1B0", 1, "stage 0 lists 1F0"),
+    ],
+)
+def test_validate_names_the_fault(text, m, message):
+    with pytest.raises(ScheduleError, match=message):
+        schedule.validate([schedule.parse_actions(text)], m)
+
+
+def test_make_schedule_knows_the_plan_names():
+    assert schedule.make_schedule("1f1b", 2, 2) == schedule.one_f_one_b(2, 2)
+    assert schedule.make_schedule("gpipe", 2, 2) == schedule.gpipe(2, 2)
+    with pytest.raises(ScheduleError, match="unknown schedule 'zb'"):
+        schedule.make_schedule("zb", 2, 2)
+    with pytest.raises(ScheduleError, match="at least one stage"):
+        schedule.one_f_one_b(0, 2)
+
+
+@pytest.mark.parametrize("generator,p,m", [(schedule.one_f_one_b, 4, 4), (schedule.gpipe, 3, 3)])
+def test_docstring_timelines_are_what_the_simulator_draws(generator, p, m):
+    """The timelines drawn in the generators' docstrings are golden files; to regenerate
+    one, paste ``schedule.draw(schedule.simulate(generator(p, m)))``."""
+    drawn = [line.strip() for line in generator.__doc__.splitlines() if re.match(r"\s*stage \d+:", line)]
+    assert drawn == schedule.draw(schedule.simulate(generator(p, m))).splitlines()
