@@ -1,0 +1,311 @@
+"""Clusters: which devices, how many per node, and the links between them.
+
+A cluster is written as a shorthand (``2x8xA100-80GB+1x8xV100-32GB``) or as a TOML file;
+both are documented in docs/cluster-format.md. Global ranks are numbered in the order
+the cluster is written: group by group, node by node, device by device.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cost_models.devices import DeviceProfile, UnknownDeviceError, get_device
+
+EXPECTED_FORM = "[NODES x] DEVICES x TYPE[@RATEgxNICS] joined by '+', e.g. 2x8xA100-80GB+1x8xV100-32GB"
+
+_GBPS = 1e9 / 8  # bytes per second in one Gb/s
+
+# "2x8xA100-80GB" -> nodes "2", devices "8", type "A100-80GB"; "2xcpu" -> devices "2".
+_COUNTS_AND_TYPE = re.compile(r"^(?:(?P<nodes>\d+)x)?(?P<devices>\d+)x(?P<type>[a-z][a-z0-9_.\-]*)$", re.IGNORECASE)
+# "200gx8", "200Gx8", "12.5gbpsx1"
+_NIC = re.compile(r"^(?P<rate>\d+(?:\.\d+)?)(?:g|gbps|gb/s)x(?P<nics>\d+)$", re.IGNORECASE)
+
+_GROUP_KEYS = ("nodes", "devices_per_node", "device", "nic_gbps", "nics_per_node", "intra_node_gbps")
+
+
+class ClusterSpecError(ValueError):
+    """A cluster shorthand or cluster file is malformed or names an unknown device."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeGroup:
+    """``num_nodes`` identical nodes, each with ``devices_per_node`` devices of one type.
+
+    Bandwidths are bytes per second, one direction: ``nic_bw_bytes_per_s`` per NIC,
+    ``intra_node_bw_bytes_per_s`` per device.
+    """
+
+    num_nodes: int
+    devices_per_node: int
+    device: DeviceProfile
+    nic_bw_bytes_per_s: float
+    nics_per_node: int
+    intra_node_bw_bytes_per_s: float  # from the device unless overridden in TOML
+
+    def __post_init__(self) -> None:
+        counts = {"num_nodes": self.num_nodes, "devices_per_node": self.devices_per_node, "nics_per_node": self.nics_per_node}
+        for key, value in counts.items():
+            if not isinstance(value, int) or value < 1:
+                raise ClusterSpecError(f"{self.device.name} group: {key} must be an integer >= 1, got {value!r}")
+        for key in ("nic_bw_bytes_per_s", "intra_node_bw_bytes_per_s"):
+            if not getattr(self, key) > 0:
+                raise ClusterSpecError(f"{self.device.name} group: {key} must be positive, got {getattr(self, key)!r}")
+
+    @property
+    def num_devices(self) -> int:
+        """Devices in the whole group."""
+        return self.num_nodes * self.devices_per_node
+
+    @property
+    def node_nic_bw_bytes_per_s(self) -> float:
+        """All NICs of one node together, one direction."""
+        return self.nic_bw_bytes_per_s * self.nics_per_node
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """The devices of a training job, as node groups in the order the spec lists them."""
+
+    spec: str  # the shorthand or file path it was parsed from
+    groups: tuple[NodeGroup, ...]
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ClusterSpecError(f"cluster '{self.spec}' has no node groups")
+
+    @property
+    def world_size(self) -> int:
+        """Number of devices (global ranks)."""
+        return sum(g.num_devices for g in self.groups)
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes over all groups."""
+        return sum(g.num_nodes for g in self.groups)
+
+    def device_types(self) -> list[str]:
+        """Canonical device name of each global rank, in rank order."""
+        return [g.device.name for g in self.groups for _ in range(g.num_devices)]
+
+    def count_by_type(self) -> dict[str, int]:
+        """Devices per canonical device name, in the order the types first appear."""
+        counts: dict[str, int] = {}
+        for g in self.groups:
+            counts[g.device.name] = counts.get(g.device.name, 0) + g.num_devices
+        return counts
+
+    def node_of(self, rank: int) -> int:
+        """Global index of the node that holds ``rank`` (nodes numbered in rank order).
+
+        Raises:
+            ValueError: ``rank`` is outside 0 .. world_size - 1.
+        """
+        return self._locate(rank)[1]
+
+    def group_of(self, rank: int) -> NodeGroup:
+        """The node group that holds ``rank``.
+
+        Raises:
+            ValueError: ``rank`` is outside 0 .. world_size - 1.
+        """
+        return self._locate(rank)[0]
+
+    def devices_per_node_of(self, rank: int) -> int:
+        """Devices on the node that holds ``rank``.
+
+        Raises:
+            ValueError: ``rank`` is outside 0 .. world_size - 1.
+        """
+        return self._locate(rank)[0].devices_per_node
+
+    def ranks_of_node(self, node: int) -> range:
+        """Global ranks on global node ``node``.
+
+        Raises:
+            ValueError: ``node`` is outside 0 .. num_nodes - 1.
+        """
+        first_rank, first_node = 0, 0
+        for g in self.groups:
+            if node < first_node + g.num_nodes:
+                start = first_rank + (node - first_node) * g.devices_per_node
+                return range(start, start + g.devices_per_node)
+            first_rank += g.num_devices
+            first_node += g.num_nodes
+        raise ValueError(f"node {node} is out of range for a cluster of {self.num_nodes} nodes")
+
+    def _locate(self, rank: int) -> tuple[NodeGroup, int]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is out of range for world_size {self.world_size}")
+        first_rank, first_node = 0, 0
+        for g in self.groups:
+            if rank < first_rank + g.num_devices:
+                return g, first_node + (rank - first_rank) // g.devices_per_node
+            first_rank += g.num_devices
+            first_node += g.num_nodes
+        raise AssertionError("unreachable: rank checked against world_size")
+
+
+def parse_cluster(spec: str) -> Cluster:
+    """Parse a cluster shorthand, or read a cluster TOML file.
+
+    Args:
+        spec: a shorthand such as ``2x8xA100-80GB+1x8xV100-32GB`` or ``4x8xA100-80GB@200gx8``,
+            or the path of a ``.toml`` file (docs/cluster-format.md).
+
+    Returns:
+        The cluster.
+
+    Raises:
+        ClusterSpecError: the shorthand or file is malformed, a count is zero, or a
+            device type is unknown (the message lists the known ones).
+    """
+    text = spec.strip()
+    if text.lower().endswith(".toml") or Path(text).is_file():
+        return _read_cluster_file(text)
+    pieces = text.split("+")
+    groups = tuple(_parse_piece(piece.strip(), spec) for piece in pieces)
+    return Cluster(spec=spec, groups=groups)
+
+
+def _parse_piece(piece: str, spec: str) -> NodeGroup:
+    """One ``[NODES x] DEVICES x TYPE[@RATEgxNICS]`` piece of a shorthand."""
+    malformed = ClusterSpecError(f"malformed --cluster '{spec}'; expected {EXPECTED_FORM}")
+    counts_and_type, at, nic = piece.partition("@")
+    match = _COUNTS_AND_TYPE.match(counts_and_type.strip())
+    if match is None:
+        raise malformed
+    device = _device(match["type"], piece, spec, malformed)
+    nodes = _count(match["nodes"] or "1", "nodes", piece)
+    devices = _count(match["devices"], "devices per node", piece)
+    nic_bw, nics = device.default_nic_bw_bytes_per_s, device.default_nics_per_node
+    if at:
+        nic_match = _NIC.match(nic.strip())
+        if nic_match is None:
+            raise ClusterSpecError(
+                f"malformed NIC part '@{nic}' in --cluster piece '{piece}'; expected @RATEgxNICS, e.g. @200gx8 "
+                "(8 NICs of 200 Gb/s each)"
+            )
+        rate_gbps = float(nic_match["rate"])
+        if rate_gbps <= 0:
+            raise ClusterSpecError(f"NIC rate must be positive in --cluster piece '{piece}', got {nic_match['rate']} Gb/s")
+        nic_bw, nics = rate_gbps * _GBPS, _count(nic_match["nics"], "NICs per node", piece)
+    return NodeGroup(
+        num_nodes=nodes,
+        devices_per_node=devices,
+        device=device,
+        nic_bw_bytes_per_s=nic_bw,
+        nics_per_node=nics,
+        intra_node_bw_bytes_per_s=device.intra_node_bw_bytes_per_s,
+    )
+
+
+def _device(name: str, piece: str, spec: str, malformed: ClusterSpecError) -> DeviceProfile:
+    try:
+        return get_device(name)
+    except UnknownDeviceError as exc:
+        # A type ending in a bare 'x' ("2xA100x") is a dangling separator, not a device name.
+        if name.lower().endswith("x"):
+            raise malformed from None
+        raise ClusterSpecError(f"{exc} (in --cluster piece '{piece}')") from None
+
+
+def _count(text: str, what: str, piece: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ClusterSpecError(f"zero {what} in --cluster piece '{piece}'; every count must be at least 1")
+    return value
+
+
+# --- TOML files ------------------------------------------------------------------------
+
+
+def _read_cluster_file(path_text: str) -> Cluster:
+    path = Path(path_text)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ClusterSpecError(f"cluster file '{path}' not found; pass a shorthand like 2x8xA100-80GB or a .toml path") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ClusterSpecError(f"cluster file '{path}' is not valid TOML: {exc}") from None
+    return cluster_from_dict(data, spec=path_text)
+
+
+def cluster_from_dict(data: dict[str, Any], *, spec: str) -> Cluster:
+    """Build a cluster from parsed TOML: a list of ``[[group]]`` tables (docs/cluster-format.md).
+
+    Args:
+        data: the parsed file.
+        spec: what to record as ``Cluster.spec`` (the file path).
+
+    Returns:
+        The cluster.
+
+    Raises:
+        ClusterSpecError: unknown or missing keys, bad values, or an unknown device type.
+    """
+    extra = sorted(set(data) - {"group"})
+    if extra:
+        raise ClusterSpecError(f"cluster file '{spec}': unknown top-level keys {', '.join(extra)}; only [[group]] tables are allowed")
+    tables = data.get("group")
+    if not isinstance(tables, list) or not tables:
+        raise ClusterSpecError(f"cluster file '{spec}' has no [[group]] tables; see docs/cluster-format.md")
+    groups = tuple(_group_from_table(table, index, spec) for index, table in enumerate(tables))
+    return Cluster(spec=spec, groups=groups)
+
+
+def _group_from_table(table: dict[str, Any], index: int, spec: str) -> NodeGroup:
+    where = f"cluster file '{spec}' group {index}"
+    extra = sorted(set(table) - set(_GROUP_KEYS))
+    if extra:
+        raise ClusterSpecError(f"{where}: unknown keys {', '.join(extra)}; allowed: {', '.join(_GROUP_KEYS)}")
+    missing = [k for k in ("nodes", "devices_per_node", "device") if k not in table]
+    if missing:
+        raise ClusterSpecError(f"{where}: missing keys {', '.join(missing)}")
+    try:
+        device = get_device(str(table["device"]))
+    except UnknownDeviceError as exc:
+        raise ClusterSpecError(f"{where}: {exc}") from None
+    for key in ("nodes", "devices_per_node", "nics_per_node"):
+        if key in table and (not isinstance(table[key], int) or isinstance(table[key], bool) or table[key] < 1):
+            raise ClusterSpecError(f"{where}: {key} must be an integer >= 1, got {table[key]!r}")
+    for key in ("nic_gbps", "intra_node_gbps"):
+        if key in table and (not isinstance(table[key], (int, float)) or table[key] <= 0):
+            raise ClusterSpecError(f"{where}: {key} must be a positive number of Gb/s, got {table[key]!r}")
+    return NodeGroup(
+        num_nodes=table["nodes"],
+        devices_per_node=table["devices_per_node"],
+        device=device,
+        nic_bw_bytes_per_s=table["nic_gbps"] * _GBPS if "nic_gbps" in table else device.default_nic_bw_bytes_per_s,
+        nics_per_node=table.get("nics_per_node", device.default_nics_per_node),
+        intra_node_bw_bytes_per_s=(
+            table["intra_node_gbps"] * _GBPS if "intra_node_gbps" in table else device.intra_node_bw_bytes_per_s
+        ),
+    )
+
+
+def cluster_to_toml(cluster: Cluster) -> str:
+    """Write a cluster as a TOML file that ``parse_cluster`` reads back to the same groups.
+
+    Args:
+        cluster: the cluster.
+
+    Returns:
+        TOML text, one ``[[group]]`` table per node group, every key written out.
+    """
+    lines = [f"# hetpar cluster, {cluster.world_size} devices; format: docs/cluster-format.md"]
+    for g in cluster.groups:
+        lines += [
+            "",
+            "[[group]]",
+            f"nodes = {g.num_nodes}",
+            f"devices_per_node = {g.devices_per_node}",
+            f'device = "{g.device.name}"',
+            f"nic_gbps = {g.nic_bw_bytes_per_s / _GBPS!r}",
+            f"nics_per_node = {g.nics_per_node}",
+            f"intra_node_gbps = {g.intra_node_bw_bytes_per_s / _GBPS!r}",
+        ]
+    return "\n".join(lines) + "\n"
