@@ -133,9 +133,9 @@ def _links(ranks: Sequence[int], cluster: Cluster, concurrent: int) -> _GroupLin
         k=len(by_node),
         ranks_per_node=tuple(counts.values()),
         intra_bw_bytes_per_s=intra_bw,
-        intra_latency_s=max(d.intra_node_latency_s for d in devices),
+        intra_latency_s=max((d.intra_node_latency_s for d in devices), default=0.0),
         egress_bw_bytes_per_s=egress,
-        inter_latency_s=max(d.inter_node_latency_s for d in devices),
+        inter_latency_s=max((d.inter_node_latency_s for d in devices), default=0.0),
         measured=measured,
     )
 
