@@ -41,33 +41,37 @@ def build_plan(
     *,
     splits: list[list[int]],
     data_parallel: int = 1,
-    tensor_parallel: int = 1,
+    tensor_parallel: int | list[int] = 1,
     micro_batch_size: int = 2,
     num_microbatches: int = 1,
     schedule: str = "1f1b",
     tp_blocks: bool = False,
+    tp_sharding: list[dict[str, str]] | None = None,
     dtype: str = "fp32",
 ) -> ParallelPlan:
     """A plan whose stage s holds layers ``splits[s]``; ranks numbered stage by stage,
-    replica by replica. ``tp_blocks`` shards the GPT blocks of each stage Megatron-style."""
+    replica by replica. ``tensor_parallel`` is one degree or one per stage;
+    ``tp_blocks`` shards the GPT blocks of each stage Megatron-style, ``tp_sharding``
+    gives each stage's sharding explicitly."""
     names = layer_names(model_path, model_args)
+    tps = tensor_parallel if isinstance(tensor_parallel, list) else [tensor_parallel] * len(splits)
     stages, next_rank = [], 0
-    for s, layers in enumerate(splits):
+    for s, (layers, tp) in enumerate(zip(splits, tps, strict=True)):
         ranks = []
         for _ in range(data_parallel):
-            ranks.append(list(range(next_rank, next_rank + tensor_parallel)))
-            next_rank += tensor_parallel
-        sharding = {}
-        if tp_blocks and tensor_parallel > 1:
+            ranks.append(list(range(next_rank, next_rank + tp)))
+            next_rank += tp
+        sharding = dict(tp_sharding[s]) if tp_sharding else {}
+        if tp_blocks and tp > 1:
             sharding = {
-                f"{names[l]}.{path}": Sharding(kind)
+                f"{names[l]}.{path}": kind
                 for l in layers
                 if names[l].startswith("blocks.")
                 for path, kind in GPT_BLOCK_TP.items()
             }
         stages.append(
-            StagePlan(index=s, layers=layers, device_type="cpu", tensor_parallel=tensor_parallel, ranks=ranks,
-                      tp_sharding=sharding)
+            StagePlan(index=s, layers=layers, device_type="cpu", tensor_parallel=tp, ranks=ranks,
+                      tp_sharding={path: Sharding(kind) for path, kind in sharding.items()})
         )
     world = next_rank
     return ParallelPlan(

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import build_plan, run_torchrun
+import subprocess
+import sys
+
+from conftest import TORCHRUN_TIMEOUT_S, build_plan, run_torchrun, subprocess_env
 from rewriters import compile_plan
 from runtime.model_file import load_model_file
 
@@ -17,6 +20,56 @@ STEPS = 3
 LR = {"sgd": 0.1, "adamw": 1e-2}
 GPT_ARGS = {"n_layers": 2, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64}
 MLP_ARGS = {"depth": 2, "width": 32, "in_features": 16, "out_features": 8}
+
+# A model whose stage boundaries carry an integer tensor (no gradient) and a skip
+# connection that passes through the middle stage untouched.
+SKIPNET = """
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.emb = nn.Embedding(16, width)
+
+    def forward(self, h, ids):
+        return h + self.down(torch.tanh(self.up(h))) + self.emb(ids)
+
+
+class Net(nn.Module):
+    def __init__(self, width, depth):
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x, ids):
+        h = self.inp(x)
+        skip = h
+        for block in self.blocks:
+            ids = (ids + 1) % 16
+            h = block(h, ids)
+        return self.out(h + skip)
+
+
+def build_model(width=16, depth=3):
+    return Net(width, depth)
+
+
+def example_inputs(batch_size, **_):
+    return (torch.zeros(batch_size, 8), torch.zeros(batch_size, dtype=torch.long))
+
+
+def batches(batch_size, seed, **_):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randn(batch_size, 8, generator=gen)
+        ids = torch.randint(0, 16, (batch_size,), generator=gen)
+        yield (x, ids), torch.randn(batch_size, 4, generator=gen)
+"""
 
 
 def reference_run(plan, init_state: dict, optimizer: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -39,20 +92,23 @@ def reference_run(plan, init_state: dict, optimizer: str) -> tuple[list[float], 
     return losses, model.state_dict()
 
 
-def run_compiled(plan, tmp_path: Path, optimizer: str) -> tuple[list[float], dict, list[float], dict]:
-    """Compile ``plan``, run it under torchrun and the reference in this process."""
+def run_compiled(plan, tmp_path: Path, optimizer: str, *, plain_python: bool = False
+                 ) -> tuple[list[float], dict, list[float], dict]:
+    """Compile ``plan``, run it under torchrun (or as ``python train.py``) and the
+    reference in this process."""
     out = tmp_path / "build"
     compile_plan(plan, out)
     model_file = load_model_file(plan.model.file, plan.model.args)
     torch.manual_seed(1234)
     init_state = model_file.build_model().state_dict()
     torch.save(init_state, out / "init.pt")
-    result = run_torchrun(
-        out / "train.py",
-        plan.cluster.world_size,
-        ["--steps", str(STEPS), "--optimizer", optimizer, "--lr", str(LR[optimizer]), "--init-from", "init.pt",
-         "--save-final", "final.pt", "--metrics", "m.jsonl"],
-    )
+    args = ["--steps", str(STEPS), "--optimizer", optimizer, "--lr", str(LR[optimizer]), "--init-from", "init.pt",
+            "--save-final", "final.pt", "--metrics", "m.jsonl"]
+    if plain_python:
+        result = subprocess.run([sys.executable, "train.py", *args], cwd=out, env=subprocess_env(),
+                                capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
+    else:
+        result = run_torchrun(out / "train.py", plan.cluster.world_size, args)
     assert result.returncode == 0, result.stderr[-4000:]
     records = [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
@@ -62,13 +118,20 @@ def run_compiled(plan, tmp_path: Path, optimizer: str) -> tuple[list[float], dic
     return [r["loss"] for r in records], final, ref_losses, ref_state
 
 
-def assert_trains_like_one_process(plan, tmp_path: Path, optimizer: str = "sgd") -> None:
-    losses, final, ref_losses, ref_state = run_compiled(plan, tmp_path, optimizer)
+def assert_trains_like_one_process(plan, tmp_path: Path, optimizer: str = "sgd", *, plain_python: bool = False
+                                   ) -> None:
+    losses, final, ref_losses, ref_state = run_compiled(plan, tmp_path, optimizer, plain_python=plain_python)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
     assert list(final) == list(ref_state), "saved keys differ from build_model().state_dict()"
     for key, ref in ref_state.items():
         torch.testing.assert_close(final[key], ref, atol=1e-5, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
     assert ref_losses[-1] != ref_losses[0]  # the run trained
+
+
+@pytest.mark.slow
+def test_one_process_with_microbatches_runs_without_torchrun(tmp_path, gpt_path):
+    plan = build_plan(gpt_path, GPT_ARGS, splits=[[0, 1, 2, 3]], num_microbatches=4)
+    assert_trains_like_one_process(plan, tmp_path, plain_python=True)
 
 
 @pytest.mark.slow
@@ -101,3 +164,22 @@ def test_adamw_gpt_pipeline_and_tensor_parallel(tmp_path, gpt_path):
     plan = build_plan(gpt_path, GPT_ARGS, splits=[[0, 1], [2, 3]], tensor_parallel=2, tp_blocks=True,
                       num_microbatches=2)
     assert_trains_like_one_process(plan, tmp_path, optimizer="adamw")
+
+
+@pytest.mark.slow
+def test_stages_of_different_tp_with_int_and_skip_tensors(tmp_path):
+    model_path = tmp_path / "skipnet.py"
+    model_path.write_text(SKIPNET)
+    block1_tp = {"blocks.1.up": "colwise", "blocks.1.down": "rowwise"}
+    # layers: inp, blocks.0, blocks.1, blocks.2, out; tp 1 -> 2 -> 1 over the stage boundaries
+    plan = build_plan(model_path, {}, splits=[[0, 1], [2], [3, 4]], tensor_parallel=[1, 2, 1],
+                      tp_sharding=[{}, block1_tp, {}], num_microbatches=3, schedule="1f1b")
+    assert_trains_like_one_process(plan, tmp_path)
+
+
+@pytest.mark.slow
+def test_data_parallel_2_by_tensor_parallel_2(tmp_path, gpt_path):
+    # Data-parallel averaging of DTensor gradients goes through their local shards.
+    plan = build_plan(gpt_path, GPT_ARGS, splits=[[0, 1, 2, 3]], data_parallel=2, tensor_parallel=2, tp_blocks=True,
+                      num_microbatches=2)
+    assert_trains_like_one_process(plan, tmp_path)

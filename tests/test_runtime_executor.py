@@ -1,0 +1,68 @@
+"""The stage executor on a single stage, in this process: micro-batching gives the gradient
+of the mean loss of the whole batch. (Stages that talk run in tests/test_distributed.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.distributed import Peers
+from runtime.executor import StageExecutor
+from runtime.graph import trace_layers
+from runtime.model_file import load_model_file
+from runtime.schedule import Action, Kind, make_schedule
+from runtime.shard import cut_stage, microbatches
+
+GPT_ARGS = {"n_layers": 2, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64}
+NO_PEERS = Peers(recv_activations_from=None, send_activations_to=(), recv_grads_from=None, send_grads_to=())
+
+
+def whole_model_stage(path, args, micro_batch_size):
+    model_file = load_model_file(path, args)
+    torch.manual_seed(0)
+    model = model_file.build_model()
+    names = list(trace_layers(model).layer_names)
+    return model_file, model, cut_stage(model, model_file, micro_batch_size, (0, len(names) - 1), names)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_microbatched_gradient_is_the_whole_batch_gradient(gpt_path, schedule):
+    m, mbs = 4, 2
+    model_file, model, stage = whole_model_stage(gpt_path, GPT_ARGS, mbs)
+    inputs, targets = next(model_file.batches(m * mbs, 0))
+
+    loss = model_file.loss(model(*inputs), targets)
+    loss.backward()
+    expected = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    executor = StageExecutor(stage=stage, peers=NO_PEERS, loss_fn=model_file.loss, num_microbatches=m,
+                             device=torch.device("cpu"))
+    data = microbatches(inputs, targets, replica=0, data_parallel=1, num_microbatches=m, device=torch.device("cpu"))
+    got_loss = executor.run(make_schedule(schedule, 1, m)[0], data)
+    torch.testing.assert_close(got_loss, loss.detach(), rtol=1e-6, atol=1e-6)
+    grads = dict(stage.module.named_parameters())
+    assert set(grads) == set(expected)
+    for k, g in expected.items():
+        torch.testing.assert_close(grads[k].grad, g, rtol=1e-5, atol=1e-6)
+
+
+def test_a_schedule_without_backwards_is_reported(mlp_path):
+    model_file, _, stage = whole_model_stage(mlp_path, {}, 2)
+    inputs, targets = next(model_file.batches(4, 0))
+    data = microbatches(inputs, targets, replica=0, data_parallel=1, num_microbatches=2, device=torch.device("cpu"))
+    executor = StageExecutor(stage=stage, peers=NO_PEERS, loss_fn=model_file.loss, num_microbatches=2,
+                             device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="left micro-batches 0, 1 without a backward"):
+        executor.run([Action(0, Kind.FORWARD, 0), Action(0, Kind.FORWARD, 1)], data)
+
+
+def test_bf16_autocast_runs_and_keeps_float32_parameters(gpt_path):
+    model_file, _, stage = whole_model_stage(gpt_path, GPT_ARGS, 2)
+    inputs, targets = next(model_file.batches(4, 0))
+    data = microbatches(inputs, targets, replica=0, data_parallel=1, num_microbatches=2, device=torch.device("cpu"))
+    executor = StageExecutor(stage=stage, peers=NO_PEERS, loss_fn=model_file.loss, num_microbatches=2,
+                             device=torch.device("cpu"), compute_dtype=torch.bfloat16)
+    loss = executor.run(make_schedule("1f1b", 1, 2)[0], data)
+    assert torch.isfinite(loss)
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in stage.module.parameters())
