@@ -111,6 +111,11 @@ class DeviceProfile:
     def __post_init__(self) -> None:
         _check_profile(self)
 
+    def __hash__(self) -> int:
+        # The dict fields are not hashable; equal profiles share a name, so clusters and
+        # node groups holding a profile can still be set members and cache keys.
+        return hash(self.name)
+
     def peak_flops(self, dtype: str) -> float:
         """Peak dense FLOP/s of this device in ``dtype``.
 

@@ -196,6 +196,11 @@ def test_missing_file(tmp_path):
         parse_cluster(str(tmp_path / "nope.toml"))
 
 
+def test_clusters_are_hashable():
+    assert hash(parse_cluster("2x8xA100-80GB")) == hash(parse_cluster("2x8xA100-80GB"))
+    assert len({parse_cluster("2xcpu").groups, parse_cluster("1x2xcpu").groups}) == 1
+
+
 def test_empty_cluster_is_an_error():
     with pytest.raises(ClusterSpecError, match="has no node groups"):
         Cluster(spec="x", groups=())
