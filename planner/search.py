@@ -72,7 +72,8 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
             dp = world // (tp * pp)
             if pp > num_layers or gbs % dp:
                 continue
-            if (options.dp, options.tp, options.pp) != (options.dp or dp, options.tp or tp, options.pp or pp):
+            pins = ((options.dp, dp), (options.tp, tp), (options.pp, pp))
+            if any(pin is not None and pin != value for pin, value in pins):
                 continue
             for mbs in divisors(gbs // dp):
                 if options.micro_batch_size and mbs != options.micro_batch_size:

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from cost_models.cluster import ClusterSpecError
-from cost_models.devices import UnknownDeviceError
+from cost_models.devices import ProfileError, UnknownDeviceError
 from planner.plan import PlanError
 from planner.search import PlanningError
 from rewriters.torchrun import CompileError
@@ -20,7 +20,7 @@ from runtime.model_file import ModelFileError
 
 console = Console(stderr=True, highlight=False)
 
-DOMAIN_ERRORS = (ModelFileError, TraceError, ClusterSpecError, UnknownDeviceError, PlanningError, PlanError, CompileError)
+DOMAIN_ERRORS = (ProfileError, ModelFileError, TraceError, ClusterSpecError, UnknownDeviceError, PlanningError, PlanError, CompileError)
 
 
 def fail(message: str, code: int = 1) -> None:

@@ -1,0 +1,5 @@
+"""``python -m hetpar`` runs the CLI."""
+
+from hetpar.cli import main
+
+main()

@@ -1,0 +1,100 @@
+"""The hetpar command as a user meets it: real subprocesses, clear one-line errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = str(ROOT / "examples" / "gpt.py")
+SMALL_GPT = ["--model-arg", "n_layers=2", "--model-arg", "hidden=32", "--model-arg", "seq_len=8", "--model-arg", "vocab=64"]
+
+
+def hetpar(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "hetpar", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_version_and_help():
+    assert hetpar("--version").stdout.startswith("hetpar ")
+    help_text = hetpar("--help").stdout
+    for command in ("plan", "compile", "trace", "devices"):
+        assert command in help_text
+
+
+def test_plan_writes_a_valid_plan(tmp_path):
+    out = tmp_path / "plan.json"
+    result = hetpar("plan", GPT, "--cluster", "1x2xcpu", "--global-batch", "8", *SMALL_GPT, "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(out.read_text())
+    assert plan["kind"] == "hetpar.plan" and plan["cluster"]["world_size"] == 2
+    assert plan["solver"]["status"] == "optimal"
+    assert plan["data_parallel"] * plan["micro_batch_size"] * plan["num_microbatches"] == 8
+    assert "predicted step" in result.stderr
+
+
+def test_plan_json_goes_to_stdout_and_pins_hold(tmp_path):
+    result = hetpar("plan", GPT, "--cluster", "1x4xcpu", "--global-batch", "8", *SMALL_GPT,
+                    "--pp", "2", "--tp", "2", "--schedule", "1f1b", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert len(plan["stages"]) == 2 and plan["stages"][0]["tensor_parallel"] == 2
+    assert plan["stages"][0]["tp_sharding"] or plan["stages"][1]["tp_sharding"]
+    assert not (tmp_path / "plan.json").exists()
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["plan", "nope.py", "--cluster", "1x2xcpu", "--global-batch", "8"], ["'nope.py' not found"]),
+    (["plan", GPT, "--cluster", "2xA100x", "--global-batch", "8"], ["--cluster", "2x8xA100-80GB"]),
+    (["plan", GPT, "--cluster", "1x8xA10", "--global-batch", "8"], ["A10", "A100-80GB"]),
+    (["plan", GPT, "--cluster", "1x2xcpu", "--global-batch", "7", "--dp", "2"], ["--global-batch 7", "dp(2)"]),
+    (["plan", GPT, "--cluster", "1x2xcpu", "--global-batch", "8", "--dp", "3"], ["--dp 3", "world size (2)"]),
+    (["plan", GPT, "--cluster", "1x4xcpu", "--global-batch", "8", "--dp", "2", "--tp", "2", "--pp", "2"], ["dp(2) * tp(2) * pp(2) = 8 != world_size(4)"]),
+    (["plan", GPT, "--cluster", "1x2xcpu", "--global-batch", "8", "--model-arg", "layers=3"], ["takes no argument 'layers'"]),
+])
+def test_bad_plan_input(tmp_path, args, fragments):
+    result = hetpar(*args, "-o", str(tmp_path / "plan.json"), cwd=tmp_path)
+    assert_one_line_error(result, *fragments)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("source,fragment", [
+    ("import torch\nraise ValueError('bad config')\n", "failed to import at line 2: ValueError: bad config"),
+    ("import torch\ndef example_inputs(b):\n    return (torch.zeros(b, 2),)\n", "defines no build_model()"),
+])
+def test_bad_model_file(tmp_path, source, fragment):
+    model = tmp_path / "model.py"
+    model.write_text(source)
+    result = hetpar("plan", str(model), "--cluster", "1x2xcpu", "--global-batch", "8", "-o", str(tmp_path / "plan.json"))
+    assert_one_line_error(result, fragment)
+    assert not (tmp_path / "plan.json").exists()
+
+
+@pytest.mark.parametrize("content,fragment", [
+    ("{\"half\": ", "not valid JSON"),
+    ("{\"model\": \"resnet\", \"layers\": 3}", "not a hetpar plan"),
+])
+def test_compile_rejects_corrupt_or_foreign_plans(tmp_path, content, fragment):
+    plan = tmp_path / "plan.json"
+    plan.write_text(content)
+    result = hetpar("compile", str(plan), "-o", str(tmp_path / "build"))
+    assert_one_line_error(result, fragment)
+    assert not (tmp_path / "build").exists()
+
+
+def test_trace_json_lists_layers():
+    result = hetpar("trace", GPT, *SMALL_GPT, "--json", "--batch-size", "2")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert [l["name"] for l in data["layers"]] == ["tok_emb+pos_emb", "blocks.0", "blocks.1", "ln_f+lm_head"]
+    assert data["totals"]["params"] == sum(l["params"] for l in data["layers"])
