@@ -232,7 +232,7 @@ STAGES = [  # plan.stages: layers (first, last), ranks[d][t] = rank of replica d
 # -----------------------------------------------------------------------------
 # rank setup: which stage, data-parallel replica and tp index this process is
 args = cli.parse_args(__doc__)
-cli.check_world_size(WORLD_SIZE, __file__)
+cli.check_launch(WORLD_SIZE, __file__)  # torchrun started WORLD_SIZE processes?
 device = distributed.init_distributed(args.dist_timeout_s)
 me = distributed.locate(STAGES, torch.distributed.get_rank())
 groups = distributed.build_groups(STAGES, me, device)  # collective: every rank builds every group
@@ -322,7 +322,7 @@ _LAUNCHER_TEMPLATE = """\
 #!/bin/sh
 # Runs {program} (compiled by hetpar for {world} processes); arguments go to {program}.
 #
-# One host:    ./launch.sh --steps 100
+# One host:    ./launch.sh --steps 100          (MASTER_PORT=29501 ./launch.sh ... for a second run)
 # Many hosts:  on every host, with the same MASTER_ADDR (host of NODE_RANK=0):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 ./launch.sh --steps 100
 # Global rank = NODE_RANK * (world size / NNODES) + local rank, as the plan numbers them.
@@ -331,7 +331,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 PLAN_WORLD_SIZE={world}
 NNODES=${{NNODES:-1}}
 if [ "$NNODES" -eq 1 ]; then
-    exec torchrun --nproc_per_node="$PLAN_WORLD_SIZE" "$HERE/{program}" "$@"
+    exec torchrun --nproc_per_node="$PLAN_WORLD_SIZE" ${{MASTER_PORT:+--master_port="$MASTER_PORT"}} "$HERE/{program}" "$@"
 fi
 if [ $((PLAN_WORLD_SIZE % NNODES)) -ne 0 ]; then
     echo "launch.sh: world size $PLAN_WORLD_SIZE does not split over NNODES=$NNODES hosts" >&2

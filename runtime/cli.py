@@ -64,12 +64,25 @@ def world_size_from_env() -> int | None:
     return int(value) if value else None
 
 
-def check_world_size(expected: int, program: str) -> None:
-    """Exit with code 2 and one line on stderr unless torchrun started ``expected`` processes.
+def check_launch(expected: int, program: str) -> None:
+    """Exit with code 2 and one line on stderr unless torchrun started ``expected``
+    processes that can meet.
 
     A plan for one process also runs as plain ``python train.py``: the rendezvous
     variables torchrun would set are filled in for a single local process.
+    ``torchrun --master-port 0`` hands the workers port 0 instead of the port it bound,
+    so they would wait for the whole timeout; that is refused at once.
     """
+    check_world_size(expected, program)
+    if os.environ.get("MASTER_PORT") == "0":
+        _fail(
+            "torchrun --master-port 0 gives the workers port 0, so they cannot meet; pass a free port, "
+            "or --rdzv-backend=c10d --rdzv-endpoint=localhost:0"
+        )
+
+
+def check_world_size(expected: int, program: str) -> None:
+    """Exit with code 2 and one line on stderr unless torchrun started ``expected`` processes."""
     started = world_size_from_env()
     if started is None and expected == 1:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -81,12 +94,11 @@ def check_world_size(expected: int, program: str) -> None:
     got = "it was started without torchrun" if started is None else (
         f"torchrun started {started} process{'es' if started != 1 else ''}"
     )
-    print(
-        f"hetpar: this program was compiled for world size {expected} but {got}; "
-        f"run: torchrun --nproc_per_node={expected} {name}",
-        file=sys.stderr,
-        flush=True,
-    )
+    _fail(f"this program was compiled for world size {expected} but {got}; run: torchrun --nproc_per_node={expected} {name}")
+
+
+def _fail(message: str) -> None:
+    print(f"hetpar: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
@@ -96,4 +108,4 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-__all__ = ["TrainArgs", "check_world_size", "parse_args", "world_size_from_env"]
+__all__ = ["TrainArgs", "check_launch", "check_world_size", "parse_args", "world_size_from_env"]

@@ -41,6 +41,9 @@ class Action:
     kind: Kind
     microbatch: int
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Kind(self.kind))  # Action(1, "F", 0) works too
+
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.microbatch}"
 

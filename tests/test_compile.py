@@ -164,7 +164,7 @@ def test_bf16_plan_autocasts(tmp_path, pp_tp_plan):
 def fake_torchrun(tmp_path: Path) -> dict[str, str]:
     """An environment whose ``torchrun`` prints its arguments instead of starting anything."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     (bin_dir / "torchrun").write_text('#!/bin/sh\necho torchrun "$@"\n')
     (bin_dir / "torchrun").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -179,6 +179,9 @@ def test_launcher_runs_torchrun_on_one_host(tmp_path, pp_tp_plan):
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"torchrun --nproc_per_node=4 {out / 'train.py'} --steps 3"
+    result = subprocess.run([str(out / "launch.sh")], env={**fake_torchrun(tmp_path / "again"), "MASTER_PORT": "29600"},
+                            capture_output=True, text=True, timeout=30)
+    assert result.stdout.strip() == f"torchrun --nproc_per_node=4 --master_port=29600 {out / 'train.py'}"
 
 
 def test_launcher_on_several_hosts(tmp_path, model_copy):

@@ -106,9 +106,18 @@ def test_world_size_check(monkeypatch, capsys):
     )
 
 
+def test_master_port_zero_is_refused_at_once(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "0")
+    with pytest.raises(SystemExit) as exc:
+        cli.check_launch(2, "train.py")
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.startswith("hetpar: torchrun --master-port 0 gives the workers port 0")
+
+
 def test_a_one_process_program_runs_without_torchrun(monkeypatch):
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(name, "")  # so that monkeypatch restores the variable afterwards
         monkeypatch.delenv(name)
-    cli.check_world_size(1, "train.py")
+    cli.check_launch(1, "train.py")
     assert (os.environ["WORLD_SIZE"], os.environ["RANK"]) == ("1", "0") and os.environ["MASTER_PORT"]

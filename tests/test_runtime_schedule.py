@@ -16,6 +16,7 @@ def test_action_prints_and_parses_back():
     assert str(Action(12, Kind.BACKWARD, 31)) == "12B31"
     assert Action.parse("1F0") == a
     assert Action.parse(" 12B31 ") == Action(12, Kind.BACKWARD, 31)
+    assert Action(1, "F", 0) == a and repr(a) == "Action(1F0)"
 
 
 @pytest.mark.parametrize("bad", ["", "F0", "1X0", "1F", "-1F0", "1f0", "1F0 2F0"])
