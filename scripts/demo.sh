@@ -12,11 +12,9 @@ echo "== hetpar compile $OUT/plan.json -o $OUT/build"
 hetpar compile "$OUT/plan.json" -o "$OUT/build"
 echo "== torchrun --nproc_per_node=$NPROC train.py --steps 8"
 rm -f "$OUT/metrics.jsonl"
-(cd "$OUT/build" && torchrun --nproc_per_node="$NPROC" --master-port 0 train.py --steps 8 --metrics ../metrics.jsonl)
-echo "== losses"
+(cd "$OUT/build" && torchrun --standalone --nproc_per_node="$NPROC" train.py --steps 8 --metrics ../metrics.jsonl)
 python -c "
-import json, sys
-for line in open('$OUT/metrics.jsonl'):
-    m = json.loads(line)
-    print(f\"step {m['step']:>2}  loss {m['loss']:.4f}  {m['step_time_s'] * 1e3:7.1f} ms  {m['samples_per_s']:8.1f} samples/s\")
+import json
+rows = [json.loads(line) for line in open('$OUT/metrics.jsonl')]
+print(f'== losses: {rows[0][\"loss\"]:.4f} at step 1 -> {rows[-1][\"loss\"]:.4f} at step {len(rows)} (per-step metrics: $OUT/metrics.jsonl)')
 "
