@@ -59,8 +59,8 @@ class StageExecutor:
     num_microbatches: int
     device: torch.device
     compute_dtype: torch.dtype = torch.float32  # autocast dtype; parameters stay as built
-    _in_flight: dict[int, _InFlight] = field(default_factory=dict)
-    _pending_sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
+    _in_flight: dict[int, _InFlight] = field(default_factory=dict, init=False, repr=False)
+    _pending_sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list, init=False, repr=False)
 
     def run(self, actions: list[Action], data: list[Microbatch]) -> torch.Tensor:
         """Run one step's actions on this step's micro-batches.
