@@ -4,14 +4,23 @@ The planner and the generated program both call these functions, so the layers t
 plan names are exactly the layers that the program builds.
 
 [Note: layer grouping]
-Layers are the units of pipeline partitioning. The repeated blocks of a model are the
-children of one ``nn.ModuleList`` or ``nn.Sequential`` that share a class (the
-container whose such children hold the most parameters wins). Each block is a layer;
-the nodes before the first block form a leading layer and the nodes after the last
-block a trailing one, each named after the top-level modules it uses
-(``tok_emb+pos_emb``, ``ln_f+lm_head``). Nodes are swept in graph order and a node
-never goes to an earlier layer than the node before it, so every layer is a
-contiguous run of the graph and any cut between layers is valid.
+Layers are the units of pipeline partitioning. The repeated blocks of a model live in
+containers: every child with parameters of an ``nn.ModuleList`` or ``nn.ModuleDict``,
+or the children of one class that occurs at least twice in an ``nn.Sequential``. The
+container whose blocks hold the most parameters wins (the shallower one on a tie);
+other containers that neither hold nor sit inside a chosen one join it if their blocks
+hold at least 1% of the parameters (T5's encoder and decoder blocks, a ResNet's four
+stages written as separate Sequentials). Each block is a layer, in the order the
+graph first runs it; the nodes before the first block form a leading layer and the
+nodes after the last block a trailing one, each named after the modules it uses
+(``tok_emb+pos_emb``, ``transformer.ln_f+lm_head``). Nodes are swept in graph order and
+a node never goes to an earlier layer than the node before it, so every layer is a
+contiguous run of the graph and any cut between layers is valid; nodes between two
+blocks that belong to neither go with the earlier one. A parameter read with
+``get_attr`` (every parameter of an exported graph) goes to the layer that first uses
+it; a later layer that uses it too (tied embeddings) copies the read into its stage.
+A node's module comes from ``node.meta["nn_module_stack"]``, which torch.fx and
+torch.export both record (runtime.capture.module_paths reads either format).
 
 [Note: stage boundaries]
 A stage is a run of layers. Its inputs are the model inputs it reads (fed from the
@@ -32,27 +41,21 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-
-class TraceError(Exception):
-    """The model cannot be captured as a graph."""
-
-
-class _Tracer(fx.Tracer):
-    def __init__(self, leaf_modules: tuple[str, ...]):
-        super().__init__()
-        self.leaf_modules = set(leaf_modules)
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return qualname in self.leaf_modules or super().is_leaf_module(m, qualname)
+from runtime.capture import TraceError, capture, module_paths
 
 
 @dataclass(frozen=True, kw_only=True)
 class LayeredGraph:
-    """A traced model with every node assigned to a layer; see [Note: layer grouping]."""
+    """A traced model with every node assigned to a layer; see [Note: layer grouping].
+
+    ``capture`` says how the graph was made: ``"fx"`` (calls the model's modules) or
+    ``"export"`` (ATen ops; see [Note: two ways to capture] in runtime.capture).
+    """
 
     gm: fx.GraphModule
     layer_names: tuple[str, ...]
     node_layer: dict[str, int]
+    capture: str = "fx"
 
     @property
     def num_layers(self) -> int:
@@ -62,69 +65,100 @@ class LayeredGraph:
         return [n for n in self.gm.graph.nodes if n.op != "output"]
 
 
-def trace_layers(model: nn.Module, leaf_modules: tuple[str, ...] = ()) -> LayeredGraph:
-    """Trace ``model`` with torch.fx and group its nodes into layers.
+def trace_layers(model: nn.Module, leaf_modules: tuple[str, ...] = (), *, example_inputs: tuple | None = None) -> LayeredGraph:
+    """Trace ``model`` and group its nodes into layers.
+
+    torch.fx first; when it fails and ``example_inputs`` are given, torch.export
+    (non-strict) on the device of the model; see [Note: two ways to capture].
 
     Raises:
-        TraceError: torch.fx cannot trace the model.
+        TraceError: the model cannot be traced; one line naming the module and line.
     """
-    tracer = _Tracer(leaf_modules)
-    try:
-        graph = tracer.trace(model)
-    except Exception as exc:  # noqa: BLE001 - reported as one line by the caller
-        raise TraceError(f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}") from exc
-    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
-    blocks = _find_blocks(model)
-    return _assign_layers(gm, blocks)
+    gm, how = capture(model, leaf_modules, example_inputs)
+    return _assign_layers(gm, find_blocks(model), how)
 
 
-def _find_blocks(model: nn.Module) -> list[str]:
-    """Qualified names of the repeated blocks; empty if the model has none."""
-    best: tuple[int, int, list[str]] | None = None
+def find_blocks(model: nn.Module) -> list[str]:
+    """Qualified names of the repeated blocks, in no particular order; see [Note: layer grouping]."""
+    total = sum(p.numel() for p in model.parameters())
+    candidates = []
     for path, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            candidates += _container_candidates(path, module)
+    candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
+    chosen: list[tuple[int, int, str, list[str]]] = []
+    for cand in candidates:
+        params, _, path, _ = cand
+        if params < _MIN_CONTAINER_SHARE * total or any(_nested(path, c[2]) for c in chosen):
             continue
-        by_class: dict[type, list[str]] = collections.defaultdict(list)
-        for name, child in module.named_children():
-            by_class[type(child)].append(name)
-        for names in by_class.values():
-            if len(names) < 2 and not isinstance(module, nn.ModuleList):
-                continue
-            children = [module.get_submodule(n) for n in names]
-            params = sum(p.numel() for c in children for p in c.parameters())
-            if params == 0:
-                continue
-            key = (params, -path.count("."), [f"{path}.{n}" if path else n for n in names])
-            if best is None or key[:2] > best[:2]:
-                best = key
-    if best:
-        return best[2]
+        chosen.append(cand)
+    if chosen:
+        return [block for c in chosen for block in c[3]]
     # No repeated blocks: every top-level child with parameters is a layer.
     return [name for name, child in model.named_children() if any(True for _ in child.parameters())]
 
 
-def _module_paths(node: fx.Node) -> list[str]:
-    paths = list(node.meta.get("nn_module_stack", {}).keys())
-    if node.op in ("call_module", "get_attr"):
-        paths.append(str(node.target))
-    return paths
+# A block container holding less than this share of the parameters is not worth a layer
+# per block (a classifier head written as Sequential(Linear, Tanh, Linear)).
+_MIN_CONTAINER_SHARE = 0.01
 
 
-def _block_of(node: fx.Node, blocks: list[str]) -> int | None:
-    for path in reversed(_module_paths(node)):
-        for i, block in enumerate(blocks):
-            if path == block or path.startswith(block + "."):
-                return i
+def _container_candidates(path: str, module: nn.Module) -> list[tuple[int, int, str, list[str]]]:
+    """(params, -depth, path, blocks) for each way ``module`` holds repeated blocks.
+
+    A ModuleList or ModuleDict is an explicit list of blocks: all its children with
+    parameters are blocks, whatever their classes (hybrid models mix them). In a
+    Sequential, the children of one class that occurs at least twice are the blocks;
+    the others ride along with the block before them.
+    """
+    children = [(name, child) for name, child in module.named_children() if any(True for _ in child.parameters())]
+    groups: dict[type, list[str]] = collections.defaultdict(list)
+    for name, child in children:
+        groups[type(child)].append(name)
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        groups = {nn.Module: [name for name, _ in children]} if children else {}
+    out = []
+    for names in groups.values():
+        if len(names) < 2 and isinstance(module, nn.Sequential):
+            continue
+        params = sum(p.numel() for n in names for p in module.get_submodule(n).parameters())
+        qualified = [f"{path}.{n}" if path else n for n in names]
+        out.append((params, -path.count(".") - (1 if path else 0), path, qualified))
+    return out
+
+
+def _nested(a: str, b: str) -> bool:
+    """True if module paths ``a`` and ``b`` are the same or one contains the other."""
+    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _block_of(node: fx.Node, block_index: dict[str, int]) -> int | None:
+    """Index of the block a node runs in, from its innermost module outwards."""
+    for path in reversed(module_paths(node)):
+        parts = path.split(".")
+        for end in range(len(parts), 0, -1):
+            index = block_index.get(".".join(parts[:end]))
+            if index is not None:
+                return index
     return None
 
 
-def _assign_layers(gm: fx.GraphModule, blocks: list[str]) -> LayeredGraph:
+def _assign_layers(gm: fx.GraphModule, blocks: list[str], how: str = "fx") -> LayeredGraph:
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
-    block_idx = {n.name: _block_of(n, blocks) for n in nodes}
-    last_block_pos = max((i for i, n in enumerate(nodes) if block_idx[n.name] is not None), default=-1)
+    compute = [n for n in nodes if n.op != "get_attr"]
+    block_index = {block: i for i, block in enumerate(blocks)}
+    found = {n.name: _block_of(n, block_index) for n in compute}
+    # Blocks in the order the graph first runs them; blocks the graph never runs go.
+    order: list[int] = []
+    for n in compute:
+        if found[n.name] is not None and found[n.name] not in order:
+            order.append(found[n.name])
+    blocks = [blocks[b] for b in order]
+    block_idx = {name: (order.index(b) if b is not None else None) for name, b in found.items()}
+    last_block_pos = max((i for i, n in enumerate(compute) if block_idx[n.name] is not None), default=-1)
     raw: dict[str, int] = {}
     current = 0
-    for i, node in enumerate(nodes):
+    for i, node in enumerate(compute):
         b = block_idx[node.name]
         if node.op == "placeholder":
             raw[node.name] = 0
@@ -135,32 +169,55 @@ def _assign_layers(gm: fx.GraphModule, blocks: list[str]) -> LayeredGraph:
             raw[node.name] = len(blocks) + 1
         else:
             raw[node.name] = current
+    for node in nodes:  # a parameter goes to the layer that first uses it
+        if node.op == "get_attr":
+            raw[node.name] = min((raw[u.name] for u in node.users if u.name in raw), default=0)
     # Drop a leading or trailing layer that holds no computation.
-    has_pre = any(raw[n.name] == 0 and n.op != "placeholder" for n in nodes)
-    used = sorted({v for n, v in raw.items()} | ({0} if has_pre else set()))
+    has_pre = any(raw[n.name] == 0 and n.op not in ("placeholder", "get_attr") for n in nodes)
+    used = sorted(set(raw.values()) | ({0} if has_pre else set()))
     if not has_pre:
         used = [u for u in used if u != 0] or [0]
     renumber = {old: new for new, old in enumerate(used)}
     first_real = used[0]
     node_layer = {name: renumber.get(v, renumber[first_real]) for name, v in raw.items()}
+    containers = sorted({b.rpartition(".")[0] for b in blocks})
     names = []
     for old in used:
         if 1 <= old <= len(blocks):
             names.append(blocks[old - 1])
         else:
             members = [n for n in nodes if raw[n.name] == old and n.op != "placeholder"]
-            names.append(_edge_layer_name(members, "input" if old == 0 else "output"))
-    return LayeredGraph(gm=gm, layer_names=tuple(names), node_layer=node_layer)
+            names.append(_edge_layer_name(members, containers, "input" if old == 0 else "output"))
+    return LayeredGraph(gm=gm, layer_names=tuple(names), node_layer=node_layer, capture=how)
 
 
-def _edge_layer_name(members: list[fx.Node], fallback: str) -> str:
+def _edge_layer_name(members: list[fx.Node], containers: list[str], fallback: str) -> str:
+    """The modules a leading or trailing layer runs, named at the level of the block containers.
+
+    A module is named down to one level below what it shares with the nearest block
+    container: ``transformer.wte`` next to ``transformer.h``, ``lm_head`` next to
+    ``blocks``. Parameter reads are left out (a tied head reads the embedding).
+    """
     tops: list[str] = []
     for node in members:
-        for path in _module_paths(node)[:1] or ([str(node.target)] if node.op in ("call_module", "get_attr") else []):
-            top = path.split(".")[0]
-            if top and top not in tops:
-                tops.append(top)
+        paths = module_paths(node)
+        if node.op == "get_attr" or not paths:
+            continue
+        parts = paths[-1].split(".")
+        shared = max((_common_prefix(parts, c.split(".") if c else []) for c in containers), default=0)
+        if shared >= len(parts):
+            continue  # code of an enclosing module's own forward
+        top = ".".join(parts[: shared + 1])
+        if top not in tops:
+            tops.append(top)
     return "+".join(tops) if tops else fallback
+
+
+def _common_prefix(a: list[str], b: list[str]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class _Recorder(fx.Interpreter):
@@ -309,3 +366,9 @@ def _node(lg: LayeredGraph, name: str) -> fx.Node:
 
 def _spec(t: torch.Tensor) -> TensorSpec:
     return TensorSpec(shape=tuple(t.shape), dtype=t.dtype)
+
+
+__all__ = [
+    "LayeredGraph", "Stage", "TensorSpec", "TraceError",
+    "boundary_values", "build_stage", "find_blocks", "record_values", "trace_layers",
+]

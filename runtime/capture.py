@@ -1,0 +1,215 @@
+"""Capture a model as one fx graph: torch.fx first, torch.export where fx cannot.
+
+[Note: two ways to capture]
+``torch.fx.symbolic_trace`` runs ``forward`` on proxies. Its graph calls the model's own
+modules (``call_module blocks.0.attn.q``), so a stage cut from it holds the original
+``nn.Linear`` objects at their original qualified names, which is what tensor
+parallelism (DTensor ``parallelize_module``) and checkpoints need. It fails on Python
+control flow over tensor values and on code that inspects its own frames, which is
+most of Hugging Face transformers 5.x.
+
+``torch.export.export`` (non-strict) runs ``forward`` on fake tensors with real
+Python, so control flow over shapes is fine. Its training IR, unlifted with
+``ep.module()``, is an fx graph of ATen ops whose parameters are ``get_attr`` nodes at
+their original qualified names; the module of each op is recorded in
+``node.meta["nn_module_stack"]``. Export needs example inputs and is done on whatever
+device the model and inputs live on (``meta`` when planning). Its graph has no module
+calls, so tensor parallelism cannot be applied to it by module path.
+
+When both fail, [Note: where tracing failed] turns the two exceptions into one line.
+
+[Note: where tracing failed]
+Both tracers run the model's Python, so the traceback of a failure passes through the
+``forward`` of the module that failed. The innermost frame whose ``self`` is a module
+of the model names it (``transformer.h.0.attn``), and the innermost frame outside torch
+gives the source line; making that module a leaf (``--leaf-module PATH``) keeps torch.fx
+out of it.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
+# Export inserts these: an input-guard module and metadata assertions. They run no
+# kernel, and the assertions pin the device of the export (meta when planning).
+_ASSERTION_OPS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_async.default,
+    torch.ops.aten._assert_async.msg,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+}
+
+
+class TraceError(Exception):
+    """The model cannot be captured as a graph."""
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, leaf_modules: tuple[str, ...]):
+        super().__init__()
+        self.leaf_modules = set(leaf_modules)
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return qualname in self.leaf_modules or super().is_leaf_module(m, qualname)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One tracer's failure, located; see [Note: where tracing failed]."""
+
+    tracer: str
+    error: BaseException
+    module: str | None  # qualified name of the innermost failing module; "" is the root
+    source: str | None  # "file.py:123"
+
+    def describe(self) -> str:
+        where = []
+        if self.module:
+            where.append(f"in {self.module}")
+        if self.source:
+            where.append(f"at {self.source}")
+        return f"{self.tracer} failed {' '.join(where)}{':' if where else ''} {_first_line(self.error)}".replace("  ", " ")
+
+
+def fx_trace(model: nn.Module, leaf_modules: tuple[str, ...] = ()) -> fx.GraphModule:
+    """Symbolically trace ``model`` with torch.fx, keeping ``leaf_modules`` opaque.
+
+    Raises:
+        TraceError: with the located failure as its ``failure`` attribute.
+    """
+    unknown = [p for p in leaf_modules if not _has_submodule(model, p)]
+    if unknown:
+        raise TraceError(f"--leaf-module {unknown[0]!r} is not a module of {type(model).__name__}")
+    try:
+        graph = _Tracer(leaf_modules).trace(model)
+    except Exception as exc:  # noqa: BLE001 - located and reported as one line
+        raise _failed(locate("torch.fx", exc, model)) from exc
+    return fx.GraphModule(model, graph, class_name=type(model).__name__)
+
+
+def export_graph(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
+    """Export ``model`` (non-strict) on the device of its parameters and unlift it.
+
+    Raises:
+        TraceError: with the located failure as its ``failure`` attribute.
+    """
+    device = next((p.device for p in model.parameters()), None)
+    inputs = tuple(t.to(device) if device is not None and isinstance(t, torch.Tensor) else t for t in example_inputs)
+    try:
+        ep = torch.export.export(model, inputs, strict=False)
+        gm = ep.module()
+    except Exception as exc:  # noqa: BLE001 - located and reported as one line
+        raise _failed(locate("torch.export", exc, model)) from exc
+    _strip_export_checks(gm)
+    return gm
+
+
+def capture(model: nn.Module, leaf_modules: tuple[str, ...] = (), example_inputs: tuple | None = None) -> tuple[fx.GraphModule, str]:
+    """The model's graph and how it was captured (``"fx"`` or ``"export"``); see [Note: two ways to capture].
+
+    Raises:
+        TraceError: neither tracer works; one line naming the module and source line.
+    """
+    try:
+        return fx_trace(model, leaf_modules), "fx"
+    except TraceError as fx_error:
+        fx_failure = getattr(fx_error, "failure", None)
+        if fx_failure is None or example_inputs is None:
+            raise
+    try:
+        return export_graph(model, example_inputs), "export"
+    except TraceError as export_error:
+        raise TraceError(_message(model, fx_failure, export_error.failure)) from export_error
+
+
+def locate(tracer: str, exc: BaseException, model: nn.Module) -> Failure:
+    """Find the module and source line where tracing failed; see [Note: where tracing failed]."""
+    names = {id(m): name for name, m in model.named_modules()}
+    module, source = None, None
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            module = names[id(owner)]
+        filename = frame.f_code.co_filename
+        if not str(Path(filename).resolve()).startswith(_TORCH_DIR) and not filename.startswith("<"):
+            source = f"{Path(filename).name}:{lineno}"
+    return Failure(tracer=tracer, error=exc, module=module, source=source)
+
+
+def _failed(failure: Failure) -> TraceError:
+    error = TraceError(failure.describe())
+    error.failure = failure  # type: ignore[attr-defined]
+    return error
+
+
+def _message(model: nn.Module, fx_failure: Failure, export_failure: Failure) -> str:
+    culprit = export_failure.module or fx_failure.module
+    if culprit:
+        hint = f"mark the failing module opaque with --leaf-module {culprit}, or remove data-dependent control flow there"
+    else:
+        hint = "remove data-dependent control flow from forward, or mark a submodule opaque with --leaf-module PATH"
+    return f"cannot trace {type(model).__name__}: {fx_failure.describe()}; {export_failure.describe()}; {hint}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0].strip() if text else ""
+    line = f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+    return line if len(line) <= 240 else line[:237] + "..."
+
+
+def _has_submodule(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _strip_export_checks(gm: fx.GraphModule) -> None:
+    """Drop the input guard and metadata assertions that export adds; see ``_ASSERTION_OPS``."""
+    for node in list(gm.graph.nodes):
+        guard = node.op == "call_module" and str(node.target) == "_guards_fn"
+        if (guard or (node.op == "call_function" and node.target in _ASSERTION_OPS)) and not node.users:
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    gm.graph.lint()
+    gm.recompile()
+
+
+def module_path(node: fx.Node) -> str:
+    """Qualified name of the innermost module a node ran in; "" for the root."""
+    paths = module_paths(node)
+    return paths[-1] if paths else ""
+
+
+def module_paths(node: fx.Node) -> list[str]:
+    """Qualified names of the modules a node ran in, outermost first.
+
+    fx records ``nn_module_stack`` as ``{key: (path, type)}`` and export as the same
+    with different keys; older fx versions as ``{path: type}``. A ``call_module`` or
+    ``get_attr`` node also names its target.
+    """
+    paths: list[str] = []
+    for key, value in node.meta.get("nn_module_stack", {}).items():
+        path = value[0] if isinstance(value, tuple) else key
+        if path and path not in paths:
+            paths.append(path)
+    if node.op == "call_module":
+        paths.append(str(node.target))
+    elif node.op == "get_attr":
+        paths.append(str(node.target).rpartition(".")[0])
+    return paths
+
+
+__all__ = ["Failure", "TraceError", "capture", "export_graph", "fx_trace", "locate", "module_path", "module_paths"]
