@@ -44,6 +44,7 @@ class ModelRef:
     args: dict[str, Any] = field(default_factory=dict)
     fingerprint: str  # sha256 of the model file's bytes
     layer_names: list[str]
+    leaf_modules: list[str] = field(default_factory=list)  # --leaf-module paths the layers were traced with
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -181,6 +181,7 @@ def program_source(plan: ParallelPlan) -> str:
         table=table,
         model_args=repr(dict(plan.model.args)),
         layer_names=repr(list(plan.model.layer_names)),
+        leaf_modules=repr(tuple(plan.model.leaf_modules)),
         mbs=plan.micro_batch_size,
         m=plan.num_microbatches,
         gbs=plan.global_batch_size,
@@ -218,6 +219,7 @@ from runtime.model_file import load_model_file
 MODEL_FILE = {model_name!r}  # plan.model.file, copied next to this program
 MODEL_ARGS = {model_args}  # plan.model.args
 LAYER_NAMES = {layer_names}  # plan.model.layer_names
+LEAF_MODULES = {leaf_modules}  # plan.model.leaf_modules: modules traced as opaque calls
 WORLD_SIZE = {world}  # plan.cluster.world_size
 DATA_PARALLEL = {dp}  # plan.data_parallel
 MICRO_BATCH_SIZE = {mbs}  # plan.micro_batch_size
@@ -246,7 +248,7 @@ torch.manual_seed(args.seed)
 model = model_file.build_model()
 if args.init_from:
     shard.load_full_state(model, args.init_from)
-stage = shard.cut_stage(model, model_file, MICRO_BATCH_SIZE, my_stage.layers, LAYER_NAMES)
+stage = shard.cut_stage(model, model_file, MICRO_BATCH_SIZE, my_stage.layers, LAYER_NAMES, LEAF_MODULES)
 stage.module.to(device)
 
 # tensor parallel: shard the stage's Linears column- or row-wise over its tp ranks

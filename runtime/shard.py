@@ -30,6 +30,7 @@ def cut_stage(
     micro_batch_size: int,
     layers: tuple[int, int],
     layer_names: list[str],
+    leaf_modules: tuple[str, ...] = (),
 ) -> Stage:
     """Trace the whole model and cut layers ``layers[0]..layers[1]`` out as this rank's stage.
 
@@ -40,7 +41,7 @@ def cut_stage(
     Raises:
         ShardError: the model's layers are not the ones the program was compiled for.
     """
-    layered = trace_layers(model)
+    layered = trace_layers(model, leaf_modules)
     if list(layered.layer_names) != list(layer_names):
         raise ShardError(
             f"{model_file.path.name} now has layers {list(layered.layer_names)}, "

@@ -14,9 +14,9 @@ from cost_models.cluster import parse_cluster
 from cost_models.devices import get_device
 from hetpar.commands.common import console, domain_errors, fail, gib, print_json, seconds
 from planner.plan import ParallelPlan
-from planner.search import SearchOptions, search
-from planner.trace import trace_model
-from runtime.model_file import load_model_file, parse_model_args
+from planner.api import plan_model
+from planner.search import SearchOptions
+from runtime.model_file import parse_model_args
 
 
 class DType(str, Enum):
@@ -58,9 +58,6 @@ def plan(
 ) -> None:
     """Find the fastest parallel plan for MODEL_FILE on a cluster and write it as JSON."""
     the_cluster = parse_cluster(cluster)
-    model = load_model_file(model_file, parse_model_args(model_arg or []))
-    with console.status("tracing the model on the meta device"):
-        graph = trace_model(model, tuple(leaf_module or ()))
     options = SearchOptions(
         global_batch_size=global_batch,
         dtype=(dtype.value if dtype else default_dtype(the_cluster.device_types())),
@@ -70,10 +67,19 @@ def plan(
         max_tp=max_tp,
         time_limit_s=time_limit,
     )
+    status = console.status("tracing the model on the meta device")
+    status.start()
     with Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.description}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("", total=None)
-        result = search(graph, the_cluster, options, progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what))
+        task = bar.add_task("", total=None, visible=False)
+        result = plan_model(
+            model_file, the_cluster, options,
+            model_args=parse_model_args(model_arg or []),
+            leaf_modules=tuple(leaf_module or ()),
+            on_traced=lambda graph: (status.stop(), bar.update(task, visible=True)),
+            progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what),
+        )
+    status.stop()
     if output is None and not as_json:
         output = Path("plan.json")
     if output is not None:
