@@ -183,3 +183,19 @@ def test_data_parallel_2_by_tensor_parallel_2(tmp_path, gpt_path):
     plan = build_plan(gpt_path, GPT_ARGS, splits=[[0, 1, 2, 3]], data_parallel=2, tensor_parallel=2, tp_blocks=True,
                       num_microbatches=2)
     assert_trains_like_one_process(plan, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pins", [dict(dp=2, pp=2, tp=1), dict(dp=1, pp=2, tp=2)], ids=["dp2xpp2", "tp2xpp2"])
+def test_plans_from_the_planner_train_like_one_process(tmp_path, gpt_path, pins):
+    """End to end: hetpar's own search (its layer split and the TP sharding it found) compiled and run."""
+    from cost_models.cluster import parse_cluster
+    from planner.api import plan_model
+    from planner.search import SearchOptions
+
+    options = SearchOptions(global_batch_size=8, dtype="fp32", schedule="1f1b", micro_batch_size=2, **pins)
+    plan = plan_model(gpt_path, parse_cluster("1x4xcpu"), options, model_args=GPT_ARGS)
+    assert plan.pipeline_parallel == 2 and plan.data_parallel == pins["dp"]
+    if pins["tp"] > 1:
+        assert any(s.tp_sharding for s in plan.stages)
+    assert_trains_like_one_process(plan, tmp_path)
