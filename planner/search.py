@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from cost_models.compute import layer_time_s
+from cost_models.devices import get_device
 from cost_models.pipeline import SCHEDULES
 from planner.costs import Candidate, CostTables, SplitCost, build_tables, evaluate_split, stage_memory_breakdown
 from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
@@ -62,7 +64,9 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
     gbs = options.global_batch_size
     _check_pins(model, cluster, options)
     tp_ok = any(l.tp_capable for l in model.layers)
-    schedules = [options.schedule] if options.schedule else list(SCHEDULES)
+    # GPipe takes the time of 1F1B and more memory ([Note: pipeline step time]), so it
+    # can never win; it is searched only when pinned.
+    schedules = [options.schedule] if options.schedule else ["1f1b"]
     node_width = min(g.devices_per_node for g in cluster.groups)
     out = []
     for tp in divisors(world):
@@ -223,17 +227,25 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
     """
     start = time.perf_counter()
     candidates = enumerate_candidates(model, cluster, options)
+    bounds = {cand: lower_bound_s(model, cluster, cand, options.dtype) for cand in candidates}
+    candidates.sort(key=bounds.get)
     solved: list[Solved] = []
     misfits: list[tuple[float, CostTables]] = []
+    best = math.inf
     for i, cand in enumerate(candidates):
+        if progress:
+            progress(i, len(candidates), cand.describe())
+        if bounds[cand] >= best and len(solved) > options.top_k:
+            break  # [Note: candidate bound]: no later candidate can win
         tables = build_tables(model, cluster, cand, options.dtype, options.optimizer)
         split = solve_split(tables, options)
         if split is None:
             misfits.append((_overflow(tables), tables))
         else:
             solved.append(Solved(tables=tables, split=split))
-        if progress:
-            progress(i + 1, len(candidates), cand.describe())
+            best = min(best, split.cost.objective_s)
+    if progress:
+        progress(len(candidates), len(candidates), "done")
     if not solved:
         raise PlanningError(_explain_misfit(model, options, min(misfits, key=lambda x: x[0])[1]))
     solved.sort(key=lambda s: s.split.cost.objective_s)
@@ -245,6 +257,31 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
         for s in solved[1 : 1 + options.top_k]
     ]
     return assemble_plan(model, cluster, options, best.tables, best.split.bounds, info, alternatives)
+
+
+# [Note: candidate bound]
+# Whatever the split, [Note: split objective] is at least
+#     W + (m - 1) * max(W / pp, max_l t_l),   W = sum_l t_l,
+# where t_l is layer l's micro-batch time on the device type that runs it fastest:
+# the stages together do all the work once, and the slowest stage does at least an
+# equal share and at least its largest layer. Communication only adds. Candidates are
+# solved in order of this bound, and the search stops at the first whose bound is no
+# better than the best plan found, so the plan it returns is optimal over all of them.
+def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str) -> float:
+    """A lower bound on the objective of any split of ``cand``; see [Note: candidate bound]."""
+    devices = [get_device(t) for t in sorted(set(cluster.device_types()))]
+    times = []
+    for layer in model.layers:
+        best = math.inf
+        for device in devices:
+            try:
+                fwd, bwd = layer_time_s(layer, device, tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
+            except (KeyError, ValueError):
+                continue
+            best = min(best, fwd + bwd)
+        times.append(best)
+    work = sum(times)
+    return work + (cand.num_microbatches - 1) * max(work / cand.pp, max(times))
 
 
 def _candidate_dict(c: Candidate) -> dict:

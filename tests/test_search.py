@@ -75,3 +75,26 @@ def test_equal_split_gives_remainder_to_early_stages():
 def test_ticks_round_to_nearest():
     assert to_ticks(2.5e-3, 1e-3) == 2 or to_ticks(2.5e-3, 1e-3) == 3
     assert to_ticks(1.0, 1e-6) == 1_000_000
+
+
+@pytest.mark.parametrize("cluster_spec,dtype", [("1x4xcpu", "fp32"), ("1x2xA100-80GB+1x2xV100-32GB", "fp16")])
+def test_pruned_search_finds_the_best_candidate(cluster_spec, dtype):
+    """The bound-pruned search returns the best plan over every candidate solved exhaustively."""
+    from cost_models.cluster import parse_cluster
+    from planner.costs import build_tables
+    from planner.search import enumerate_candidates, lower_bound_s, search
+    from planner.trace import trace_model
+    from runtime.model_file import load_model_file
+
+    graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 4, "hidden": 64, "seq_len": 16}))
+    cluster = parse_cluster(cluster_spec)
+    options = SearchOptions(global_batch_size=8, dtype=dtype, workers=1)
+    plan = search(graph, cluster, options)
+    exhaustive = []
+    for cand in enumerate_candidates(graph, cluster, options):
+        tables = build_tables(graph, cluster, cand, dtype)
+        split = solve_split(tables, options)
+        if split is not None:
+            exhaustive.append(split.cost.objective_s)
+            assert lower_bound_s(graph, cluster, cand, dtype) <= split.cost.objective_s * (1 + 1e-9)
+    assert plan.predicted.step_time_s == pytest.approx(min(exhaustive), rel=1e-6)
