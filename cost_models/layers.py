@@ -32,6 +32,13 @@ class LayerProfile:
     tp_split_params: int = 0
     tp_split_saved_bytes: float = 0.0
     tp_allreduce_bytes: float = 0.0  # forward all-reduce payload (rowwise outputs); backward repeats it
+    # Measured alongside (planner.measure, [Note: what a kernel costs]): work that is
+    # bound by memory traffic rather than by matmul throughput.
+    fwd_elementwise_flops: float = 0.0  # pointwise ops, reductions, norms: one per element
+    bwd_elementwise_flops: float = 0.0
+    fwd_bytes_accessed: float = 0.0  # bytes the forward kernels read and write
+    bwd_bytes_accessed: float = 0.0
+    tied_params: int = 0  # parameters this layer uses that an earlier layer holds and counts (tied embeddings)
 
     def flops_at(self, tp: int) -> tuple[float, float]:
         """(forward, backward) FLOPs one tensor-parallel rank runs, per sample."""

@@ -133,3 +133,20 @@ def check_sharded_shapes(reference_out: Any, sharded_out: Any) -> bool:
     return len(ref) == len(got) and all(
         getattr(a, "shape", None) == getattr(b, "shape", None) for a, b in zip(ref, got)
     )
+
+
+def rowwise_output_bytes(module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding]) -> float:
+    """Bytes of the outputs of rowwise Linears: the payload of the forward all-reduces."""
+    rowwise = {p for p, s in sharding.items() if s is Sharding.ROWWISE}
+    sizes: list[int] = []
+    hooks = [
+        module.get_submodule(p).register_forward_hook(lambda m, a, out: sizes.append(out.numel() * out.element_size()))
+        for p in rowwise
+    ]
+    try:
+        with torch.no_grad():
+            module(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return float(sum(sizes))

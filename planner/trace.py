@@ -1,9 +1,20 @@
 """Trace a model file on the meta device into a ModelGraph of measured layers.
 
-Nothing is allocated: the model is built under ``torch.device("meta")``, traced with
-torch.fx (runtime.graph), and each layer is run forward and backward on meta tensors
-under torch's FlopCounterMode, with saved-tensor hooks counting what autograd keeps
-for backward. The numbers are measured, not guessed.
+Nothing is allocated: the model is built under ``torch.device("meta")``, captured
+with torch.fx or torch.export (runtime.capture), grouped into layers
+(runtime.graph), and each layer is cut out as a stage and run forward and backward
+on meta tensors, node by node (planner.measure). The numbers are measured, not
+guessed.
+
+[Note: measuring repeated blocks once]
+A 96-block model has one block's worth of distinct work. Each layer's stage gets a
+structural key: its graph with module and parameter paths taken relative to the
+layer (``blocks.7.attn.q`` -> ``@.attn.q``), node references as positions, the
+shapes and dtypes of every parameter, module and input. Layers with equal keys run
+the same kernels on the same shapes, so the first one is measured (with its
+tensor-parallel probe) and the others reuse its numbers, node by node; what depends on
+the position in the model (the tensors crossing the cut after the layer, which
+parameters an earlier layer already holds) is worked out for every layer.
 """
 
 from __future__ import annotations
@@ -13,18 +24,45 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from cost_models.layers import LayerProfile
+from planner.measure import UNATTRIBUTED, Measurement, NodeCounts, measure, node_label, node_module
 from planner.plan import Sharding
-from planner.tensor_parallel import check_sharded_shapes, find_sharding, shard_on_meta
-from runtime.graph import LayeredGraph, build_stage, record_values, trace_layers
+from planner.tensor_parallel import check_sharded_shapes, find_sharding, rowwise_output_bytes, shard_on_meta
+from runtime.graph import LayeredGraph, Stage, build_stage, record_values, trace_layers
 from runtime.model_file import ModelFile, file_fingerprint
 
 _NO_KERNEL_OPS = ("placeholder", "get_attr", "output")
 _PROBE_TP = 2  # the degree of the second measurement; see [Note: tensor-parallel scaling]
+_RELATIVE = "@"  # stands for the layer's own path in structural keys and cached shardings
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeProfile:
+    """One graph node, per sample, fp32; see [Note: what a kernel costs] in planner.measure."""
+
+    name: str  # the fx node
+    layer: int
+    op: str  # what it runs: aten.linear, attn.q (a module call), view
+    module: str  # the innermost module it runs in
+    fwd_flops: float
+    bwd_flops: float
+    fwd_elementwise_flops: float
+    bwd_elementwise_flops: float
+    fwd_bytes_accessed: float
+    bwd_bytes_accessed: float
+    param_bytes: float
+    saved_activation_bytes: float
+    output_bytes: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class BoundaryTensor:
+    """A tensor crossing the cut after a layer, per sample."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +75,10 @@ class ModelGraph:
     layers: list[LayerProfile]
     tp_sharding: list[dict[str, Sharding]] = field(default_factory=list)  # per layer
     input_bytes: float = 0.0  # per sample
+    capture: str = "fx"  # "fx" or "export"; see [Note: two ways to capture] in runtime.capture
+    boundaries: list[list[BoundaryTensor]] = field(default_factory=list)  # per layer: what crosses the cut after it
+    nodes: list[NodeProfile] = field(default_factory=list)
+    measured_layers: int = 0  # layers measured; the others reused a twin's numbers
 
     @property
     def layer_names(self) -> list[str]:
@@ -51,20 +93,33 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
     """Build, trace and measure the model of ``model_file`` on the meta device.
 
     Raises:
-        runtime.graph.TraceError: torch.fx cannot trace the model.
+        runtime.graph.TraceError: neither torch.fx nor torch.export can capture the model.
         runtime.model_file.ModelFileError: the model file breaks the contract.
     """
     with torch.device("meta"):
         model = model_file.build_model()
-    lg = trace_layers(model, leaf_modules)
     example = model_file.example_inputs(1)
-    values = record_values(lg, example)
     meta_inputs = tuple(t.to("meta") for t in example)
-    layers, shardings = [], []
+    lg = trace_layers(model, leaf_modules, example_inputs=meta_inputs)
+    values = record_values(lg, example)
+    layers, shardings, boundaries, nodes = [], [], [], []
+    cache: dict[Any, _Measured] = {}
+    held: set[int] = set()  # ids of the parameters earlier layers hold
     for index in range(lg.num_layers):
-        profile, sharding = _measure_layer(lg, values, meta_inputs, index)
-        layers.append(profile)
-        shardings.append(sharding)
+        stage = build_stage(lg, values, index, index)
+        inputs = [meta_inputs[i] for i in stage.model_inputs]
+        inputs += [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in stage.recv]
+        name = lg.layer_names[index]
+        key = _structure_key(stage, name, inputs)
+        if key not in cache:
+            cache[key] = _measure_layer(stage, inputs, name)
+        measured = cache[key]
+        params, tied = _owned_params(stage.module, held)
+        layers.append(measured.profile(name=name, params=params, tied_params=tied,
+                                       boundary_bytes=float(sum(s.nbytes for s in stage.send))))
+        shardings.append(_absolute(measured.relative_sharding, name))
+        boundaries.append([BoundaryTensor(shape=s.shape, dtype=str(s.dtype).removeprefix("torch."), nbytes=s.nbytes) for s in stage.send])
+        nodes += _node_profiles(stage.module, index, measured.node_counts)
     return ModelGraph(
         file=str(model_file.path.resolve()),
         args=dict(model_file.model_args),
@@ -72,134 +127,155 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
         layers=layers,
         tp_sharding=shardings,
         input_bytes=float(sum(t.numel() * t.element_size() for t in example)),
+        capture=lg.capture,
+        boundaries=boundaries,
+        nodes=nodes,
+        measured_layers=len(cache),
     )
 
 
-@dataclass
-class _Run:
-    fwd_flops: float
-    bwd_flops: float
-    saved_bytes: float
-    outputs: Any
+@dataclass(frozen=True, kw_only=True)
+class _Measured:
+    """What a layer's measurement gives that its structural twins share."""
+
+    whole: Measurement
+    num_ops: int
+    relative_sharding: dict[str, Sharding]
+    split_fraction: float = 0.0
+    split_params: int = 0
+    split_saved: float = 0.0
+    allreduce_bytes: float = 0.0
+
+    @property
+    def node_counts(self) -> list[NodeCounts]:
+        return list(self.whole.nodes.values())
+
+    def profile(self, *, name: str, params: int, tied_params: int, boundary_bytes: float) -> LayerProfile:
+        w = self.whole
+        return LayerProfile(
+            name=name,
+            fwd_flops=w.total("fwd_flops"),
+            bwd_flops=w.total("bwd_flops"),
+            params=params,
+            saved_activation_bytes=w.total("saved_bytes"),
+            boundary_bytes=boundary_bytes,
+            num_ops=self.num_ops,
+            tp_split_flops_fraction=self.split_fraction,
+            tp_split_params=self.split_params,
+            tp_split_saved_bytes=max(0.0, self.split_saved),
+            tp_allreduce_bytes=self.allreduce_bytes,
+            fwd_elementwise_flops=w.total("fwd_elementwise_flops"),
+            bwd_elementwise_flops=w.total("bwd_elementwise_flops"),
+            fwd_bytes_accessed=w.total("fwd_bytes"),
+            bwd_bytes_accessed=w.total("bwd_bytes"),
+            tied_params=tied_params,
+        )
 
 
-def _run_fwd_bwd(module: torch.nn.Module, inputs: list[torch.Tensor]) -> _Run:
-    """Forward and backward on meta tensors counting FLOPs, then a forward counting saved activations."""
-    args = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-    with FlopCounterMode(display=False) as fwd_counter:
-        out = module(*args)
-    outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
-    with FlopCounterMode(display=False) as bwd_counter:
-        if outs:
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-    return _Run(
-        fwd_flops=float(fwd_counter.get_total_flops()),
-        bwd_flops=float(bwd_counter.get_total_flops()),
-        saved_bytes=_saved_bytes(module, inputs),
-        outputs=out,
-    )
-
-
-def _saved_bytes(module: torch.nn.Module, inputs: list[torch.Tensor]) -> float:
-    """Bytes autograd keeps for backward, parameters excluded, each storage counted once.
-
-    See [Note: fused attention on meta].
-    """
-    params = {p.untyped_storage()._cdata for p in module.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in params:
-            saved[storage._cdata] = storage.nbytes()
-        return t
-
-    args = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-    with _FusedAttention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*args)
-    return float(sum(saved.values()))
-
-
-# [Note: fused attention on meta]
-# On the meta device scaled_dot_product_attention always takes the math path, which
-# saves the T x T attention matrix. Real devices run a fused kernel (flash attention on
-# CUDA and on CPU) that saves only q, k, v, the output and the row log-sum-exp. The
-# saved-bytes pass stands in that kernel's footprint; the FLOP pass keeps the math
-# path, whose FLOPs equal the fused kernel's.
-class _FusedSDPA(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v):
-        # Fused kernels return (B, T, H, D) memory seen as (B, H, T, D), so the usual
-        # transpose(1, 2).reshape(B, T, -1) after attention is a view, not a copy.
-        batch, heads, length = q.shape[0], q.shape[1], q.shape[2]
-        out = q.new_empty((batch, length, heads, v.shape[-1])).transpose(1, 2)
-        logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, logsumexp)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-
-
-class _FusedAttention(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention:
-            return _FusedSDPA.apply(*args[:3])
-        return func(*args, **(kwargs or {}))
-
-
-def _measure_layer(lg: LayeredGraph, values: dict, meta_inputs: tuple, index: int) -> tuple[LayerProfile, dict]:
-    stage = build_stage(lg, values, index, index)
-    inputs = [meta_inputs[i] for i in stage.model_inputs]
-    inputs += [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in stage.recv]
-    whole = _run_fwd_bwd(stage.module, inputs)
-    params = sum(p.numel() for p in stage.module.parameters())
-    sharding = find_sharding(stage.module)
-    split_fraction, split_params, split_saved, allreduce = 0.0, 0, 0.0, 0.0
-    if sharding:
-        try:
-            sharded = shard_on_meta(stage.module, sharding, _PROBE_TP)
-            half = _run_fwd_bwd(sharded, inputs)
-            ok = check_sharded_shapes(whole.outputs, half.outputs)
-        except (RuntimeError, ValueError):
-            ok = False
-        if ok and whole.fwd_flops > 0:
-            split_fraction = min(1.0, _PROBE_TP / (_PROBE_TP - 1) * (1 - (half.fwd_flops + half.bwd_flops) / (whole.fwd_flops + whole.bwd_flops)))
-            split_params = round(_PROBE_TP / (_PROBE_TP - 1) * (params - sum(p.numel() for p in sharded.parameters())))
-            split_saved = _PROBE_TP / (_PROBE_TP - 1) * (whole.saved_bytes - half.saved_bytes)
-            allreduce = _rowwise_output_bytes(stage.module, inputs, sharding)
-        else:
-            sharding = {}
-    profile = LayerProfile(
-        name=lg.layer_names[index],
-        fwd_flops=whole.fwd_flops,
-        bwd_flops=whole.bwd_flops,
-        params=params,
-        saved_activation_bytes=whole.saved_bytes,
-        boundary_bytes=float(sum(s.nbytes for s in stage.send)),
-        num_ops=sum(1 for n in stage.module.graph.nodes if n.op not in _NO_KERNEL_OPS),
-        tp_split_flops_fraction=split_fraction,
-        tp_split_params=split_params,
-        tp_split_saved_bytes=max(0.0, split_saved),
-        tp_allreduce_bytes=allreduce,
-    )
-    return profile, sharding
-
-
-def _rowwise_output_bytes(module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding]) -> float:
-    """Bytes of the outputs of rowwise Linears: the payload of the forward all-reduces."""
-    rowwise = {p for p, s in sharding.items() if s is Sharding.ROWWISE}
-    sizes: list[int] = []
-    hooks = [
-        module.get_submodule(p).register_forward_hook(lambda m, a, out: sizes.append(out.numel() * out.element_size()))
-        for p in rowwise
-    ]
+def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str) -> _Measured:
+    """Measure one layer whole and, if it has a tensor-parallel pattern, as one of two ranks."""
+    module = stage.module
+    whole = measure(module, inputs)
+    num_ops = sum(1 for n in module.graph.nodes if n.op not in _NO_KERNEL_OPS)
+    sharding = find_sharding(module)
+    if not sharding:
+        return _Measured(whole=whole, num_ops=num_ops, relative_sharding={})
     try:
-        with torch.no_grad():
-            module(*inputs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return float(sum(sizes))
+        sharded = shard_on_meta(module, sharding, _PROBE_TP)
+        half = measure(sharded, inputs)
+        ok = check_sharded_shapes(whole.outputs, half.outputs)
+    except (RuntimeError, ValueError):
+        ok = False
+    whole_flops = whole.total("fwd_flops") + whole.total("bwd_flops")
+    if not ok or whole_flops <= 0:
+        return _Measured(whole=whole, num_ops=num_ops, relative_sharding={})
+    scale = _PROBE_TP / (_PROBE_TP - 1)
+    params = sum(p.numel() for p in module.parameters())
+    return _Measured(
+        whole=whole,
+        num_ops=num_ops,
+        relative_sharding=_relative(sharding, name),
+        split_fraction=min(1.0, scale * (1 - (half.total("fwd_flops") + half.total("bwd_flops")) / whole_flops)),
+        split_params=round(scale * (params - sum(p.numel() for p in sharded.parameters()))),
+        split_saved=scale * (whole.total("saved_bytes") - half.total("saved_bytes")),
+        allreduce_bytes=rowwise_output_bytes(module, inputs, sharding),
+    )
+
+
+def _owned_params(module: fx.GraphModule, held: set[int]) -> tuple[int, int]:
+    """(parameters this layer holds first, parameters an earlier layer already holds); updates ``held``."""
+    owned = tied = 0
+    for p in module.parameters():
+        if id(p) in held:
+            tied += p.numel()
+        else:
+            held.add(id(p))
+            owned += p.numel()
+    return owned, tied
+
+
+def _structure_key(stage: Stage, layer_name: str, inputs: list[torch.Tensor]) -> Any:
+    """What a layer's measurement depends on; see [Note: measuring repeated blocks once]."""
+    module = stage.module
+    position = {n.name: i for i, n in enumerate(module.graph.nodes)}
+    rows: list[Any] = [tuple((tuple(t.shape), t.dtype, t.is_floating_point()) for t in inputs)]
+    for node in module.graph.nodes:
+        args = fx.map_arg((node.args, node.kwargs), lambda a: f"%{position[a.name]}")
+        if node.op == "placeholder":
+            target = "input"  # named after the node it receives; its shape is in the first row
+        else:
+            target = node.target if callable(node.target) else _relative_path(str(node.target), layer_name)
+        row: list[Any] = [node.op, target if isinstance(target, str) else repr(target), repr(args)]
+        if node.op == "get_attr":
+            row.append(_tensor_signature(_get_attr(module, str(node.target))))
+        elif node.op == "call_module":
+            sub = module.get_submodule(str(node.target))
+            row += [repr(sub), tuple(_tensor_signature(t) for t in (*sub.parameters(), *sub.buffers()))]
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+def _tensor_signature(t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        return (tuple(t.shape), t.dtype, isinstance(t, torch.nn.Parameter))
+    return repr(t)
+
+
+def _get_attr(module: torch.nn.Module, path: str) -> Any:
+    owner, _, name = path.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, name)
+
+
+def _relative_path(path: str, layer_name: str) -> str:
+    if path == layer_name or path.startswith(layer_name + "."):
+        return _RELATIVE + path[len(layer_name):]
+    return path
+
+
+def _relative(sharding: dict[str, Sharding], layer_name: str) -> dict[str, Sharding]:
+    return {_relative_path(path, layer_name): how for path, how in sharding.items()}
+
+
+def _absolute(sharding: dict[str, Sharding], layer_name: str) -> dict[str, Sharding]:
+    return {
+        (layer_name + path[len(_RELATIVE):] if path.startswith(_RELATIVE) else path): how
+        for path, how in sharding.items()
+    }
+
+
+def _node_profiles(module: fx.GraphModule, layer: int, counts: list[NodeCounts]) -> list[NodeProfile]:
+    """This layer's nodes with the counts of the measured twin, matched by position."""
+    nodes = [n for n in module.graph.nodes if n.op not in ("placeholder", "output")]
+    out = []
+    for node, c in zip(nodes, counts):  # the trailing UNATTRIBUTED bucket has no node
+        out.append(NodeProfile(
+            name=node.name, layer=layer, op=node_label(node), module=node_module(node),
+            fwd_flops=c.fwd_flops, bwd_flops=c.bwd_flops,
+            fwd_elementwise_flops=c.fwd_elementwise_flops, bwd_elementwise_flops=c.bwd_elementwise_flops,
+            fwd_bytes_accessed=c.fwd_bytes, bwd_bytes_accessed=c.bwd_bytes,
+            param_bytes=c.param_bytes, saved_activation_bytes=c.saved_bytes, output_bytes=c.output_bytes,
+        ))
+    return out
+
+
+__all__ = ["BoundaryTensor", "ModelGraph", "NodeProfile", "UNATTRIBUTED", "trace_model"]
