@@ -1,20 +1,31 @@
-"""Pipeline schedules as data: per-stage lists of actions, a parser, and a simulator.
+"""Pipeline schedules as data: per-rank lists of actions, a parser, and two simulators.
 
 An action is ``(stage, kind, microbatch)`` and prints as ``1F0`` (stage 1, forward of
-micro-batch 0) or ``1B0`` (its backward); ``Action.parse`` reads that text back. A
-schedule generator returns one action list per stage; every rank of a stage runs its
-stage's list, and ``runtime.executor`` interprets it. Communication is implied: a
-forward receives from the previous stage and sends to the next, a backward the other
-way round (see [Note: pipeline communication] in runtime/executor.py).
+micro-batch 0), ``1B0`` (its backward) or ``1W0`` (its weight gradient, in zero-bubble
+schedules); ``Action.parse`` reads that text back. A schedule generator returns one
+action list per pipeline rank; every rank of a stage runs its stage's list, and
+``runtime.executor`` interprets it. Communication is implied: a forward receives from
+the previous stage and sends to the next, a backward the other way round (see
+[Note: pipeline communication] in runtime/executor.py).
+
+Most schedules give each rank one stage, so list s holds stage s. The interleaved
+schedule gives each of p ranks v stages ("model chunks"): rank r holds stages
+r, r + p, ..., r + (v - 1) p, and an action names its stage, not its rank.
 
 ``simulate`` plays the lists against each other with one tick per action, the way the
 executor runs them (sends never block, a receive waits for its send), so it finds
-deadlocks and draws timelines.
+deadlocks and draws timelines. ``simulate_timed`` plays them with real durations per
+action and a transfer time per send: the step time of a schedule, also for stages of
+unequal speed.
+
+The runtime executes ``make_schedule``'s schedules (1F1B, GPipe); the interleaved and
+zero-bubble schedules of ``build_schedule`` are, for now, simulated only.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -24,13 +35,19 @@ class ScheduleError(ValueError):
 
 
 class Kind(str, Enum):
-    """What an action computes."""
+    """What an action computes.
+
+    In a schedule with WEIGHT actions, BACKWARD computes only the gradient of the
+    stage's input (what the previous stage waits for) and WEIGHT the gradients of its
+    parameters (what nobody waits for); see [Note: zero-bubble split].
+    """
 
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
 
 
-_ACTION_RE = re.compile(r"^\s*(\d+)([FB])(\d+)\s*$")
+_ACTION_RE = re.compile(r"^\s*(\d+)([FBW])(\d+)\s*$")
 
 
 @dataclass(frozen=True, order=True)
@@ -59,7 +76,7 @@ class Action:
         """
         match = _ACTION_RE.match(text)
         if match is None:
-            raise ScheduleError(f"{text!r} is not an action like '1F0' (stage, F or B, micro-batch)")
+            raise ScheduleError(f"{text!r} is not an action like '1F0' (stage, F, B or W, micro-batch)")
         return cls(int(match[1]), Kind(match[2]), int(match[3]))
 
 
@@ -128,7 +145,108 @@ def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     ]
 
 
+def interleaved_one_f_one_b(num_ranks: int, num_microbatches: int, virtual_stages: int) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B: each of p ranks holds v model chunks (stages r, r + p, ...).
+
+    A micro-batch passes every rank v times, each time through a chunk of 1/v of the
+    rank's layers, so the warm-up and cool-down are v times shorter: the bubble is
+    (p - 1) (t_f + t_b) / v instead of (p - 1) (t_f + t_b) (Narayanan et al. 2021,
+    section 2.2.2), at the price of v times more point-to-point traffic. The order is
+    Megatron's (megatron/core/pipeline_parallel/schedules.py,
+    ``forward_backward_pipelining_with_interleaving``): micro-batches go in groups of p
+    through chunk 0, then chunk 1, ...; rank r runs ``2 (p - r - 1) + (v - 1) p``
+    warm-up forwards (all of them when m == p), then one forward and one backward
+    alternately. 2 ranks, 2 chunks, 4 micro-batches (one tick per action; ``F0`` on
+    rank 0 is stage 0 or stage 2)::
+
+        stage 0: F0 F1 F0 F1 F2 B0 F3 B1 F2 B0 F3 B1 .. B2 .. B3 B2 B3
+        stage 1: .. F0 F1 F0 B0 F1 B1 F2 B0 F3 B1 F2 B2 F3 B3 B2 B3
+
+    Args:
+        num_ranks: p, the pipeline ranks.
+        num_microbatches: m, a multiple of p.
+        virtual_stages: v >= 1 chunks per rank; v = 1 is plain 1F1B.
+
+    Returns:
+        ``actions[r]``: the actions of rank r in execution order.
+
+    Raises:
+        ScheduleError: bad sizes, or m not a multiple of p.
+    """
+    _check_sizes(num_ranks, num_microbatches)
+    p, m, v = num_ranks, num_microbatches, virtual_stages
+    if v < 1:
+        raise ScheduleError(f"virtual stages must be at least 1, got {v}")
+    if v == 1:
+        return one_f_one_b(p, m)
+    if m % p:
+        raise ScheduleError(f"the interleaved schedule needs micro-batches ({m}) to be a multiple of pipeline ranks ({p})")
+    total = m * v
+
+    def chunk(k: int, forward: bool) -> int:
+        c = (k % (p * v)) // p
+        return c if forward else v - 1 - c
+
+    def microbatch(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    schedule = []
+    for r in range(p):
+        warmup = total if m == p else min(2 * (p - r - 1) + (v - 1) * p, total)
+        forwards = [Action(chunk(k, True) * p + r, Kind.FORWARD, microbatch(k)) for k in range(total)]
+        backwards = [Action(chunk(k, False) * p + r, Kind.BACKWARD, microbatch(k)) for k in range(total)]
+        actions = forwards[:warmup]
+        for i in range(total - warmup):
+            actions += [forwards[warmup + i], backwards[i]]
+        schedule.append(actions + backwards[total - warmup :])
+    return schedule
+
+
+# [Note: zero-bubble split]
+# A backward does two things: the gradient of the stage's input, which the previous
+# stage waits for, and the gradients of the stage's weights, which nobody waits for
+# until the optimizer step. Zero-bubble schedules (Qi et al. 2023, "Zero Bubble
+# Pipeline Parallelism", ICLR 2024) run them as separate actions, B and W, and move W
+# into what would have been bubbles. With t_F = t_B = t_W, 1F1B's bubble
+# (p - 1)(t_F + t_B + t_W) shrinks to ZB-H1's (p - 1)(t_F + t_B - t_W), a third, while
+# each stage still holds at most as many micro-batches as under 1F1B (W keeps only the
+# inputs of the stage's matmuls alive; cost_models/memory.py counts them).
+
+
+def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al. 2023): 1F1B with each backward split into B and W; stage s runs
+    each W ``s`` backwards late, so later stages pass input gradients upstream sooner
+    and earlier stages fill their waits with W; see [Note: zero-bubble split].
+
+    4 stages, 4 micro-batches, one tick per action (F, B and W alike)::
+
+        stage 0: F0 F1 F2 F3 .. .. .. B0 W0 B1 W1 B2 W2 B3 W3
+        stage 1: .. F0 F1 F2 .. .. B0 F3 B1 W0 B2 W1 B3 W2 W3
+        stage 2: .. .. F0 F1 .. B0 F2 B1 F3 B2 W0 B3 W1 W2 W3
+        stage 3: .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 W2 W3
+
+    Returns:
+        ``actions[s]``: the actions of stage s in execution order.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    schedule = []
+    for s, actions in enumerate(one_f_one_b(num_stages, num_microbatches)):
+        deferred = s
+        out, backwards = [], 0
+        for a in actions:
+            out.append(a)
+            if a.kind is Kind.BACKWARD:
+                if backwards >= deferred:
+                    out.append(Action(s, Kind.WEIGHT, backwards - deferred))
+                backwards += 1
+        out += [Action(s, Kind.WEIGHT, i) for i in range(max(0, backwards - deferred), backwards)]
+        schedule.append(out)
+    return schedule
+
+
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
+# Everything the timed simulator plays: the runtime's schedules plus the ones it does not run yet.
+SIMULATED_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int) -> list[list[Action]]:
@@ -142,32 +260,70 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int) -> list[lis
     return SCHEDULES[name](num_stages, num_microbatches)
 
 
-def validate(schedule: list[list[Action]], num_microbatches: int) -> None:
-    """Check that stage s lists exactly one forward and one backward of every
-    micro-batch, and each backward after its forward.
+def build_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """Any schedule of ``SIMULATED_SCHEDULES``, one action list per pipeline rank.
+
+    Args:
+        name: "1f1b", "gpipe", "interleaved" or "zb" (ZB-H1).
+        num_ranks: pipeline ranks p.
+        num_microbatches: m.
+        virtual_stages: chunks per rank; only the interleaved schedule takes v > 1.
+
+    Raises:
+        ScheduleError: unknown name, bad sizes, or v > 1 for a schedule without chunks.
+    """
+    if name not in SIMULATED_SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SIMULATED_SCHEDULES)}")
+    if name == "interleaved":
+        return interleaved_one_f_one_b(num_ranks, num_microbatches, virtual_stages)
+    if virtual_stages != 1:
+        raise ScheduleError(f"virtual stages ({virtual_stages}) need the interleaved schedule, not {name!r}")
+    return zero_bubble_h1(num_ranks, num_microbatches) if name == "zb" else make_schedule(name, num_ranks, num_microbatches)
+
+
+def validate(schedule: list[list[Action]], num_microbatches: int, virtual_stages: int = 1) -> None:
+    """Check that every stage lists exactly one forward and one backward of every
+    micro-batch (and one weight-gradient action each, if it lists any), each backward
+    after its forward and each W after its backward; with ``virtual_stages`` v, that
+    rank r lists only its stages r, r + p, ..., r + (v - 1) p.
 
     Raises:
         ScheduleError: naming the stage and the action at fault.
     """
-    for s, actions in enumerate(schedule):
+    p = len(schedule)
+    for r, actions in enumerate(schedule):
+        mine = {r + c * p for c in range(virtual_stages)}
         seen: set[Action] = set()
         for a in actions:
-            if a.stage != s:
-                raise ScheduleError(f"stage {s} lists {a}, an action of stage {a.stage}")
+            if a.stage not in mine:
+                held = f"an action of stage {a.stage}" if virtual_stages == 1 else f"but holds stages {sorted(mine)}"
+                raise ScheduleError(f"stage {r} lists {a}, {held}")
             if a in seen:
-                raise ScheduleError(f"stage {s} lists {a} twice")
-            if a.kind is Kind.BACKWARD and Action(s, Kind.FORWARD, a.microbatch) not in seen:
-                raise ScheduleError(f"stage {s} runs {a} before its forward")
+                raise ScheduleError(f"stage {a.stage} lists {a} twice")
+            before = {Kind.BACKWARD: Kind.FORWARD, Kind.WEIGHT: Kind.BACKWARD}.get(a.kind)
+            if before is not None and Action(a.stage, before, a.microbatch) not in seen:
+                raise ScheduleError(f"stage {a.stage} runs {a} before its {'forward' if before is Kind.FORWARD else 'backward'}")
             seen.add(a)
-        expected = {Action(s, k, i) for k in Kind for i in range(num_microbatches)}
-        if seen != expected:
-            faults = [f"lacks {_in_order(expected - seen)}"] if expected - seen else []
-            faults += [f"has extra {_in_order(seen - expected)}"] if seen - expected else []
-            raise ScheduleError(f"stage {s} " + " and ".join(faults))
+        for stage in sorted(mine):
+            _check_complete(stage, {a for a in seen if a.stage == stage}, num_microbatches)
+
+
+def _check_complete(stage: int, seen: set[Action], num_microbatches: int) -> None:
+    kinds = [Kind.FORWARD, Kind.BACKWARD] + ([Kind.WEIGHT] if any(a.kind is Kind.WEIGHT for a in seen) else [])
+    expected = {Action(stage, k, i) for k in kinds for i in range(num_microbatches)}
+    if seen != expected:
+        faults = [f"lacks {_in_order(expected - seen)}"] if expected - seen else []
+        faults += [f"has extra {_in_order(seen - expected)}"] if seen - expected else []
+        raise ScheduleError(f"stage {stage} " + " and ".join(faults))
 
 
 def _in_order(actions: set[Action]) -> str:
-    return format_actions(sorted(actions, key=lambda a: (a.microbatch, a.kind is Kind.BACKWARD)))
+    order = {Kind.FORWARD: 0, Kind.BACKWARD: 1, Kind.WEIGHT: 2}
+    return format_actions(sorted(actions, key=lambda a: (a.microbatch, order[a.kind])))
+
+
+def _num_stages(schedule: list[list[Action]]) -> int:
+    return 1 + max((a.stage for actions in schedule for a in actions), default=len(schedule) - 1)
 
 
 def _dependency(action: Action, num_stages: int) -> Action | None:
@@ -179,26 +335,35 @@ def _dependency(action: Action, num_stages: int) -> Action | None:
     return None
 
 
+def _deadlock(schedule: list[list[Action]], position: list[int], num_stages: int) -> ScheduleError:
+    waits = [
+        f"{schedule[s][position[s]]} waits for {_dependency(schedule[s][position[s]], num_stages)}"
+        for s in range(len(schedule))
+        if position[s] < len(schedule[s])
+    ]
+    return ScheduleError("deadlock: " + "; ".join(waits))
+
+
 def simulate(schedule: list[list[Action]]) -> list[list[Action | None]]:
-    """Run the stages' action lists together, one tick per action.
+    """Run the ranks' action lists together, one tick per action.
 
     An action starts once the action whose output it receives finished in an earlier
     tick; sends never block. This is how the executor behaves, so a schedule that
     simulates to the end cannot deadlock there.
 
     Returns:
-        ``timeline[s][tick]``: the action stage s runs at that tick, or None (a bubble).
+        ``timeline[r][tick]``: the action rank r runs at that tick, or None (a bubble).
 
     Raises:
-        ScheduleError: the stages wait on each other (deadlock), naming who waits for what.
+        ScheduleError: the ranks wait on each other (deadlock), naming who waits for what.
     """
-    num_stages = len(schedule)
+    num_ranks, num_stages = len(schedule), _num_stages(schedule)
     done: set[Action] = set()
-    position = [0] * num_stages
-    timeline: list[list[Action | None]] = [[] for _ in range(num_stages)]
-    while any(position[s] < len(schedule[s]) for s in range(num_stages)):
+    position = [0] * num_ranks
+    timeline: list[list[Action | None]] = [[] for _ in range(num_ranks)]
+    while any(position[s] < len(schedule[s]) for s in range(num_ranks)):
         finished_now = []
-        for s in range(num_stages):
+        for s in range(num_ranks):
             if position[s] == len(schedule[s]):
                 timeline[s].append(None)
                 continue
@@ -211,12 +376,7 @@ def simulate(schedule: list[list[Action]]) -> list[list[Action | None]]:
             else:
                 timeline[s].append(None)
         if not finished_now:
-            waits = [
-                f"{schedule[s][position[s]]} waits for {_dependency(schedule[s][position[s]], num_stages)}"
-                for s in range(num_stages)
-                if position[s] < len(schedule[s])
-            ]
-            raise ScheduleError("deadlock: " + "; ".join(waits))
+            raise _deadlock(schedule, position, num_stages)
         done.update(finished_now)
     width = max(len(t) for t in timeline)
     while width and all(t[width - 1] is None for t in timeline):
@@ -224,8 +384,93 @@ def simulate(schedule: list[list[Action]]) -> list[list[Action | None]]:
     return [t[:width] for t in timeline]
 
 
+@dataclass(frozen=True, kw_only=True)
+class TimedAction:
+    """One action as the timed simulator ran it."""
+
+    action: Action
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimedRun:
+    """What ``simulate_timed`` found: every action's start and end, rank by rank."""
+
+    ranks: list[list[TimedAction]]
+
+    @property
+    def makespan_s(self) -> float:
+        """From the first action's start to the last action's end, over all ranks."""
+        return max((run[-1].end_s for run in self.ranks if run), default=0.0)
+
+    def busy_s(self, rank: int) -> float:
+        """Seconds rank ``rank`` computes."""
+        return sum(t.end_s - t.start_s for t in self.ranks[rank])
+
+    def end_s(self, rank: int) -> float:
+        """When rank ``rank`` finishes its last action."""
+        return self.ranks[rank][-1].end_s if self.ranks[rank] else 0.0
+
+    def peak_in_flight(self, rank: int) -> int:
+        """The most micro-batches rank ``rank`` holds activations for (F done, B not)."""
+        return max_in_flight([t.action for t in self.ranks[rank]])
+
+
+def simulate_timed(
+    schedule: list[list[Action]],
+    duration_s: Callable[[Action], float],
+    transfer_s: Callable[[Action, Action], float] | None = None,
+) -> TimedRun:
+    """Run the ranks' action lists with real durations: the step time of a schedule.
+
+    Each rank runs its list in order; an action starts when its rank is free and the
+    output it receives has arrived: the sending action's end plus
+    ``transfer_s(sender, receiver)`` when they run on different ranks. Sends never
+    block the sender, as in ``simulate``. Stages may be of any speed: the durations
+    come per action.
+
+    Args:
+        schedule: ``actions[r]`` per rank (``build_schedule``).
+        duration_s: seconds of one action.
+        transfer_s: seconds from the end of a sending action to the arrival of its
+            output at the receiving action's rank; none when omitted.
+
+    Returns:
+        Every action's start and end.
+
+    Raises:
+        ScheduleError: the ranks wait on each other (deadlock).
+    """
+    num_stages = _num_stages(schedule)
+    rank_of = {a.stage: r for r, actions in enumerate(schedule) for a in actions}
+    end: dict[Action, float] = {}
+    runs: list[list[TimedAction]] = [[] for _ in schedule]
+    position, free = [0] * len(schedule), [0.0] * len(schedule)
+    progress = True
+    while progress:
+        progress = False
+        for r, actions in enumerate(schedule):
+            while position[r] < len(actions):
+                action = actions[position[r]]
+                needs = _dependency(action, num_stages)
+                if needs is not None and needs not in end:
+                    break
+                start = free[r]
+                if needs is not None:
+                    delay = transfer_s(needs, action) if transfer_s and rank_of[needs.stage] != r else 0.0
+                    start = max(start, end[needs] + delay)
+                end[action] = free[r] = start + duration_s(action)
+                runs[r].append(TimedAction(action=action, start_s=start, end_s=end[action]))
+                position[r] += 1
+                progress = True
+    if any(position[r] < len(schedule[r]) for r in range(len(schedule))):
+        raise _deadlock(schedule, position, num_stages)
+    return TimedRun(ranks=runs)
+
+
 def draw(timeline: list[list[Action | None]]) -> str:
-    """A timeline as text, one line per stage, ``..`` for a bubble."""
+    """A timeline as text, one line per rank, ``..`` for a bubble."""
     lines = []
     for s, row in enumerate(timeline):
         cells = [f"{a.kind.value}{a.microbatch}" if a else ".." for a in row]
@@ -234,10 +479,11 @@ def draw(timeline: list[list[Action | None]]) -> str:
 
 
 def max_in_flight(actions: list[Action]) -> int:
-    """The most micro-batches a stage holds activations for (forward done, backward not)."""
+    """The most micro-batches a rank holds activations for (forward done, backward not)."""
     live = peak = 0
     for a in actions:
-        live += 1 if a.kind is Kind.FORWARD else -1
+        if a.kind is not Kind.WEIGHT:
+            live += 1 if a.kind is Kind.FORWARD else -1
         peak = max(peak, live)
     return peak
 
@@ -247,13 +493,20 @@ __all__ = [
     "Kind",
     "ScheduleError",
     "SCHEDULES",
+    "SIMULATED_SCHEDULES",
+    "TimedAction",
+    "TimedRun",
+    "build_schedule",
     "draw",
     "format_actions",
     "gpipe",
+    "interleaved_one_f_one_b",
     "make_schedule",
     "max_in_flight",
     "one_f_one_b",
     "parse_actions",
     "simulate",
+    "simulate_timed",
     "validate",
+    "zero_bubble_h1",
 ]

@@ -130,3 +130,68 @@ def test_docstring_timelines_are_what_the_simulator_draws(generator, p, m):
     one, paste ``schedule.draw(schedule.simulate(generator(p, m)))``."""
     drawn = [line.strip() for line in generator.__doc__.splitlines() if re.match(r"\s*stage \d+:", line)]
     assert drawn == schedule.draw(schedule.simulate(generator(p, m))).splitlines()
+
+
+def test_weight_actions_print_and_parse():
+    assert str(Action(2, Kind.WEIGHT, 5)) == "2W5" and Action.parse("2W5") == Action(2, "W", 5)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in GRID if m % p == 0])
+@pytest.mark.parametrize("v", [2, 3])
+def test_interleaved_is_valid_and_never_deadlocks(p, m, v):
+    plan = schedule.interleaved_one_f_one_b(p, m, v)
+    schedule.validate(plan, m, virtual_stages=v)
+    timeline = schedule.simulate(plan)
+    for r, row in enumerate(timeline):
+        assert [a for a in row if a is not None] == plan[r]
+        assert {a.stage for a in plan[r]} == {r + c * p for c in range(v)}
+
+
+def test_interleaved_needs_whole_groups_of_microbatches():
+    with pytest.raises(ScheduleError, match=r"micro-batches \(6\) to be a multiple of pipeline ranks \(4\)"):
+        schedule.interleaved_one_f_one_b(4, 6, 2)
+    assert schedule.interleaved_one_f_one_b(3, 6, 1) == schedule.one_f_one_b(3, 6)
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_zero_bubble_is_valid_and_holds_no_more_than_one_f_one_b(p, m):
+    plan = schedule.zero_bubble_h1(p, m)
+    schedule.validate(plan, m)
+    schedule.simulate(plan)
+    for actions, reference in zip(plan, schedule.one_f_one_b(p, m)):
+        assert [a for a in actions if a.kind is not Kind.WEIGHT] == reference
+        assert schedule.max_in_flight(actions) == schedule.max_in_flight(reference)
+
+
+@pytest.mark.parametrize(
+    "text,m,message",
+    [
+        ("0F0 0W0 0B0", 1, "runs 0W0 before its backward"),
+        ("0F0 0B0 0W0 0F1 0B1", 2, "lacks 0W1"),
+    ],
+)
+def test_validate_checks_weight_actions(text, m, message):
+    with pytest.raises(ScheduleError, match=message):
+        schedule.validate([schedule.parse_actions(text)], m)
+
+
+def test_validate_names_a_chunk_on_the_wrong_rank():
+    plan = [schedule.parse_actions("0F0 0B0 1F0 1B0"), schedule.parse_actions("3F0 3B0 2F0 2B0")]
+    with pytest.raises(ScheduleError, match=r"stage 0 lists 1F0, but holds stages \[0, 2\]"):
+        schedule.validate(plan, 1, virtual_stages=2)
+
+
+def test_build_schedule_names_and_refusals():
+    assert schedule.build_schedule("1f1b", 2, 2) == schedule.one_f_one_b(2, 2)
+    assert schedule.build_schedule("zb", 2, 2) == schedule.zero_bubble_h1(2, 2)
+    with pytest.raises(ScheduleError, match="virtual stages \\(2\\) need the interleaved schedule"):
+        schedule.build_schedule("1f1b", 2, 2, 2)
+    with pytest.raises(ScheduleError, match="unknown schedule 'pipedream'"):
+        schedule.build_schedule("pipedream", 2, 2)
+
+
+@pytest.mark.parametrize("generator,args", [(schedule.interleaved_one_f_one_b, (2, 4, 2)), (schedule.zero_bubble_h1, (4, 4))])
+def test_new_docstring_timelines_are_what_the_simulator_draws(generator, args):
+    """Golden timelines; regenerate with ``schedule.draw(schedule.simulate(generator(*args)))``."""
+    drawn = [line.strip() for line in generator.__doc__.splitlines() if re.match(r"\s*stage \d+:", line)]
+    assert drawn == schedule.draw(schedule.simulate(generator(*args))).splitlines()
