@@ -20,6 +20,7 @@ span device types is costed on the slowest of them and the smallest memory.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from cost_models.collectives import all_reduce_time_s, p2p_time_s
@@ -105,17 +106,18 @@ def build_tables(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimi
     slots = stage_slots(cluster.device_types(), cand)
     scale = dtype_bytes(dtype) / 4
     grad_bytes = state_bytes_per_param(dtype, optimizer)[1]
-    lt, ct, mem, dpt, tpt, dpl = [], [], [], [], [], []
+    lt, ct, mem, dpt, tpt = [], [], [], [], []
+    dp_linear = [_dp_linear(cluster, [rep[0] for rep in slot.ranks]) for slot in slots]
+    tp_all_reduce = functools.lru_cache(maxsize=None)(lambda payload, s: all_reduce_time_s(payload, slots[s].ranks[0], cluster))
     for layer in model.layers:
         row_t, row_c, row_m, row_d, row_tp = [], [], [], [], []
         for s, slot in enumerate(slots):
             device = get_device(slot.device_type)
             fwd, bwd = layer_time_s(layer, device, tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
-            tp_ranks = slot.ranks[0]
             tp_comm = 0.0
             if cand.tp > 1 and layer.tp_allreduce_bytes:
                 payload = layer.tp_allreduce_bytes * cand.micro_batch_size * scale
-                tp_comm = 2 * all_reduce_time_s(payload, tp_ranks, cluster)
+                tp_comm = 2 * tp_all_reduce(payload, s)
             row_t.append(fwd + bwd + tp_comm)
             row_tp.append(tp_comm)
             cut = 0.0
@@ -127,15 +129,12 @@ def build_tables(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimi
             row_m.append(
                 stage_memory([layer], tp=cand.tp, micro_batch_size=cand.micro_batch_size, in_flight=in_flight, dtype=dtype, optimizer=optimizer).total_bytes
             )
-            latency, per_byte = _dp_linear(cluster, [rep[0] for rep in slot.ranks])
-            row_d.append(layer.params_at(cand.tp) * grad_bytes * per_byte)
+            row_d.append(layer.params_at(cand.tp) * grad_bytes * dp_linear[s][1])
         lt.append(row_t)
         ct.append(row_c)
         mem.append(row_m)
         dpt.append(row_d)
         tpt.append(row_tp)
-    for slot in slots:
-        dpl.append(_dp_linear(cluster, [rep[0] for rep in slot.ranks])[0])
     return CostTables(
         candidate=cand,
         slots=slots,
@@ -143,7 +142,7 @@ def build_tables(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimi
         cut_time_s=ct,
         layer_memory_bytes=mem,
         capacity_bytes=[float(s.memory_bytes) for s in slots],
-        dp_latency_s=dpl,
+        dp_latency_s=[latency for latency, _ in dp_linear],
         dp_time_s=dpt,
         tp_time_s=tpt,
     )
