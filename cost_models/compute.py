@@ -1,13 +1,47 @@
-"""Time of a layer's forward and backward on one device: a roofline plus launch overhead.
+"""Time of a layer's forward and backward on one device.
 
+Two models live here. ``layer_time_s`` is the search's roofline (below);
+``layer_timing`` is the estimator's, which also splits the backward into B and W; see
+[Note: layer time]. The search will move to the second once it is validated
+everywhere; until then both are kept so that the search's behaviour does not change.
+
+Search (``layer_time_s``):
 time = max(FLOPs / (peak * efficiency), bytes moved / memory bandwidth) + ops * overhead
 
 FLOPs and bytes come from a LayerProfile (measured on the meta device); peak,
 efficiency and bandwidth from the device profile. Backward launches about twice the
 kernels of forward.
+
+[Note: layer time]
+A training layer runs matmuls, which are bound by the tensor cores, and elementwise
+kernels (norms, activations, softmax, dropout, residual adds), which are bound by
+memory bandwidth; the two do not overlap within one stream, so their times add:
+
+    fwd = matmul FLOPs / (peak * matmul_efficiency * kernel_efficiency)
+          + activation bytes / (HBM bandwidth * HBM_STREAM_EFFICIENCY * kernel_efficiency)
+          + ops * launch overhead
+    bwd = the same with the backward's FLOPs, twice the bytes and twice the launches
+
+"activation bytes" is what the layer saves for backward (measured, scaled to the
+dtype and micro-batch): every saved byte is written by a forward kernel and read, with
+its gradient written, by a backward kernel, so this is a floor on the elementwise
+traffic, not a guess. ``matmul_efficiency`` is the device profile's best-case matmul
+(MAMF) measurement. ``kernel_efficiency`` is the one global constant fitted to
+published end-to-end measurements: what real training kernels reach of those
+microbenchmark rates (shapes that are not the best one, the attention matmuls, launch
+gaps, the data loader); see TRAINING_KERNEL_EFFICIENCY and docs/cost-model.md for the
+data it was fitted on.
+
+Zero-bubble schedules need the backward in two parts ([Note: zero-bubble split] in
+runtime/schedule.py): W, the weight gradients, costs as many FLOPs as the layer's
+forward matmuls (each weight is used once per token either way); B, the input
+gradient, is the rest of the backward, its elementwise traffic included. A layer
+without parameters has no W.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from cost_models.layers import LayerProfile
 
@@ -51,3 +85,61 @@ def layer_time_s(layer: LayerProfile, device, *, tp: int, micro_batch_size: int,
     fwd = max(fwd_flops * micro_batch_size / rate, (weight_bytes + act_bytes) / bw) + overhead
     bwd = max(bwd_flops * micro_batch_size / rate, (2 * weight_bytes + 2 * act_bytes) / bw) + 2 * overhead
     return fwd, bwd
+
+
+# Achievable fraction of peak HBM bandwidth for streaming kernels: STREAM triad 1.70 of
+# 2.039 TB/s on A100-SXM4-80GB (83%) and 4.15 of 4.8 TB/s on H200 (86%),
+# Azure/AI-benchmarking-guide ND A100 v4 and ND H200 v5 results (hardware.md section 1.1).
+HBM_STREAM_EFFICIENCY = 0.83
+
+# What end-to-end training kernels reach of the microbenchmark rates above; the one
+# fitted constant of the estimator ([Note: layer time]). Fitted in
+# benchmarks/cost_model_published.py; the rows it was fitted on and the rows it was
+# tested on are in docs/BENCHMARKS.md ("Cost model vs published measurements").
+TRAINING_KERNEL_EFFICIENCY = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerTime:
+    """Seconds of one micro-batch of one layer on one rank, without communication."""
+
+    fwd_s: float
+    bwd_input_s: float  # B: the gradient of the layer's input, elementwise backward included
+    bwd_weight_s: float  # W: the gradients of the layer's weights
+
+    @property
+    def bwd_s(self) -> float:
+        """The whole backward, B + W."""
+        return self.bwd_input_s + self.bwd_weight_s
+
+
+def layer_timing(
+    layer: LayerProfile, device, *, tp: int, micro_batch_size: int, dtype: str,
+    kernel_efficiency: float = TRAINING_KERNEL_EFFICIENCY,
+) -> LayerTime:
+    """Forward, input-gradient and weight-gradient seconds of one micro-batch; see [Note: layer time].
+
+    Args:
+        layer: the measured layer (per sample, fp32).
+        device: a cost_models.devices.DeviceProfile.
+        tp: tensor-parallel degree of the stage.
+        micro_batch_size: samples per micro-batch.
+        dtype: training precision, which sets peak FLOP/s and activation bytes.
+        kernel_efficiency: fraction of the microbenchmark rates reached in training.
+
+    Raises:
+        ValueError: unknown dtype, or a non-positive efficiency.
+    """
+    if not kernel_efficiency > 0:
+        raise ValueError(f"kernel_efficiency must be positive, got {kernel_efficiency}")
+    flop_rate = device.peak_flops(dtype) * device.matmul_efficiency * kernel_efficiency
+    byte_rate = device.mem_bw_bytes_per_s * HBM_STREAM_EFFICIENCY * kernel_efficiency
+    fwd_flops, bwd_flops = (f * micro_batch_size for f in layer.flops_at(tp))
+    saved = layer.saved_bytes_at(tp) * micro_batch_size * dtype_bytes(dtype) / 4
+    launch = getattr(device, "op_overhead_s", DEFAULT_OP_OVERHEAD_S) * layer.num_ops
+    weight_flops = min(fwd_flops, bwd_flops / 2) if layer.params_at(tp) > 0 else 0.0
+    return LayerTime(
+        fwd_s=fwd_flops / flop_rate + saved / byte_rate + launch,
+        bwd_input_s=(bwd_flops - weight_flops) / flop_rate + 2 * saved / byte_rate + launch,
+        bwd_weight_s=weight_flops / flop_rate + launch,
+    )
