@@ -29,7 +29,7 @@ from cost_models.layers import LayerProfile
 from planner.measure import UNATTRIBUTED, Measurement, NodeCounts, measure, node_label, node_module
 from planner.plan import Sharding
 from planner.tensor_parallel import check_sharded_shapes, find_sharding, rowwise_output_bytes, shard_on_meta
-from runtime.graph import LayeredGraph, Stage, build_stage, record_values, trace_layers
+from runtime.graph import Stage, build_stage, meta_run_error, record_values, trace_layers
 from runtime.model_file import ModelFile, file_fingerprint
 
 _NO_KERNEL_OPS = ("placeholder", "get_attr", "output")
@@ -112,7 +112,10 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
         name = lg.layer_names[index]
         key = _structure_key(stage, name, inputs)
         if key not in cache:
-            cache[key] = _measure_layer(stage, inputs, name)
+            try:
+                cache[key] = _measure_layer(stage, inputs, name)
+            except Exception as exc:  # noqa: BLE001 - located and reported as one line
+                raise meta_run_error(stage.module, exc, f"layer {name}") from exc
         measured = cache[key]
         params, tied = _owned_params(stage.module, held)
         layers.append(measured.profile(name=name, params=params, tied_params=tied,

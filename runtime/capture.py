@@ -28,6 +28,9 @@ out of it.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import traceback
 from dataclasses import dataclass
@@ -105,8 +108,9 @@ def export_graph(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
     device = next((p.device for p in model.parameters()), None)
     inputs = tuple(t.to(device) if device is not None and isinstance(t, torch.Tensor) else t for t in example_inputs)
     try:
-        ep = torch.export.export(model, inputs, strict=False)
-        gm = ep.module()
+        with _quiet_torch_logs():
+            ep = torch.export.export(model, inputs, strict=False)
+            gm = ep.module()
     except Exception as exc:  # noqa: BLE001 - located and reported as one line
         raise _failed(locate("torch.export", exc, model)) from exc
     _strip_export_checks(gm)
@@ -123,12 +127,30 @@ def capture(model: nn.Module, leaf_modules: tuple[str, ...] = (), example_inputs
         return fx_trace(model, leaf_modules), "fx"
     except TraceError as fx_error:
         fx_failure = getattr(fx_error, "failure", None)
-        if fx_failure is None or example_inputs is None:
+        if fx_failure is None:
             raise
+        if example_inputs is None:
+            raise TraceError(_message(model, fx_failure, None)) from fx_error
     try:
         return export_graph(model, example_inputs), "export"
     except TraceError as export_error:
         raise TraceError(_message(model, fx_failure, export_error.failure)) from export_error
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """Silence torch's loggers and stderr: a failed export prints its partial graph, and
+    the failure is reported as one line instead."""
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.split(".")[0] == "torch"]
+    saved = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, was in zip(loggers, saved):
+            lg.disabled = was
 
 
 def locate(tracer: str, exc: BaseException, model: nn.Module) -> Failure:
@@ -151,13 +173,24 @@ def _failed(failure: Failure) -> TraceError:
     return error
 
 
-def _message(model: nn.Module, fx_failure: Failure, export_failure: Failure) -> str:
-    culprit = export_failure.module or fx_failure.module
-    if culprit:
-        hint = f"mark the failing module opaque with --leaf-module {culprit}, or remove data-dependent control flow there"
+def _message(model: nn.Module, fx_failure: Failure, export_failure: Failure | None) -> str:
+    culprit = (export_failure.module if export_failure else None) or fx_failure.module
+    failures = fx_failure.describe() + (f"; {export_failure.describe()}" if export_failure else "")
+    if data_dependent((export_failure or fx_failure).error):
+        where = f"{culprit} " if culprit else ""
+        hint = (f"{where}branches on tensor values, which no tracer can follow on the meta device: branch on shapes "
+                f"or config instead (--leaf-module only helps a module that runs on meta tensors)")
+    elif culprit:
+        hint = f"mark the failing module opaque with --leaf-module {culprit}"
     else:
-        hint = "remove data-dependent control flow from forward, or mark a submodule opaque with --leaf-module PATH"
-    return f"cannot trace {type(model).__name__}: {fx_failure.describe()}; {export_failure.describe()}; {hint}"
+        hint = "mark the failing submodule opaque with --leaf-module PATH"
+    return f"cannot trace {type(model).__name__}: {failures}; {hint}"
+
+
+def data_dependent(exc: BaseException) -> bool:
+    """True if ``exc`` says the code read a tensor's value (``.item()``, ``if`` on a tensor)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return any(s in text for s in ("DataDependent", "data-dependent", "cannot be called on meta tensors"))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -212,4 +245,4 @@ def module_paths(node: fx.Node) -> list[str]:
     return paths
 
 
-__all__ = ["Failure", "TraceError", "capture", "export_graph", "fx_trace", "locate", "module_path", "module_paths"]
+__all__ = ["Failure", "TraceError", "capture", "data_dependent", "export_graph", "fx_trace", "locate", "module_path", "module_paths"]

@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from runtime.capture import TraceError, capture, module_paths
+from runtime.capture import TraceError, capture, data_dependent, locate, module_paths
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,20 +245,50 @@ class _RecordingModule(nn.Module):
 
 
 def record_values(lg: LayeredGraph, inputs: tuple) -> dict[str, Any]:
-    """Run the graph on the meta device and return every node's value.
+    """Every node's value for ``inputs``, on the meta device (shapes, dtypes, constants).
 
-    Parameters and buffers are swapped for meta tensors for the run, so this costs no
-    memory and works whatever device the model lives on.
+    A torch.fx graph is run on the meta device: parameters and buffers are swapped for
+    meta tensors for the run, so this costs no memory and works whatever device the
+    model lives on. An exported graph is specialised to the shapes it was exported
+    with and already carries every node's value (``node.meta["val"]``, fake tensors on
+    the export's device), so those are returned; it may pin devices in its ops, so it
+    is not re-run on meta.
+
+    Raises:
+        TraceError: the graph fails on the meta device, or ``inputs`` are not shaped
+            like the inputs an exported graph was made for.
     """
+    if lg.capture == "export":
+        return _exported_values(lg, inputs)
     wrapper = _RecordingModule(lg.gm)
     meta_state = {
         f"gm.{name}": torch.empty_like(t, device="meta")
         for name, t in list(lg.gm.named_parameters()) + list(lg.gm.named_buffers())
     }
     meta_inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
-    with torch.no_grad():
-        torch.func.functional_call(wrapper, meta_state, meta_inputs, strict=False)
+    try:
+        with torch.no_grad():
+            torch.func.functional_call(wrapper, meta_state, meta_inputs, strict=False)
+    except Exception as exc:  # noqa: BLE001 - located and reported as one line
+        raise meta_run_error(lg.gm, exc) from exc
     return wrapper.values
+
+
+def _exported_values(lg: LayeredGraph, inputs: tuple) -> dict[str, Any]:
+    placeholders = [n for n in lg.gm.graph.nodes if n.op == "placeholder"]
+    traced = [tuple(n.meta["val"].shape) if isinstance(n.meta.get("val"), torch.Tensor) else None for n in placeholders]
+    given = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in inputs]
+    if traced != given:
+        raise TraceError(f"the graph was exported for inputs shaped {traced}, not {given}; export it again for these shapes")
+    return {n.name: n.meta.get("val") for n in lg.gm.graph.nodes if n.op != "output"}
+
+
+def meta_run_error(gm: fx.GraphModule, exc: BaseException, what: str = "") -> TraceError:
+    """A one-line TraceError for a graph (or a stage of it) that fails to run on the meta device."""
+    failure = locate("the meta run", exc, gm)
+    hint = ("planning runs the model on meta tensors, so forward must not read tensor values "
+            "(branch on shapes or config instead)" if data_dependent(exc) else "report this model")
+    return TraceError(f"cannot run {what or type(gm).__name__} on the meta device: {failure.describe()}; {hint}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -370,5 +400,5 @@ def _spec(t: torch.Tensor) -> TensorSpec:
 
 __all__ = [
     "LayeredGraph", "Stage", "TensorSpec", "TraceError",
-    "boundary_values", "build_stage", "find_blocks", "record_values", "trace_layers",
+    "boundary_values", "build_stage", "find_blocks", "meta_run_error", "record_values", "trace_layers",
 ]

@@ -1,16 +1,24 @@
-"""``hetpar trace``: what the tracer saw, layer by layer."""
+"""``hetpar trace``: what the tracer saw, layer by layer (and node by node with --nodes)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
-from hetpar.commands.common import console, domain_errors, gib, print_json
-from planner.trace import trace_model
+from hetpar.commands.common import console, domain_errors, fail, gib, print_json
+from planner.trace import ModelGraph, trace_model
 from runtime.model_file import load_model_file, parse_model_args
+
+# Per-sample quantities that scale with the batch size; parameters and shapes do not.
+_SCALED_LAYER_KEYS = ("fwd_flops", "bwd_flops", "saved_activation_bytes", "boundary_bytes", "fwd_elementwise_flops",
+                      "bwd_elementwise_flops", "fwd_bytes_accessed", "bwd_bytes_accessed")
+_SCALED_NODE_KEYS = ("fwd_flops", "bwd_flops", "fwd_elementwise_flops", "bwd_elementwise_flops", "fwd_bytes_accessed",
+                     "bwd_bytes_accessed", "saved_activation_bytes", "output_bytes")
+_TOTAL_KEYS = ("params", "fwd_flops", "bwd_flops", "saved_activation_bytes", "fwd_bytes_accessed", "bwd_bytes_accessed")
 
 
 @domain_errors
@@ -19,31 +27,70 @@ def trace(
     model_arg: Annotated[Optional[list[str]], typer.Option("--model-arg", "-a", help="key=value passed to build_model(); repeatable.")] = None,
     batch_size: Annotated[int, typer.Option(help="Samples the per-layer numbers are for.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the layer table as JSON.")] = False,
+    nodes: Annotated[bool, typer.Option("--nodes", help="Also list every graph node with its measurements.")] = False,
     leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
 ) -> None:
     """Trace MODEL_FILE on the meta device and print its layers."""
+    if batch_size < 1:
+        fail(f"--batch-size must be positive, got {batch_size}")
     graph = trace_model(load_model_file(model_file, parse_model_args(model_arg or [])), tuple(leaf_module or ()))
-    rows = [
-        {
-            "name": l.name,
-            "params": l.params,
-            "fwd_flops": l.fwd_flops * batch_size,
-            "bwd_flops": l.bwd_flops * batch_size,
-            "saved_activation_bytes": l.saved_activation_bytes * batch_size,
-            "boundary_bytes": l.boundary_bytes * batch_size,
-        }
-        for l in graph.layers
-    ]
-    totals = {k: sum(r[k] for r in rows) for k in ("params", "fwd_flops", "bwd_flops", "saved_activation_bytes")}
+    report = trace_report(graph, batch_size, with_nodes=nodes)
     if as_json:
-        print_json({"batch_size": batch_size, "layers": rows, "totals": totals})
+        print_json(report)
         return
-    table = Table(title=f"{model_file.name}: {len(rows)} layers, batch size {batch_size}", title_justify="left")
-    for column in ("layer", "params", "fwd GFLOP", "bwd GFLOP", "saved activations", "to next layer"):
-        table.add_column(column, justify="right" if column != "layer" else "left")
+    print_layers(model_file.name, report)
+    if nodes:
+        print_nodes(report)
+
+
+def trace_report(graph: ModelGraph, batch_size: int = 1, *, with_nodes: bool = False) -> dict[str, Any]:
+    """The layer table of ``graph`` for ``batch_size`` samples, as ``hetpar trace --json`` prints it."""
+    rows = []
+    for layer, boundary in zip(graph.layers, graph.boundaries or [[] for _ in graph.layers]):
+        row: dict[str, Any] = {"name": layer.name, "params": layer.params}
+        row.update({k: getattr(layer, k) * batch_size for k in _SCALED_LAYER_KEYS})
+        row["tied_params"] = layer.tied_params
+        row["boundary_shapes_per_sample"] = [{"shape": list(t.shape), "dtype": t.dtype} for t in boundary]
+        rows.append(row)
+    report: dict[str, Any] = {
+        "batch_size": batch_size,
+        "capture": graph.capture,
+        "measured_layers": graph.measured_layers,
+        "layers": rows,
+        "totals": {k: sum(r[k] for r in rows) for k in _TOTAL_KEYS},
+    }
+    if with_nodes:
+        report["nodes"] = [
+            {k: (v * batch_size if k in _SCALED_NODE_KEYS else v) for k, v in asdict(n).items()} for n in graph.nodes
+        ]
+    return report
+
+
+def print_layers(title: str, report: dict[str, Any]) -> None:
+    rows, totals = report["layers"], report["totals"]
+    table = Table(title=f"{title}: {len(rows)} layers, batch size {report['batch_size']}, captured with "
+                        f"{'torch.fx' if report['capture'] == 'fx' else 'torch.export'}", title_justify="left")
+    table.add_column("layer", overflow="fold")
+    for column in ("params", "fwd GFLOP", "bwd GFLOP", "saved activations", "to next layer"):
+        table.add_column(column, justify="right")
     for r in rows:
         table.add_row(r["name"], f"{r['params']:,}", f"{r['fwd_flops'] / 1e9:.3f}", f"{r['bwd_flops'] / 1e9:.3f}",
                       gib(r["saved_activation_bytes"]), gib(r["boundary_bytes"]))
     table.add_row("total", f"{totals['params']:,}", f"{totals['fwd_flops'] / 1e9:.3f}", f"{totals['bwd_flops'] / 1e9:.3f}",
                   gib(totals["saved_activation_bytes"]), "", style="bold")
+    console.print(table)
+
+
+def print_nodes(report: dict[str, Any]) -> None:
+    table = Table(title="nodes", title_justify="left")
+    table.add_column("layer", justify="right")
+    table.add_column("node", overflow="fold")
+    table.add_column("op", overflow="fold")
+    for column in ("fwd MFLOP", "bwd MFLOP", "fwd bytes", "saved", "output"):
+        table.add_column(column, justify="right")
+    for n in report["nodes"]:
+        if n["op"].endswith((".weight", ".bias")) and not n["fwd_bytes_accessed"]:
+            continue  # a parameter read; its bytes show in the node that uses it
+        table.add_row(str(n["layer"]), n["name"], n["op"], f"{n['fwd_flops'] / 1e6:.2f}", f"{n['bwd_flops'] / 1e6:.2f}",
+                      gib(n["fwd_bytes_accessed"]), gib(n["saved_activation_bytes"]), gib(n["output_bytes"]))
     console.print(table)
