@@ -92,6 +92,73 @@ def stage_slots(device_types: list[str], cand: Candidate) -> list[StageSlot]:
     return slots
 
 
+def type_slots(cluster, cand: Candidate) -> dict[str, list[StageSlot]] | None:
+    """The stage-sized blocks each device type offers; see [Note: stage device types].
+
+    Returns:
+        Device type -> its slots in listed order, or None when some type's devices do
+        not split into whole slots (the stages then follow Megatron's layout).
+    """
+    size = cand.dp * cand.tp
+    by_type: dict[str, list[int]] = {}
+    for rank, device_type in enumerate(cluster.device_types()):
+        by_type.setdefault(device_type, []).append(rank)
+    if any(len(ranks) % size for ranks in by_type.values()):
+        return None
+    if any(cluster.devices_per_node_of(ranks[0]) % cand.tp for ranks in by_type.values()):
+        return None
+    out = {}
+    for device_type, ranks in by_type.items():
+        memory = get_device(device_type).memory_bytes
+        blocks = [ranks[i : i + size] for i in range(0, len(ranks), size)]
+        out[device_type] = [
+            StageSlot(ranks=[block[d * cand.tp : (d + 1) * cand.tp] for d in range(cand.dp)], device_type=device_type, memory_bytes=memory)
+            for block in blocks
+        ]
+    return out
+
+
+# [Note: stage device types]
+# On a cluster whose device types each split into whole stage-sized blocks of
+# dp * tp devices, the search chooses the device type of every stage (and so how many
+# stages each type hosts, and in which order) jointly with the layer split. Each type
+# gets its own cost columns, built as if every stage ran on that type's first blocks;
+# a stage that chooses a type reads that type's column. The p2p cost of a cut is the
+# one between the sending type's own blocks, an approximation when neighbouring
+# stages are of different types. After solving, each stage takes the next unused
+# block of its type, and the plan's prediction is recomputed on those exact ranks.
+def tables_by_type(model: ModelGraph, cluster, cand: Candidate, dtype: str, available: dict[str, list[StageSlot]], optimizer: str = "adamw") -> dict[str, "CostTables"]:
+    """One set of cost columns per device type, each as if every stage ran on that type."""
+    out = {}
+    for device_type, blocks in available.items():
+        same = blocks[: min(len(blocks), 2)]
+        slots = [same[s % len(same)] for s in range(cand.pp)]
+        if len(blocks) > 1:
+            cut_to = [blocks[1 - s % 2].ranks[0][0] for s in range(cand.pp - 1)]
+        else:  # a single block hosts one stage at most: its cuts go to another type
+            peers = [b[0].ranks[0][0] for t, b in available.items() if t != device_type]
+            cut_to = [peers[0] for _ in range(cand.pp - 1)] if peers else []
+        out[device_type] = build_tables(model, cluster, cand, dtype, optimizer, slots=slots, cut_to=cut_to)
+    return out
+
+
+def compose_tables(tables_by_type: dict[str, "CostTables"], types: list[str]) -> "CostTables":
+    """The cost tables of a split whose stage s runs on device type ``types[s]``."""
+    first = next(iter(tables_by_type.values()))
+    pick = lambda rows_of: [[rows_of(tables_by_type[t])[l][s] for s, t in enumerate(types)] for l in range(first.num_layers)]
+    return CostTables(
+        candidate=first.candidate,
+        slots=[tables_by_type[t].slots[s] for s, t in enumerate(types)],
+        layer_time_s=pick(lambda t: t.layer_time_s),
+        cut_time_s=pick(lambda t: t.cut_time_s),
+        layer_memory_bytes=pick(lambda t: t.layer_memory_bytes),
+        capacity_bytes=[tables_by_type[t].capacity_bytes[s] for s, t in enumerate(types)],
+        dp_latency_s=[tables_by_type[t].dp_latency_s[s] for s, t in enumerate(types)],
+        dp_time_s=pick(lambda t: t.dp_time_s),
+        tp_time_s=pick(lambda t: t.tp_time_s),
+    )
+
+
 def _peak(profile) -> float:
     for dtype in ("bf16", "fp16", "fp32"):
         try:
@@ -101,9 +168,23 @@ def _peak(profile) -> float:
     return 0.0
 
 
-def build_tables(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimizer: str = "adamw") -> CostTables:
-    """Fill the coefficient tables of [Note: split objective] for one candidate."""
-    slots = stage_slots(cluster.device_types(), cand)
+def build_tables(
+    model: ModelGraph,
+    cluster,
+    cand: Candidate,
+    dtype: str,
+    optimizer: str = "adamw",
+    slots: list[StageSlot] | None = None,
+    cut_to: list[int] | None = None,
+) -> CostTables:
+    """Fill the coefficient tables of [Note: split objective] for one candidate.
+
+    Args:
+        slots: where each stage runs; Megatron's layout (``stage_slots``) by default.
+        cut_to: the rank each stage sends its output to; the next slot's first rank by default.
+    """
+    slots = slots or stage_slots(cluster.device_types(), cand)
+    cut_to = cut_to or [slots[s + 1].ranks[0][0] for s in range(cand.pp - 1)]
     scale = dtype_bytes(dtype) / 4
     grad_bytes = state_bytes_per_param(dtype, optimizer)[1]
     lt, ct, mem, dpt, tpt = [], [], [], [], []
@@ -123,7 +204,7 @@ def build_tables(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimi
             cut = 0.0
             if s + 1 < cand.pp:
                 payload = layer.boundary_bytes * cand.micro_batch_size * scale
-                cut = 2 * p2p_time_s(payload, slot.ranks[0][0], slots[s + 1].ranks[0][0], cluster)
+                cut = 2 * p2p_time_s(payload, slot.ranks[0][0], cut_to[s], cluster)
             row_c.append(cut)
             in_flight = in_flight_microbatches(cand.schedule, s, cand.pp, cand.num_microbatches)
             row_m.append(

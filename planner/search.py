@@ -18,7 +18,17 @@ from ortools.sat.python import cp_model
 from cost_models.compute import layer_time_s
 from cost_models.devices import get_device
 from cost_models.pipeline import SCHEDULES
-from planner.costs import Candidate, CostTables, SplitCost, build_tables, evaluate_split, stage_memory_breakdown
+from planner.costs import (
+    Candidate,
+    CostTables,
+    SplitCost,
+    build_tables,
+    compose_tables,
+    evaluate_split,
+    stage_memory_breakdown,
+    tables_by_type,
+    type_slots,
+)
 from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
 from planner.trace import ModelGraph
 
@@ -129,6 +139,7 @@ class SplitResult:
     bounds: list[tuple[int, int]]
     cost: SplitCost
     status: str  # "optimal" | "feasible"
+    types: list[str] | None = None  # device type per stage, when the search chose them
 
 
 def solve_split(tables: CostTables, options: SearchOptions) -> SplitResult | None:
@@ -136,44 +147,61 @@ def solve_split(tables: CostTables, options: SearchOptions) -> SplitResult | Non
 
     CP-SAT model of [Note: split objective] over the cut positions; see [Note: cut formulation].
     """
-    L, P = tables.num_layers, tables.candidate.pp
-    m = tables.candidate.num_microbatches
-    hint = equal_split(L, P)
-    tick_s = (evaluate_split(tables, hint).objective_s or 1.0) / _TICKS_PER_OBJECTIVE
+    return solve_typed_split({"": tables}, {"": tables.candidate.pp}, options)
+
+
+def solve_typed_split(tables: dict[str, CostTables], stages_per_type: dict[str, int], options: SearchOptions) -> SplitResult | None:
+    """The best split and device type per stage; see [Note: stage device types] in planner.costs.
+
+    Args:
+        tables: cost columns per device type (``planner.costs.tables_by_type``).
+        stages_per_type: how many stages each type can host.
+
+    Returns:
+        The split, with ``types`` naming each stage's device type, or None if nothing fits.
+    """
+    first = next(iter(tables.values()))
+    L, P, m = first.num_layers, first.candidate.pp, first.candidate.num_microbatches
+    hint_bounds, hint_types = equal_split(L, P), _hint_types(stages_per_type, P)
+    tick_s = (evaluate_split(compose_tables(tables, hint_types), hint_bounds).objective_s or 1.0) / _TICKS_PER_OBJECTIVE
     model = cp_model.CpModel()
 
     # Variables
     # start[s] is the first layer of stage s; start[P] = L closes the last stage
     start = [model.new_constant(0)] + [model.new_int_var(s, L - P + s, f"start_{s}") for s in range(1, P)] + [model.new_constant(L)]
-    stage_time, dp_sync = [], []
+    # on_type[s, k] is 1 iff stage s runs on device type k
+    on_type = {(s, k): model.new_bool_var(f"on_type_{s}_{k}") for s in range(P) for k in tables}
+    horizon = sum(to_ticks(max(max(t.layer_time_s[l]) + max(t.cut_time_s[l]) for t in tables.values()), tick_s) for l in range(L)) + 1
+    sync_horizon = sum(to_ticks(max(max(t.dp_time_s[l]) for t in tables.values()), tick_s) for l in range(L))
+    sync_horizon += to_ticks(max(max(t.dp_latency_s) for t in tables.values()), tick_s) + 1
+    # stage_time[s]: ticks of one micro-batch's forward + backward (+ p2p) on stage s
+    stage_time = [model.new_int_var(0, horizon, f"stage_time_{s}") for s in range(P)]
+    # dp_sync[s]: ticks of stage s's gradient all-reduce
+    dp_sync = [model.new_int_var(0, sync_horizon, f"dp_sync_{s}") for s in range(P)]
+
+    # Constraints
     for s in range(P):
-        # stage_time[s]: ticks of one micro-batch's forward + backward (+ p2p) on stage s
-        time_prefix = _prefix([to_ticks(tables.layer_time_s[l][s], tick_s) for l in range(L)])
-        cut_cost = [0] + [to_ticks(tables.cut_time_s[l][s], tick_s) if s < P - 1 else 0 for l in range(L)]
-        work = _span(model, time_prefix, start[s], start[s + 1], f"work_{s}")
-        cut = model.new_int_var(0, max(cut_cost), f"cut_{s}")
-        model.add_element(start[s + 1], cut_cost, cut)
-        stage_time.append(work + cut)
-        # dp_sync[s]: ticks of stage s's gradient all-reduce
-        sync_prefix = _prefix([to_ticks(tables.dp_time_s[l][s], tick_s) for l in range(L)])
-        dp_sync.append(to_ticks(tables.dp_latency_s[s], tick_s) + _span(model, sync_prefix, start[s], start[s + 1], f"sync_{s}"))
-        # Constraints: memory of the layers the stage holds
-        memory_prefix = _prefix([math.ceil(tables.layer_memory_bytes[l][s]) for l in range(L)])
-        model.add(_span(model, memory_prefix, start[s], start[s + 1], f"memory_{s}") <= int(tables.capacity_bytes[s]))
-    # Constraints: every stage holds at least one layer
-    for s in range(P):
-        model.add(start[s + 1] >= start[s] + 1)
-    horizon = sum(to_ticks(max(row) + max(c), tick_s) for row, c in zip(tables.layer_time_s, tables.cut_time_s)) + 1
+        model.add(start[s + 1] >= start[s] + 1)  # every stage holds at least one layer
+        model.add_exactly_one(on_type[s, k] for k in tables)
+        for k, t in tables.items():
+            work, sync, memory = _stage_terms(model, t, s, start, tick_s, f"{s}_{k}")
+            model.add(stage_time[s] == work).only_enforce_if(on_type[s, k])
+            model.add(dp_sync[s] == sync).only_enforce_if(on_type[s, k])
+            model.add(memory <= int(t.capacity_bytes[s])).only_enforce_if(on_type[s, k])
+    for k, limit in stages_per_type.items():
+        model.add(sum(on_type[s, k] for s in range(P)) <= limit)
     slowest = model.new_int_var(0, horizon, "slowest_stage_time")
     model.add_max_equality(slowest, stage_time)
-    slowest_sync = model.new_int_var(0, horizon + to_ticks(sum(map(max, tables.dp_time_s)) + max(tables.dp_latency_s), tick_s), "slowest_sync")
+    slowest_sync = model.new_int_var(0, sync_horizon, "slowest_sync")
     model.add_max_equality(slowest_sync, dp_sync)
 
     # Objective
     model.minimize(sum(stage_time) + (m - 1) * slowest + slowest_sync)
 
     for s in range(1, P):
-        model.add_hint(start[s], hint[s][0])
+        model.add_hint(start[s], hint_bounds[s][0])
+    for (s, k), var in on_type.items():
+        model.add_hint(var, hint_types[s] == k)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = options.time_limit_s
     solver.parameters.num_workers = options.workers
@@ -183,7 +211,30 @@ def solve_split(tables: CostTables, options: SearchOptions) -> SplitResult | Non
         return None
     starts = [solver.value(v) for v in start]
     bounds = [(starts[s], starts[s + 1] - 1) for s in range(P)]
-    return SplitResult(bounds=bounds, cost=evaluate_split(tables, bounds), status="optimal" if status == cp_model.OPTIMAL else "feasible")
+    types = [next(k for k in tables if solver.value(on_type[s, k])) for s in range(P)]
+    cost = evaluate_split(compose_tables(tables, types), bounds)
+    return SplitResult(bounds=bounds, cost=cost, status="optimal" if status == cp_model.OPTIMAL else "feasible", types=types)
+
+
+def _stage_terms(model: cp_model.CpModel, tables: CostTables, s: int, start: list, tick_s: float, name: str):
+    """(work ticks, gradient-sync ticks, memory bytes) of stage s on one type's columns."""
+    L, P = tables.num_layers, tables.candidate.pp
+    time_prefix = _prefix([to_ticks(tables.layer_time_s[l][s], tick_s) for l in range(L)])
+    cut_cost = [0] + [to_ticks(tables.cut_time_s[l][s], tick_s) if s < P - 1 else 0 for l in range(L)]
+    cut = model.new_int_var(0, max(cut_cost), f"cut_{name}")
+    model.add_element(start[s + 1], cut_cost, cut)
+    work = _span(model, time_prefix, start[s], start[s + 1], f"work_{name}") + cut
+    sync_prefix = _prefix([to_ticks(tables.dp_time_s[l][s], tick_s) for l in range(L)])
+    sync = to_ticks(tables.dp_latency_s[s], tick_s) + _span(model, sync_prefix, start[s], start[s + 1], f"sync_{name}")
+    memory_prefix = _prefix([math.ceil(tables.layer_memory_bytes[l][s]) for l in range(L)])
+    memory = _span(model, memory_prefix, start[s], start[s + 1], f"memory_{name}")
+    return work, sync, memory
+
+
+def _hint_types(stages_per_type: dict[str, int], num_stages: int) -> list[str]:
+    """Device types for the hint: each type's stages in a block, in the order given."""
+    types = [k for k, n in stages_per_type.items() for _ in range(n)]
+    return types[:num_stages]
 
 
 # [Note: cut formulation]
@@ -247,8 +298,7 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
             progress(i, len(candidates), cand.describe())
         if bounds[cand] >= best and len(solved) > options.top_k:
             break  # [Note: candidate bound]: no later candidate can win
-        tables = build_tables(model, cluster, cand, options.dtype, options.optimizer)
-        split = solve_split(tables, options)
+        tables, split = solve_candidate(model, cluster, cand, options)
         if split is None:
             misfits.append((_overflow(tables), tables))
         else:
@@ -292,6 +342,27 @@ def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str) -> fl
         times.append(best)
     work = sum(times)
     return work + (cand.num_microbatches - 1) * max(work / cand.pp, max(times))
+
+
+def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions) -> tuple[CostTables, SplitResult | None]:
+    """Solve one candidate: the split, and the device type of each stage where types can choose.
+
+    Returns:
+        The cost tables of the stages' exact ranks, and the split (None if nothing fits).
+    """
+    available = type_slots(cluster, cand)
+    if available is None or len(available) == 1:
+        tables = build_tables(model, cluster, cand, options.dtype, options.optimizer)
+        return tables, solve_split(tables, options)
+    typed = tables_by_type(model, cluster, cand, options.dtype, available, options.optimizer)
+    split = solve_typed_split(typed, {k: len(v) for k, v in available.items()}, options)
+    if split is None:
+        return compose_tables(typed, _hint_types({k: len(v) for k, v in available.items()}, cand.pp)), None
+    unused = {k: list(v) for k, v in available.items()}
+    slots = [unused[k].pop(0) for k in split.types]
+    tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, slots=slots)
+    cost = evaluate_split(tables, split.bounds)
+    return tables, SplitResult(bounds=split.bounds, cost=cost, status=split.status, types=split.types)
 
 
 def _candidate_dict(c: Candidate) -> dict:

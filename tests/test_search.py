@@ -81,8 +81,7 @@ def test_ticks_round_to_nearest():
 def test_pruned_search_finds_the_best_candidate(cluster_spec, dtype):
     """The bound-pruned search returns the best plan over every candidate solved exhaustively."""
     from cost_models.cluster import parse_cluster
-    from planner.costs import build_tables
-    from planner.search import enumerate_candidates, lower_bound_s, search
+    from planner.search import enumerate_candidates, lower_bound_s, search, solve_candidate
     from planner.trace import trace_model
     from runtime.model_file import load_model_file
 
@@ -92,9 +91,63 @@ def test_pruned_search_finds_the_best_candidate(cluster_spec, dtype):
     plan = search(graph, cluster, options)
     exhaustive = []
     for cand in enumerate_candidates(graph, cluster, options):
-        tables = build_tables(graph, cluster, cand, dtype)
-        split = solve_split(tables, options)
+        _, split = solve_candidate(graph, cluster, cand, options)
         if split is not None:
             exhaustive.append(split.cost.objective_s)
             assert lower_bound_s(graph, cluster, cand, dtype) <= split.cost.objective_s * (1 + 1e-9)
     assert plan.predicted.step_time_s == pytest.approx(min(exhaustive), rel=1e-6)
+
+
+def typed_instance(seed, num_layers, num_stages):
+    rng = random.Random(seed)
+    fast = random_tables(rng, num_layers, num_stages, 4, tight_memory=seed % 2 == 0)
+    slow = random_tables(rng, num_layers, num_stages, 4, tight_memory=False)
+    slow = CostTables(**{**slow.__dict__, "layer_time_s": [[2.5 * t for t in row] for row in slow.layer_time_s],
+                         "capacity_bytes": [c * 0.8 for c in slow.capacity_bytes]})
+    return {"A100-80GB": fast, "V100-32GB": slow}
+
+
+@pytest.mark.parametrize("seed,num_layers,num_stages,limits", [
+    (s, L, P, lim) for s, (L, P, lim) in enumerate([(4, 2, (1, 1)), (6, 3, (2, 1)), (6, 3, (1, 2)), (7, 4, (2, 2)), (8, 3, (3, 3)), (5, 2, (2, 0))])
+])
+def test_typed_solver_matches_brute_force(seed, num_layers, num_stages, limits):
+    """Device type per stage and the split, chosen jointly, against enumerating both."""
+    from planner.costs import compose_tables
+    from planner.search import solve_typed_split
+
+    tables = typed_instance(seed, num_layers, num_stages)
+    stages_per_type = dict(zip(tables, limits))
+    best = None
+    for types in itertools.product(tables, repeat=num_stages):
+        if any(types.count(k) > n for k, n in stages_per_type.items()):
+            continue
+        composed = compose_tables(tables, list(types))
+        for bounds in compositions(num_layers, num_stages):
+            cost = evaluate_split(composed, bounds)
+            if cost.fits(composed) and (best is None or cost.objective_s < best):
+                best = cost.objective_s
+    result = solve_typed_split(tables, stages_per_type, SearchOptions(global_batch_size=8, dtype="fp32", workers=1))
+    if best is None:
+        assert result is None
+        return
+    assert result is not None and result.status == "optimal"
+    assert result.cost.objective_s == pytest.approx(best, rel=1e-4)
+    assert all(result.types.count(k) <= n for k, n in stages_per_type.items())
+
+
+def test_mixed_cluster_stages_choose_their_device_types():
+    """On A100 + V100 the slow type gets fewer layers, and the plan's ranks are the devices of its type."""
+    from cost_models.cluster import parse_cluster
+    from planner.search import search
+    from planner.trace import trace_model
+    from runtime.model_file import load_model_file
+
+    graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 8, "hidden": 1024, "heads": 16, "seq_len": 512, "vocab": 1024}))
+    cluster = parse_cluster("1x4xV100-32GB+1x4xA100-80GB")
+    plan = search(graph, cluster, SearchOptions(global_batch_size=32, dtype="fp16", pp=2, tp=4, workers=1))
+    types = cluster.device_types()
+    by_type = {s.device_type: s for s in plan.stages}
+    assert set(by_type) == {"A100-80GB", "V100-32GB"}
+    for stage in plan.stages:
+        assert {types[r] for rep in stage.ranks for r in rep} == {stage.device_type}
+    assert len(by_type["A100-80GB"].layers) > len(by_type["V100-32GB"].layers)
