@@ -29,6 +29,11 @@ class Schedule(str, Enum):
     GPIPE = "gpipe"
 
 
+ZERO_STAGES = (0, 1, 2, 3)  # 0: plain data parallel; 1-3: ZeRO through FSDP2 (docs/plan-format.md)
+RECOMPUTE = ("none", "selective", "full")  # activation recomputation of a stage's layers
+GRAD_COMPRESSION = ("none", "fp16", "powersgd")  # DDP communication hooks on data-parallel gradients
+
+
 class Sharding(str, Enum):
     """How a module's weight is split across the tensor-parallel ranks of its stage."""
 
@@ -60,8 +65,14 @@ class StagePlan:
     tensor_parallel: int
     ranks: list[list[int]]
     tp_sharding: dict[str, Sharding] = field(default_factory=dict)  # module path -> sharding
+    zero_stage: int = 0  # ZeRO stage of the data-parallel replicas of this stage (0 = plain all-reduce)
+    recompute: str = "none"  # "none" | "selective" | "full": activation recomputation of this stage's layers
 
     def __post_init__(self) -> None:
+        if self.zero_stage not in ZERO_STAGES:
+            raise PlanError(f"stage {self.index}: zero_stage({self.zero_stage!r}) must be one of 0, 1, 2, 3")
+        if self.recompute not in RECOMPUTE:
+            raise PlanError(f"stage {self.index}: recompute {self.recompute!r} must be one of {', '.join(map(repr, RECOMPUTE))}")
         if not self.layers:
             raise PlanError(f"stage {self.index} has no layers")
         if self.layers != list(range(self.layers[0], self.layers[-1] + 1)):
@@ -124,6 +135,8 @@ class ParallelPlan:
     predicted: Predicted
     solver: SolverInfo
     alternatives: list[dict[str, Any]] = field(default_factory=list)
+    grad_compression: str = "none"  # "none" | "fp16" | "powersgd": compression of data-parallel gradients
+    replica_batch_shares: list[int] | None = None  # micro-batch size of each replica; None: micro_batch_size each
     schema_version: int = SCHEMA_VERSION
     kind: str = PLAN_KIND
 
@@ -150,6 +163,39 @@ class ParallelPlan:
         layers = [l for s in self.stages for l in s.layers]
         if layers != list(range(len(self.model.layer_names))):
             raise PlanError(f"stages cover layers {layers}, the model has {len(self.model.layer_names)} layers")
+        self._check_data_parallel_options()
+
+    def _check_data_parallel_options(self) -> None:
+        if self.grad_compression not in GRAD_COMPRESSION:
+            raise PlanError(
+                f"grad_compression {self.grad_compression!r} must be one of {', '.join(map(repr, GRAD_COMPRESSION))}"
+            )
+        zero = [s.index for s in self.stages if s.zero_stage > 0]
+        if self.grad_compression != "none" and zero:
+            raise PlanError(
+                f"grad_compression {self.grad_compression!r} needs zero_stage 0 on every stage (FSDP reduces its own "
+                f"gradients), stage {zero[0]} has zero_stage {self.stages[zero[0]].zero_stage}"
+            )
+        shares = self.replica_batch_shares
+        if shares is None:
+            return
+        if len(shares) != self.data_parallel or any(not isinstance(n, int) or n < 1 for n in shares):
+            raise PlanError(
+                f"replica_batch_shares {shares} must hold one micro-batch size >= 1 per replica, data_parallel is "
+                f"{self.data_parallel}"
+            )
+        if sum(shares) != self.data_parallel * self.micro_batch_size:
+            raise PlanError(
+                f"replica_batch_shares {shares} sum to {sum(shares)} != dp({self.data_parallel}) * "
+                f"micro_batch_size({self.micro_batch_size}) = {self.data_parallel * self.micro_batch_size}"
+            )
+
+    @property
+    def replica_micro_batch_sizes(self) -> list[int]:
+        """The micro-batch size of each data-parallel replica (``replica_batch_shares`` or equal sizes)."""
+        if self.replica_batch_shares is not None:
+            return list(self.replica_batch_shares)
+        return [self.micro_batch_size] * self.data_parallel
 
     @property
     def pipeline_parallel(self) -> int:

@@ -150,6 +150,8 @@ def _stage_spec_source(plan: ParallelPlan, stage: StagePlan) -> str:
         f"        device_type={stage.device_type!r},",
         f"        tensor_parallel={stage.tensor_parallel},",
         f"        ranks={stage.ranks!r},",
+        f"        zero_stage={stage.zero_stage},",
+        f"        recompute={stage.recompute!r},",
     ]
     if stage.tp_sharding:
         lines.append("        tp_sharding={")
@@ -185,6 +187,8 @@ def program_source(plan: ParallelPlan) -> str:
         mbs=plan.micro_batch_size,
         m=plan.num_microbatches,
         gbs=plan.global_batch_size,
+        replica_mbs=plan.replica_micro_batch_sizes,
+        compression=plan.grad_compression,
         dtype=_DTYPES[plan.dtype],
         plan_dtype=plan.dtype,
         stages=stages,
@@ -197,7 +201,7 @@ _PROGRAM_TEMPLATE = '''\
 
     {torchrun} --steps 10
 {multi}
-Options (steps, lr, optimizer, seed, init/save, metrics): python {program} --help.
+Options (steps, lr, optimizer, seed, init/save, metrics, checkpoints): python {program} --help.
 Plan: cluster {cluster}, dp {dp} x pp {pp}, schedule {schedule}, predicted {step_time:.4g} s/step.
 
 {table}
@@ -210,7 +214,7 @@ from pathlib import Path
 
 import torch
 
-from runtime import cli, distributed, executor, schedule, shard, training
+from runtime import checkpoint, cli, data_parallel, distributed, executor, precision, schedule, shard, training
 from runtime.distributed import StageSpec
 from runtime.model_file import load_model_file
 
@@ -223,10 +227,12 @@ LEAF_MODULES = {leaf_modules}  # plan.model.leaf_modules: modules traced as opaq
 WORLD_SIZE = {world}  # plan.cluster.world_size
 DATA_PARALLEL = {dp}  # plan.data_parallel
 MICRO_BATCH_SIZE = {mbs}  # plan.micro_batch_size
+REPLICA_MICRO_BATCH_SIZES = {replica_mbs!r}  # plan.replica_batch_shares: micro-batch size of each replica
 NUM_MICROBATCHES = {m}  # plan.num_microbatches
-GLOBAL_BATCH_SIZE = {gbs}  # plan.global_batch_size = DATA_PARALLEL * NUM_MICROBATCHES * MICRO_BATCH_SIZE
+GLOBAL_BATCH_SIZE = {gbs}  # plan.global_batch_size = NUM_MICROBATCHES * sum(REPLICA_MICRO_BATCH_SIZES)
 SCHEDULE = {schedule!r}  # plan.schedule
 DTYPE = {dtype}  # plan.dtype {plan_dtype!r}: autocast compute dtype; parameters stay float32
+GRAD_COMPRESSION = {compression!r}  # plan.grad_compression: DDP comm hook on data-parallel gradients
 STAGES = [  # plan.stages: layers (first, last), ranks[d][t] = rank of replica d, tp index t
 {stages}
 ]
@@ -248,13 +254,20 @@ torch.manual_seed(args.seed)
 model = model_file.build_model()
 if args.init_from:
     shard.load_full_state(model, args.init_from)
-stage = shard.cut_stage(model, model_file, MICRO_BATCH_SIZE, my_stage.layers, LAYER_NAMES, LEAF_MODULES)
+stage = shard.cut_stage(  # recompute: each layer of the stage under torch.utils.checkpoint
+    model, model_file, REPLICA_MICRO_BATCH_SIZES[me.replica], my_stage.layers, LAYER_NAMES, LEAF_MODULES,
+    recompute=my_stage.recompute,
+)
 stage.module.to(device)
 
 # tensor parallel: shard the stage's Linears column- or row-wise over its tp ranks
 if my_stage.tensor_parallel > 1:
     shard.apply_tensor_parallel(stage.module, groups.tp_mesh, my_stage.tp_sharding)
+# data parallel: all-reduce, a compression hook, or ZeRO through FSDP2 (my_stage.zero_stage)
+grad_sync = data_parallel.wrap(stage.module, my_stage, groups, GRAD_COMPRESSION,
+                               powersgd_rank=args.powersgd_rank, powersgd_start_step=args.powersgd_start_step)
 optimizer = training.make_optimizer(args.optimizer, stage.module.parameters(), args.lr)
+scaler = precision.LossScaler(enabled=DTYPE == torch.float16)  # fp16: dynamic loss scaling
 
 # -----------------------------------------------------------------------------
 # the schedule: this stage's actions, e.g. 0F0 0F1 0B0 0F2 0B1 ... (runtime/schedule.py)
@@ -266,33 +279,42 @@ pipeline = executor.StageExecutor(
     num_microbatches=NUM_MICROBATCHES,
     device=device,
     compute_dtype=DTYPE,
+    loss_weight=shard.loss_weight(REPLICA_MICRO_BATCH_SIZES, me.replica),  # 1.0 unless replicas' shares differ
+    loss_scaler=scaler,
+    before_backward=grad_sync.before_backward,
 )
 
 # -----------------------------------------------------------------------------
+# checkpoints: resume from the newest intact one in --checkpoint-dir, if any
+checkpoints = checkpoint.Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep)
+start_step = checkpoints.restore(stage.module, optimizer, scaler)  # 0: a fresh start
+
+# -----------------------------------------------------------------------------
 # training loop: one optimizer step per global batch
-logger = training.StepLogger(
-    enabled=me.rank == 0, total_steps=args.steps, global_batch_size=GLOBAL_BATCH_SIZE, metrics=args.metrics
-)
-data = model_file.batches(GLOBAL_BATCH_SIZE, args.seed)  # the same global batches on every rank
-for step in range(1, args.steps + 1):
+logger = training.StepLogger(enabled=me.rank == 0, total_steps=args.steps, global_batch_size=GLOBAL_BATCH_SIZE,
+                             metrics=args.metrics, start_step=start_step)
+data = shard.global_batches(model_file, GLOBAL_BATCH_SIZE, args.seed, start_step=start_step)  # same on every rank
+for step in range(start_step + 1, args.steps + 1):
     t0 = time.perf_counter()
     inputs, targets = next(data)
-    micro = shard.microbatches(
-        inputs, targets, replica=me.replica, data_parallel=DATA_PARALLEL, num_microbatches=NUM_MICROBATCHES, device=device
-    )
+    micro = shard.microbatches(inputs, targets, replica=me.replica, data_parallel=DATA_PARALLEL,
+                               num_microbatches=NUM_MICROBATCHES, device=device,
+                               micro_batch_sizes=REPLICA_MICRO_BATCH_SIZES)
     optimizer.zero_grad(set_to_none=True)
     local_loss = pipeline.run(actions, micro)  # each micro-batch loss / NUM_MICROBATCHES, summed
-    training.all_reduce_gradients(stage.module.parameters(), groups.dp_group, DATA_PARALLEL)
-    optimizer.step()
+    grad_sync.reduce()  # average over the replicas (FSDP2 already has)
+    if scaler.unscale_and_check(stage.module.parameters()):  # False only when fp16 overflowed on some rank
+        optimizer.step()
     loss = training.global_mean_loss(local_loss, me, last_stage=len(STAGES) - 1, data_parallel=DATA_PARALLEL)
     logger.log(step, loss, time.perf_counter() - t0)
+    checkpoints.maybe_save(step, stage.module, optimizer, scaler, last=step == args.steps)
 logger.close()
 
 # -----------------------------------------------------------------------------
 # save the trained full state_dict (rank 0) and tear down
 if args.save_final:
     training.save_full_state(args.save_final, model, stage.module, me)
-del optimizer, pipeline, stage, model
+del optimizer, pipeline, grad_sync, stage, model
 distributed.shutdown()
 '''
 

@@ -1,7 +1,8 @@
 """The command line every generated program shares, and its world-size check.
 
     torchrun --nproc_per_node=4 train.py --steps 100 --optimizer adamw --lr 3e-4 \
-        --init-from init.pt --save-final final.pt --metrics metrics.jsonl
+        --init-from init.pt --save-final final.pt --metrics metrics.jsonl \
+        --checkpoint-dir ckpt --checkpoint-every 20
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ class TrainArgs:
     save_final: Path | None  # where rank 0 writes the trained full state_dict
     metrics: Path | None  # one JSON line per step
     dist_timeout_s: float  # bound on every collective and on rendezvous
+    checkpoint_dir: Path | None = None  # periodic checkpoints; a (re)started run resumes from the newest intact one
+    checkpoint_every: int = 100  # steps between checkpoints
+    checkpoint_keep: int = 3  # newest checkpoints kept
+    powersgd_rank: int = 1  # plan.grad_compression "powersgd": rank of the gradient approximation
+    powersgd_start_step: int = 2  # ... and plain all-reduce steps before it compresses
 
 
 def parse_args(description: str | None = None, argv: list[str] | None = None) -> TrainArgs:
@@ -41,9 +47,24 @@ def parse_args(description: str | None = None, argv: list[str] | None = None) ->
     parser.add_argument("--save-final", type=Path, metavar="FILE", help="write the trained full state_dict here (rank 0)")
     parser.add_argument("--metrics", type=Path, metavar="FILE", help="append one JSON line per step (rank 0)")
     parser.add_argument("--dist-timeout-s", type=float, default=300.0, help="timeout of collectives and rendezvous")
+    parser.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                        help="save checkpoints here; a (re)started run resumes from the newest intact one in it")
+    parser.add_argument("--checkpoint-every", type=int, metavar="N", help="steps between checkpoints (default 100)")
+    parser.add_argument("--checkpoint-keep", type=int, default=3, metavar="K", help="newest checkpoints kept")
+    parser.add_argument("--powersgd-rank", type=int, default=1, metavar="R",
+                        help="plans with grad_compression powersgd: rank of the low-rank gradient approximation")
+    parser.add_argument("--powersgd-start-step", type=int, default=2, metavar="N",
+                        help="plans with grad_compression powersgd: steps of plain all-reduce first (>= 2)")
     ns = parser.parse_args(argv)
     if ns.steps < 0:
         parser.error(f"--steps {ns.steps} must be >= 0")
+    if ns.checkpoint_every is not None and ns.checkpoint_dir is None:
+        parser.error("--checkpoint-every needs --checkpoint-dir")
+    for name in ("checkpoint_every", "checkpoint_keep", "powersgd_rank"):
+        if getattr(ns, name) is not None and getattr(ns, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(ns, name)} must be >= 1")
+    if ns.powersgd_start_step < 2:
+        parser.error(f"--powersgd-start-step {ns.powersgd_start_step} must be >= 2 (PowerSGD needs warm-up steps)")
     if ns.init_from is not None and not ns.init_from.is_file():
         parser.error(f"--init-from {str(ns.init_from)!r}: no such file")
     return TrainArgs(
@@ -55,6 +76,11 @@ def parse_args(description: str | None = None, argv: list[str] | None = None) ->
         save_final=ns.save_final,
         metrics=ns.metrics,
         dist_timeout_s=ns.dist_timeout_s,
+        checkpoint_dir=ns.checkpoint_dir,
+        checkpoint_every=ns.checkpoint_every or 100,
+        checkpoint_keep=ns.checkpoint_keep,
+        powersgd_rank=ns.powersgd_rank,
+        powersgd_start_step=ns.powersgd_start_step,
     )
 
 

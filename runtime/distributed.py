@@ -13,6 +13,11 @@ stages have the same tensor-parallel degree, index t talks to index t. Otherwise
 receiver with index t reads from the sender with index ``t % tp_sender`` (tensors
 between stages are replicated over the tensor-parallel ranks, so any sender has
 them), and each sender sends to every receiver that reads from it.
+
+A stage with ZeRO (``zero_stage > 0``) and tensor parallelism also gets a 2-D
+DeviceMesh ``(dp, tp)`` built from the same two groups: FSDP2 shards DTensor
+parameters only when their tensor-parallel mesh and its data-parallel mesh are
+slices of one parent mesh.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class StageSpec:
     tensor_parallel: int
     ranks: list[list[int]]  # ranks[d][t]
     tp_sharding: dict[str, str] = field(default_factory=dict)  # module path -> "colwise" | "rowwise"
+    zero_stage: int = 0  # 0: all-reduce; 1-3: ZeRO through FSDP2 (runtime.data_parallel)
+    recompute: str = "none"  # "none" | "selective" | "full" (runtime.recompute)
 
     def __post_init__(self) -> None:
         if any(len(replica) != self.tensor_parallel for replica in self.ranks):
@@ -68,6 +75,7 @@ class Groups:
 
     tp_mesh: DeviceMesh | None  # 1-D mesh over ranks[d] of this rank's stage
     dp_group: dist.ProcessGroup | None  # ranks[*][t] of this rank's stage
+    dp_mesh: DeviceMesh | None = None  # mesh over the dp group (a slice of the (dp, tp) mesh under ZeRO with tp > 1)
 
 
 def init_distributed(timeout_s: float) -> torch.device:
@@ -104,20 +112,29 @@ def locate(stages: list[StageSpec], rank: int) -> Placement:
 def build_groups(stages: list[StageSpec], me: Placement, device: torch.device) -> Groups:
     """Create every stage's tensor- and data-parallel groups on every rank (collective),
     keeping this rank's; see [Note: rank layout]."""
-    tp_mesh = dp_group = None
+    tp_group = dp_group = None
     for s, stage in enumerate(stages):
         for d, replica in enumerate(stage.ranks):
             if len(replica) > 1:
                 group = dist.new_group(replica)
                 if (s, d) == (me.stage, me.replica):
-                    tp_mesh = DeviceMesh.from_group(group, device.type, mesh=list(replica))
+                    tp_group = group
         for t in range(stage.tensor_parallel):
             column = [replica[t] for replica in stage.ranks]
             if len(column) > 1:
                 group = dist.new_group(column)
                 if (s, t) == (me.stage, me.tp_index):
                     dp_group = group
-    return Groups(tp_mesh=tp_mesh, dp_group=dp_group)
+    mine = stages[me.stage]
+    column = [replica[me.tp_index] for replica in mine.ranks]
+    if tp_group is not None and dp_group is not None and mine.zero_stage > 0:
+        mesh = DeviceMesh.from_group(
+            [dp_group, tp_group], device.type, mesh=torch.tensor(mine.ranks), mesh_dim_names=("dp", "tp")
+        )
+        return Groups(tp_mesh=mesh["tp"], dp_group=dp_group, dp_mesh=mesh["dp"])
+    tp_mesh = DeviceMesh.from_group(tp_group, device.type, mesh=list(mine.ranks[me.replica])) if tp_group else None
+    dp_mesh = DeviceMesh.from_group(dp_group, device.type, mesh=column) if dp_group else None
+    return Groups(tp_mesh=tp_mesh, dp_group=dp_group, dp_mesh=dp_mesh)
 
 
 def peers_of(stages: list[StageSpec], me: Placement) -> Peers:

@@ -5,8 +5,10 @@
 (shapes and dtypes are known from ``Stage.recv``, so no metadata travels), runs the
 stage module on the model inputs it reads (taken from local data, never sent) and the
 received tensors, and sends its outputs to the next stage. The last stage instead
-computes ``loss_fn(output, targets) / num_microbatches``, so that the summed gradients
-of a step are those of the mean loss.
+computes ``loss_fn(output, targets) * loss_weight / num_microbatches``, so that the
+summed gradients of a step are those of the mean loss (``loss_weight`` is 1 unless
+replicas take unequal shares of the batch; see ``runtime.shard.loss_weight``). Under
+fp16 the backward starts from the loss times the loss scaler's scale.
 
 ``B i`` receives the gradients of the stage's floating-point outputs from the next
 stage (the last stage starts from its loss), runs autograd, and sends the gradients of
@@ -31,6 +33,7 @@ import torch.distributed as dist
 
 from runtime.distributed import Peers
 from runtime.graph import Stage, TensorSpec
+from runtime.precision import LossScaler
 from runtime.schedule import Action, Kind
 from runtime.shard import Microbatch
 
@@ -59,6 +62,9 @@ class StageExecutor:
     num_microbatches: int
     device: torch.device
     compute_dtype: torch.dtype = torch.float32  # autocast dtype; parameters stay as built
+    loss_weight: float = 1.0  # factor on this replica's loss (runtime.shard.loss_weight)
+    loss_scaler: LossScaler | None = None  # fp16: backward starts from loss * scale
+    before_backward: Callable[[bool], None] | None = None  # told whether a backward is the step's last
     _in_flight: dict[int, _InFlight] = field(default_factory=dict, init=False, repr=False)
     _pending_sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list, init=False, repr=False)
 
@@ -66,18 +72,21 @@ class StageExecutor:
         """Run one step's actions on this step's micro-batches.
 
         Returns:
-            The sum of the micro-batch losses divided by the number of micro-batches
-            (the mean loss of this replica's share of the batch) on the last stage;
-            zero elsewhere.
+            The sum of the micro-batch losses times ``loss_weight`` divided by the number
+            of micro-batches (the mean loss of this replica's share of the batch, weighted)
+            on the last stage; zero elsewhere.
         """
         loss_sum = torch.zeros((), device=self.device)
-        for action in actions:
+        last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD), default=-1)
+        for i, action in enumerate(actions):
             inputs, targets = data[action.microbatch]
             if action.kind is Kind.FORWARD:
                 loss = self.forward(action.microbatch, inputs, targets)
                 if loss is not None:
                     loss_sum += loss.detach()
             else:
+                if self.before_backward is not None:
+                    self.before_backward(i == last_backward)
                 self.backward(action.microbatch)
         self.finish()
         return loss_sum
@@ -94,6 +103,8 @@ class StageExecutor:
             out = self.stage.module(*model_inputs, *received)
             if self.stage.is_last:
                 loss = self.loss_fn(out, targets) / self.num_microbatches
+                if self.loss_weight != 1.0:
+                    loss = loss * self.loss_weight
         if self.stage.is_last:
             self._in_flight[microbatch] = _InFlight(received=received, outputs=(loss,))
             return loss
@@ -107,7 +118,8 @@ class StageExecutor:
         """``B``: backpropagates one micro-batch through the stage."""
         state = self._in_flight.pop(microbatch)
         if self.stage.is_last:
-            tensors, grads = list(state.outputs), [None]
+            scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+            tensors, grads = list(state.outputs), [None if scale == 1.0 else torch.full_like(state.outputs[0], scale)]
         else:
             floats = [(t, spec) for t, spec in zip(state.outputs, self.stage.send) if spec.dtype.is_floating_point]
             received = self._recv(tuple(spec for _, spec in floats), self.peers.recv_grads_from)

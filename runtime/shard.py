@@ -1,9 +1,22 @@
 """The model shard of one rank: its stage cut out of the whole model, tensor parallel
-applied, and its slice of each global batch."""
+applied, and its slice of each global batch.
+
+[Note: data order and sharding]
+Every rank iterates the same global batches, ``batches(GLOBAL_BATCH_SIZE, seed)`` of
+the model file (or its deterministic synthetic data), and keeps the rows of its
+data-parallel replica: the replicas' rows partition each global batch, so no sample is
+seen twice in a step and together they see all of it. The order is a function of the
+seed alone, so a run resumed at step k skips the first k batches and then sees exactly
+the batches an uninterrupted run would. The price: every rank materialises whole
+global batches (the model file's ``batches`` has no notion of ranks), which is cheap
+for token ids and synthetic data and worth replacing by a sharded loader for large
+inputs such as images.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -12,6 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from runtime.graph import Stage, build_stage, record_values, trace_layers
 from runtime.model_file import ModelFile
+from runtime.recompute import apply_recompute
 
 
 class ShardError(Exception):
@@ -31,12 +45,16 @@ def cut_stage(
     layers: tuple[int, int],
     layer_names: list[str],
     leaf_modules: tuple[str, ...] = (),
+    *,
+    recompute: str = "none",
 ) -> Stage:
     """Trace the whole model and cut layers ``layers[0]..layers[1]`` out as this rank's stage.
 
     The stage module shares its parameters with ``model`` and keeps their qualified
     names (``blocks.0.attn.q.weight``). Shapes of the tensors between stages come from
     the model run on a micro-batch of ``micro_batch_size`` on the meta device.
+    ``recompute`` ("selective" or "full") runs each layer of the stage under
+    torch.utils.checkpoint; see [Note: recompute by layer] in runtime/recompute.py.
 
     Raises:
         ShardError: the model's layers are not the ones the program was compiled for.
@@ -48,7 +66,9 @@ def cut_stage(
             f"the program was compiled for {list(layer_names)}; re-run hetpar plan and compile"
         )
     values = record_values(layered, model_file.example_inputs(micro_batch_size))
-    return build_stage(layered, values, layers[0], layers[1])
+    stage = build_stage(layered, values, layers[0], layers[1])
+    apply_recompute(stage.module, layered.node_layer, recompute)
+    return stage
 
 
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -88,21 +108,37 @@ def microbatches(
     data_parallel: int,
     num_microbatches: int,
     device: torch.device,
+    micro_batch_sizes: list[int] | None = None,
 ) -> list[Microbatch]:
-    """This replica's micro-batches of a global batch.
+    """This replica's micro-batches of a global batch; see [Note: data order and sharding].
 
-    Replica d takes rows ``[d*B/dp, (d+1)*B/dp)`` and splits them into
-    ``num_microbatches`` consecutive micro-batches of equal size.
+    With equal shares, replica d takes rows ``[d*B/dp, (d+1)*B/dp)`` and splits them into
+    ``num_microbatches`` consecutive micro-batches of equal size. With
+    ``micro_batch_sizes`` (the plan's ``replica_batch_shares``: replica d's micro-batch
+    size n_d), replica d takes the next ``num_microbatches * n_d`` rows after those of
+    replicas 0..d-1.
+
+    Raises:
+        ShardError: the batch does not split that way.
     """
     batch = targets.shape[0]
-    if batch % (data_parallel * num_microbatches) or any(t.shape[0] != batch for t in inputs):
+    sizes = micro_batch_sizes
+    if sizes is None:
+        if batch % (data_parallel * num_microbatches) or any(t.shape[0] != batch for t in inputs):
+            raise ShardError(
+                f"a global batch of {batch} rows (inputs {[t.shape[0] for t in inputs]}) does not split into "
+                f"data_parallel({data_parallel}) * num_microbatches({num_microbatches}) equal micro-batches"
+            )
+        sizes = [batch // (data_parallel * num_microbatches)] * data_parallel
+    elif len(sizes) != data_parallel or sum(sizes) * num_microbatches != batch or any(
+        t.shape[0] != batch for t in inputs
+    ):
         raise ShardError(
             f"a global batch of {batch} rows (inputs {[t.shape[0] for t in inputs]}) does not split into "
-            f"data_parallel({data_parallel}) * num_microbatches({num_microbatches}) equal micro-batches"
+            f"num_microbatches({num_microbatches}) micro-batches of {sizes} rows per replica"
         )
-    rows = batch // data_parallel
-    size = rows // num_microbatches
-    start = replica * rows
+    size = sizes[replica]
+    start = sum(sizes[:replica]) * num_microbatches
     out = []
     for i in range(num_microbatches):
         lo, hi = start + i * size, start + (i + 1) * size
@@ -110,4 +146,29 @@ def microbatches(
     return out
 
 
-__all__ = ["Microbatch", "ShardError", "apply_tensor_parallel", "cut_stage", "load_full_state", "microbatches"]
+def loss_weight(micro_batch_sizes: list[int], replica: int) -> float:
+    """The factor on replica ``replica``'s loss that makes the data-parallel average of
+    gradients the gradient of the mean loss over the whole global batch.
+
+    Replica d's loss is the mean over its ``n_d`` samples per micro-batch; averaging over
+    dp replicas weighs each replica 1/dp, but its samples are ``n_d / sum(n)`` of the
+    batch. So its loss is scaled by ``dp * n_d / sum(n)``: exactly 1 with equal shares.
+    This assumes a loss that is a mean over samples (every model file's ``loss_fn``).
+    """
+    return len(micro_batch_sizes) * micro_batch_sizes[replica] / sum(micro_batch_sizes)
+
+
+def global_batches(model_file: ModelFile, batch_size: int, seed: int, *, start_step: int = 0
+                   ) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """The global batches of steps ``start_step + 1, start_step + 2, ...``: the first
+    ``start_step`` batches are drawn and dropped; see [Note: data order and sharding]."""
+    data = model_file.batches(batch_size, seed)
+    for _ in range(start_step):
+        next(data)
+    return data
+
+
+__all__ = [
+    "Microbatch", "ShardError", "apply_tensor_parallel", "cut_stage", "global_batches", "load_full_state",
+    "loss_weight", "microbatches",
+]

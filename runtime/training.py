@@ -1,5 +1,6 @@
-"""The parts of a training step around the pipeline: optimizer, data-parallel gradient
-averaging, the reported loss, progress and metrics, and the final state_dict."""
+"""The parts of a training step around the pipeline: optimizer, the reported loss,
+progress and metrics, and the final state_dict. (Data-parallel gradients:
+runtime.data_parallel; loss scaling: runtime.precision; checkpoints: runtime.checkpoint.)"""
 
 from __future__ import annotations
 
@@ -32,32 +33,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def all_reduce_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, data_parallel: int) -> None:
-    """Average gradients over the data-parallel group: one all-reduce (SUM, then / dp)
-    per dtype over the flattened gradients.
-
-    Works for plain and DTensor parameters alike: a DTensor contributes its local
-    shard, which the same tensor-parallel index of every replica holds. Parameters
-    without a gradient are skipped; every replica of a stage runs the same graph, so
-    they skip the same ones.
-    """
-    if group is None or data_parallel == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            grad = _local(p.grad)
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat /= data_parallel
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
 def global_mean_loss(local_loss: torch.Tensor, me: Placement, *, last_stage: int, data_parallel: int) -> float:
     """The mean loss of the global batch, known on every rank.
 
@@ -75,17 +50,24 @@ def global_mean_loss(local_loss: torch.Tensor, me: Placement, *, last_stage: int
 class StepLogger:
     """A progress line per step on stderr, and one JSON line per step in ``metrics``.
 
-    Only the rank that logs (rank 0) writes; the metrics file is truncated at start.
+    Only the rank that logs (rank 0) writes. The metrics file is truncated at start; a
+    run resumed after step ``start_step`` keeps the records of steps up to it and drops
+    later ones (steps the interrupted run did after its last checkpoint), so the file
+    ends up with every step once.
     """
 
-    def __init__(self, *, enabled: bool, total_steps: int, global_batch_size: int, metrics: Path | None):
+    def __init__(self, *, enabled: bool, total_steps: int, global_batch_size: int, metrics: Path | None,
+                 start_step: int = 0):
         self.enabled = enabled
         self.total_steps = total_steps
         self.global_batch_size = global_batch_size
         self._file = None
         if enabled and metrics is not None:
             metrics.parent.mkdir(parents=True, exist_ok=True)
+            kept = _records_up_to(metrics, start_step) if start_step > 0 else []
             self._file = open(metrics, "w")
+            self._file.writelines(kept)
+            self._file.flush()
 
     def log(self, step: int, loss: float, step_time_s: float) -> None:
         """Record step ``step`` (1-based)."""
@@ -108,6 +90,20 @@ class StepLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _records_up_to(metrics: Path, step: int) -> list[str]:
+    if not metrics.is_file():
+        return []
+    kept = []
+    for line in metrics.read_text().splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the crash
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
 
 
 def save_full_state(path: Path, model: nn.Module, stage_module: nn.Module, me: Placement) -> None:
@@ -145,4 +141,4 @@ def save_atomic(obj: object, path: Path) -> None:
         raise
 
 
-__all__ = ["StepLogger", "all_reduce_gradients", "global_mean_loss", "make_optimizer", "save_atomic", "save_full_state"]
+__all__ = ["StepLogger", "global_mean_loss", "make_optimizer", "save_atomic", "save_full_state"]

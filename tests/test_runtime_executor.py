@@ -66,3 +66,57 @@ def test_bf16_autocast_runs_and_keeps_float32_parameters(gpt_path):
     loss = executor.run(make_schedule("1f1b", 1, 2)[0], data)
     assert torch.isfinite(loss)
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in stage.module.parameters())
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("layers", [(0, 3), (1, 2)], ids=["whole", "middle"])
+def test_recompute_gives_the_same_gradients_and_keeps_parameter_names(gpt_path, mode, layers):
+    """A stage whose layers run under torch.utils.checkpoint computes what the plain stage does."""
+    model_file = load_model_file(gpt_path, GPT_ARGS)
+    torch.manual_seed(0)
+    model = model_file.build_model()
+    names = list(trace_layers(model).layer_names)
+    plain = cut_stage(model, model_file, 2, layers, names)
+    recomputed = cut_stage(model, model_file, 2, layers, names, recompute=mode)
+    assert [k for k, _ in recomputed.module.named_parameters()] == [k for k, _ in plain.module.named_parameters()]
+    assert "checkpoint" not in plain.module.code and "recompute_layer_" in recomputed.module.code
+    inputs, _ = next(model_file.batches(2, 0))
+    torch.manual_seed(1)
+    received = [torch.randn(s.shape, dtype=s.dtype) if s.dtype.is_floating_point else torch.zeros(s.shape, dtype=s.dtype)
+                for s in plain.recv]
+
+    def grads(stage):
+        model.zero_grad(set_to_none=True)
+        leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in received]
+        out = stage.module(*[inputs[i] for i in stage.model_inputs], *leaves)
+        outs = out if isinstance(out, tuple) else (out,)
+        sum((o.float() ** 2).sum() for o in outs if o.is_floating_point()).backward()
+        return [t.grad for t in leaves if t.requires_grad], {k: p.grad.clone() for k, p in stage.module.named_parameters()}
+
+    def saved_elements(stage):
+        count = [0]
+
+        def pack(t):
+            count[0] += t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            stage.module(*[inputs[i] for i in stage.model_inputs], *[t.requires_grad_(t.is_floating_point())
+                                                                      for t in (r.clone() for r in received)])
+        return count[0]
+
+    # Inside a checkpoint nothing is saved for backward where autograd can see it.
+    assert saved_elements(recomputed) < saved_elements(plain) / 4
+    (plain_in, plain_params), (re_in, re_params) = grads(plain), grads(recomputed)
+    for a, b in zip(plain_in, re_in, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    for k, g in plain_params.items():
+        torch.testing.assert_close(re_params[k], g, rtol=1e-6, atol=1e-6)
+
+
+def test_recompute_refuses_an_unknown_mode(mlp_path):
+    model_file = load_model_file(mlp_path, {})
+    model = model_file.build_model()
+    names = list(trace_layers(model).layer_names)
+    with pytest.raises(ValueError, match="recompute 'some' must be one of none, selective, full"):
+        cut_stage(model, model_file, 2, (0, len(names) - 1), names, recompute="some")

@@ -1,0 +1,242 @@
+"""Data parallelism of a stage: how the replicas of a stage agree on its gradients.
+
+``wrap`` picks one of three, from the stage's ``zero_stage`` and the plan's
+``grad_compression``:
+
+- ``AllReduce``: one all-reduce (SUM, then / dp) per bucket of flattened gradients,
+  after the step's schedule has run. DTensor (tensor-parallel) parameters contribute
+  their local shards, which the same tp index of every replica holds.
+- ``CompressedAllReduce``: the same buckets, reduced by a DDP communication hook
+  (``fp16_compress_hook`` or ``powerSGD_hook``); see [Note: comm hooks without DDP].
+- ``FullyShard``: ZeRO 1-3 through FSDP2; see [Note: ZeRO through FSDP2].
+
+Each is told, before every backward of the step, whether it is the last one
+(``before_backward``), and reduces after the schedule (``reduce``).
+
+[Note: comm hooks without DDP]
+A DDP communication hook is a function ``hook(state, bucket) -> Future[Tensor]`` that
+reduces one ``dist.GradBucket`` (a flat buffer of several gradients). hetpar does not
+wrap stages in ``DistributedDataParallel``: DDP's reducer expects each forward to be
+followed by its own backward and asserts under pipeline schedules that run several
+forwards first (measured on torch 2.13: GPipe and interleaved fail, only 1F1B works).
+Instead hetpar builds the buckets itself after the schedule and calls torch's hook
+functions on them through ``_Bucket``, an object with GradBucket's documented methods
+(``index``, ``buffer``, ``set_buffer``, ``gradients``, ``parameters``, ``is_last``),
+which is all the hooks use (GradBucket has no Python constructor). Buckets hold at
+most ``BUCKET_CAP_BYTES`` of one dtype, in parameter order, and keep their layout from
+step to step, which PowerSGD's per-bucket error feedback relies on. Compression is
+lossy by design: fp16 rounds each gradient to 11 significant bits; PowerSGD
+replaces each gradient matrix by a rank-r approximation after ``start_powerSGD_iter``
+steps of plain all-reduce and feeds the error back in the next step. Their state
+(PowerSGD's error feedback and low-rank factors) is not checkpointed: a resumed run
+starts them afresh.
+
+[Note: ZeRO through FSDP2]
+``torch.distributed.fsdp.fully_shard`` shards a stage's parameters over its
+data-parallel mesh (a DTensor ``Shard(0)`` per parameter), gathers them for compute
+and reduce-scatters the gradients, so each replica keeps 1/dp of the parameters,
+gradients and optimizer state at rest and steps its shard. The ZeRO stages map onto
+its knobs:
+
+| zero | reshard_after_forward | gradients reduce-scattered | parameters during the step |
+|---|---|---|---|
+| 1 | False | once, after the last backward (unsharded gradients accumulate) | gathered once per step |
+| 2 | False | after every micro-batch's backward (sharded gradients accumulate) | gathered once per step |
+| 3 | True | after every micro-batch's backward | gathered for each forward and each backward |
+
+Limits, honestly: FSDP2 frees gathered parameters after the step, so ZeRO-1 and -2
+keep parameters sharded between steps too (the parameter all-gather of the next step
+plus the gradient reduce-scatter move what one all-reduce moves); ZeRO-1 holds full
+gradients during the step, ZeRO-2 and -3 only their shards. The whole stage is one
+FSDP unit: a stage module is a flat fx graph, so its layers are never called as
+modules and cannot be units of their own; ZeRO-3 therefore gathers the whole stage's
+parameters at once (its peak holds one stage's full parameters, not one layer's).
+A stage with tensor parallelism is sharded over a 2-D (dp, tp) mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from runtime.distributed import Groups, StageSpec
+
+BUCKET_CAP_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+COMPRESSIONS = ("none", "fp16", "powersgd")
+
+
+class GradientSync:
+    """Nothing to agree on: the stage has one replica."""
+
+    def before_backward(self, last: bool) -> None:
+        """Called before each backward of a step; ``last`` for the step's final one."""
+
+    def reduce(self) -> None:
+        """Called after the step's schedule, before the optimizer step."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _buckets(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters with gradients, grouped by gradient dtype into buckets of at most
+    ``BUCKET_CAP_BYTES`` (a larger parameter gets a bucket of its own), in order."""
+    buckets: list[list[nn.Parameter]] = []
+    open_bucket: dict[torch.dtype, tuple[list[nn.Parameter], int]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        grad = _local(p.grad)
+        nbytes = grad.numel() * grad.element_size()
+        bucket, size = open_bucket.get(grad.dtype, (None, 0))
+        if bucket is None or size + nbytes > BUCKET_CAP_BYTES:
+            bucket, size = [], 0
+            buckets.append(bucket)
+        bucket.append(p)
+        open_bucket[grad.dtype] = (bucket, size + nbytes)
+    return buckets
+
+
+class AllReduce(GradientSync):
+    """Average gradients over the data-parallel group with SUM all-reduces, then / dp.
+
+    Parameters without a gradient are skipped; every replica of a stage runs the same
+    graph, so they skip the same ones.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, data_parallel: int):
+        self.params = list(params)
+        self.group = group
+        self.data_parallel = data_parallel
+
+    def reduce(self) -> None:
+        for bucket in _buckets(self.params):
+            grads = [_local(p.grad) for p in bucket]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            flat /= self.data_parallel
+            _unflatten(flat, grads)
+
+
+def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+class _Bucket:
+    """What a DDP comm hook uses of ``dist.GradBucket``; see [Note: comm hooks without DDP]."""
+
+    def __init__(self, index: int, count: int, params: list[nn.Parameter]):
+        self._index, self._count, self._params = index, count, params
+        self._grads = [_local(p.grad) for p in params]
+        self._buffer = torch.cat([g.reshape(-1) for g in self._grads])
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._index == self._count - 1
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Views of the buffer shaped like each gradient (PowerSGD compresses them in place)."""
+        views, offset = [], 0
+        for g in self._grads:
+            views.append(self._buffer[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return views
+
+
+class CompressedAllReduce(GradientSync):
+    """Average gradients with a DDP communication hook; see [Note: comm hooks without DDP]."""
+
+    def __init__(self, params: Iterable[nn.Parameter], hook: Callable, state: Any):
+        self.params = list(params)
+        self.hook = hook
+        self.state = state
+
+    def reduce(self) -> None:
+        buckets = _buckets(self.params)
+        for i, params in enumerate(buckets):
+            bucket = _Bucket(i, len(buckets), params)
+            reduced = self.hook(self.state, bucket).wait()
+            _unflatten(reduced, [_local(p.grad) for p in params])
+
+
+class FullyShard(GradientSync):
+    """ZeRO through FSDP2; see [Note: ZeRO through FSDP2]."""
+
+    def __init__(self, module: nn.Module, mesh: Any, zero_stage: int):
+        self.zero_stage = zero_stage
+        self.module: FSDPModule = fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage == 3)
+
+    def before_backward(self, last: bool) -> None:
+        self.module.set_is_last_backward(last)
+        self.module.set_requires_gradient_sync(last or self.zero_stage >= 2)
+        self.module.set_reshard_after_backward(last or self.zero_stage == 3)
+
+
+def wrap(
+    module: nn.Module,
+    stage: StageSpec,
+    groups: Groups,
+    compression: str = "none",
+    *,
+    powersgd_rank: int = 1,
+    powersgd_start_step: int = 2,
+) -> GradientSync:
+    """Set up the data parallelism of this rank's stage. Call it after tensor
+    parallelism and before the optimizer is made: FSDP2 replaces the parameters.
+
+    Args:
+        module: the stage module.
+        stage: this rank's stage (its ``zero_stage``).
+        groups: this rank's groups (its data-parallel group and mesh).
+        compression: the plan's ``grad_compression``: "none", "fp16" or "powersgd".
+        powersgd_rank: PowerSGD's ``matrix_approximation_rank``.
+        powersgd_start_step: steps of plain all-reduce before PowerSGD compresses
+            (PowerSGDState's ``start_powerSGD_iter``; at least 2).
+
+    Raises:
+        ValueError: unknown compression, or compression together with ZeRO.
+    """
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"grad_compression {compression!r} must be one of {', '.join(COMPRESSIONS)}")
+    if compression != "none" and stage.zero_stage > 0:
+        raise ValueError(f"grad_compression {compression!r} needs zero_stage 0 (FSDP reduces its own gradients)")
+    if groups.dp_group is None:
+        return GradientSync()
+    dp = groups.dp_group.size()
+    if stage.zero_stage > 0:
+        return FullyShard(module, groups.dp_mesh, stage.zero_stage)
+    if compression == "fp16":
+        return CompressedAllReduce(module.parameters(), default_hooks.fp16_compress_hook, groups.dp_group)
+    if compression == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=groups.dp_group,
+            matrix_approximation_rank=powersgd_rank,
+            start_powerSGD_iter=powersgd_start_step,
+            random_seed=0,  # the same random start on every replica
+        )
+        return CompressedAllReduce(module.parameters(), powerSGD_hook.powerSGD_hook, state)
+    return AllReduce(module.parameters(), groups.dp_group, dp)
+
+
+__all__ = ["AllReduce", "BUCKET_CAP_BYTES", "CompressedAllReduce", "FullyShard", "GradientSync", "wrap"]
