@@ -89,8 +89,8 @@ class Measurement:
 def measure(module: fx.GraphModule, inputs: list[torch.Tensor]) -> Measurement:
     """Run ``module`` forward and backward on meta ``inputs`` and count its kernels.
 
-    Floating-point inputs require gradients, as activations received from an earlier
-    stage do.
+    Inputs that require gradients (activations received from an earlier layer) get
+    them; the others (data, masks) do not, as in training.
     """
     result = Measurement(nodes={n.name: NodeCounts() for n in module.graph.nodes if n.op not in ("placeholder", "output")})
     result.nodes[UNATTRIBUTED] = NodeCounts()
@@ -101,7 +101,8 @@ def measure(module: fx.GraphModule, inputs: list[torch.Tensor]) -> Measurement:
 
 
 def _grad_inputs(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in inputs]
+    """Fresh leaves for each run, requiring gradients where the given inputs do."""
+    return [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs]
 
 
 class _NodeRunner(fx.Interpreter):

@@ -29,7 +29,7 @@ from cost_models.layers import LayerProfile
 from planner.measure import UNATTRIBUTED, Measurement, NodeCounts, measure, node_label, node_module
 from planner.plan import Sharding
 from planner.tensor_parallel import check_sharded_shapes, find_sharding, rowwise_output_bytes, shard_on_meta
-from runtime.graph import Stage, build_stage, meta_run_error, record_values, trace_layers
+from runtime.graph import LayeredGraph, Stage, boundary_values, build_stage, meta_run_error, record_values, trace_layers
 from runtime.model_file import ModelFile, file_fingerprint
 
 _NO_KERNEL_OPS = ("placeholder", "get_attr", "output")
@@ -102,13 +102,16 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
     meta_inputs = tuple(t.to("meta") for t in example)
     lg = trace_layers(model, leaf_modules, example_inputs=meta_inputs)
     values = record_values(lg, example)
+    needs_grad = differentiable_values(lg, values)
     layers, shardings, boundaries, nodes = [], [], [], []
     cache: dict[Any, _Measured] = {}
     held: set[int] = set()  # ids of the parameters earlier layers hold
     for index in range(lg.num_layers):
         stage = build_stage(lg, values, index, index)
         inputs = [meta_inputs[i] for i in stage.model_inputs]
-        inputs += [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in stage.recv]
+        received = boundary_values(lg, values, index - 1) if index > 0 else []
+        inputs += [torch.empty(s.shape, dtype=s.dtype, device="meta", requires_grad=needs_grad[n])
+                   for s, n in zip(stage.recv, received, strict=True)]
         name = lg.layer_names[index]
         key = _structure_key(stage, name, inputs)
         if key not in cache:
@@ -135,6 +138,42 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
         nodes=nodes,
         measured_layers=len(cache),
     )
+
+
+# [Note: which activations need gradients]
+# Autograd saves what the gradients it must compute need, so saved bytes depend on
+# which inputs of a layer require gradients. In training, model inputs (tokens, pixels)
+# do not; a tensor a layer receives does if it was computed, by differentiable ops,
+# from a parameter. Rotary cos/sin tables and attention masks, computed from buffers
+# and inputs, do not: ``q * cos`` then saves only ``cos``, not ``q`` as well.
+_NO_GRAD_TARGETS = {torch.Tensor.detach, torch.detach, torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+_NO_GRAD_METHODS = {"detach", "detach_", "requires_grad_"}
+
+
+def differentiable_values(lg: LayeredGraph, values: dict[str, Any]) -> dict[str, bool]:
+    """Which node values require gradients in training; see [Note: which activations need gradients]."""
+    out: dict[str, bool] = {}
+    grad_enabled = True
+    for node in lg.gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            grad_enabled = bool(node.args[0])
+        if node.op == "placeholder":
+            flag = False
+        elif node.op == "get_attr":
+            attr = _get_attr(lg.gm, str(node.target))
+            flag = isinstance(attr, torch.Tensor) and attr.requires_grad
+        elif node.op == "call_module":
+            sub = lg.gm.get_submodule(str(node.target))
+            flag = any(out.get(a.name, False) for a in node.all_input_nodes) or any(p.requires_grad for p in sub.parameters())
+        elif node.target in _NO_GRAD_TARGETS or (node.op == "call_method" and node.target in _NO_GRAD_METHODS):
+            flag = False
+        else:
+            flag = any(out.get(a.name, False) for a in node.all_input_nodes)
+        value = values.get(node.name)
+        if isinstance(value, torch.Tensor):  # a tuple of tensors stays flagged: getitem decides per element
+            flag = flag and value.is_floating_point()
+        out[node.name] = grad_enabled and flag
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,7 +260,7 @@ def _structure_key(stage: Stage, layer_name: str, inputs: list[torch.Tensor]) ->
     """What a layer's measurement depends on; see [Note: measuring repeated blocks once]."""
     module = stage.module
     position = {n.name: i for i, n in enumerate(module.graph.nodes)}
-    rows: list[Any] = [tuple((tuple(t.shape), t.dtype, t.is_floating_point()) for t in inputs)]
+    rows: list[Any] = [tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs)]
     for node in module.graph.nodes:
         args = fx.map_arg((node.args, node.kwargs), lambda a: f"%{position[a.name]}")
         if node.op == "placeholder":
