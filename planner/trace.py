@@ -10,7 +10,8 @@ guessed.
 A 96-block model has one block's worth of distinct work. Each layer's stage gets a
 structural key: its graph with module and parameter paths taken relative to the
 layer (``blocks.7.attn.q`` -> ``@.attn.q``), node references as positions, the
-shapes and dtypes of every parameter, module and input. Layers with equal keys run
+shapes and dtypes of every parameter, module and input, and the outputs it computes
+(a mask that the last block no longer passes on does not make it different). Layers with equal keys run
 the same kernels on the same shapes, so the first one is measured (with its
 tensor-parallel probe) and the others reuse its numbers, node by node; what depends on
 the position in the model (the tensors crossing the cut after the layer, which
@@ -257,21 +258,30 @@ def _owned_params(module: fx.GraphModule, held: set[int]) -> tuple[int, int]:
 
 
 def _structure_key(stage: Stage, layer_name: str, inputs: list[torch.Tensor]) -> Any:
-    """What a layer's measurement depends on; see [Note: measuring repeated blocks once]."""
-    module = stage.module
-    position = {n.name: i for i, n in enumerate(module.graph.nodes)}
-    rows: list[Any] = [tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs)]
-    for node in module.graph.nodes:
-        args = fx.map_arg((node.args, node.kwargs), lambda a: f"%{position[a.name]}")
-        if node.op == "placeholder":
-            target = "input"  # named after the node it receives; its shape is in the first row
-        else:
-            target = node.target if callable(node.target) else _relative_path(str(node.target), layer_name)
+    """What a layer's measurement depends on; see [Note: measuring repeated blocks once].
+
+    Inputs are named by where they are first used, not by their order, which depends on
+    where in the model each received tensor was made.
+    """
+    graph = stage.module.graph
+    compute = [n for n in graph.nodes if n.op != "placeholder"]
+    ref = {n.name: f"%{i}" for i, n in enumerate(compute)}
+    for placeholder, t in zip([n for n in graph.nodes if n.op == "placeholder"], inputs, strict=True):
+        first = min(compute.index(u) for u in placeholder.users) if placeholder.users else -1
+        slot = compute[first].all_input_nodes.index(placeholder) if first >= 0 else -1
+        ref[placeholder.name] = f"in{first}.{slot}"
+        ref[placeholder.name + ".spec"] = (ref[placeholder.name], tuple(t.shape), t.dtype, t.requires_grad)
+    rows: list[Any] = [tuple(sorted(v for k, v in ref.items() if k.endswith(".spec")))]
+    for node in compute:
+        args = fx.map_arg((node.args, node.kwargs), lambda a: ref[a.name])
+        if node.op == "output":  # tensors passed through untouched cost nothing
+            args = [ref[a.name] for a in node.all_input_nodes if a.op != "placeholder"]
+        target = node.target if callable(node.target) else _relative_path(str(node.target), layer_name)
         row: list[Any] = [node.op, target if isinstance(target, str) else repr(target), repr(args)]
         if node.op == "get_attr":
-            row.append(_tensor_signature(_get_attr(module, str(node.target))))
+            row.append(_tensor_signature(_get_attr(stage.module, str(node.target))))
         elif node.op == "call_module":
-            sub = module.get_submodule(str(node.target))
+            sub = stage.module.get_submodule(str(node.target))
             row += [repr(sub), tuple(_tensor_signature(t) for t in (*sub.parameters(), *sub.buffers()))]
         rows.append(tuple(row))
     return tuple(rows)
