@@ -77,10 +77,11 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
     # GPipe takes the time of 1F1B and more memory ([Note: pipeline step time]), so it
     # can never win; it is searched only when pinned.
     schedules = [options.schedule] if options.schedule else ["1f1b"]
-    node_width = min(g.devices_per_node for g in cluster.groups)
+    widths = {g.devices_per_node for g in cluster.groups}
     out = []
     for tp in divisors(world):
-        if tp > 1 and (not tp_ok or tp > min(options.max_tp, node_width)):
+        # Tensor parallelism stays inside a node: tp divides every node's device count.
+        if tp > 1 and (not tp_ok or tp > options.max_tp or any(w % tp for w in widths)):
             continue
         for pp in divisors(world // tp):
             dp = world // (tp * pp)
