@@ -40,7 +40,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-_TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
+# Frames in these directories are the tracers' own, never the model's.
+_TRACER_DIRS = (str(Path(torch.__file__).resolve().parent) + os.sep, str(Path(__file__).resolve().parent) + os.sep)
 # Export inserts these: an input-guard module and metadata assertions. They run no
 # kernel, and the assertions pin the device of the export (meta when planning).
 _ASSERTION_OPS = {
@@ -78,9 +79,11 @@ class Failure:
         where = []
         if self.module:
             where.append(f"in {self.module}")
+        elif self.module == "":
+            where.append("in the model's own forward")
         if self.source:
             where.append(f"at {self.source}")
-        return f"{self.tracer} failed {' '.join(where)}{':' if where else ''} {_first_line(self.error)}".replace("  ", " ")
+        return " ".join([f"{self.tracer} failed", *where]) + f": {_first_line(self.error)}"
 
 
 def fx_trace(model: nn.Module, leaf_modules: tuple[str, ...] = ()) -> fx.GraphModule:
@@ -162,7 +165,7 @@ def locate(tracer: str, exc: BaseException, model: nn.Module) -> Failure:
         if isinstance(owner, nn.Module) and id(owner) in names:
             module = names[id(owner)]
         filename = frame.f_code.co_filename
-        if not str(Path(filename).resolve()).startswith(_TORCH_DIR) and not filename.startswith("<"):
+        if not str(Path(filename).resolve()).startswith(_TRACER_DIRS) and not filename.startswith("<"):
             source = f"{Path(filename).name}:{lineno}"
     return Failure(tracer=tracer, error=exc, module=module, source=source)
 
