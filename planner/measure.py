@@ -21,6 +21,7 @@ runs under saved-tensor hooks that see every tensor autograd keeps.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,8 @@ _METADATA_OPS = {
 # Ops that allocate without reading (their tensor arguments only give a shape).
 _ALLOCATING = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like",
                "ones", "ones_like", "full", "full_like", "new_zeros", "new_ones", "new_full", "arange", "scalar_tensor"}
+# Ops that alias their input without the schema saying so: no bytes move.
+_FREE = {"_unsafe_view", "_reshape_alias", "lift_fresh"}
 # Elementwise-work ops that carry neither the pointwise nor the reduction tag.
 _ELEMENTWISE_EXTRA = {
     "native_layer_norm", "native_layer_norm_backward", "_softmax", "_softmax_backward_data", "_log_softmax",
@@ -153,11 +156,13 @@ class _KernelCounter(TorchDispatchMode):
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
         elif torch.Tag.pointwise in func.tags or torch.Tag.reduction in func.tags or packet.__name__ in _ELEMENTWISE_EXTRA:
             elementwise = float(max((t.numel() for t in _tensors((args, kwargs, out))), default=0))
-        moved = 0.0
-        if not func.is_view and packet.__name__ not in _ALLOCATING:
-            moved = float(sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(t) for t in _tensors(out)))
+        written = float(sum(_nbytes(t) for t in _tensors(out)))
+        if func.is_view or packet.__name__ in _FREE:
+            moved = 0.0
         elif packet.__name__ in _ALLOCATING:
-            moved = float(sum(_nbytes(t) for t in _tensors(out)))
+            moved = written
+        else:
+            moved = float(sum(_nbytes(t) for t in _tensors((args, kwargs)))) + written
         if self.backward:
             counts.bwd_flops += flops
             counts.bwd_elementwise_flops += elementwise
@@ -224,7 +229,7 @@ def _count_saved(module: fx.GraphModule, inputs: list[torch.Tensor], result: Mea
     def before(n: fx.Node) -> None:
         current[0] = n.name if n.name in result.nodes else UNATTRIBUTED
 
-    with _FusedAttention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with _fused_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         _NodeRunner(module, before).run(*_grad_inputs(inputs))
 
 
@@ -277,13 +282,35 @@ class _FusedSDPA(torch.autograd.Function):
 _SDPA = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
 
 
-class _FusedAttention(TorchFunctionMode):
+def _fused_sdpa(query, key, value, attn_mask=None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return _FusedSDPA.apply(query, key, value, attn_mask if isinstance(attn_mask, torch.Tensor) else None)
+
+
+class _FusedAttentionMode(TorchFunctionMode):
+    """Sees the attention calls of a graph: fx's function nodes and export's ATen op."""
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if func in _SDPA:
-            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-            return _FusedSDPA.apply(args[0], args[1], args[2], mask if isinstance(mask, torch.Tensor) else None)
-        return func(*args, **kwargs)
+            return _fused_sdpa(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _fused_attention():
+    """Stand in fused attention; see [Note: fused attention on meta].
+
+    A torch-function mode only sees the outermost call, so attention inside a function
+    it passes on (``F.multi_head_attention_forward`` of an opaque nn.MultiheadAttention)
+    is reached by swapping ``F.scaled_dot_product_attention``, which such code looks up
+    when it runs, for the duration of the pass.
+    """
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _fused_sdpa
+    try:
+        with _FusedAttentionMode():
+            yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

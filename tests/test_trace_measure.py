@@ -1,0 +1,154 @@
+"""Node-by-node meta measurement: consistent with itself, with torch's counter, with closed
+forms and with real CPU runs; repeated blocks measured once."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from planner.measure import measure
+from planner.trace import differentiable_values, trace_model
+from runtime.graph import boundary_values, build_stage, record_values, trace_layers
+from runtime.model_file import load_model_file
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = ROOT / "examples" / "gpt.py"
+TORCH_ZOO = ROOT / "tests" / "models" / "torch_zoo.py"
+HF_ZOO = ROOT / "tests" / "models" / "hf_zoo.py"
+
+
+def test_node_counts_add_up_to_layer_counts():
+    graph = trace_model(load_model_file(GPT, {"n_layers": 2}))
+    for index, layer in enumerate(graph.layers):
+        nodes = [n for n in graph.nodes if n.layer == index]
+        assert sum(n.fwd_flops for n in nodes) == layer.fwd_flops
+        assert sum(n.saved_activation_bytes for n in nodes) == layer.saved_activation_bytes
+        assert sum(n.fwd_bytes_accessed for n in nodes) == layer.fwd_bytes_accessed
+        # backward kernels are charged to their forward node, except gradient accumulation
+        assert sum(n.bwd_flops for n in nodes) == pytest.approx(layer.bwd_flops)
+        assert sum(n.param_bytes for n in nodes) == 4 * (layer.params + layer.tied_params)
+
+
+def test_totals_equal_torch_flop_counter_and_linear_backward_is_twice_forward():
+    mf = load_model_file(GPT, {"n_layers": 1, "hidden": 64, "seq_len": 16})
+    with torch.device("meta"):
+        model = mf.build_model()
+    lg = trace_layers(model)
+    values = record_values(lg, mf.example_inputs(1))
+    stage = build_stage(lg, values, 1, 1)
+    x = torch.empty(stage.recv[0].shape, device="meta", requires_grad=True)
+    m = measure(stage.module, [x])
+    with FlopCounterMode(display=False) as counter:
+        out = stage.module(x)[0]
+        out.backward(torch.ones_like(out))
+    assert m.total("fwd_flops") + m.total("bwd_flops") == counter.get_total_flops()
+    linear = m.nodes["blocks_0_attn_q"]
+    assert linear.fwd_flops == 2 * 16 * 64 * 64
+    assert linear.bwd_flops == 2 * linear.fwd_flops  # input and weight gradients
+    assert linear.fwd_bytes == 4 * (16 * 64 + 64 * 64 + 16 * 64)  # reads input and weight, writes output
+
+
+def test_repeated_blocks_are_measured_once_and_match_a_fresh_measurement():
+    mf = load_model_file(GPT, {"n_layers": 8, "hidden": 64, "seq_len": 16})
+    graph = trace_model(mf)
+    assert graph.measured_layers == 3  # embeddings, one block, head
+    blocks = graph.layers[1:-1]
+    assert all(b.fwd_flops == blocks[0].fwd_flops and b.saved_activation_bytes == blocks[0].saved_activation_bytes
+               for b in blocks)
+    assert graph.tp_sharding[6]["blocks.5.attn.o"].value == "rowwise"
+    with torch.device("meta"):
+        model = mf.build_model()
+    lg = trace_layers(model)
+    values = record_values(lg, mf.example_inputs(1))
+    stage = build_stage(lg, values, 6, 6)
+    fresh = measure(stage.module, [torch.empty(stage.recv[0].shape, device="meta", requires_grad=True)])
+    assert graph.layers[6].fwd_flops == fresh.total("fwd_flops")
+    assert graph.layers[6].saved_activation_bytes == fresh.total("saved_bytes")
+
+
+def test_skip_tensor_counts_as_boundary_traffic_at_every_cut_it_crosses():
+    from tests.test_graph import SkipNet
+
+    model = SkipNet()
+    lg = trace_layers(model)
+    values = record_values(lg, (torch.randn(1, 4), torch.ones(1, 4)))
+    # h leaves the first layer once (block 0 and the skip read the same tensor); after
+    # that each cut carries the block output and the skip
+    assert [len(boundary_values(lg, values, cut)) for cut in range(lg.num_layers - 1)] == [1, 2, 2, 2]
+
+
+def real_saved_bytes(model, inputs, block):
+    """Bytes autograd saves inside ``block`` during a real CPU forward, each storage once."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, recording = {}, [False]
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if recording[0] and storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    hooks = [block.register_forward_pre_hook(lambda *_: recording.__setitem__(0, True)),
+             block.register_forward_hook(lambda *_: recording.__setitem__(0, False))]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*inputs)
+    for h in hooks:
+        h.remove()
+    return sum(saved.values())
+
+
+def compare_saved(path, args, block):
+    mf = load_model_file(path, args)
+    graph = trace_model(mf)
+    torch.manual_seed(0)
+    model = mf.build_model()
+    real = real_saved_bytes(model, mf.example_inputs(1), model.get_submodule(block))
+    return graph.layers[graph.layer_names.index(block)].saved_activation_bytes, real
+
+
+def test_saved_bytes_of_a_multihead_attention_block_match_a_cpu_run():
+    measured, real = compare_saved(TORCH_ZOO, {"kind": "mha"}, "blocks.1")
+    assert measured == pytest.approx(real, rel=0.05)
+
+
+@pytest.mark.parametrize("kind,block", [("gpt2", "transformer.h.0"), ("bert", "bert.encoder.layer.0"),
+                                        ("vit", "vit.layers.0")])
+def test_saved_bytes_of_transformers_blocks_match_a_cpu_run(kind, block):
+    pytest.importorskip("transformers")
+    measured, real = compare_saved(HF_ZOO, {"kind": kind}, block)
+    assert measured == pytest.approx(real, rel=0.05)
+
+
+def test_rotary_tables_and_masks_do_not_require_gradients():
+    pytest.importorskip("transformers")
+    mf = load_model_file(HF_ZOO, {"kind": "llama"})
+    with torch.device("meta"):
+        model = mf.build_model()
+    example = mf.example_inputs(1)
+    lg = trace_layers(model, example_inputs=tuple(t.to("meta") for t in example))
+    values = record_values(lg, example)
+    flags = differentiable_values(lg, values)
+    crossing = boundary_values(lg, values, 0)
+    hidden = [n for n in crossing if tuple(values[n].shape) == (1, 16, 64)]
+    assert [flags[n] for n in hidden] == [True]
+    assert not any(flags[n] for n in crossing if n not in hidden)  # mask, cos, sin
+
+
+def transformer_fwd_flops(n_layers, hidden, seq, vocab, ffn, kv_hidden=None, gated=False):
+    """Matmul and attention FLOPs of one sample's forward (Narayanan et al. 2021, Eq. 3 shape)."""
+    kv = hidden if kv_hidden is None else kv_hidden
+    attn = 2 * seq * hidden * (2 * hidden + 2 * kv) + 4 * seq**2 * hidden
+    mlp = 2 * seq * hidden * ffn * (3 if gated else 2)
+    return n_layers * (attn + mlp) + 2 * seq * hidden * vocab
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("gpt2", transformer_fwd_flops(2, 64, 16, 128, 256)),
+    ("llama", transformer_fwd_flops(2, 64, 16, 128, 128, kv_hidden=32, gated=True)),
+])
+def test_transformers_flops_match_closed_form(kind, expected):
+    pytest.importorskip("transformers")
+    graph = trace_model(load_model_file(HF_ZOO, {"kind": kind}))
+    assert sum(l.fwd_flops for l in graph.layers) == pytest.approx(expected, rel=0.02)
+    assert sum(l.bwd_flops for l in graph.layers) == pytest.approx(2 * expected, rel=0.02)
