@@ -80,7 +80,7 @@ class Groups:
 
 def init_distributed(timeout_s: float) -> torch.device:
     """Join the process group torchrun describes: nccl with one GPU per local rank when
-    CUDA is available, gloo on CPU otherwise.
+    CUDA is available, gloo on CPU otherwise. See [Note: restarted workers].
 
     Returns:
         The device this rank computes on.
@@ -92,8 +92,31 @@ def init_distributed(timeout_s: float) -> torch.device:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = _store_of_this_attempt(timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world)
     return device
+
+
+# [Note: restarted workers]
+# Under torchrun the workers meet in the agent's TCPStore (TORCHELASTIC_USE_AGENT_STORE),
+# and torch 2.13 keeps that store, keys and all, when ``--max-restarts`` restarts the
+# workers. Process groups publish their addresses under fixed keys, so a restarted
+# worker can read the address of the worker it replaced and fail to connect (measured:
+# "Gloo connectFullMesh failed ... Connection refused" in about half of the restarts,
+# with static and c10d rendezvous alike). Each attempt therefore meets under its own
+# key prefix, from TORCHELASTIC_RESTART_COUNT.
+def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"hetpar/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
 
 
 def locate(stages: list[StageSpec], rank: int) -> Placement:

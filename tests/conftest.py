@@ -104,12 +104,20 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def run_torchrun(program: Path, nproc: int, args: list[str], *, timeout_s: float = TORCHRUN_TIMEOUT_S
-                 ) -> subprocess.CompletedProcess:
-    """Run ``program`` under torchrun on this host; its working directory is the program's."""
+def run_torchrun(program: Path, nproc: int, args: list[str], *, timeout_s: float = TORCHRUN_TIMEOUT_S,
+                 max_restarts: int = 0) -> subprocess.CompletedProcess:
+    """Run ``program`` under torchrun on this host; its working directory is the program's.
+
+    With restarts the rendezvous is c10d's (each restart a new round, so the workers
+    of a restart never read the addresses of the workers they replace), else static.
+    """
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           str(program), *args]
+    if max_restarts:
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={max_restarts}",
+                      "--monitor-interval=0.2"]
+    else:
+        rendezvous = ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    cmd = [str(torchrun), f"--nproc_per_node={nproc}", *rendezvous, str(program), *args]
     return subprocess.run(cmd, cwd=program.parent, env=subprocess_env(), capture_output=True, text=True,
                           timeout=timeout_s)
 

@@ -72,7 +72,8 @@ def batches(batch_size, seed, **_):
 """
 
 
-def reference_run(plan, init_state: dict, optimizer: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(plan, init_state: dict, optimizer: str, steps: int = STEPS
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-process loop the sharded run must match: whole model, whole global
     batch, one step per batch, the model file's loss."""
     model_file = load_model_file(plan.model.file, plan.model.args)
@@ -82,7 +83,7 @@ def reference_run(plan, init_state: dict, optimizer: str) -> tuple[list[float], 
     opt = torch.optim.SGD(params, lr=LR[optimizer]) if optimizer == "sgd" else torch.optim.AdamW(params, lr=LR[optimizer])
     data = model_file.batches(plan.global_batch_size, 0)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         inputs, targets = next(data)
         opt.zero_grad()
         loss = model_file.loss(model(*inputs), targets)
