@@ -66,6 +66,14 @@ class _Tracer(fx.Tracer):
         return qualname in self.leaf_modules or super().is_leaf_module(m, qualname)
 
 
+class TracerFailed(TraceError):
+    """One tracer failed; ``failure`` says where."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(failure.describe())
+        self.failure = failure
+
+
 @dataclass(frozen=True)
 class Failure:
     """One tracer's failure, located; see [Note: where tracing failed]."""
@@ -90,7 +98,8 @@ def fx_trace(model: nn.Module, leaf_modules: tuple[str, ...] = ()) -> fx.GraphMo
     """Symbolically trace ``model`` with torch.fx, keeping ``leaf_modules`` opaque.
 
     Raises:
-        TraceError: with the located failure as its ``failure`` attribute.
+        TracerFailed: torch.fx cannot trace the model.
+        TraceError: a leaf module is not a module of the model.
     """
     unknown = [p for p in leaf_modules if not _has_submodule(model, p)]
     if unknown:
@@ -98,7 +107,7 @@ def fx_trace(model: nn.Module, leaf_modules: tuple[str, ...] = ()) -> fx.GraphMo
     try:
         graph = _Tracer(leaf_modules).trace(model)
     except Exception as exc:  # noqa: BLE001 - located and reported as one line
-        raise _failed(locate("torch.fx", exc, model)) from exc
+        raise TracerFailed(locate("torch.fx", exc, model)) from exc
     return fx.GraphModule(model, graph, class_name=type(model).__name__)
 
 
@@ -106,7 +115,7 @@ def export_graph(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
     """Export ``model`` (non-strict) on the device of its parameters and unlift it.
 
     Raises:
-        TraceError: with the located failure as its ``failure`` attribute.
+        TracerFailed: torch.export cannot export the model.
     """
     device = next((p.device for p in model.parameters()), None)
     inputs = tuple(t.to(device) if device is not None and isinstance(t, torch.Tensor) else t for t in example_inputs)
@@ -115,7 +124,7 @@ def export_graph(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
             ep = torch.export.export(model, inputs, strict=False)
             gm = ep.module()
     except Exception as exc:  # noqa: BLE001 - located and reported as one line
-        raise _failed(locate("torch.export", exc, model)) from exc
+        raise TracerFailed(locate("torch.export", exc, model)) from exc
     _strip_export_checks(gm)
     return gm
 
@@ -128,15 +137,13 @@ def capture(model: nn.Module, leaf_modules: tuple[str, ...] = (), example_inputs
     """
     try:
         return fx_trace(model, leaf_modules), "fx"
-    except TraceError as fx_error:
-        fx_failure = getattr(fx_error, "failure", None)
-        if fx_failure is None:
-            raise
+    except TracerFailed as fx_error:
+        fx_failure = fx_error.failure
         if example_inputs is None:
             raise TraceError(_message(model, fx_failure, None)) from fx_error
     try:
         return export_graph(model, example_inputs), "export"
-    except TraceError as export_error:
+    except TracerFailed as export_error:
         raise TraceError(_message(model, fx_failure, export_error.failure)) from export_error
 
 
@@ -168,12 +175,6 @@ def locate(tracer: str, exc: BaseException, model: nn.Module) -> Failure:
         if not str(Path(filename).resolve()).startswith(_TRACER_DIRS) and not filename.startswith("<"):
             source = f"{Path(filename).name}:{lineno}"
     return Failure(tracer=tracer, error=exc, module=module, source=source)
-
-
-def _failed(failure: Failure) -> TraceError:
-    error = TraceError(failure.describe())
-    error.failure = failure  # type: ignore[attr-defined]
-    return error
 
 
 def _message(model: nn.Module, fx_failure: Failure, export_failure: Failure | None) -> str:
@@ -248,4 +249,4 @@ def module_paths(node: fx.Node) -> list[str]:
     return paths
 
 
-__all__ = ["Failure", "TraceError", "capture", "data_dependent", "export_graph", "fx_trace", "locate", "module_path", "module_paths"]
+__all__ = ["Failure", "TraceError", "TracerFailed", "capture", "data_dependent", "export_graph", "fx_trace", "locate", "module_path", "module_paths"]
