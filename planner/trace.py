@@ -109,10 +109,7 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
     held: set[int] = set()  # ids of the parameters earlier layers hold
     for index in range(lg.num_layers):
         stage = build_stage(lg, values, index, index)
-        inputs = [meta_inputs[i] for i in stage.model_inputs]
-        received = boundary_values(lg, values, index - 1) if index > 0 else []
-        inputs += [torch.empty(s.shape, dtype=s.dtype, device="meta", requires_grad=needs_grad[n])
-                   for s, n in zip(stage.recv, received, strict=True)]
+        inputs = _layer_inputs(lg, values, stage, meta_inputs, needs_grad)
         name = lg.layer_names[index]
         key = _structure_key(stage, name, inputs)
         if key not in cache:
@@ -125,7 +122,8 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
         layers.append(measured.profile(name=name, params=params, tied_params=tied,
                                        boundary_bytes=float(sum(s.nbytes for s in stage.send))))
         shardings.append(_absolute(measured.relative_sharding, name))
-        boundaries.append([BoundaryTensor(shape=s.shape, dtype=str(s.dtype).removeprefix("torch."), nbytes=s.nbytes) for s in stage.send])
+        boundaries.append([BoundaryTensor(shape=t.shape, dtype=str(t.dtype).removeprefix("torch."), nbytes=t.nbytes)
+                           for t in stage.send])
         nodes += _node_profiles(stage.module, index, measured.node_counts)
     return ModelGraph(
         file=str(model_file.path.resolve()),
@@ -139,6 +137,16 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
         nodes=nodes,
         measured_layers=len(cache),
     )
+
+
+def _layer_inputs(lg: LayeredGraph, values: dict[str, Any], stage: Stage, meta_inputs: tuple,
+                  needs_grad: dict[str, bool]) -> list[torch.Tensor]:
+    """Meta tensors for a one-layer stage: the model inputs it reads, then what it receives."""
+    received = boundary_values(lg, values, stage.first_layer - 1) if stage.first_layer > 0 else []
+    return [meta_inputs[i] for i in stage.model_inputs] + [
+        torch.empty(spec.shape, dtype=spec.dtype, device="meta", requires_grad=needs_grad[name])
+        for spec, name in zip(stage.recv, received, strict=True)
+    ]
 
 
 # [Note: which activations need gradients]
