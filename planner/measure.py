@@ -109,7 +109,7 @@ def _grad_inputs(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class _NodeRunner(fx.Interpreter):
-    """Runs a graph node by node, telling ``on_node`` which node runs and what it returned."""
+    """Runs a graph node by node, calling ``before(node)`` and ``after(node, value)`` around each."""
 
     def __init__(self, module: fx.GraphModule, before: Any = None, after: Any = None):
         super().__init__(module)
@@ -179,11 +179,14 @@ class _KernelCounter(TorchDispatchMode):
         return self.owner.get(id(autograd_node), UNATTRIBUTED) if autograd_node is not None else UNATTRIBUTED
 
     def claim(self, node: fx.Node, out: Any) -> None:
-        """Mark the autograd nodes that ``node`` created (those not yet claimed) as its own."""
+        """Mark the autograd nodes that ``node`` created (those not yet claimed) as its own.
+
+        Gradient accumulation into leaves (parameters, inputs) stays unclaimed.
+        """
         stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
         while stack:
             fn = stack.pop()
-            if fn is None or id(fn) in self.owner:
+            if fn is None or id(fn) in self.owner or type(fn).__name__ == "AccumulateGrad":
                 continue
             self.owner[id(fn)] = node.name
             self.keep.append(fn)
