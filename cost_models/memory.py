@@ -118,7 +118,8 @@ def state_bytes_per_param(dtype: str, optimizer: str = "adamw") -> tuple[float, 
 
 
 def training_state_bytes(
-    layers: Sequence[LayerProfile], *, tp: int, dtype: str, optimizer: str = "adamw", dp: int = 1, zero_stage: int = 0
+    layers: Sequence[LayerProfile], *, tp: int, dtype: str, optimizer: str = "adamw", dp: int = 1, zero_stage: int = 0,
+    extra_params: float = 0.0,
 ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes one rank holds for ``layers``; see [Note: ZeRO stages].
 
@@ -129,12 +130,14 @@ def training_state_bytes(
         optimizer: "adamw", "adam" or "sgd".
         dp: data-parallel degree, over which ZeRO shards.
         zero_stage: 0 (none) to 3.
+        extra_params: parameters held besides the layers' own (a tied copy, e.g. the
+            output layer's copy of the embedding on the last pipeline stage).
 
     Returns:
         Bytes of weights, gradients and optimizer state (master weights included).
     """
     check_choices(optimizer=optimizer, zero_stage=zero_stage)
-    params = sum(l.params_at(tp) for l in layers)
+    params = sum(l.params_at(tp) for l in layers) + extra_params
     w, g, o = state_bytes_per_param(dtype, optimizer)
     shard = [1 / dp if zero_stage >= level else 1.0 for level in (3, 2, 1)]
     weights, grads, opt = params * w * shard[0], params * g * shard[1], params * o * shard[2]

@@ -29,8 +29,8 @@ def test_layer_timing_by_hand():
 
 
 def test_tensor_parallel_divides_flops_and_split_activations():
-    whole = layer_timing(block(num_ops=0), A100, tp=1, micro_batch_size=1, dtype="bf16")
-    half = layer_timing(block(num_ops=0), A100, tp=2, micro_batch_size=1, dtype="bf16")
+    whole = layer_timing(block(num_ops=0), A100, tp=1, micro_batch_size=1, dtype="bf16", kernel_efficiency=1.0)
+    half = layer_timing(block(num_ops=0), A100, tp=2, micro_batch_size=1, dtype="bf16", kernel_efficiency=1.0)
     flop_rate = 312e12 * 0.869
     byte_rate = 2.039e12 * HBM_STREAM_EFFICIENCY
     assert half.fwd_s == pytest.approx(1.5e12 / flop_rate + 4e8 * 0.75 / 2 / byte_rate)

@@ -1,0 +1,137 @@
+"""``hetpar estimate``: score a parallel configuration the user gives, without searching."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from cost_models.cluster import parse_cluster
+from cost_models.compute import TRAINING_KERNEL_EFFICIENCY
+from hetpar.commands.common import console, domain_errors, gib, print_json, seconds
+from hetpar.commands.plan import DType, default_dtype
+from planner.estimate import Estimate, EstimateConfig, EstimateError, estimate as estimate_plan
+from planner.trace import trace_model
+from runtime.model_file import load_model_file, parse_model_args
+
+
+class ScheduleName(str, Enum):
+    one_f_one_b = "1f1b"
+    gpipe = "gpipe"
+    interleaved = "interleaved"
+    zb = "zb"
+
+
+class Recompute(str, Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class Optimizer(str, Enum):
+    adamw = "adamw"
+    adam = "adam"
+    sgd = "sgd"
+
+
+@domain_errors
+def estimate(
+    model_file: Annotated[Path, typer.Argument(help="Python file defining build_model() and example_inputs().", show_default=False)],
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help="Cluster shorthand like 4x8xA100-80GB@200gx8, or a TOML file.")],
+    global_batch: Annotated[int, typer.Option("--global-batch", "-b", help="Samples per optimizer step, over the whole cluster.")],
+    dp: Annotated[int, typer.Option(help="Data-parallel degree.")],
+    tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")],
+    pp: Annotated[int, typer.Option(help="Pipeline-parallel degree (pipeline ranks).")],
+    micro_batch_size: Annotated[int, typer.Option(help="Samples per micro-batch.")],
+    stage_layers: Annotated[Optional[str], typer.Option(help="Layers per stage, e.g. 7,9,9,9 (pp * virtual-stages entries) [default: even].")] = None,
+    stage_devices: Annotated[Optional[str], typer.Option(help="Device type per pipeline rank, e.g. A100-80GB,V100-32GB [default: Megatron's rank order].")] = None,
+    schedule: Annotated[ScheduleName, typer.Option(help="Pipeline schedule.")] = ScheduleName.one_f_one_b,
+    virtual_stages: Annotated[int, typer.Option(help="Model chunks per pipeline rank (interleaved schedule).")] = 1,
+    recompute: Annotated[Recompute, typer.Option(help="Activation recomputation.")] = Recompute.none,
+    zero: Annotated[int, typer.Option(help="ZeRO stage, 0 to 3.")] = 0,
+    dtype: Annotated[Optional[DType], typer.Option(help="Training precision [default: fp32 on cpu, bf16 else, fp16 where a device lacks bf16].")] = None,
+    optimizer: Annotated[Optimizer, typer.Option(help="Optimizer whose state is held.")] = Optimizer.adamw,
+    scatter_gather: Annotated[bool, typer.Option(help="Megatron's scatter/gather of pipeline sends over tensor-parallel ranks.")] = True,
+    overlap_grad_reduce: Annotated[bool, typer.Option(help="Overlap the gradient all-reduce with the last backward.")] = False,
+    kernel_efficiency: Annotated[float, typer.Option(help="Fraction of microbenchmark rates training kernels reach (docs/cost-model.md).")] = TRAINING_KERNEL_EFFICIENCY,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON to stdout.")] = False,
+    model_arg: Annotated[Optional[list[str]], typer.Option("--model-arg", "-a", help="key=value passed to build_model(); repeatable.")] = None,
+    leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
+) -> None:
+    """Predict step time, memory per stage and throughput of one configuration of MODEL_FILE."""
+    the_cluster = parse_cluster(cluster)
+    config = EstimateConfig(
+        global_batch_size=global_batch, dp=dp, tp=tp, pp=pp, micro_batch_size=micro_batch_size,
+        dtype=dtype.value if dtype else default_dtype(the_cluster.device_types()),
+        schedule=schedule.value, virtual_stages=virtual_stages, recompute=recompute.value, zero_stage=zero,
+        optimizer=optimizer.value, stage_layers=_layer_counts(stage_layers), stage_devices=_names(stage_devices),
+        scatter_gather=scatter_gather, overlap_grad_reduce=overlap_grad_reduce, kernel_efficiency=kernel_efficiency,
+    )
+    with console.status("tracing the model on the meta device"):
+        graph = trace_model(load_model_file(model_file, parse_model_args(model_arg or [])), tuple(leaf_module or ()))
+    result = estimate_plan(graph, the_cluster, config)
+    print_summary(result, [layer.name for layer in graph.layers])
+    if as_json:
+        print_json(result.to_dict())
+
+
+def _layer_counts(text: Optional[str]) -> Optional[tuple[int, ...]]:
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise EstimateError(f"--stage-layers {text!r} is not a comma-separated list of layer counts, e.g. 7,9,9,9") from None
+
+
+def _names(text: Optional[str]) -> Optional[tuple[str, ...]]:
+    return None if text is None else tuple(part.strip() for part in text.split(","))
+
+
+def _ranks_text(ranks: list[list[int]]) -> str:
+    """Ranks as runs, e.g. ``0-7, 16-23``."""
+    flat = sorted(r for replica in ranks for r in replica)
+    runs, start, prev = [], flat[0], flat[0]
+    for r in flat[1:]:
+        if r != prev + 1:
+            runs.append((start, prev))
+            start = r
+        prev = r
+    runs.append((start, prev))
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def print_summary(result: Estimate, layer_names: list[str]) -> None:
+    """The estimate as a rich table and a few lines on stderr."""
+    c = result.config
+    table = Table(title=f"hetpar estimate on {result.cluster_spec}", title_justify="left")
+    for column in ("stage", "layers", "device", "ranks", "fwd / bwd", "state", "activations", "total / device", "fits"):
+        table.add_column(column)
+    for s in result.stages:
+        layers = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in s.chunks)
+        m = s.memory
+        table.add_row(
+            str(s.index), layers, s.device_type, _ranks_text(s.ranks), f"{seconds(s.fwd_s)} / {seconds(s.bwd_s)}",
+            gib(m.weights_bytes + m.gradients_bytes + m.optimizer_bytes), gib(m.activations_bytes),
+            f"{gib(m.total_bytes)} of {gib(s.capacity_bytes)}", "yes" if s.fits else "[bold red]no[/]",
+        )
+    console.print(table)
+    console.print(f"layers: {', '.join(f'{i} {name}' for i, name in enumerate(layer_names))}" if len(layer_names) <= 8 else
+                  f"layers: 0 {layer_names[0]} .. {len(layer_names) - 1} {layer_names[-1]}")
+    sched = c.schedule + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else "")
+    console.print(f"dp={c.dp} tp={c.tp} pp={c.pp}  micro-batch {c.micro_batch_size} x {c.num_microbatches}  schedule {sched}  "
+                  f"recompute {c.recompute}  zero {c.zero_stage}  dtype {c.dtype}")
+    t, p = result.time, result.predicted
+    console.print(
+        f"predicted step {seconds(p.step_time_s)}  ({p.throughput_samples_per_s:.1f} samples/s, "
+        f"{result.tflops_per_device:.1f} TFLOP/s per device, MFU {result.mfu:.1%})"
+    )
+    console.print(
+        f"  compute {seconds(t.compute_s)}, bubble {seconds(t.bubble_s)}, tp comm {seconds(t.tp_comm_s)}, "
+        f"pp comm {seconds(t.pp_comm_s)}, dp comm {seconds(t.dp_comm_s)}, optimizer {seconds(t.optimizer_s)}"
+    )
+    if not result.fits:
+        console.print(f"[bold red]does not fit:[/] {result.misfit()}")

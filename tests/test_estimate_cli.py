@@ -1,0 +1,70 @@
+"""``hetpar estimate`` as a user meets it: JSON on stdout, one clear line for bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = str(ROOT / "examples" / "gpt.py")
+SMALL_GPT = ["-a", "n_layers=2", "-a", "hidden=32", "-a", "seq_len=8", "-a", "vocab=64"]  # 4 layers: emb, 2 blocks, head
+BASE = ["estimate", GPT, *SMALL_GPT, "--cluster", "1x8xA100-80GB", "--global-batch", "16", "--micro-batch-size", "2"]
+
+
+def hetpar(*args):
+    return subprocess.run([sys.executable, "-m", "hetpar", *args], capture_output=True, text=True, timeout=300)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_estimate_prints_the_predicted_block_as_json():
+    result = hetpar(*BASE, "--dp", "2", "--tp", "2", "--pp", "2", "--stage-layers", "1,3", "--schedule", "zb",
+                    "--recompute", "full", "--zero", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["kind"] == "hetpar.estimate" and data["fits"] is True
+    assert data["predicted"]["step_time_s"] > 0 and data["tflops_per_device"] > 0 and 0 < data["mfu"] < 1
+    assert [s["layers"] for s in data["stages"]] == [[[0, 0]], [[1, 3]]]
+    assert set(data["time_breakdown"]) >= {"compute_s", "bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s"}
+    assert {"weights_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes", "total_bytes"} <= set(
+        data["stages"][0]["memory"])
+    assert "predicted step" in result.stderr
+
+
+def test_estimate_on_a_mixed_cluster_with_stage_devices():
+    result = hetpar("estimate", GPT, *SMALL_GPT, "--cluster", "1x4xV100-32GB+1x4xA100-80GB", "--global-batch", "16",
+                    "--micro-batch-size", "2", "--dp", "4", "--tp", "1", "--pp", "2", "--stage-devices", "A100-80GB,V100-32GB",
+                    "--dtype", "fp16", "--json")
+    assert result.returncode == 0, result.stderr
+    stages = json.loads(result.stdout)["stages"]
+    assert [(s["device_type"], s["ranks"]) for s in stages] == [("A100-80GB", [[4], [5], [6], [7]]), ("V100-32GB", [[0], [1], [2], [3]])]
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["--dp", "2", "--tp", "2", "--pp", "3"], ["dp(2) * tp(2) * pp(3) = 12 != world_size(8)"]),
+    (["--dp", "4", "--tp", "1", "--pp", "2", "--stage-layers", "1,2"], ["--stage-layers 1,2 sums to 3", "4 layers"]),
+    (["--dp", "4", "--tp", "1", "--pp", "2", "--stage-layers", "1,x"], ["--stage-layers '1,x' is not a comma-separated list"]),
+    (["--dp", "4", "--tp", "1", "--pp", "2", "--stage-devices", "A100-80GB,V100-32GB"], ["'V100-32GB', which is not in the cluster"]),
+    (["--dp", "4", "--tp", "1", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--global-batch", "8"],
+     ["micro-batches (1)", "multiple of pp(2)"]),
+    (["--dp", "4", "--tp", "1", "--pp", "2", "--virtual-stages", "2"], ["need --schedule interleaved"]),
+    (["--dp", "4", "--tp", "1", "--pp", "2", "--zero", "5"], ["unknown zero 5"]),
+    (["--dp", "8", "--tp", "1", "--pp", "1", "--global-batch", "12"], ["global batch 12 is not a multiple of dp(8)"]),
+])
+def test_bad_input_is_one_line(args, fragments):
+    assert_one_line_error(hetpar(*BASE, *args), *fragments)
+
+
+def test_a_device_without_the_dtype_is_one_line():
+    result = hetpar("estimate", GPT, *SMALL_GPT, "--cluster", "1x8xV100-32GB", "--global-batch", "16", "--micro-batch-size", "2",
+                    "--dp", "8", "--tp", "1", "--pp", "1", "--dtype", "bf16")
+    assert_one_line_error(result, "V100-32GB has no bf16", "--dtype fp16")
