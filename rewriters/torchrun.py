@@ -266,6 +266,7 @@ if my_stage.tensor_parallel > 1:
 # data parallel: all-reduce, a compression hook, or ZeRO through FSDP2 (my_stage.zero_stage)
 grad_sync = data_parallel.wrap(stage.module, my_stage, groups, GRAD_COMPRESSION,
                                powersgd_rank=args.powersgd_rank, powersgd_start_step=args.powersgd_start_step)
+training.announce(me, my_stage, grad_sync)  # "stage 0 (layers 0-1): tp 1, ZeRO-2 through FSDP2 over 2 replicas, ..."
 optimizer = training.make_optimizer(args.optimizer, stage.module.parameters(), args.lr)
 scaler = precision.LossScaler(enabled=DTYPE == torch.float16)  # fp16: dynamic loss scaling
 

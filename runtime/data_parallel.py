@@ -74,6 +74,9 @@ COMPRESSIONS = ("none", "fp16", "powersgd")
 class GradientSync:
     """Nothing to agree on: the stage has one replica."""
 
+    def __str__(self) -> str:
+        return "one replica"
+
     def before_backward(self, last: bool) -> None:
         """Called before each backward of a step; ``last`` for the step's final one."""
 
@@ -115,6 +118,9 @@ class AllReduce(GradientSync):
         self.params = list(params)
         self.group = group
         self.data_parallel = data_parallel
+
+    def __str__(self) -> str:
+        return f"all-reduce over {self.data_parallel} replicas"
 
     def reduce(self) -> None:
         for bucket in _buckets(self.params):
@@ -172,6 +178,9 @@ class CompressedAllReduce(GradientSync):
         self.hook = hook
         self.state = state
 
+    def __str__(self) -> str:
+        return f"all-reduce over {_group_of(self.state).size()} replicas through {self.hook.__name__}"
+
     def reduce(self) -> None:
         buckets = _buckets(self.params)
         for i, params in enumerate(buckets):
@@ -185,12 +194,20 @@ class FullyShard(GradientSync):
 
     def __init__(self, module: nn.Module, mesh: Any, zero_stage: int):
         self.zero_stage = zero_stage
+        self.replicas = mesh.size()
         self.module: FSDPModule = fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage == 3)
+
+    def __str__(self) -> str:
+        return f"ZeRO-{self.zero_stage} through FSDP2 over {self.replicas} replicas"
 
     def before_backward(self, last: bool) -> None:
         self.module.set_is_last_backward(last)
         self.module.set_requires_gradient_sync(last or self.zero_stage >= 2)
         self.module.set_reshard_after_backward(last or self.zero_stage == 3)
+
+
+def _group_of(state: Any) -> dist.ProcessGroup:
+    return state.process_group if isinstance(state, powerSGD_hook.PowerSGDState) else state
 
 
 def wrap(

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from runtime.distributed import Placement
+from runtime.distributed import Placement, StageSpec
 
 
 def make_optimizer(name: str, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -31,6 +31,15 @@ def make_optimizer(name: str, params: Iterable[nn.Parameter], lr: float) -> torc
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def announce(me: Placement, stage: StageSpec, grad_sync: object) -> None:
+    """One line on stderr per stage, from its first rank: how it is run, e.g.
+    ``hetpar: stage 1 (layers 2-3): tp 1, ZeRO-3 through FSDP2 over 2 replicas, recompute full``."""
+    if me.replica == 0 and me.tp_index == 0:
+        first, last = stage.layers
+        print(f"hetpar: stage {me.stage} (layers {first}-{last}): tp {stage.tensor_parallel}, {grad_sync}, "
+              f"recompute {stage.recompute}", file=sys.stderr, flush=True)
 
 
 def global_mean_loss(local_loss: torch.Tensor, me: Placement, *, last_stage: int, data_parallel: int) -> float:
@@ -141,4 +150,4 @@ def save_atomic(obj: object, path: Path) -> None:
         raise
 
 
-__all__ = ["StepLogger", "global_mean_loss", "make_optimizer", "save_atomic", "save_full_state"]
+__all__ = ["StepLogger", "announce", "global_mean_loss", "make_optimizer", "save_atomic", "save_full_state"]

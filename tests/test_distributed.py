@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -93,8 +94,17 @@ def reference_run(plan, init_state: dict, optimizer: str, steps: int = STEPS
     return losses, model.state_dict()
 
 
-def run_compiled(plan, tmp_path: Path, optimizer: str, *, plain_python: bool = False
-                 ) -> tuple[list[float], dict, list[float], dict]:
+class Compared(NamedTuple):
+    """A compiled run and the reference: losses and final state_dicts, and the run's stderr."""
+
+    losses: list[float]
+    final: dict
+    ref_losses: list[float]
+    ref_state: dict
+    stderr: str
+
+
+def run_compiled(plan, tmp_path: Path, optimizer: str, *, plain_python: bool = False) -> Compared:
     """Compile ``plan``, run it under torchrun (or as ``python train.py``) and the
     reference in this process."""
     out = tmp_path / "build"
@@ -116,17 +126,19 @@ def run_compiled(plan, tmp_path: Path, optimizer: str, *, plain_python: bool = F
     assert all(r["step_time_s"] > 0 and r["samples_per_s"] > 0 for r in records)
     final = torch.load(out / "final.pt", weights_only=True)
     ref_losses, ref_state = reference_run(plan, init_state, optimizer)
-    return [r["loss"] for r in records], final, ref_losses, ref_state
+    return Compared([r["loss"] for r in records], final, ref_losses, ref_state, result.stderr)
 
 
 def assert_trains_like_one_process(plan, tmp_path: Path, optimizer: str = "sgd", *, plain_python: bool = False
-                                   ) -> None:
-    losses, final, ref_losses, ref_state = run_compiled(plan, tmp_path, optimizer, plain_python=plain_python)
+                                   ) -> str:
+    """Returns the run's stderr."""
+    losses, final, ref_losses, ref_state, stderr = run_compiled(plan, tmp_path, optimizer, plain_python=plain_python)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
     assert list(final) == list(ref_state), "saved keys differ from build_model().state_dict()"
     for key, ref in ref_state.items():
         torch.testing.assert_close(final[key], ref, atol=1e-5, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
     assert ref_losses[-1] != ref_losses[0]  # the run trained
+    return stderr
 
 
 @pytest.mark.slow
