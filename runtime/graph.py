@@ -9,8 +9,8 @@ containers: every child with parameters of an ``nn.ModuleList`` or ``nn.ModuleDi
 or the children of one class that occurs at least twice in an ``nn.Sequential``. The
 container whose blocks hold the most parameters wins (the shallower one on a tie);
 other containers that neither hold nor sit inside a chosen one join it if their blocks
-hold at least 1% of the parameters (T5's encoder and decoder blocks, a ResNet's four
-stages written as separate Sequentials). Each block is a layer, in the order the
+hold at least 1% of the parameters (T5's encoder and decoder blocks; the bottlenecks
+of a torchvision-style ResNet, whose four stages are separate Sequentials). Each block is a layer, in the order the
 graph first runs it; the nodes before the first block form a leading layer and the
 nodes after the last block a trailing one, each named after the modules it uses
 (``tok_emb+pos_emb``, ``transformer.ln_f+lm_head``). Nodes are swept in graph order and
