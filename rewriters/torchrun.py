@@ -1,25 +1,26 @@
 """ParallelPlan -> a self-contained directory that torchrun runs.
 
 ``compile_plan`` writes ``train.py`` (a short program in the style of nanoGPT: the
-plan's numbers as constants, then rank setup, the model shard, tensor parallel, the
-schedule and the training loop, with the logic in ``runtime``), ``launch.sh``, and a
-copy of the model file. See docs/running.md.
+plan's numbers as constants, then rank setup, the model shard, tensor and data
+parallelism, the schedule, checkpoints and the training loop, with the logic in
+``runtime``), its launch files (``launch.sh``, ``slurm.sbatch``, ``pytorchjob.yaml``;
+see rewriters.launchers), and a copy of the model file. See docs/running.md.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 import stat
 import tempfile
 from pathlib import Path
 
 from planner.plan import ParallelPlan, StagePlan
+from rewriters.launchers import (
+    LAUNCHER, PROGRAM, PYTORCHJOB, SLURM, launcher_source, node_layout, pytorchjob_source, slurm_source,
+)
 
-PROGRAM = "train.py"
-LAUNCHER = "launch.sh"
 
 # plan.dtype -> the torch dtype the program autocasts to
 _DTYPES = {
@@ -44,11 +45,12 @@ def compile_plan(plan: ParallelPlan, out_dir: Path) -> list[Path]:
 
     Args:
         plan: the plan to compile.
-        out_dir: where ``train.py``, ``launch.sh`` and the model file go; created if
-            missing; other files in it are left alone.
+        out_dir: where the program, its launch files and the model file go; created
+            if missing; other files in it are left alone.
 
     Returns:
-        The paths written: ``train.py``, ``launch.sh``, the model file.
+        The paths written: ``train.py``, ``launch.sh``, ``slurm.sbatch``,
+        ``pytorchjob.yaml``, the model file.
 
     Raises:
         CompileError: the model file is missing or changed since planning, or the plan
@@ -56,15 +58,22 @@ def compile_plan(plan: ParallelPlan, out_dir: Path) -> list[Path]:
     """
     out_dir = Path(out_dir)
     model_path = _checked_model_file(plan)
-    texts = {PROGRAM: program_source(plan), LAUNCHER: launcher_source(plan)}
+    name = f"hetpar-{model_path.stem}"
+    texts = {
+        PROGRAM: program_source(plan),
+        LAUNCHER: launcher_source(plan),
+        SLURM: slurm_source(plan, job_name=name),
+        PYTORCHJOB: pytorchjob_source(plan, job_name=name, build_dir=out_dir.name),
+    }
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
     try:
         for name, text in texts.items():
             (tmp / name).write_text(text)
-        (tmp / LAUNCHER).chmod((tmp / LAUNCHER).stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        for script in (LAUNCHER, SLURM):
+            (tmp / script).chmod((tmp / script).stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
         shutil.copyfile(model_path, tmp / model_path.name)
-        names = [PROGRAM, LAUNCHER, model_path.name]
+        names = [*texts, model_path.name]
         if not out_dir.exists():
             os.replace(tmp, out_dir)
         else:
@@ -82,32 +91,13 @@ def _checked_model_file(plan: ParallelPlan) -> Path:
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != plan.model.fingerprint.removeprefix("sha256:"):
         raise CompileError(f"model file {path} changed since planning; re-run hetpar plan")
-    if path.name in (PROGRAM, LAUNCHER):
+    if path.name in (PROGRAM, LAUNCHER, SLURM, PYTORCHJOB):
         raise CompileError(f"model file {path} is named like the program; rename it (e.g. model.py) and re-run hetpar plan")
     if not path.name.endswith(".py") or not path.stem.isidentifier():
         raise CompileError(f"model file {path} must be a .py file with a Python identifier as its name")
     if plan.dtype not in _DTYPES:
         raise CompileError(f"plan dtype {plan.dtype!r} is not one of {', '.join(_DTYPES)}; re-run hetpar plan with --dtype")
     return path
-
-
-# ----------------------------------------------------------------------------- layout
-
-
-def node_layout(plan: ParallelPlan) -> tuple[int, int]:
-    """``(nodes, processes per node)`` read from a cluster spec like ``2x8xA100+2x8xV100``.
-
-    A spec that does not read that way, or whose nodes differ in size, counts as one
-    node holding the whole world.
-    """
-    parts = [re.fullmatch(r"\s*(\d+)x(\d+)x.+", p) for p in plan.cluster.spec.split("+")]
-    if not parts or not all(parts):
-        return 1, plan.cluster.world_size
-    sizes = {int(m[2]) for m in parts}
-    nodes = sum(int(m[1]) for m in parts)
-    if len(sizes) != 1 or nodes * sizes.copy().pop() != plan.cluster.world_size:
-        return 1, plan.cluster.world_size
-    return nodes, sizes.pop()
 
 
 def torchrun_line(plan: ParallelPlan) -> str:
@@ -320,55 +310,4 @@ distributed.shutdown()
 '''
 
 
-# ----------------------------------------------------------------------------- launch.sh
-
-
-def launcher_source(plan: ParallelPlan) -> str:
-    """The text of ``launch.sh``: torchrun on one host, or on many with NNODES etc. set."""
-    world = plan.cluster.world_size
-    nodes, per_node = node_layout(plan)
-    node_lines = []
-    if nodes > 1:
-        types = plan.cluster.device_types
-        for n in range(nodes):
-            ranks = range(n * per_node, (n + 1) * per_node)
-            kinds = sorted({types[r] for r in ranks if r < len(types)})
-            node_lines.append(f"#   NODE_RANK={n}: ranks {ranks.start}-{ranks.stop - 1} ({', '.join(kinds) or '?'})")
-    planned = (
-        f"# The plan is for {nodes} hosts of {per_node} processes; NODE_RANK n must be the\n"
-        f"# n-th host of the cluster spec {plan.cluster.spec!r}:\n" + "\n".join(node_lines) + "\n"
-        if nodes > 1
-        else ""
-    )
-    return _LAUNCHER_TEMPLATE.format(world=world, planned=planned, program=PROGRAM)
-
-
-_LAUNCHER_TEMPLATE = """\
-#!/bin/sh
-# Runs {program} (compiled by hetpar for {world} processes); arguments go to {program}.
-#
-# One host:    ./launch.sh --steps 100          (MASTER_PORT=29501 ./launch.sh ... for a second run)
-# Many hosts:  on every host, with the same MASTER_ADDR (host of NODE_RANK=0):
-#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 ./launch.sh --steps 100
-# Global rank = NODE_RANK * (world size / NNODES) + local rank, as the plan numbers them.
-{planned}set -eu
-HERE=$(cd "$(dirname "$0")" && pwd)
-PLAN_WORLD_SIZE={world}
-NNODES=${{NNODES:-1}}
-if [ "$NNODES" -eq 1 ]; then
-    exec torchrun --nproc_per_node="$PLAN_WORLD_SIZE" ${{MASTER_PORT:+--master_port="$MASTER_PORT"}} "$HERE/{program}" "$@"
-fi
-if [ $((PLAN_WORLD_SIZE % NNODES)) -ne 0 ]; then
-    echo "launch.sh: world size $PLAN_WORLD_SIZE does not split over NNODES=$NNODES hosts" >&2
-    exit 2
-fi
-: "${{NODE_RANK:?set NODE_RANK (0..NNODES-1) on every host}}"
-: "${{MASTER_ADDR:?set MASTER_ADDR to the host of NODE_RANK=0}}"
-exec torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" \\
-    --nproc_per_node=$((PLAN_WORLD_SIZE / NNODES)) \\
-    --master_addr="$MASTER_ADDR" --master_port="${{MASTER_PORT:-29500}}" \\
-    "$HERE/{program}" "$@"
-"""
-
-
-__all__ = ["CompileError", "compile_plan", "launcher_source", "node_layout", "program_source", "stage_table", "torchrun_line"]
+__all__ = ["CompileError", "compile_plan", "program_source", "stage_table", "torchrun_line"]

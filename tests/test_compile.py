@@ -51,7 +51,7 @@ def constants(path: Path) -> dict[str, str]:
 def test_compile_writes_program_launcher_and_model_copy(tmp_path, pp_tp_plan, model_copy):
     out = tmp_path / "build" / "gpt"
     written = compile_plan(pp_tp_plan, out)
-    assert written == [out / "train.py", out / "launch.sh", out / "gpt.py"]
+    assert written == [out / name for name in ("train.py", "launch.sh", "slurm.sbatch", "pytorchjob.yaml", "gpt.py")]
     assert (out / "gpt.py").read_bytes() == model_copy.read_bytes()
     assert os.access(out / "launch.sh", os.X_OK)
     assert sorted(p.name for p in out.parent.iterdir()) == ["gpt"]  # no temporary directory left

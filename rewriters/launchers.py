@@ -1,0 +1,285 @@
+"""Launch files next to ``train.py``: ``launch.sh`` (torchrun on one host or many),
+``slurm.sbatch`` (a Slurm batch job) and ``pytorchjob.yaml`` (a Kubeflow PyTorchJob
+for Volcano gang scheduling). See docs/running.md.
+
+[Note: node order]
+The plan numbers ranks node by node: global rank = node rank * processes per node +
+local rank, and on a mixed cluster the n-th node of the spec has the device type the
+plan costed for those ranks. ``launch.sh`` and ``slurm.sbatch`` on a mixed cluster
+therefore fix node ranks (``NODE_RANK``, ``SLURM_NODEID``) with torchrun's static
+rendezvous. Where every node has the same device type, any order of nodes runs the
+plan as costed, so ``slurm.sbatch`` and ``pytorchjob.yaml`` use the c10d rendezvous,
+whose agents also agree on restarting every node's workers after a failure
+(``--max-restarts``); the program then resumes from ``--checkpoint-dir`` (see
+runtime/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+from planner.plan import ParallelPlan
+
+PROGRAM = "train.py"
+LAUNCHER = "launch.sh"
+SLURM = "slurm.sbatch"
+PYTORCHJOB = "pytorchjob.yaml"
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def node_layout(plan: ParallelPlan) -> tuple[int, int]:
+    """``(nodes, processes per node)`` read from a cluster spec like ``2x8xA100+2x8xV100``.
+
+    A spec that does not read that way, or whose nodes differ in size, counts as one
+    node holding the whole world.
+    """
+    parts = [re.fullmatch(r"\s*(\d+)x(\d+)x.+", p) for p in plan.cluster.spec.split("+")]
+    if not parts or not all(parts):
+        return 1, plan.cluster.world_size
+    sizes = {int(m[2]) for m in parts}
+    nodes = sum(int(m[1]) for m in parts)
+    if len(sizes) != 1 or nodes * sizes.copy().pop() != plan.cluster.world_size:
+        return 1, plan.cluster.world_size
+    return nodes, sizes.pop()
+
+
+
+
+# ----------------------------------------------------------------------------- launch.sh
+
+
+def launcher_source(plan: ParallelPlan) -> str:
+    """The text of ``launch.sh``: torchrun on one host, or on many with NNODES etc. set."""
+    world = plan.cluster.world_size
+    nodes, per_node = node_layout(plan)
+    node_lines = []
+    if nodes > 1:
+        types = plan.cluster.device_types
+        for n in range(nodes):
+            ranks = range(n * per_node, (n + 1) * per_node)
+            kinds = sorted({types[r] for r in ranks if r < len(types)})
+            node_lines.append(f"#   NODE_RANK={n}: ranks {ranks.start}-{ranks.stop - 1} ({', '.join(kinds) or '?'})")
+    planned = (
+        f"# The plan is for {nodes} hosts of {per_node} processes; NODE_RANK n must be the\n"
+        f"# n-th host of the cluster spec {plan.cluster.spec!r}:\n" + "\n".join(node_lines) + "\n"
+        if nodes > 1
+        else ""
+    )
+    return _LAUNCHER_TEMPLATE.format(world=world, planned=planned, program=PROGRAM)
+
+
+_LAUNCHER_TEMPLATE = """\
+#!/bin/sh
+# Runs {program} (compiled by hetpar for {world} processes); arguments go to {program}.
+#
+# One host:    ./launch.sh --steps 100          (MASTER_PORT=29501 ./launch.sh ... for a second run)
+# Many hosts:  on every host, with the same MASTER_ADDR (host of NODE_RANK=0):
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 ./launch.sh --steps 100
+# Global rank = NODE_RANK * (world size / NNODES) + local rank, as the plan numbers them.
+# Fault tolerance: MAX_RESTARTS=3 ./launch.sh --steps 100 --checkpoint-dir ckpt --checkpoint-every 50
+#   (torchrun restarts the workers after a failure; they resume from the newest checkpoint).
+{planned}set -eu
+HERE=$(cd "$(dirname "$0")" && pwd)
+PLAN_WORLD_SIZE={world}
+NNODES=${{NNODES:-1}}
+if [ "$NNODES" -eq 1 ]; then
+    exec torchrun --nproc_per_node="$PLAN_WORLD_SIZE" ${{MASTER_PORT:+--master_port="$MASTER_PORT"}} \\
+        ${{MAX_RESTARTS:+--max-restarts="$MAX_RESTARTS"}} "$HERE/{program}" "$@"
+fi
+if [ $((PLAN_WORLD_SIZE % NNODES)) -ne 0 ]; then
+    echo "launch.sh: world size $PLAN_WORLD_SIZE does not split over NNODES=$NNODES hosts" >&2
+    exit 2
+fi
+: "${{NODE_RANK:?set NODE_RANK (0..NNODES-1) on every host}}"
+: "${{MASTER_ADDR:?set MASTER_ADDR to the host of NODE_RANK=0}}"
+exec torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" \\
+    --nproc_per_node=$((PLAN_WORLD_SIZE / NNODES)) \\
+    --master_addr="$MASTER_ADDR" --master_port="${{MASTER_PORT:-29500}}" \\
+    ${{MAX_RESTARTS:+--max-restarts="$MAX_RESTARTS"}} "$HERE/{program}" "$@"
+"""
+
+
+# ----------------------------------------------------------------------------- shared
+
+
+def device_kinds(plan: ParallelPlan) -> list[str]:
+    """The plan's device types, in rank order, each once."""
+    return list(dict.fromkeys(plan.cluster.device_types))
+
+
+def _accelerator(device_type: str) -> str | None:
+    """The vendor of an accelerator, from its hetpar device-type name; None for CPUs."""
+    name = device_type.lower()
+    if name.startswith("cpu"):
+        return None
+    if name.startswith("ascend"):
+        return "ascend"
+    if name.startswith("mi"):
+        return "amd"
+    return "nvidia"
+
+
+_K8S_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu", "ascend": "huawei.com/Ascend910"}
+
+
+def k8s_name(text: str) -> str:
+    """``text`` as a Kubernetes object name (DNS-1123: lowercase letters, digits, '-')."""
+    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+    return name[:53] or "hetpar"
+
+
+# ----------------------------------------------------------------------------- slurm.sbatch
+
+
+def slurm_source(plan: ParallelPlan, *, job_name: str) -> str:
+    """The text of ``slurm.sbatch``: one torchrun per node under ``srun``; see [Note: node order]."""
+    nodes, per_node = node_layout(plan)
+    kinds = device_kinds(plan)
+    vendors = {_accelerator(k) for k in kinds}
+    gpus = f"#SBATCH --gpus-per-node={per_node}\n" if vendors <= {"nvidia", "amd"} and None not in vendors else ""
+    if "ascend" in vendors:
+        gpus = f"# Request the {per_node} NPUs of each node the way your site names them (e.g. --gres=npu:{per_node}).\n"
+    if len(kinds) > 1:
+        note = (
+            f"# The cluster mixes {', '.join(kinds)}: node n of the allocation (SLURM_NODEID) must be the n-th node\n"
+            f"# of the spec {plan.cluster.spec!r}, so node ranks are fixed (static rendezvous) and a failure\n"
+            "# ends the job (MAX_RESTARTS defaults to 0); resubmit it and it resumes from --checkpoint-dir.\n"
+        )
+        torchrun = (
+            'exec torchrun --nnodes="$SLURM_NNODES" --node_rank="$SLURM_NODEID" --nproc_per_node="$NPROC_PER_NODE" '
+            '--master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --max-restarts="$MAX_RESTARTS" '
+            f'"$HERE/{PROGRAM}" "$@"'
+        )
+        restarts = 0
+    else:
+        note = (
+            "# After a failure the torchrun of every node restarts its workers (c10d rendezvous, MAX_RESTARTS\n"
+            "# times); a killed worker costs only the steps since the last checkpoint.\n"
+        )
+        torchrun = (
+            'exec torchrun --nnodes="$SLURM_NNODES" --nproc_per_node="$NPROC_PER_NODE" --rdzv-id="$SLURM_JOB_ID" '
+            '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --max-restarts="$MAX_RESTARTS" '
+            f'"$HERE/{PROGRAM}" "$@"'
+        )
+        restarts = 3
+    return _SLURM_TEMPLATE.format(program=PROGRAM, world=plan.cluster.world_size, nodes=nodes, per_node=per_node,
+                                  job=job_name, gpus=gpus, note=note, torchrun=torchrun, restarts=restarts)
+
+
+_SLURM_TEMPLATE = """\
+#!/bin/bash
+# Runs {program} (compiled by hetpar for {world} processes: {nodes} nodes x {per_node}) as a Slurm job;
+# arguments go to {program}. Submit from this directory (Slurm runs a copy of this script):
+#
+#   sbatch slurm.sbatch --steps 1000 --checkpoint-dir /shared/ckpt --checkpoint-every 100
+#
+# MASTER_PORT (default 29500) and MAX_RESTARTS (default {restarts}) may be set for sbatch. Give
+# --checkpoint-dir on a file system every node sees: a (re)started job resumes from it.
+{note}#SBATCH --job-name={job}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+{gpus}#SBATCH --requeue
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+HERE=${{HETPAR_BUILD_DIR:-$SLURM_SUBMIT_DIR}}
+PLAN_WORLD_SIZE={world}
+NPROC_PER_NODE={per_node}
+if [ $((SLURM_NNODES * NPROC_PER_NODE)) -ne "$PLAN_WORLD_SIZE" ]; then
+    echo "slurm.sbatch: $SLURM_NNODES nodes x $NPROC_PER_NODE processes != world size $PLAN_WORLD_SIZE of the plan" >&2
+    exit 2
+fi
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_PORT=${{MASTER_PORT:-29500}}
+MAX_RESTARTS=${{MAX_RESTARTS:-{restarts}}}
+export HERE NPROC_PER_NODE MASTER_ADDR MASTER_PORT MAX_RESTARTS
+# One torchrun per node (it starts the node's processes); srun ends the job if one fails for good.
+srun --kill-on-bad-exit=1 bash -c '{torchrun}' bash "$@"
+"""
+
+
+# ----------------------------------------------------------------------------- pytorchjob.yaml
+
+
+def pytorchjob_source(plan: ParallelPlan, *, job_name: str, build_dir: str) -> str:
+    """The text of ``pytorchjob.yaml``: a Kubeflow PyTorchJob (``kubeflow.org/v1``) with an
+    elastic policy (c10d rendezvous, restarts) and Volcano gang scheduling."""
+    nodes, per_node = node_layout(plan)
+    kinds = device_kinds(plan)
+    vendors = {_accelerator(k) for k in kinds} - {None}
+    resource = _K8S_RESOURCE[vendors.pop()] if len(vendors) == 1 else None
+    limits = (
+        f"              resources:\n                limits:\n                  {resource}: {per_node}\n" if resource else ""
+    )
+    note = (
+        f"#\n# NOTE: the cluster mixes {', '.join(kinds)}. The pods of a PyTorchJob share one template and\n"
+        "# the c10d rendezvous orders them freely, so the plan's device types per rank are not kept:\n"
+        "# run this plan with launch.sh or slurm.sbatch, which fix node ranks.\n"
+        if len(kinds) > 1
+        else ""
+    )
+    name = k8s_name(job_name)
+    return _PYTORCHJOB_TEMPLATE.format(program=PROGRAM, world=plan.cluster.world_size, nodes=nodes,
+                                       per_node=per_node, name=name, build_dir=build_dir, limits=limits, note=note)
+
+
+_PYTORCHJOB_TEMPLATE = """\
+# Kubeflow PyTorchJob for {program} (compiled by hetpar: {world} processes, {nodes} pods x {per_node}).
+#
+#   kubectl apply -f pytorchjob.yaml
+#
+# Needs the Kubeflow training operator (kubeflow.org/v1) started with --gang-scheduler-name=volcano,
+# and Volcano: the operator makes schedulingPolicy.minAvailable a Volcano PodGroup, so the {nodes}
+# pods start together or not at all. The image must hold torch, hetpar's runtime and this directory
+# at /workspace/{build_dir}; the claim {name}-checkpoints must be a ReadWriteMany volume.
+# elasticPolicy: torchrun in every pod joins a c10d rendezvous and restarts the workers of every pod
+# after a failure, up to maxRestarts times; they resume from /checkpoints. The world size is the
+# plan's, so minReplicas = maxReplicas: the job restarts, it does not grow or shrink.
+{note}apiVersion: kubeflow.org/v1
+kind: PyTorchJob
+metadata:
+  name: {name}
+spec:
+  nprocPerNode: "{per_node}"
+  elasticPolicy:
+    rdzvBackend: c10d
+    minReplicas: {nodes}
+    maxReplicas: {nodes}
+    maxRestarts: 3
+  runPolicy:
+    schedulingPolicy:
+      minAvailable: {nodes}
+      queue: default
+  pytorchReplicaSpecs:
+    Worker:
+      replicas: {nodes}
+      restartPolicy: OnFailure
+      template:
+        spec:
+          schedulerName: volcano
+          containers:
+            - name: pytorch
+              image: {name}:latest
+              workingDir: /workspace/{build_dir}
+              command: ["torchrun", "{program}"]
+              args: ["--steps", "1000", "--checkpoint-dir", "/checkpoints", "--checkpoint-every", "100"]
+{limits}              volumeMounts:
+                - name: checkpoints
+                  mountPath: /checkpoints
+                - name: shm
+                  mountPath: /dev/shm
+          volumes:
+            - name: checkpoints
+              persistentVolumeClaim:
+                claimName: {name}-checkpoints
+            - name: shm
+              emptyDir:
+                medium: Memory
+"""
+
+
+__all__ = [
+    "LAUNCHER", "PROGRAM", "PYTORCHJOB", "SLURM",
+    "device_kinds", "k8s_name", "launcher_source", "node_layout", "pytorchjob_source", "slurm_source",
+]
