@@ -1,5 +1,6 @@
 """ParallelPlan validates its degrees and round-trips through JSON."""
 
+import dataclasses
 import json
 
 import pytest
@@ -71,3 +72,45 @@ def test_bad_plan_files(tmp_path, text, message):
 def test_missing_plan_file(tmp_path):
     with pytest.raises(PlanError, match="cannot read plan"):
         ParallelPlan.load(tmp_path / "nope.json")
+
+
+def test_data_parallel_options_round_trip_and_old_plans_load(tmp_path):
+    stages = [dataclasses.replace(s, zero_stage=z, recompute=r)
+              for s, z, r in zip(make_plan().stages, (1, 3), ("full", "selective"))]
+    plan = make_plan(stages=stages, replica_batch_shares=[3, 1])
+    plan.save(tmp_path / "plan.json")
+    assert ParallelPlan.load(tmp_path / "plan.json") == plan
+    assert plan.replica_micro_batch_sizes == [3, 1] and make_plan().replica_micro_batch_sizes == [2, 2]
+    old = json.loads(make_plan().to_json())
+    for s in old["stages"]:
+        del s["zero_stage"], s["recompute"]
+    del old["grad_compression"], old["replica_batch_shares"]
+    loaded = ParallelPlan.from_dict(old)
+    assert (loaded.stages[0].zero_stage, loaded.stages[0].recompute, loaded.grad_compression) == (0, "none", "none")
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(zero_stage=4), r"stage 0: zero_stage\(4\) must be one of 0, 1, 2, 3"),
+    (dict(recompute="some"), r"stage 0: recompute 'some' must be one of 'none', 'selective', 'full'"),
+])
+def test_stage_options_are_checked(change, message):
+    with pytest.raises(PlanError, match=message):
+        StagePlan(index=0, layers=[0], device_type="cpu", tensor_parallel=1, ranks=[[0]], **change)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(grad_compression="int8"), r"grad_compression 'int8' must be one of 'none', 'fp16', 'powersgd'"),
+    (dict(replica_batch_shares=[3]), r"replica_batch_shares \[3\] must hold one micro-batch size >= 1 per replica"),
+    (dict(replica_batch_shares=[4, 0]), r"must hold one micro-batch size >= 1 per replica, data_parallel is 2"),
+    (dict(replica_batch_shares=[3, 2]), r"sum to 5 != dp\(2\) \* micro_batch_size\(2\) = 4"),
+])
+def test_plan_options_are_checked(change, message):
+    with pytest.raises(PlanError, match=message):
+        make_plan(**change)
+
+
+def test_compression_and_zero_do_not_mix():
+    stages = [dataclasses.replace(make_plan().stages[0], zero_stage=2), make_plan().stages[1]]
+    with pytest.raises(PlanError, match=r"grad_compression 'fp16' needs zero_stage 0 on every stage .* stage 0 has "
+                                        r"zero_stage 2"):
+        make_plan(stages=stages, grad_compression="fp16")
