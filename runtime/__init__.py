@@ -6,8 +6,12 @@ Modules, in the order a program uses them:
 - ``distributed``: process group, this rank's place in the plan, its groups and pipeline peers, teardown.
 - ``model_file``: the model-file contract (build, loss, data).
 - ``graph``: fx capture, layers, and stage cuts.
-- ``shard``: this rank's stage, tensor parallel, its micro-batches.
+- ``shard``: this rank's stage, tensor parallel, its micro-batches, the data order.
+- ``recompute``: each layer of a stage under torch.utils.checkpoint.
+- ``data_parallel``: gradients of a stage's replicas: all-reduce, DDP comm hooks, ZeRO through FSDP2.
+- ``precision``: fp16 loss scaling agreed by every rank.
 - ``schedule``: pipeline schedules as data (``1F0``), generators and a deadlock simulator.
 - ``executor``: runs a stage's action list with point-to-point sends and receives.
-- ``training``: optimizer, data-parallel gradient averaging, reported loss, metrics, final state_dict.
+- ``checkpoint``: atomic torch.distributed.checkpoint checkpoints and resume.
+- ``training``: optimizer, reported loss, metrics, final state_dict.
 """
