@@ -78,6 +78,14 @@ class Row:
     measured_step_s: float
     published: str  # the number as printed
     fit: bool  # in the set the constant is fitted on; the others test it
+    work: float  # what the published rate counts per step: FLOPs (Narayanan) or tokens (MosaicML)
+    unit: str  # "TFLOP/s/GPU" or "tokens/s"
+
+    def as_published(self, step_s: float) -> str:
+        """A step time in the units the source printed."""
+        if self.unit == "tokens/s":
+            return f"{self.work / step_s:.0f} tokens/s"
+        return f"{self.work / step_s / self.gpus / 1e12:.0f} TFLOP/s/GPU"
 
     @property
     def gpus(self) -> int:
@@ -88,11 +96,10 @@ def _megatron_model(layers: int, hidden: int, heads: int) -> dict:
     return dict(n_layers=layers, hidden=hidden, heads=heads, vocab=51200, seq_len=2048, bias=True, dropout=0.1)
 
 
-def _megatron_step_s(tflops: float, gpus: int, batch: int, layers: int, hidden: int) -> float:
-    """Narayanan et al. 2021 Eq. 3 FLOPs per step over the published per-GPU rate."""
+def _megatron_flops(batch: int, layers: int, hidden: int) -> float:
+    """Narayanan et al. 2021 Eq. 3: FLOPs per step, the recomputed forward included."""
     s, v = 2048, 51200
-    flops = 96 * batch * s * layers * hidden**2 * (1 + s / (6 * hidden) + v / (16 * layers * hidden))
-    return flops / (gpus * tflops * 1e12)
+    return 96 * batch * s * layers * hidden**2 * (1 + s / (6 * hidden) + v / (16 * layers * hidden))
 
 
 # label, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU; micro-batch and virtual stages from run_table_1.sh
@@ -144,14 +151,15 @@ def published_rows() -> list[Row]:
         rows.append(Row(
             source=f"{NARAYANAN} Table 1", label=label, model=_megatron_model(layers, hidden, heads), nodes=gpus // 8,
             global_batch=batch, dp=gpus // (t * p), tp=t, pp=p, micro_batch=mb, schedule="interleaved" if v > 1 else "1f1b",
-            virtual=v, measured_step_s=_megatron_step_s(tflops, gpus, batch, layers, hidden),
-            published=f"{tflops} TFLOP/s/GPU", fit=i % 2 == 0))
+            virtual=v, measured_step_s=_megatron_flops(batch, layers, hidden) / (gpus * tflops * 1e12),
+            published=f"{tflops} TFLOP/s/GPU", fit=i % 2 == 0, work=_megatron_flops(batch, layers, hidden), unit="TFLOP/s/GPU"))
     for i, (scheme, label, heads, hidden, layers, t, p, v, gpus, batch, mb, tflops) in enumerate(_TABLE_2):
         rows.append(Row(
             source=f"{NARAYANAN} Table 2, {scheme}", label=label, model=_megatron_model(layers, hidden, heads), nodes=gpus // 8,
             global_batch=batch, dp=gpus // (t * p), tp=t, pp=p, micro_batch=mb, schedule="interleaved" if v > 1 else "1f1b",
-            virtual=v, zero=3 if scheme == "ZeRO-3" else 0, measured_step_s=_megatron_step_s(tflops, gpus, batch, layers, hidden),
-            published=f"{tflops} TFLOP/s/GPU", fit=i % 2 == 0 and scheme != "ZeRO-3"))
+            virtual=v, zero=3 if scheme == "ZeRO-3" else 0,
+            measured_step_s=_megatron_flops(batch, layers, hidden) / (gpus * tflops * 1e12), published=f"{tflops} TFLOP/s/GPU",
+            fit=i % 2 == 0 and scheme != "ZeRO-3", work=_megatron_flops(batch, layers, hidden), unit="TFLOP/s/GPU"))
     for i, (size, seq, gpus, mb, accum, tokens_s, ckpt) in enumerate(_MOSAIC):
         hidden, layers, heads = _MPT[size]
         batch = gpus * mb * accum
@@ -159,7 +167,8 @@ def published_rows() -> list[Row]:
             source=MOSAIC, label=f"MPT-{size} s={seq}",
             model=dict(n_layers=layers, hidden=hidden, heads=heads, vocab=50368, seq_len=seq, bias=False, dropout=0.0),
             nodes=gpus // 8, global_batch=batch, dp=gpus, tp=1, pp=1, micro_batch=mb, recompute="full" if ckpt else "none",
-            zero=3, dtype="bf16", measured_step_s=batch * seq / tokens_s, published=f"{tokens_s} tokens/s", fit=i % 2 == 0))
+            zero=3, dtype="bf16", measured_step_s=batch * seq / tokens_s, published=f"{tokens_s} tokens/s", fit=i % 2 == 0,
+            work=batch * seq, unit="tokens/s"))
     return rows
 
 
@@ -248,8 +257,9 @@ def fit_efficiency(rows: list[Row]) -> float:
 def table(rows: list[Row], kernel_efficiency: float) -> tuple[str, list[float]]:
     """The markdown table of measured vs predicted step times, and the signed errors."""
     lines = [
-        "| # | source | model | GPUs | t, p, d | micro-batch x m | schedule | recompute, ZeRO | published | measured step | predicted step | error | set |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| # | source | model | GPUs | t, p, d | micro-batch x m | schedule | recompute, ZeRO | published | predicted, same units "
+        "| measured step | predicted step | error | set | predicted memory (of 80 GiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     errors = []
     for i, row in enumerate(rows, 1):
@@ -260,9 +270,16 @@ def table(rows: list[Row], kernel_efficiency: float) -> tuple[str, list[float]]:
         lines.append(
             f"| {i} | {row.source} | {row.label} | {row.gpus} | {row.tp}, {row.pp}, {row.dp} | "
             f"{row.micro_batch} x {e.config.num_microbatches} | {sched} | {row.recompute}, {row.zero} | {row.published} | "
-            f"{row.measured_step_s:.2f} s | {e.predicted.step_time_s:.2f} s | {err:+.1%} | {'fit' if row.fit else 'test'} |"
+            f"{row.as_published(e.predicted.step_time_s)} | {row.measured_step_s:.2f} s | {e.predicted.step_time_s:.2f} s | "
+            f"{err:+.1%} | {_set(row)} | {max(e.predicted.peak_memory_bytes) / 2**30:.0f} GiB{'' if e.fits else ', does not fit'} |"
         )
     return "\n".join(lines), errors
+
+
+def _set(row: Row) -> str:
+    if row.fit:
+        return "fit"
+    return "test (not fitted: ZeRO-3)" if row.zero == 3 and row.source.startswith(NARAYANAN) else "test"
 
 
 def summary(rows: list[Row], errors: list[float]) -> str:
@@ -271,11 +288,25 @@ def summary(rows: list[Row], errors: list[float]) -> str:
         within = sum(e <= 0.10 for e in errs)
         return f"{within}/{len(errs)} within 10%, mean |error| {sum(errs) / len(errs):.1%}, max {max(errs):.1%}"
 
+    deepspeed = lambda r: r.zero == 3 and r.source.startswith(NARAYANAN)  # noqa: E731
     return "\n".join([
-        f"- all rows: {stats(lambda r: True)}",
+        f"- all {len(rows)} rows: {stats(lambda r: True)}",
         f"- fitting rows: {stats(lambda r: r.fit)}",
         f"- test rows: {stats(lambda r: not r.fit)}",
+        f"- test rows without DeepSpeed ZeRO-3: {stats(lambda r: not r.fit and not deepspeed(r))}",
     ])
+
+
+def write_section(path: Path, body: str) -> None:
+    """Replace this script's section of ``path`` (from SECTION to the next "## " heading), keeping the rest."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = text.find(SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + body
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + body + (text[end + 1 :] if end >= 0 else "")
+    path.write_text(text)
 
 
 def main() -> None:
@@ -288,9 +319,12 @@ def main() -> None:
     start = time.perf_counter()
     efficiency = fit_efficiency([r for r in rows if r.fit]) if args.fit else TRAINING_KERNEL_EFFICIENCY
     text, errors = table(rows, efficiency)
-    print(f"kernel efficiency {efficiency:.3f} ({'fitted now' if args.fit else 'TRAINING_KERNEL_EFFICIENCY'})")
-    print(text)
-    print(summary(rows, errors))
+    result = "\n".join([f"kernel efficiency {efficiency:.3f} ({'fitted now' if args.fit else 'TRAINING_KERNEL_EFFICIENCY'})",
+                         "", text, "", summary(rows, errors)])
+    print(result)
+    if args.write:
+        template = (ROOT / "benchmarks" / "published" / "section.md").read_text()
+        write_section(args.write, template.replace("{{RESULTS}}", result).replace("{{COMMAND}}", command(next((r for r in rows if r.label == "145.6B"), rows[0]))))
     print(f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
 
 
