@@ -188,7 +188,7 @@ def build_tables(
     scale = dtype_bytes(dtype) / 4
     grad_bytes = state_bytes_per_param(dtype, optimizer)[1]
     lt, ct, mem, dpt, tpt = [], [], [], [], []
-    dp_linear = [_dp_linear(cluster, [rep[0] for rep in slot.ranks]) for slot in slots]
+    dp_lines = [dp_linear(cluster, [rep[0] for rep in slot.ranks]) for slot in slots]
     tp_all_reduce = functools.lru_cache(maxsize=None)(lambda payload, s: all_reduce_time_s(payload, slots[s].ranks[0], cluster))
     for layer in model.layers:
         row_t, row_c, row_m, row_d, row_tp = [], [], [], [], []
@@ -210,7 +210,7 @@ def build_tables(
             row_m.append(
                 stage_memory([layer], tp=cand.tp, micro_batch_size=cand.micro_batch_size, in_flight=in_flight, dtype=dtype, optimizer=optimizer).total_bytes
             )
-            row_d.append(layer.params_at(cand.tp) * grad_bytes * dp_linear[s][1])
+            row_d.append(layer.params_at(cand.tp) * grad_bytes * dp_lines[s][1])
         lt.append(row_t)
         ct.append(row_c)
         mem.append(row_m)
@@ -223,13 +223,13 @@ def build_tables(
         cut_time_s=ct,
         layer_memory_bytes=mem,
         capacity_bytes=[float(s.memory_bytes) for s in slots],
-        dp_latency_s=[latency for latency, _ in dp_linear],
+        dp_latency_s=[latency for latency, _ in dp_lines],
         dp_time_s=dpt,
         tp_time_s=tpt,
     )
 
 
-def _dp_linear(cluster, ranks: list[int]) -> tuple[float, float]:
+def dp_linear(cluster, ranks: list[int]) -> tuple[float, float]:
     """(latency s, s per byte) of the gradient all-reduce among ``ranks``, read off the collective model."""
     if len(ranks) < 2:
         return 0.0, 0.0

@@ -15,17 +15,22 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from cost_models.compute import layer_time_s
+from cost_models.collectives import all_reduce_time_s, p2p_time_s
+from cost_models.compute import dtype_bytes, layer_time_s
+from cost_models.memory import state_bytes_per_param
 from cost_models.devices import get_device
 from cost_models.pipeline import SCHEDULES
 from planner.costs import (
+    dp_linear,
     Candidate,
     CostTables,
+    StageSlot,
     SplitCost,
     build_tables,
     compose_tables,
     evaluate_split,
     stage_memory_breakdown,
+    stage_slots,
     tables_by_type,
     type_slots,
 )
@@ -53,7 +58,8 @@ class SearchOptions:
     micro_batch_size: int | None = None
     schedule: str | None = None
     max_tp: int = 8
-    time_limit_s: float = 30.0
+    time_limit_s: float = 10.0
+    gap_limit: float = 0.0  # stop a candidate's solve once proven within this relative gap
     workers: int = 2
     seed: int = 0
     top_k: int = 3
@@ -141,6 +147,7 @@ class SplitResult:
     cost: SplitCost
     status: str  # "optimal" | "feasible"
     types: list[str] | None = None  # device type per stage, when the search chose them
+    bound_s: float = 0.0  # the solver's proven lower bound on the objective
 
 
 def solve_split(tables: CostTables, options: SearchOptions) -> SplitResult | None:
@@ -170,25 +177,26 @@ def solve_typed_split(tables: dict[str, CostTables], stages_per_type: dict[str, 
     # Variables
     # start[s] is the first layer of stage s; start[P] = L closes the last stage
     start = [model.new_constant(0)] + [model.new_int_var(s, L - P + s, f"start_{s}") for s in range(1, P)] + [model.new_constant(L)]
-    # on_type[s, k] is 1 iff stage s runs on device type k
-    on_type = {(s, k): model.new_bool_var(f"on_type_{s}_{k}") for s in range(P) for k in tables}
-    horizon = sum(to_ticks(max(max(t.layer_time_s[l]) + max(t.cut_time_s[l]) for t in tables.values()), tick_s) for l in range(L)) + 1
-    sync_horizon = sum(to_ticks(max(max(t.dp_time_s[l]) for t in tables.values()), tick_s) for l in range(L))
-    sync_horizon += to_ticks(max(max(t.dp_latency_s) for t in tables.values()), tick_s) + 1
+    # on_type[s, k] is 1 iff stage s runs on device type k; type_of[s] is that k's index
+    kinds = list(tables)
+    on_type = {(s, k): model.new_bool_var(f"on_type_{s}_{k}") for s in range(P) for k in kinds}
+    type_of = [model.new_int_var(0, len(kinds) - 1, f"type_of_{s}") for s in range(P)]
     # stage_time[s]: ticks of one micro-batch's forward + backward (+ p2p) on stage s
-    stage_time = [model.new_int_var(0, horizon, f"stage_time_{s}") for s in range(P)]
     # dp_sync[s]: ticks of stage s's gradient all-reduce
-    dp_sync = [model.new_int_var(0, sync_horizon, f"dp_sync_{s}") for s in range(P)]
+    stage_time, dp_sync = [], []
 
     # Constraints
     for s in range(P):
         model.add(start[s + 1] >= start[s] + 1)  # every stage holds at least one layer
-        model.add_exactly_one(on_type[s, k] for k in tables)
-        for k, t in tables.items():
-            work, sync, memory = _stage_terms(model, t, s, start, tick_s, f"{s}_{k}")
-            model.add(stage_time[s] == work).only_enforce_if(on_type[s, k])
-            model.add(dp_sync[s] == sync).only_enforce_if(on_type[s, k])
-            model.add(memory <= int(t.capacity_bytes[s])).only_enforce_if(on_type[s, k])
+        model.add_exactly_one(on_type[s, k] for k in kinds)
+        model.add(type_of[s] == sum(i * on_type[s, k] for i, k in enumerate(kinds)))
+        work, sync, memory, capacity = _stage_terms(model, [tables[k] for k in kinds], s, start, type_of[s], tick_s)
+        model.add(memory <= capacity)
+        stage_time.append(work)
+        dp_sync.append(sync)
+    horizon = sum(to_ticks(max(max(t.layer_time_s[l]) + max(t.cut_time_s[l]) for t in tables.values()), tick_s) for l in range(L)) + 1
+    sync_horizon = sum(to_ticks(max(max(t.dp_time_s[l]) for t in tables.values()), tick_s) for l in range(L))
+    sync_horizon += to_ticks(max(max(t.dp_latency_s) for t in tables.values()), tick_s) + 1
     for k, limit in stages_per_type.items():
         model.add(sum(on_type[s, k] for s in range(P)) <= limit)
     slowest = model.new_int_var(0, horizon, "slowest_stage_time")
@@ -207,6 +215,7 @@ def solve_typed_split(tables: dict[str, CostTables], stages_per_type: dict[str, 
     solver.parameters.max_time_in_seconds = options.time_limit_s
     solver.parameters.num_workers = options.workers
     solver.parameters.random_seed = options.seed
+    solver.parameters.relative_gap_limit = options.gap_limit
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
@@ -214,22 +223,41 @@ def solve_typed_split(tables: dict[str, CostTables], stages_per_type: dict[str, 
     bounds = [(starts[s], starts[s + 1] - 1) for s in range(P)]
     types = [next(k for k in tables if solver.value(on_type[s, k])) for s in range(P)]
     cost = evaluate_split(compose_tables(tables, types), bounds)
-    return SplitResult(bounds=bounds, cost=cost, status="optimal" if status == cp_model.OPTIMAL else "feasible", types=types)
+    optimal = status == cp_model.OPTIMAL
+    bound_s = cost.objective_s if optimal else solver.best_objective_bound * tick_s
+    return SplitResult(bounds=bounds, cost=cost, status="optimal" if optimal else "feasible", types=types, bound_s=bound_s)
 
 
-def _stage_terms(model: cp_model.CpModel, tables: CostTables, s: int, start: list, tick_s: float, name: str):
-    """(work ticks, gradient-sync ticks, memory bytes) of stage s on one type's columns."""
-    L, P = tables.num_layers, tables.candidate.pp
-    time_prefix = _prefix([to_ticks(tables.layer_time_s[l][s], tick_s) for l in range(L)])
-    cut_cost = [0] + [to_ticks(tables.cut_time_s[l][s], tick_s) if s < P - 1 else 0 for l in range(L)]
-    cut = model.new_int_var(0, max(cut_cost), f"cut_{name}")
-    model.add_element(start[s + 1], cut_cost, cut)
-    work = _span(model, time_prefix, start[s], start[s + 1], f"work_{name}") + cut
-    sync_prefix = _prefix([to_ticks(tables.dp_time_s[l][s], tick_s) for l in range(L)])
-    sync = to_ticks(tables.dp_latency_s[s], tick_s) + _span(model, sync_prefix, start[s], start[s + 1], f"sync_{name}")
-    memory_prefix = _prefix([math.ceil(tables.layer_memory_bytes[l][s]) for l in range(L)])
-    memory = _span(model, memory_prefix, start[s], start[s + 1], f"memory_{name}")
-    return work, sync, memory
+def _stage_terms(model: cp_model.CpModel, columns: list[CostTables], s: int, start: list, type_of, tick_s: float):
+    """(work ticks, gradient-sync ticks, memory bytes, capacity bytes) of stage s.
+
+    The columns of all device types are laid end to end, so one element constraint at
+    ``start + (L + 1) * type_of[s]`` reads the column of the stage's type; see
+    [Note: cut formulation].
+    """
+    L, P = columns[0].num_layers, columns[0].candidate.pp
+    time_prefix, cut_cost, sync_prefix, memory_prefix = [], [], [], []
+    for t in columns:
+        time_prefix += _prefix([to_ticks(t.layer_time_s[l][s], tick_s) for l in range(L)])
+        cut_cost += [0] + [to_ticks(t.cut_time_s[l][s], tick_s) if s < P - 1 else 0 for l in range(L)]
+        sync_prefix += _prefix([to_ticks(t.dp_time_s[l][s], tick_s) for l in range(L)])
+        memory_prefix += _prefix([math.ceil(t.layer_memory_bytes[l][s]) for l in range(L)])
+    first = start[s] + (L + 1) * type_of
+    end = start[s + 1] + (L + 1) * type_of
+    cut = _read(model, cut_cost, end, f"cut_{s}")
+    work = _read(model, time_prefix, end, f"time_end_{s}") - _read(model, time_prefix, first, f"time_start_{s}") + cut
+    latency = _read(model, [to_ticks(t.dp_latency_s[s], tick_s) for t in columns], type_of, f"latency_{s}")
+    sync = _read(model, sync_prefix, end, f"sync_end_{s}") - _read(model, sync_prefix, first, f"sync_start_{s}") + latency
+    memory = _read(model, memory_prefix, end, f"memory_end_{s}") - _read(model, memory_prefix, first, f"memory_start_{s}")
+    capacity = _read(model, [int(t.capacity_bytes[s]) for t in columns], type_of, f"capacity_{s}")
+    return work, sync, memory, capacity
+
+
+def _read(model: cp_model.CpModel, values: list[int], index, name: str):
+    """A variable equal to values[index]."""
+    var = model.new_int_var(min(values), max(values), name)
+    model.add_element(index, values, var)
+    return var
 
 
 def _hint_types(stages_per_type: dict[str, int], num_stages: int) -> list[str]:
@@ -242,7 +270,9 @@ def _hint_types(stages_per_type: dict[str, int], num_stages: int) -> list[str]:
 # A split is P + 1 increasing layer indices start[0] = 0 < start[1] < ... < start[P] = L.
 # Every per-layer quantity of [Note: split objective] is additive, so stage s's share
 # is prefix[start[s + 1]] - prefix[start[s]] of a prefix-sum table of that stage's
-# column, read with element constraints. The model has P integer variables whatever
+# column, read with element constraints. With device types to choose, the columns of
+# all types are laid end to end and read at start + (L + 1) * type_of[s], so the type
+# choice needs no reified constraints. The model has O(P) integer variables whatever
 # the number of layers, which keeps CP-SAT fast on 100-layer, 64-stage instances
 # where a layer x stage boolean model does not finish in seconds.
 def _prefix(values: list[int]) -> list[int]:
@@ -250,15 +280,6 @@ def _prefix(values: list[int]) -> list[int]:
     for v in values:
         out.append(out[-1] + v)
     return out
-
-
-def _span(model: cp_model.CpModel, prefix: list[int], first, end, name: str):
-    """An expression for prefix[end] - prefix[first], with ``first`` and ``end`` variables."""
-    high = model.new_int_var(0, prefix[-1], f"{name}_end")
-    low = model.new_int_var(0, prefix[-1], f"{name}_start")
-    model.add_element(end, prefix, high)
-    model.add_element(first, prefix, low)
-    return high - low
 
 
 def equal_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -312,7 +333,9 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
     solved.sort(key=lambda s: s.split.cost.objective_s)
     best = solved[0]
     status = "optimal" if all(s.split.status == "optimal" for s in solved) else "feasible"
-    info = SolverInfo(status=status, wall_time_s=round(time.perf_counter() - start, 3), candidates=len(candidates))
+    proven = min([best.split.cost.objective_s] + [s.split.bound_s for s in solved if s.split.status != "optimal"])
+    gap = max(0.0, 1.0 - proven / best.split.cost.objective_s) if best.split.cost.objective_s > 0 else 0.0
+    info = SolverInfo(status=status, wall_time_s=round(time.perf_counter() - start, 3), objective_gap=round(gap, 6), candidates=len(candidates))
     alternatives = [
         {**_candidate_dict(s.tables.candidate), "stage_layers": [b - a + 1 for a, b in s.split.bounds], "step_time_s": s.split.cost.objective_s}
         for s in solved[1 : 1 + options.top_k]
@@ -322,27 +345,71 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
 
 # [Note: candidate bound]
 # Whatever the split, [Note: split objective] is at least
-#     W + (m - 1) * max(W / pp, max_l t_l),   W = sum_l t_l,
-# where t_l is layer l's micro-batch time on the device type that runs it fastest:
-# the stages together do all the work once, and the slowest stage does at least an
-# equal share and at least its largest layer. Communication only adds. Candidates are
-# solved in order of this bound, and the search stops at the first whose bound is no
-# better than the best plan found, so the plan it returns is optimal over all of them.
+#     W + (m - 1) * max(W / R, max_l t_l),   W = sum_l t_l,
+# where t_l is layer l's micro-batch time (tensor-parallel all-reduces included) on the
+# device type that runs it fastest, and
+# R = sum over stages of the stage type's relative speed r_k = max_l t_l / t_l(k) (1 for
+# the fastest type): the stages together do all the work once, and in the time of the
+# slowest stage M a type-k stage does at most M * r_k of it. The slowest gradient
+# all-reduce moves at least 1/pp of the gradients, and each of the pp - 1 cuts costs
+# at least the cheapest p2p of any boundary to any other device.
+# Candidates are solved in order of this bound, and the search stops at the first
+# whose bound is no better than the best plan found, so the plan it returns is optimal
+# over all of them.
 def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str) -> float:
     """A lower bound on the objective of any split of ``cand``; see [Note: candidate bound]."""
-    devices = [get_device(t) for t in sorted(set(cluster.device_types()))]
+    slots = _representative_slots(cluster, cand)
+    per_type = {k: _layer_times(model, cluster, cand, dtype, slot) for k, (slot, _) in slots.items()}
+    fastest = [min(times[l] for times in per_type.values()) for l in range(len(model.layers))]
+    speed = sum(n * max(f / t for f, t in zip(fastest, per_type[k]) if t > 0) for k, (_, n) in slots.items())
+    work = sum(fastest)
+    grad_bytes = sum(l.params_at(cand.tp) for l in model.layers) * state_bytes_per_param(dtype)[1]
+    linear = [dp_linear(cluster, [rep[0] for rep in slot.ranks]) for slot, _ in slots.values()]
+    sync = min(a for a, _ in linear) + min(b for _, b in linear) * grad_bytes / cand.pp
+    cuts = (cand.pp - 1) * min(_cut_floor(model, cluster, cand, dtype, slot) for slot, _ in slots.values())
+    return work + cuts + (cand.num_microbatches - 1) * max(work / speed, max(fastest)) + sync
+
+
+def _cut_floor(model: ModelGraph, cluster, cand: Candidate, dtype: str, slot: StageSlot) -> float:
+    """The cheapest p2p of a stage boundary, forward and backward, from ``slot``."""
+    if cand.pp == 1:
+        return 0.0
+    payload = min(l.boundary_bytes for l in model.layers[:-1]) * cand.micro_batch_size * dtype_bytes(dtype) / 4
+    src = slot.ranks[0][0]
+    return 2 * min(p2p_time_s(payload, src, dst, cluster) for dst in range(cluster.world_size) if dst != src)
+
+
+def _representative_slots(cluster, cand: Candidate) -> dict[str, tuple[StageSlot, int]]:
+    """Device type -> (one stage slot of that type, how many stages are costed as that type)."""
+    available = type_slots(cluster, cand)
+    if available is not None:
+        return {k: (v[0], len(v)) for k, v in available.items()}
+    out: dict[str, tuple[StageSlot, int]] = {}
+    for slot in stage_slots(cluster.device_types(), cand):
+        first, n = out.get(slot.device_type, (slot, 0))
+        out[slot.device_type] = (first, n + 1)
+    return out
+
+
+def _layer_times(model: ModelGraph, cluster, cand: Candidate, dtype: str, slot: StageSlot) -> list[float]:
+    """Per-layer micro-batch seconds on ``slot``'s device, tensor-parallel all-reduces included."""
+    device = get_device(slot.device_type)
+    scale = dtype_bytes(dtype) / 4
     times = []
     for layer in model.layers:
-        best = math.inf
-        for device in devices:
-            try:
-                fwd, bwd = layer_time_s(layer, device, tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
-            except (KeyError, ValueError):
-                continue
-            best = min(best, fwd + bwd)
-        times.append(best)
-    work = sum(times)
-    return work + (cand.num_microbatches - 1) * max(work / cand.pp, max(times))
+        t = _layer_seconds(layer, device, cand, dtype)
+        if cand.tp > 1 and layer.tp_allreduce_bytes:
+            t += 2 * all_reduce_time_s(layer.tp_allreduce_bytes * cand.micro_batch_size * scale, slot.ranks[0], cluster)
+        times.append(t)
+    return times
+
+
+def _layer_seconds(layer, device, cand: Candidate, dtype: str) -> float:
+    try:
+        fwd, bwd = layer_time_s(layer, device, tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
+    except (KeyError, ValueError):
+        return math.inf
+    return fwd + bwd
 
 
 def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions) -> tuple[CostTables, SplitResult | None]:
@@ -363,7 +430,7 @@ def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: Search
     slots = [unused[k].pop(0) for k in split.types]
     tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, slots=slots)
     cost = evaluate_split(tables, split.bounds)
-    return tables, SplitResult(bounds=split.bounds, cost=cost, status=split.status, types=split.types)
+    return tables, SplitResult(bounds=split.bounds, cost=cost, status=split.status, types=split.types, bound_s=split.bound_s)
 
 
 def _candidate_dict(c: Candidate) -> dict:

@@ -53,7 +53,7 @@ def plan(
     schedule: Annotated[Optional[ScheduleChoice], typer.Option(help="Pin the pipeline schedule.")] = None,
     dtype: Annotated[Optional[DType], typer.Option(help="Training precision the costs assume [default: fp32 on cpu, bf16 else].")] = None,
     max_tp: Annotated[int, typer.Option(help="Largest tensor-parallel degree to consider.")] = 8,
-    time_limit: Annotated[float, typer.Option(help="CP-SAT time limit per candidate, seconds.")] = 30.0,
+    time_limit: Annotated[float, typer.Option(help="CP-SAT time limit per candidate, seconds.")] = 10.0,
     leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
 ) -> None:
     """Find the fastest parallel plan for MODEL_FILE on a cluster and write it as JSON."""
