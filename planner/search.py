@@ -60,6 +60,7 @@ class SearchOptions:
     max_tp: int = 8
     time_limit_s: float = 10.0
     gap_limit: float = 0.0  # stop a candidate's solve once proven within this relative gap
+    uniform_split: bool = False  # equal layers per stage in Megatron's layout (a baseline, not a search)
     workers: int = 2
     seed: int = 0
     top_k: int = 3
@@ -418,6 +419,11 @@ def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: Search
     Returns:
         The cost tables of the stages' exact ranks, and the split (None if nothing fits).
     """
+    if options.uniform_split:
+        tables = build_tables(model, cluster, cand, options.dtype, options.optimizer)
+        bounds = equal_split(tables.num_layers, cand.pp)
+        cost = evaluate_split(tables, bounds)
+        return tables, (SplitResult(bounds=bounds, cost=cost, status="optimal", bound_s=cost.objective_s) if cost.fits(tables) else None)
     available = type_slots(cluster, cand)
     if available is None or len(available) == 1:
         tables = build_tables(model, cluster, cand, options.dtype, options.optimizer)
