@@ -73,7 +73,7 @@ def test_gpt_1t_traces_in_under_2_gib():
 @pytest.mark.slow
 def test_planning_gpt3_175b_stays_under_2_gib():
     args = ["n_layers=96", "hidden=12288", "heads=96", "seq_len=2048", "vocab=50257"]
-    plan, peak = run_cli("plan", str(GPT), *[a for arg in args for a in ("--model-arg", arg)], "--cluster", "2x8xA100-80GB",
+    plan, peak = run_cli("plan", str(GPT), *[a for arg in args for a in ("--model-arg", arg)], "--cluster", "8x8xA100-80GB",
                          "--global-batch", "64", "--time-limit", "5", "--json")
     assert sum(len(s["layers"]) for s in plan["stages"]) == 98
     assert peak < 2 * GIB, f"peak RSS {peak / GIB:.2f} GiB"
