@@ -446,7 +446,9 @@ def _play(model, cluster, config, layouts, bounds, costs: list[_ChunkCost]) -> _
     def transfer(sender: Action, receiver: Action) -> float:
         return hop[min(sender.stage, receiver.stage)]
 
-    duration = lambda a: sum(parts[a])  # noqa: E731 - one expression, named for the two runs
+    def duration(action: Action) -> float:
+        return sum(parts[action])
+
     return _Played(schedule=plan, run=simulate_timed(plan, duration, transfer),
                    run_without_transfers=simulate_timed(plan, duration), parts=parts)
 
