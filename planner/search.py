@@ -9,6 +9,7 @@ uneven and which see each stage's own device type. The objective is
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -156,32 +157,14 @@ def solve_split(tables: CostTables, options: SearchOptions) -> SplitResult | Non
 
     CP-SAT model of [Note: split objective] over the cut positions; see [Note: cut formulation].
     """
-    return solve_typed_split({"": tables}, {"": tables.candidate.pp}, options)
-
-
-def solve_typed_split(tables: dict[str, CostTables], stages_per_type: dict[str, int], options: SearchOptions) -> SplitResult | None:
-    """The best split and device type per stage; see [Note: stage device types] in planner.costs.
-
-    Args:
-        tables: cost columns per device type (``planner.costs.tables_by_type``).
-        stages_per_type: how many stages each type can host.
-
-    Returns:
-        The split, with ``types`` naming each stage's device type, or None if nothing fits.
-    """
-    first = next(iter(tables.values()))
-    L, P, m = first.num_layers, first.candidate.pp, first.candidate.num_microbatches
-    hint_bounds, hint_types = equal_split(L, P), _hint_types(stages_per_type, P)
-    tick_s = (evaluate_split(compose_tables(tables, hint_types), hint_bounds).objective_s or 1.0) / _TICKS_PER_OBJECTIVE
+    L, P, m = tables.num_layers, tables.candidate.pp, tables.candidate.num_microbatches
+    hint = equal_split(L, P)
+    tick_s = (evaluate_split(tables, hint).objective_s or 1.0) / _TICKS_PER_OBJECTIVE
     model = cp_model.CpModel()
 
     # Variables
     # start[s] is the first layer of stage s; start[P] = L closes the last stage
     start = [model.new_constant(0)] + [model.new_int_var(s, L - P + s, f"start_{s}") for s in range(1, P)] + [model.new_constant(L)]
-    # on_type[s, k] is 1 iff stage s runs on device type k; type_of[s] is that k's index
-    kinds = list(tables)
-    on_type = {(s, k): model.new_bool_var(f"on_type_{s}_{k}") for s in range(P) for k in kinds}
-    type_of = [model.new_int_var(0, len(kinds) - 1, f"type_of_{s}") for s in range(P)]
     # stage_time[s]: ticks of one micro-batch's forward + backward (+ p2p) on stage s
     # dp_sync[s]: ticks of stage s's gradient all-reduce
     stage_time, dp_sync = [], []
@@ -189,19 +172,14 @@ def solve_typed_split(tables: dict[str, CostTables], stages_per_type: dict[str, 
     # Constraints
     for s in range(P):
         model.add(start[s + 1] >= start[s] + 1)  # every stage holds at least one layer
-        model.add_exactly_one(on_type[s, k] for k in kinds)
-        model.add(type_of[s] == sum(i * on_type[s, k] for i, k in enumerate(kinds)))
-        work, sync, memory, capacity = _stage_terms(model, [tables[k] for k in kinds], s, start, type_of[s], tick_s)
-        model.add(memory <= capacity)
+        work, sync, memory = _stage_terms(model, tables, s, start, tick_s)
+        model.add(memory <= int(tables.capacity_bytes[s]))
         stage_time.append(work)
         dp_sync.append(sync)
-    horizon = sum(to_ticks(max(max(t.layer_time_s[l]) + max(t.cut_time_s[l]) for t in tables.values()), tick_s) for l in range(L)) + 1
-    sync_horizon = sum(to_ticks(max(max(t.dp_time_s[l]) for t in tables.values()), tick_s) for l in range(L))
-    sync_horizon += to_ticks(max(max(t.dp_latency_s) for t in tables.values()), tick_s) + 1
-    for k, limit in stages_per_type.items():
-        model.add(sum(on_type[s, k] for s in range(P)) <= limit)
+    horizon = sum(to_ticks(max(row) + max(c), tick_s) for row, c in zip(tables.layer_time_s, tables.cut_time_s)) + 1
     slowest = model.new_int_var(0, horizon, "slowest_stage_time")
     model.add_max_equality(slowest, stage_time)
+    sync_horizon = to_ticks(sum(map(max, tables.dp_time_s)) + max(tables.dp_latency_s), tick_s) + P + 1
     slowest_sync = model.new_int_var(0, sync_horizon, "slowest_sync")
     model.add_max_equality(slowest_sync, dp_sync)
 
@@ -209,9 +187,7 @@ def solve_typed_split(tables: dict[str, CostTables], stages_per_type: dict[str, 
     model.minimize(sum(stage_time) + (m - 1) * slowest + slowest_sync)
 
     for s in range(1, P):
-        model.add_hint(start[s], hint_bounds[s][0])
-    for (s, k), var in on_type.items():
-        model.add_hint(var, hint_types[s] == k)
+        model.add_hint(start[s], hint[s][0])
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = options.time_limit_s
     solver.parameters.num_workers = options.workers
@@ -222,36 +198,55 @@ def solve_typed_split(tables: dict[str, CostTables], stages_per_type: dict[str, 
         return None
     starts = [solver.value(v) for v in start]
     bounds = [(starts[s], starts[s + 1] - 1) for s in range(P)]
-    types = [next(k for k in tables if solver.value(on_type[s, k])) for s in range(P)]
-    cost = evaluate_split(compose_tables(tables, types), bounds)
+    cost = evaluate_split(tables, bounds)
     optimal = status == cp_model.OPTIMAL
     bound_s = cost.objective_s if optimal else solver.best_objective_bound * tick_s
-    return SplitResult(bounds=bounds, cost=cost, status="optimal" if optimal else "feasible", types=types, bound_s=bound_s)
+    return SplitResult(bounds=bounds, cost=cost, status="optimal" if optimal else "feasible", bound_s=bound_s)
 
 
-def _stage_terms(model: cp_model.CpModel, columns: list[CostTables], s: int, start: list, type_of, tick_s: float):
-    """(work ticks, gradient-sync ticks, memory bytes, capacity bytes) of stage s.
+def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, int], options: SearchOptions) -> SplitResult | None:
+    """The best split over every order of the device types; see [Note: stage device types] in planner.costs.
 
-    The columns of all device types are laid end to end, so one element constraint at
-    ``start + (L + 1) * type_of[s]`` reads the column of the stage's type; see
-    [Note: cut formulation].
+    Each type's stages are consecutive, so the pipeline crosses from one type to the
+    next once; each of the (at most types!) orders is one CP-SAT split model.
+
+    Args:
+        tables: cost columns per device type (``planner.costs.tables_by_type``).
+        stages_per_type: how many stages each type hosts.
+
+    Returns:
+        The best split, with ``types`` naming each stage's device type, or None if none fits.
     """
-    L, P = columns[0].num_layers, columns[0].candidate.pp
-    time_prefix, cut_cost, sync_prefix, memory_prefix = [], [], [], []
-    for t in columns:
-        time_prefix += _prefix([to_ticks(t.layer_time_s[l][s], tick_s) for l in range(L)])
-        cut_cost += [0] + [to_ticks(t.cut_time_s[l][s], tick_s) if s < P - 1 else 0 for l in range(L)]
-        sync_prefix += _prefix([to_ticks(t.dp_time_s[l][s], tick_s) for l in range(L)])
-        memory_prefix += _prefix([math.ceil(t.layer_memory_bytes[l][s]) for l in range(L)])
-    first = start[s] + (L + 1) * type_of
-    end = start[s + 1] + (L + 1) * type_of
-    cut = _read(model, cut_cost, end, f"cut_{s}")
-    work = _read(model, time_prefix, end, f"time_end_{s}") - _read(model, time_prefix, first, f"time_start_{s}") + cut
-    latency = _read(model, [to_ticks(t.dp_latency_s[s], tick_s) for t in columns], type_of, f"latency_{s}")
-    sync = _read(model, sync_prefix, end, f"sync_end_{s}") - _read(model, sync_prefix, first, f"sync_start_{s}") + latency
+    best: SplitResult | None = None
+    for order in itertools.permutations(tables):
+        types = type_sequence(list(order), stages_per_type)
+        split = solve_split(compose_tables(tables, types), options)
+        if split is not None and (best is None or split.cost.objective_s < best.cost.objective_s):
+            best = SplitResult(bounds=split.bounds, cost=split.cost, status=split.status, types=types, bound_s=split.bound_s)
+        elif split is not None and best is not None and split.status != "optimal":
+            best = SplitResult(bounds=best.bounds, cost=best.cost, status="feasible", types=best.types, bound_s=min(best.bound_s, split.bound_s))
+    return best
+
+
+def type_sequence(order: list[str], stages_per_type: dict[str, int]) -> list[str]:
+    """Stage device types: each type's stages in one block, blocks in ``order``."""
+    return [k for k in order for _ in range(stages_per_type[k])]
+
+
+def _stage_terms(model: cp_model.CpModel, tables: CostTables, s: int, start: list, tick_s: float):
+    """(work ticks, gradient-sync ticks, memory bytes) of stage s; see [Note: cut formulation]."""
+    L, P = tables.num_layers, tables.candidate.pp
+    time_prefix = _prefix([to_ticks(tables.layer_time_s[l][s], tick_s) for l in range(L)])
+    cut_cost = [0] + [to_ticks(tables.cut_time_s[l][s], tick_s) if s < P - 1 else 0 for l in range(L)]
+    sync_prefix = _prefix([to_ticks(tables.dp_time_s[l][s], tick_s) for l in range(L)])
+    memory_prefix = _prefix([math.ceil(tables.layer_memory_bytes[l][s]) for l in range(L)])
+    first, end = start[s], start[s + 1]
+    work = _read(model, time_prefix, end, f"time_end_{s}") - _read(model, time_prefix, first, f"time_start_{s}")
+    work += _read(model, cut_cost, end, f"cut_{s}")
+    sync = _read(model, sync_prefix, end, f"sync_end_{s}") - _read(model, sync_prefix, first, f"sync_start_{s}")
+    sync += to_ticks(tables.dp_latency_s[s], tick_s)
     memory = _read(model, memory_prefix, end, f"memory_end_{s}") - _read(model, memory_prefix, first, f"memory_start_{s}")
-    capacity = _read(model, [int(t.capacity_bytes[s]) for t in columns], type_of, f"capacity_{s}")
-    return work, sync, memory, capacity
+    return work, sync, memory
 
 
 def _read(model: cp_model.CpModel, values: list[int], index, name: str):
@@ -261,19 +256,11 @@ def _read(model: cp_model.CpModel, values: list[int], index, name: str):
     return var
 
 
-def _hint_types(stages_per_type: dict[str, int], num_stages: int) -> list[str]:
-    """Device types for the hint: each type's stages in a block, in the order given."""
-    types = [k for k, n in stages_per_type.items() for _ in range(n)]
-    return types[:num_stages]
-
-
 # [Note: cut formulation]
 # A split is P + 1 increasing layer indices start[0] = 0 < start[1] < ... < start[P] = L.
 # Every per-layer quantity of [Note: split objective] is additive, so stage s's share
 # is prefix[start[s + 1]] - prefix[start[s]] of a prefix-sum table of that stage's
-# column, read with element constraints. With device types to choose, the columns of
-# all types are laid end to end and read at start + (L + 1) * type_of[s], so the type
-# choice needs no reified constraints. The model has O(P) integer variables whatever
+# column, read with element constraints. The model has O(P) integer variables whatever
 # the number of layers, which keeps CP-SAT fast on 100-layer, 64-stage instances
 # where a layer x stage boolean model does not finish in seconds.
 def _prefix(values: list[int]) -> list[int]:
@@ -429,9 +416,9 @@ def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: Search
         tables = build_tables(model, cluster, cand, options.dtype, options.optimizer)
         return tables, solve_split(tables, options)
     typed = tables_by_type(model, cluster, cand, options.dtype, available, options.optimizer)
-    split = solve_typed_split(typed, {k: len(v) for k, v in available.items()}, options)
+    split = solve_type_orders(typed, {k: len(v) for k, v in available.items()}, options)
     if split is None:
-        return compose_tables(typed, _hint_types({k: len(v) for k, v in available.items()}, cand.pp)), None
+        return compose_tables(typed, type_sequence(list(available), {k: len(v) for k, v in available.items()})), None
     unused = {k: list(v) for k, v in available.items()}
     slots = [unused[k].pop(0) for k in split.types]
     tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, slots=slots)
