@@ -67,6 +67,7 @@ def trace_report(graph: ModelGraph, batch_size: int = 1, *, with_nodes: bool = F
 
 
 def print_layers(title: str, report: dict[str, Any]) -> None:
+    """The layer table of a ``trace_report`` on stderr."""
     rows, totals = report["layers"], report["totals"]
     table = Table(title=f"{title}: {len(rows)} layers, batch size {report['batch_size']}, captured with "
                         f"{'torch.fx' if report['capture'] == 'fx' else 'torch.export'}", title_justify="left")
@@ -82,6 +83,7 @@ def print_layers(title: str, report: dict[str, Any]) -> None:
 
 
 def print_nodes(report: dict[str, Any]) -> None:
+    """The node table of a ``trace_report`` made ``with_nodes``, parameter reads left out, on stderr."""
     table = Table(title="nodes", title_justify="left")
     table.add_column("layer", justify="right")
     table.add_column("node", overflow="fold")
