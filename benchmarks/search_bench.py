@@ -57,7 +57,9 @@ def plan(model, cluster_spec, gbs, dtype, **extra):
 def describe(p) -> str:
     s0 = p.stages[0]
     split = "/".join(str(len(s.layers)) for s in p.stages)
-    types = "/".join(sorted({s.device_type for s in p.stages}))
+    types = "/".join(s.device_type for s in p.stages)
+    if len(set(s.device_type for s in p.stages)) == 1:
+        types = p.stages[0].device_type
     return f"dp{p.data_parallel} tp{s0.tensor_parallel} pp{p.pipeline_parallel} mb{p.micro_batch_size}x{p.num_microbatches} [{split}] {types}"
 
 
