@@ -48,11 +48,12 @@ def build_plan(
     tp_blocks: bool = False,
     tp_sharding: list[dict[str, str]] | None = None,
     dtype: str = "fp32",
+    zero_stage: int = 0,
 ) -> ParallelPlan:
     """A plan whose stage s holds layers ``splits[s]``; ranks numbered stage by stage,
     replica by replica. ``tensor_parallel`` is one degree or one per stage;
     ``tp_blocks`` shards the GPT blocks of each stage Megatron-style, ``tp_sharding``
-    gives each stage's sharding explicitly."""
+    gives each stage's sharding explicitly; ``zero_stage`` applies to every stage."""
     names = layer_names(model_path, model_args)
     tps = tensor_parallel if isinstance(tensor_parallel, list) else [tensor_parallel] * len(splits)
     stages, next_rank = [], 0
@@ -71,7 +72,7 @@ def build_plan(
             }
         stages.append(
             StagePlan(index=s, layers=layers, device_type="cpu", tensor_parallel=tp, ranks=ranks,
-                      tp_sharding={path: Sharding(kind) for path, kind in sharding.items()})
+                      tp_sharding={path: Sharding(kind) for path, kind in sharding.items()}, zero_stage=zero_stage)
         )
     world = next_rank
     return ParallelPlan(

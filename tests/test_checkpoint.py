@@ -182,17 +182,18 @@ def test_a_worker_killed_mid_run_costs_only_the_steps_since_the_checkpoint(tmp_p
 
 @pytest.mark.slow
 def test_a_corrupt_newest_checkpoint_is_skipped_on_resume(tmp_path, mlp_path):
+    """dp 2 with ZeRO-3: parameters and AdamW state are saved as FSDP shards."""
     plan, out, init_state = compiled(tmp_path, mlp_path, dict(splits=[[0, 1, 2, 3]], data_parallel=2,
-                                                               num_microbatches=2))
-    first = run_torchrun(out / "train.py", 2, run_args(steps=4, optimizer="sgd", every=2))
+                                                               num_microbatches=2, zero_stage=3))
+    first = run_torchrun(out / "train.py", 2, run_args(steps=4, optimizer="adamw", every=2))
     assert first.returncode == 0, first.stderr[-4000:]
     data = sorted((out / "ckpt" / "step-00000004").glob("*.distcp"))[-1]
     raw = bytearray(data.read_bytes())
     raw[-9] ^= 0xFF
     data.write_bytes(bytes(raw))
-    second = run_torchrun(out / "train.py", 2, run_args(steps=6, optimizer="sgd", every=2))
+    second = run_torchrun(out / "train.py", 2, run_args(steps=6, optimizer="adamw", every=2))
     assert second.returncode == 0, second.stderr[-4000:]
     assert (f"hetpar: checkpoint ckpt/step-00000004 is corrupt ({data.name} fails its sha256 check); "
             "falling back to ckpt/step-00000002") in second.stderr
     assert "hetpar: resuming from ckpt/step-00000002 (step 2)" in second.stderr
-    assert_final_matches_reference(out, plan, init_state, "sgd", steps=6)
+    assert_final_matches_reference(out, plan, init_state, "adamw", steps=6)
