@@ -8,7 +8,6 @@ parameters of an uninterrupted run (the single-process reference loop)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
