@@ -10,7 +10,7 @@ import torch
 
 from runtime import cli
 from runtime.distributed import StageSpec, locate, peers_of
-from runtime.shard import ShardError, microbatches
+from runtime.shard import ShardError, loss_weight, microbatches
 
 
 def layout(tps: list[int], dp: int) -> list[StageSpec]:
@@ -121,3 +121,32 @@ def test_a_one_process_program_runs_without_torchrun(monkeypatch):
         monkeypatch.delenv(name)
     cli.check_launch(1, "train.py")
     assert (os.environ["WORLD_SIZE"], os.environ["RANK"]) == ("1", "0") and os.environ["MASTER_PORT"]
+
+
+def test_checkpoint_and_powersgd_options(tmp_path, capsys):
+    args = cli.parse_args(argv=["--checkpoint-dir", "ck"])
+    assert (str(args.checkpoint_dir), args.checkpoint_every, args.checkpoint_keep) == ("ck", 100, 3)
+    args = cli.parse_args(argv=["--checkpoint-dir", "ck", "--checkpoint-every", "5", "--checkpoint-keep", "1",
+                                "--powersgd-rank", "4", "--powersgd-start-step", "10"])
+    assert (args.checkpoint_every, args.checkpoint_keep, args.powersgd_rank, args.powersgd_start_step) == (5, 1, 4, 10)
+    for argv, message in ((["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+                          (["--checkpoint-dir", "ck", "--checkpoint-every", "0"], "--checkpoint-every 0 must be >= 1"),
+                          (["--powersgd-start-step", "1"], "--powersgd-start-step 1 must be >= 2")):
+        with pytest.raises(SystemExit):
+            cli.parse_args(argv=argv)
+        assert message in capsys.readouterr().err
+
+
+def test_unequal_replica_shares_take_consecutive_rows():
+    targets = torch.arange(8)
+    sizes = [3, 1]  # replica 0: 2 micro-batches of 3 rows, replica 1: 2 of 1
+    first = microbatches((targets,), targets, replica=0, data_parallel=2, num_microbatches=2,
+                         device=torch.device("cpu"), micro_batch_sizes=sizes)
+    second = microbatches((targets,), targets, replica=1, data_parallel=2, num_microbatches=2,
+                          device=torch.device("cpu"), micro_batch_sizes=sizes)
+    assert [mb[1].tolist() for mb in first] == [[0, 1, 2], [3, 4, 5]]
+    assert [mb[1].tolist() for mb in second] == [[6], [7]]
+    assert (loss_weight(sizes, 0), loss_weight(sizes, 1), loss_weight([2, 2], 1)) == (1.5, 0.5, 1.0)
+    with pytest.raises(ShardError, match=r"micro-batches of \[3, 2\] rows per replica"):
+        microbatches((targets,), targets, replica=0, data_parallel=2, num_microbatches=2, device=torch.device("cpu"),
+                     micro_batch_sizes=[3, 2])
