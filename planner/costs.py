@@ -24,7 +24,7 @@ import functools
 from dataclasses import dataclass
 
 from cost_models.collectives import all_reduce_time_s, p2p_time_s
-from cost_models.compute import dtype_bytes, layer_time_s
+from cost_models.compute import dtype_bytes, layer_timing
 from cost_models.devices import get_device
 from cost_models.memory import MemoryBreakdown, stage_memory, state_bytes_per_param
 from cost_models.pipeline import in_flight_microbatches
@@ -199,7 +199,8 @@ def build_tables(
         row_t, row_c, row_m, row_d, row_tp = [], [], [], [], []
         for s, slot in enumerate(slots):
             device = get_device(slot.device_type)
-            fwd, bwd = layer_time_s(layer, device, tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
+            timing = layer_timing(layer, device, tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
+            fwd, bwd = timing.fwd_s, timing.bwd_s
             tp_comm = 0.0
             if cand.tp > 1 and layer.tp_allreduce_bytes:
                 payload = layer.tp_allreduce_bytes * cand.micro_batch_size * scale

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from cost_models.collectives import all_reduce_time_s, p2p_time_s
-from cost_models.compute import dtype_bytes, layer_time_s
+from cost_models.compute import dtype_bytes, layer_timing
 from cost_models.memory import state_bytes_per_param
 from cost_models.devices import get_device
 from cost_models.pipeline import SCHEDULES
@@ -394,10 +394,10 @@ def _layer_times(model: ModelGraph, cluster, cand: Candidate, dtype: str, slot: 
 
 def _layer_seconds(layer, device, cand: Candidate, dtype: str) -> float:
     try:
-        fwd, bwd = layer_time_s(layer, device, tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
+        timing = layer_timing(layer, device, tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
     except (KeyError, ValueError):
         return math.inf
-    return fwd + bwd
+    return timing.fwd_s + timing.bwd_s
 
 
 def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions) -> tuple[CostTables, SplitResult | None]:
