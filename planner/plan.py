@@ -108,6 +108,7 @@ class SolverInfo:
     wall_time_s: float
     objective_gap: float = 0.0
     candidates: int = 0  # outer (dp, tp, pp, micro-batch) combinations solved
+    objective_s: float = 0.0  # the linear step time the search minimised ([Note: plan prediction])
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -323,7 +323,8 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
     status = "optimal" if all(s.split.status == "optimal" for s in solved) else "feasible"
     proven = min([best.split.cost.objective_s] + [s.split.bound_s for s in solved if s.split.status != "optimal"])
     gap = max(0.0, 1.0 - proven / best.split.cost.objective_s) if best.split.cost.objective_s > 0 else 0.0
-    info = SolverInfo(status=status, wall_time_s=round(time.perf_counter() - start, 3), objective_gap=round(gap, 6), candidates=len(candidates))
+    info = SolverInfo(status=status, wall_time_s=round(time.perf_counter() - start, 3), objective_gap=round(gap, 6), candidates=len(candidates),
+                      objective_s=best.split.cost.objective_s)
     alternatives = [
         {**_candidate_dict(s.tables.candidate), "stage_layers": [b - a + 1 for a, b in s.split.bounds], "step_time_s": s.split.cost.objective_s}
         for s in solved[1 : 1 + options.top_k]
@@ -469,13 +470,57 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
                 tp_sharding=sharding,
             )
         )
+    predicted = _simulated_prediction(model, cluster, options, cand, bounds, stages) or _linear_prediction(options, tables, bounds, cost)
+    return ParallelPlan(
+        model=ModelRef(file=model.file, args=dict(model.args), fingerprint=model.fingerprint, layer_names=model.layer_names),
+        cluster=ClusterRef(spec=cluster.spec, world_size=cluster.world_size, device_types=cluster.device_types()),
+        global_batch_size=options.global_batch_size,
+        micro_batch_size=cand.micro_batch_size,
+        num_microbatches=cand.num_microbatches,
+        schedule=Schedule(cand.schedule),
+        data_parallel=cand.dp,
+        dtype=options.dtype,
+        stages=stages,
+        predicted=predicted,
+        solver=info,
+        alternatives=list(alternatives),
+    )
+
+
+# [Note: plan prediction]
+# The search ranks candidates by the linear objective of [Note: split objective],
+# which CP-SAT can optimise exactly. The plan it returns carries the fuller
+# prediction of planner.estimate for the chosen configuration: the schedule
+# simulated action by action, the optimizer step, Megatron's p2p scatter/gather. The
+# linear objective is the fallback when the estimator cannot express a plan.
+def _simulated_prediction(model: ModelGraph, cluster, options: SearchOptions, cand: Candidate, bounds, stages: list[StagePlan]) -> Predicted | None:
+    from planner.estimate import EstimateConfig, EstimateError, estimate
+
+    types = [s.device_type for s in stages]
+    config = EstimateConfig(
+        global_batch_size=options.global_batch_size, dp=cand.dp, tp=cand.tp, pp=cand.pp,
+        micro_batch_size=cand.micro_batch_size, dtype=options.dtype, schedule=cand.schedule,
+        optimizer=options.optimizer, stage_layers=tuple(b - a + 1 for a, b in bounds),
+        stage_devices=tuple(types) if len(set(cluster.device_types())) > 1 else None,
+    )
+    try:
+        result = estimate(model, cluster, config)
+    except (EstimateError, ValueError):
+        return None
+    if [e.ranks for e in result.stages] != [s.ranks for s in stages]:
+        return None
+    return result.predicted
+
+
+def _linear_prediction(options: SearchOptions, tables: CostTables, bounds, cost: SplitCost) -> Predicted:
+    cand = tables.candidate
     step = cost.objective_s
     slowest = max(cost.stage_time_s)
     m = cand.num_microbatches
     tp_comm = max(
         sum(tables.tp_time_s[l][s] for l in range(first, last + 1)) for s, (first, last) in enumerate(bounds)
     ) * m
-    predicted = Predicted(
+    return Predicted(
         step_time_s=step,
         throughput_samples_per_s=options.global_batch_size / step if step > 0 else 0.0,
         peak_memory_bytes=[int(b) for b in cost.stage_memory_bytes],
@@ -484,20 +529,6 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
         dp_comm_time_s=max(cost.dp_sync_s),
         pp_comm_time_s=sum(tables.cut_time_s[last][s] for s, (_, last) in enumerate(bounds[:-1])) * m,
         tp_comm_time_s=tp_comm,
-    )
-    return ParallelPlan(
-        model=ModelRef(file=model.file, args=dict(model.args), fingerprint=model.fingerprint, layer_names=model.layer_names),
-        cluster=ClusterRef(spec=cluster.spec, world_size=cluster.world_size, device_types=cluster.device_types()),
-        global_batch_size=options.global_batch_size,
-        micro_batch_size=cand.micro_batch_size,
-        num_microbatches=m,
-        schedule=Schedule(cand.schedule),
-        data_parallel=cand.dp,
-        dtype=options.dtype,
-        stages=stages,
-        predicted=predicted,
-        solver=info,
-        alternatives=list(alternatives),
     )
 
 

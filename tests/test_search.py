@@ -95,7 +95,7 @@ def test_pruned_search_finds_the_best_candidate(cluster_spec, dtype):
         if split is not None:
             exhaustive.append(split.cost.objective_s)
             assert lower_bound_s(graph, cluster, cand, dtype) <= split.cost.objective_s * (1 + 1e-9)
-    assert plan.predicted.step_time_s == pytest.approx(min(exhaustive), rel=1e-6)
+    assert plan.solver.objective_s == pytest.approx(min(exhaustive), rel=1e-6)
 
 
 def typed_instance(seed, num_layers, num_stages):
