@@ -27,6 +27,8 @@ class Schedule(str, Enum):
 
     ONE_F_ONE_B = "1f1b"
     GPIPE = "gpipe"
+    INTERLEAVED = "interleaved"  # interleaved 1F1B over ``virtual_stages`` chunks per pipeline rank
+    ZERO_BUBBLE = "zb"  # ZB-H1: backward split into input-gradient (B) and weight-gradient (W) actions
 
 
 ZERO_STAGES = (0, 1, 2, 3)  # 0: plain data parallel; 1-3: ZeRO through FSDP2 (docs/plan-format.md)
@@ -138,14 +140,17 @@ class ParallelPlan:
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     grad_compression: str = "none"  # "none" | "fp16" | "powersgd": compression of data-parallel gradients
     replica_batch_shares: list[int] | None = None  # micro-batch size of each replica; None: micro_batch_size each
+    virtual_stages: int = 1  # model chunks per pipeline rank; stages[s] runs on the ranks of stages[s % pp]
     schema_version: int = SCHEMA_VERSION
     kind: str = PLAN_KIND
 
     def __post_init__(self) -> None:
-        pp = len(self.stages)
+        self._check_virtual_stages()
+        pp = self.pipeline_parallel
+        physical = self.stages[:pp]  # the stages that own their ranks; the others reuse them
         world = self.cluster.world_size
-        tps = {s.tensor_parallel for s in self.stages}
-        used = sum(self.data_parallel * s.tensor_parallel for s in self.stages)
+        tps = {s.tensor_parallel for s in physical}
+        used = sum(self.data_parallel * s.tensor_parallel for s in physical)
         if used != world:
             tp_text = f"tp({tps.pop()})" if len(tps) == 1 else "sum of stage tp"
             raise PlanError(f"dp({self.data_parallel}) * {tp_text} * pp({pp}) = {used} != world_size({world})")
@@ -158,7 +163,7 @@ class ParallelPlan:
         for s in self.stages:
             if len(s.ranks) != self.data_parallel:
                 raise PlanError(f"stage {s.index} has {len(s.ranks)} replicas, data_parallel is {self.data_parallel}")
-        all_ranks = sorted(r for s in self.stages for rep in s.ranks for r in rep)
+        all_ranks = sorted(r for s in physical for rep in s.ranks for r in rep)
         if all_ranks != list(range(world)):
             raise PlanError(f"stage ranks must cover 0..{world - 1} exactly once")
         layers = [l for s in self.stages for l in s.layers]
@@ -166,12 +171,45 @@ class ParallelPlan:
             raise PlanError(f"stages cover layers {layers}, the model has {len(self.model.layer_names)} layers")
         self._check_data_parallel_options()
 
+    def _check_virtual_stages(self) -> None:
+        """[Note: virtual stages] A plan with ``virtual_stages`` v > 1 lists pp * v stages in
+        layer order; stage s runs on the ranks of stage ``s % pp`` (Megatron's interleaving:
+        rank r holds chunks r, r + pp, ...), under the interleaved schedule."""
+        v, count = self.virtual_stages, len(self.stages)
+        if not isinstance(v, int) or v < 1:
+            raise PlanError(f"virtual_stages({v!r}) must be an integer >= 1")
+        if count % v:
+            raise PlanError(f"{count} stages do not split into pp * virtual_stages({v}) chunks")
+        if v > 1 and Schedule(self.schedule) is not Schedule.INTERLEAVED:
+            raise PlanError(f"virtual_stages({v}) needs schedule 'interleaved', not {self.schedule.value!r}")
+        if v == 1:
+            return
+        pp = count // v
+        if self.num_microbatches % pp:
+            raise PlanError(
+                f"the interleaved schedule needs num_microbatches({self.num_microbatches}) to be a multiple of pp({pp})"
+            )
+        for s in self.stages[pp:]:
+            owner = self.stages[s.index % pp]
+            if (s.ranks, s.tensor_parallel, s.device_type) != (owner.ranks, owner.tensor_parallel, owner.device_type):
+                raise PlanError(
+                    f"stage {s.index} is chunk {s.index // pp} of pipeline rank {s.index % pp}: it needs the ranks, "
+                    f"tensor_parallel and device_type of stage {owner.index}"
+                )
+        if any(s.zero_stage or s.tensor_parallel > 1 for s in self.stages):
+            raise PlanError("virtual_stages > 1 runs with zero_stage 0 and tensor_parallel 1 on every stage")
+
     def _check_data_parallel_options(self) -> None:
         if self.grad_compression not in GRAD_COMPRESSION:
             raise PlanError(
                 f"grad_compression {self.grad_compression!r} must be one of {', '.join(map(repr, GRAD_COMPRESSION))}"
             )
         zero = [s.index for s in self.stages if s.zero_stage > 0]
+        if zero and Schedule(self.schedule) is Schedule.ZERO_BUBBLE:
+            raise PlanError(
+                f"schedule 'zb' needs zero_stage 0 on every stage (FSDP reduces gradients inside the backward, which "
+                f"'zb' splits), stage {zero[0]} has zero_stage {self.stages[zero[0]].zero_stage}"
+            )
         if self.grad_compression != "none" and zero:
             raise PlanError(
                 f"grad_compression {self.grad_compression!r} needs zero_stage 0 on every stage (FSDP reduces its own "
@@ -200,7 +238,8 @@ class ParallelPlan:
 
     @property
     def pipeline_parallel(self) -> int:
-        return len(self.stages)
+        """Pipeline ranks per replica: ``len(stages) // virtual_stages``."""
+        return len(self.stages) // self.virtual_stages
 
     def to_json(self) -> str:
         """The plan as indented JSON text."""

@@ -18,8 +18,9 @@ deadlocks and draws timelines. ``simulate_timed`` plays them with real durations
 action and a transfer time per send: the step time of a schedule, also for stages of
 unequal speed.
 
-The runtime executes ``make_schedule``'s schedules (1F1B, GPipe); the interleaved and
-zero-bubble schedules of ``build_schedule`` are, for now, simulated only.
+The runtime executes every schedule of ``make_schedule``: 1F1B, GPipe, interleaved
+1F1B (a rank runs several stages) and ZB-H1 (W actions; see [Note: zero-bubble split]
+and runtime/executor.py).
 """
 
 from __future__ import annotations
@@ -244,41 +245,35 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]
     return schedule
 
 
-SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
-# Everything the timed simulator plays: the runtime's schedules plus the ones it does not run yet.
-SIMULATED_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")  # the plan's schedule names; the runtime runs them all
+SIMULATED_SCHEDULES = SCHEDULES  # kept for callers that named the simulated ones apart
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int) -> list[list[Action]]:
-    """The schedule called ``name`` (``1f1b`` or ``gpipe``, as in a plan's ``schedule``).
-
-    Raises:
-        ScheduleError: unknown name or bad sizes.
-    """
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[name](num_stages, num_microbatches)
-
-
-def build_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
-    """Any schedule of ``SIMULATED_SCHEDULES``, one action list per pipeline rank.
+def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """The schedule called ``name`` (as in a plan's ``schedule``), one action list per pipeline rank.
 
     Args:
         name: "1f1b", "gpipe", "interleaved" or "zb" (ZB-H1).
-        num_ranks: pipeline ranks p.
+        num_ranks: pipeline ranks p (the number of stages, unless interleaved).
         num_microbatches: m.
         virtual_stages: chunks per rank; only the interleaved schedule takes v > 1.
 
     Raises:
         ScheduleError: unknown name, bad sizes, or v > 1 for a schedule without chunks.
     """
-    if name not in SIMULATED_SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SIMULATED_SCHEDULES)}")
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if name == "interleaved":
         return interleaved_one_f_one_b(num_ranks, num_microbatches, virtual_stages)
     if virtual_stages != 1:
         raise ScheduleError(f"virtual stages ({virtual_stages}) need the interleaved schedule, not {name!r}")
-    return zero_bubble_h1(num_ranks, num_microbatches) if name == "zb" else make_schedule(name, num_ranks, num_microbatches)
+    generators = {"1f1b": one_f_one_b, "gpipe": gpipe, "zb": zero_bubble_h1}
+    return generators[name](num_ranks, num_microbatches)
+
+
+def build_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """``make_schedule`` under the name the simulators' callers know."""
+    return make_schedule(name, num_ranks, num_microbatches, virtual_stages)
 
 
 def validate(schedule: list[list[Action]], num_microbatches: int, virtual_stages: int = 1) -> None:

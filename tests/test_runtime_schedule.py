@@ -118,8 +118,10 @@ def test_validate_names_the_fault(text, m, message):
 def test_make_schedule_knows_the_plan_names():
     assert schedule.make_schedule("1f1b", 2, 2) == schedule.one_f_one_b(2, 2)
     assert schedule.make_schedule("gpipe", 2, 2) == schedule.gpipe(2, 2)
-    with pytest.raises(ScheduleError, match="unknown schedule 'zb'"):
-        schedule.make_schedule("zb", 2, 2)
+    assert schedule.make_schedule("zb", 2, 2) == schedule.zero_bubble_h1(2, 2)
+    assert schedule.make_schedule("interleaved", 2, 4, 2) == schedule.interleaved_one_f_one_b(2, 4, 2)
+    with pytest.raises(ScheduleError, match="unknown schedule 'pipedream'"):
+        schedule.make_schedule("pipedream", 2, 2)
     with pytest.raises(ScheduleError, match="at least one stage"):
         schedule.one_f_one_b(0, 2)
 
@@ -195,3 +197,20 @@ def test_new_docstring_timelines_are_what_the_simulator_draws(generator, args):
     """Golden timelines; regenerate with ``schedule.draw(schedule.simulate(generator(*args)))``."""
     drawn = [line.strip() for line in generator.__doc__.splitlines() if re.match(r"\s*stage \d+:", line)]
     assert drawn == schedule.draw(schedule.simulate(generator(*args))).splitlines()
+
+
+@pytest.mark.parametrize("ranks,m,v", [(p, m, v) for p in (1, 2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 3 * p)])
+def test_every_interleaved_schedule_the_runtime_runs_validates_and_finishes(ranks, m, v):
+    plan = schedule.make_schedule("interleaved", ranks, m, v)
+    schedule.validate(plan, m, virtual_stages=v)
+    timeline = schedule.simulate(plan)
+    assert sum(a is not None for row in timeline for a in row) == 2 * m * v * ranks
+
+
+@pytest.mark.parametrize("stages,m", [(s, m) for s in (1, 2, 3, 4, 5) for m in (1, 2, 3, 4, 7, 8)])
+def test_every_zero_bubble_schedule_validates_and_finishes_with_one_w_per_backward(stages, m):
+    plan = schedule.make_schedule("zb", stages, m)
+    schedule.validate(plan, m)
+    assert all(sum(a.kind is schedule.Kind.WEIGHT for a in actions) == m for actions in plan)
+    timeline = schedule.simulate(plan)
+    assert sum(a is not None for row in timeline for a in row) == 3 * m * stages
