@@ -44,7 +44,7 @@ from cost_models.compute import (
     dtype_bytes,
     layer_timing,
 )
-from cost_models.devices import DeviceProfile, get_device
+from cost_models.devices import DeviceProfile
 from cost_models.layers import LayerProfile
 from cost_models.memory import (
     OPTIMIZERS,
@@ -203,6 +203,7 @@ class Estimate:
     tflops_per_device: float
     mfu: float  # model FLOP/s over the sum of the devices' peak FLOP/s in the training dtype
     busiest_rank: int  # the pipeline rank with the most work, whose time ``time`` splits
+    timeline: TimedRun | None = None  # the simulated schedule, action by action (hetpar explain draws it)
 
     @property
     def fits(self) -> bool:
@@ -292,7 +293,7 @@ def stage_layout(cluster: Cluster, config: EstimateConfig) -> list[StageLayout]:
     else:
         groups = _ranks_by_device(cluster, config)
     types = cluster.device_types()
-    return [_describe(ranks, types, c.dtype) for ranks in groups]
+    return [_describe(ranks, types, c.dtype, cluster) for ranks in groups]
 
 
 def _ranks_by_device(cluster: Cluster, config: EstimateConfig) -> list[list[list[int]]]:
@@ -322,9 +323,9 @@ def _canonical(name: str, cluster: Cluster) -> str:
     raise EstimateError(f"--stage-devices names {name!r}, which is not in the cluster ({', '.join(present)})")
 
 
-def _describe(ranks: list[list[int]], types: list[str], dtype: str) -> StageLayout:
+def _describe(ranks: list[list[int]], types: list[str], dtype: str, cluster: Cluster) -> StageLayout:
     present = list(dict.fromkeys(types[r] for replica in ranks for r in replica))
-    profiles = [get_device(t) for t in present]
+    profiles = [cluster.profile(t) for t in present]
     slowest = min(profiles, key=lambda p: p.achievable_matmul_flops(dtype))
     return StageLayout(
         ranks=ranks, device_types=present, device_type=slowest.name, memory_bytes=min(p.memory_bytes for p in profiles)
@@ -376,7 +377,7 @@ class _ChunkCost:
 def _chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bounds, layout: StageLayout) -> _ChunkCost:
     first, last = bounds
     layers = model.layers[first : last + 1]
-    device = get_device(layout.device_type)
+    device = cluster.profile(layout.device_type)
     times = [layer_timing(l, device, tp=config.tp, micro_batch_size=config.micro_batch_size, dtype=config.dtype,
                           kernel_efficiency=config.kernel_efficiency) for l in layers]
     tp_s = sum(_tp_all_reduce_s(l, cluster, config, layout) for l in layers)
@@ -570,12 +571,12 @@ def _assemble(model, cluster, config, layouts, bounds, played: _Played, stages: 
     busiest = max(range(c.pp), key=run.busy_s)
     compute, tp, zero3 = (sum(played.parts[t.action][i] for t in run.ranks[busiest]) for i in range(3))
     pp = max(0.0, run.end_s(busiest) - played.run_without_transfers.end_s(busiest))
-    optimizer = max(_optimizer_s(params[r], get_device(layouts[r].device_type), c) for r in range(c.pp))
+    optimizer = max(_optimizer_s(params[r], cluster.profile(layouts[r].device_type), c, model) for r in range(c.pp))
     time = TimeBreakdown(compute_s=compute, bubble_s=pipeline_end - compute - tp - zero3 - pp, tp_comm_s=tp, pp_comm_s=pp,
                          dp_comm_s=dp + zero3, optimizer_s=optimizer)
     step = time.step_s
     flops = sum(l.fwd_flops + l.bwd_flops for l in model.layers) * c.global_batch_size
-    peak = sum(get_device(t).peak_flops(c.dtype) for t in cluster.device_types())
+    peak = sum(cluster.profile(t).peak_flops(c.dtype) for t in cluster.device_types())
     predicted = Predicted(
         step_time_s=step,
         throughput_samples_per_s=c.global_batch_size / step,
@@ -588,7 +589,7 @@ def _assemble(model, cluster, config, layouts, bounds, played: _Played, stages: 
     )
     return Estimate(config=c, cluster_spec=cluster.spec, world_size=cluster.world_size, predicted=predicted, time=time,
                     stages=stages, model_flops_per_step=flops, tflops_per_device=flops / step / cluster.world_size / 1e12,
-                    mfu=flops / step / peak, busiest_rank=busiest)
+                    mfu=flops / step / peak, busiest_rank=busiest, timeline=played.run)
 
 
 def _exposed_dp_s(sync_s: float, played: _Played, r: int, config: EstimateConfig) -> float:
