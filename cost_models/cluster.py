@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from cost_models.devices import DeviceProfile, UnknownDeviceError, get_device
 
@@ -98,6 +98,23 @@ class Cluster:
             counts[g.device.name] = counts.get(g.device.name, 0) + g.num_devices
         return counts
 
+    def profile(self, device_type: str) -> DeviceProfile:
+        """The profile this cluster's devices of ``device_type`` use (a measured one where given).
+
+        Args:
+            device_type: a device name, case-insensitively.
+
+        Returns:
+            The group's profile, or the built-in one when no group has that type.
+
+        Raises:
+            UnknownDeviceError: neither the cluster nor the built-ins know the name.
+        """
+        for g in self.groups:
+            if g.device.name.lower() == device_type.strip().lower():
+                return g.device
+        return get_device(device_type)
+
     def node_of(self, rank: int) -> int:
         """Global index of the node that holds ``rank`` (nodes numbered in rank order).
 
@@ -149,12 +166,14 @@ class Cluster:
         raise AssertionError("unreachable: rank checked against world_size")
 
 
-def parse_cluster(spec: str) -> Cluster:
+def parse_cluster(spec: str, profiles: Mapping[str, DeviceProfile] | None = None) -> Cluster:
     """Parse a cluster shorthand, or read a cluster TOML file.
 
     Args:
         spec: a shorthand such as ``2x8xA100-80GB+1x8xV100-32GB`` or ``4x8xA100-80GB@200gx8``,
             or the path of a ``.toml`` file (docs/cluster-format.md).
+        profiles: device profiles that replace the built-in ones of the same name
+            (case-insensitively), e.g. a profile ``hetpar profile`` measured.
 
     Returns:
         The cluster.
@@ -165,10 +184,43 @@ def parse_cluster(spec: str) -> Cluster:
     """
     text = spec.strip()
     if text.lower().endswith(".toml") or Path(text).is_file():
-        return _read_cluster_file(text)
-    pieces = text.split("+")
-    groups = tuple(_parse_piece(piece.strip(), spec) for piece in pieces)
-    return Cluster(spec=spec, groups=groups)
+        cluster = _read_cluster_file(text)
+    else:
+        pieces = text.split("+")
+        cluster = Cluster(spec=spec, groups=tuple(_parse_piece(piece.strip(), spec) for piece in pieces))
+    return with_profiles(cluster, profiles or {})
+
+
+def with_profiles(cluster: Cluster, profiles: Mapping[str, DeviceProfile]) -> Cluster:
+    """``cluster`` with each group whose device is named in ``profiles`` on that profile.
+
+    Link bandwidths a group took from its old profile's defaults follow the new one;
+    values a cluster file set explicitly stay.
+
+    Args:
+        cluster: the cluster.
+        profiles: device name -> profile (names compared case-insensitively).
+
+    Returns:
+        The new cluster (or ``cluster`` itself when nothing changes).
+    """
+    by_name = {name.strip().lower(): p for name, p in profiles.items()}
+    if not any(g.device.name.lower() in by_name for g in cluster.groups):
+        return cluster
+    groups = []
+    for g in cluster.groups:
+        new = by_name.get(g.device.name.lower())
+        if new is None:
+            groups.append(g)
+            continue
+        old = g.device
+        groups.append(replace(
+            g, device=new,
+            nic_bw_bytes_per_s=new.default_nic_bw_bytes_per_s if g.nic_bw_bytes_per_s == old.default_nic_bw_bytes_per_s else g.nic_bw_bytes_per_s,
+            intra_node_bw_bytes_per_s=(new.intra_node_bw_bytes_per_s if g.intra_node_bw_bytes_per_s == old.intra_node_bw_bytes_per_s
+                                       else g.intra_node_bw_bytes_per_s),
+        ))
+    return replace(cluster, groups=tuple(groups))
 
 
 def _parse_piece(piece: str, spec: str) -> NodeGroup:

@@ -81,7 +81,7 @@ def layer_time_s(layer: LayerProfile, device, *, tp: int, micro_batch_size: int,
     weight_bytes = layer.params_at(tp) * dtype_bytes(dtype)
     act_bytes = (layer.saved_bytes_at(tp) + layer.boundary_bytes) * micro_batch_size * scale
     bw = device.mem_bw_bytes_per_s
-    overhead = getattr(device, "op_overhead_s", DEFAULT_OP_OVERHEAD_S) * layer.num_ops
+    overhead = (getattr(device, "op_overhead_s", None) or DEFAULT_OP_OVERHEAD_S) * layer.num_ops
     fwd = max(fwd_flops * micro_batch_size / rate, (weight_bytes + act_bytes) / bw) + overhead
     bwd = max(bwd_flops * micro_batch_size / rate, (2 * weight_bytes + 2 * act_bytes) / bw) + 2 * overhead
     return fwd, bwd
@@ -139,7 +139,7 @@ def layer_timing(
     byte_rate = device.mem_bw_bytes_per_s * HBM_STREAM_EFFICIENCY * kernel_efficiency
     fwd_flops, bwd_flops = (f * micro_batch_size for f in layer.flops_at(tp))
     saved = layer.saved_bytes_at(tp) * micro_batch_size * dtype_bytes(dtype) / 4
-    launch = getattr(device, "op_overhead_s", DEFAULT_OP_OVERHEAD_S) * layer.num_ops
+    launch = (getattr(device, "op_overhead_s", None) or DEFAULT_OP_OVERHEAD_S) * layer.num_ops
     weight_flops = min(fwd_flops, bwd_flops / 2) if layer.params_at(tp) > 0 else 0.0
     return LayerTime(
         fwd_s=fwd_flops / flop_rate + saved / byte_rate + launch,

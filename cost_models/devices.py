@@ -9,6 +9,7 @@ docs/devices.md.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import tomllib
 from dataclasses import dataclass, field
@@ -46,8 +47,11 @@ _NUMERIC_FIELDS = (
     "default_nics_per_node",
     "inter_node_latency_s",
 )
-_OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",)
+# Measured by ``hetpar profile`` (docs/profiling.md); absent from datasheet profiles.
+_CALIBRATED_FIELDS = ("op_overhead_s", "step_overhead_s")
+_OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",) + _CALIBRATED_FIELDS
 _STRING_FIELDS = ("name", "vendor", "intra_node_link")
+_OPTIONAL_STRING_FIELDS = ("fingerprint",)
 _TABLE_FIELDS = ("peak_flops_per_s", "collectives", "sources")
 
 
@@ -107,6 +111,11 @@ class DeviceProfile:
     # devices gets min(intra_node_bw, (c - 1) * peer_bw). None on switched fabrics.
     intra_node_peer_bw_bytes_per_s: float | None = None
     collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
+    # Calibrated by `hetpar profile` on the host itself; None in datasheet profiles, where
+    # cost_models/compute.py's defaults apply. See docs/profiling.md.
+    op_overhead_s: float | None = None  # dispatch + autograd cost of one small op
+    step_overhead_s: float | None = None  # fixed per training step: data, loss all-reduce, optimizer calls
+    fingerprint: str | None = None  # the host a measured profile was fitted on
 
     def __post_init__(self) -> None:
         _check_profile(self)
@@ -158,8 +167,7 @@ class DeviceProfile:
             Field names, table entries as ``table.key``.
         """
         keys = list(_NUMERIC_FIELDS) + ["intra_node_link"]
-        if self.intra_node_peer_bw_bytes_per_s is not None:
-            keys.append("intra_node_peer_bw_bytes_per_s")
+        keys += [k for k in _OPTIONAL_NUMERIC_FIELDS if getattr(self, k) is not None]
         keys += [f"peak_flops_per_s.{d}" for d in self.peak_flops_per_s]
         keys += [f"collectives.{c}" for c in self.collectives]
         return keys
@@ -207,6 +215,10 @@ def _check_profile(p: DeviceProfile) -> None:
         )
     if p.intra_node_peer_bw_bytes_per_s is not None and p.intra_node_peer_bw_bytes_per_s <= 0:
         raise ProfileError(f"{who}: intra_node_peer_bw_bytes_per_s must be positive when given")
+    for key in _CALIBRATED_FIELDS:
+        value = getattr(p, key)
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ProfileError(f"{who}: {key} must be >= 0 when given, got {value!r}")
     for dtype in _REQUIRED_DTYPES:
         if dtype not in p.peak_flops_per_s:
             raise ProfileError(f"{who}: peak_flops_per_s needs a '{dtype}' entry")
@@ -227,10 +239,10 @@ def _check_profile(p: DeviceProfile) -> None:
 
 
 def load_profile(path: str | Path) -> DeviceProfile:
-    """Read a device profile TOML file (a built-in one, or one ``hetpar profile`` wrote).
+    """Read a device profile file (a built-in one, or one ``hetpar profile`` wrote).
 
     Args:
-        path: the .toml file.
+        path: a .toml file, or a .json file with the same layout.
 
     Returns:
         The profile.
@@ -241,11 +253,14 @@ def load_profile(path: str | Path) -> DeviceProfile:
     """
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix.lower() == ".json" else tomllib.loads(text)
+    except (FileNotFoundError, IsADirectoryError):
         raise ProfileError(f"device profile '{path}' not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ProfileError(f"device profile '{path}' is not valid TOML: {exc}") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ProfileError(f"device profile '{path}' is not valid {path.suffix.lstrip('.').upper() or 'TOML'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"device profile '{path}' must hold a table of fields")
     try:
         return profile_from_dict(data)
     except ProfileError as exc:
@@ -264,7 +279,7 @@ def profile_from_dict(data: dict[str, Any]) -> DeviceProfile:
     Raises:
         ProfileError: unknown or missing keys, or values out of range.
     """
-    allowed = set(_NUMERIC_FIELDS + _OPTIONAL_NUMERIC_FIELDS + _STRING_FIELDS + _TABLE_FIELDS)
+    allowed = set(_NUMERIC_FIELDS + _OPTIONAL_NUMERIC_FIELDS + _STRING_FIELDS + _OPTIONAL_STRING_FIELDS + _TABLE_FIELDS)
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise ProfileError(f"unknown keys {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
@@ -272,7 +287,7 @@ def profile_from_dict(data: dict[str, Any]) -> DeviceProfile:
     missing = [k for k in required if k not in data]
     if missing:
         raise ProfileError(f"missing keys {', '.join(missing)}")
-    kwargs = {k: data[k] for k in _NUMERIC_FIELDS + _OPTIONAL_NUMERIC_FIELDS + _STRING_FIELDS if k in data}
+    kwargs = {k: data[k] for k in _NUMERIC_FIELDS + _OPTIONAL_NUMERIC_FIELDS + _STRING_FIELDS + _OPTIONAL_STRING_FIELDS if k in data}
     kwargs["peak_flops_per_s"] = {k: float(v) for k, v in data["peak_flops_per_s"].items()}
     kwargs["collectives"] = {name: _measured_collective(name, fit) for name, fit in data.get("collectives", {}).items()}
     kwargs["sources"] = _flatten_sources(data["sources"])
@@ -310,9 +325,8 @@ def dump_profile(profile: DeviceProfile) -> str:
     Returns:
         TOML text.
     """
-    lines = [f"{k} = {_toml_value(getattr(profile, k))}" for k in _STRING_FIELDS + _NUMERIC_FIELDS]
-    if profile.intra_node_peer_bw_bytes_per_s is not None:
-        lines.append(f"intra_node_peer_bw_bytes_per_s = {_toml_value(profile.intra_node_peer_bw_bytes_per_s)}")
+    keys = _STRING_FIELDS + _OPTIONAL_STRING_FIELDS + _NUMERIC_FIELDS + _OPTIONAL_NUMERIC_FIELDS
+    lines = [f"{k} = {_toml_value(getattr(profile, k))}" for k in keys if getattr(profile, k) is not None]
     lines += ["", "[peak_flops_per_s]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in profile.peak_flops_per_s.items()]
     for name, fit in profile.collectives.items():
@@ -325,6 +339,18 @@ def dump_profile(profile: DeviceProfile) -> str:
     for table, entries in tables.items():
         lines += ["", f"[{table}]", *entries]
     return "\n".join(lines) + "\n"
+
+
+def profile_to_dict(profile: DeviceProfile) -> dict[str, Any]:
+    """The profile as plain data in the layout of the TOML files (for JSON profiles).
+
+    Args:
+        profile: the profile.
+
+    Returns:
+        What ``profile_from_dict`` reads back to an equal profile.
+    """
+    return tomllib.loads(dump_profile(profile))
 
 
 def _toml_value(value: Any) -> str:

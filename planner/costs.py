@@ -109,7 +109,7 @@ def type_slots(cluster, cand: Candidate) -> dict[str, list[StageSlot]] | None:
         return None
     out = {}
     for device_type, ranks in by_type.items():
-        memory = get_device(device_type).memory_bytes
+        memory = cluster.profile(device_type).memory_bytes
         blocks = [ranks[i : i + size] for i in range(0, len(ranks), size)]
         out[device_type] = [
             StageSlot(ranks=[block[d * cand.tp : (d + 1) * cand.tp] for d in range(cand.dp)], device_type=device_type, memory_bytes=memory)
@@ -198,7 +198,7 @@ def build_tables(
     for layer in model.layers:
         row_t, row_c, row_m, row_d, row_tp = [], [], [], [], []
         for s, slot in enumerate(slots):
-            device = get_device(slot.device_type)
+            device = cluster.profile(slot.device_type)
             timing = layer_timing(layer, device, tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
             fwd, bwd = timing.fwd_s, timing.bwd_s
             tp_comm = 0.0

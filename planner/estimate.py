@@ -475,10 +475,14 @@ def _dp_sync_s(params: float, cluster: Cluster, config: EstimateConfig, layout: 
 
 
 def _optimizer_s(params: float, device: DeviceProfile, config: EstimateConfig) -> float:
-    """One optimizer step over this rank's share of the parameters: bound by memory traffic."""
+    """One optimizer step over this rank's share of the parameters: bound by memory traffic.
+
+    A measured profile adds its ``step_overhead_s``: what a training step costs besides
+    the layers and the gradient sync (docs/profiling.md); datasheet profiles have none.
+    """
     share = params / config.dp if config.zero_stage >= 1 else params
     rate = device.mem_bw_bytes_per_s * HBM_STREAM_EFFICIENCY * config.kernel_efficiency
-    return share * _OPTIMIZER_BYTES_PER_PARAM[config.optimizer] / rate
+    return share * _OPTIMIZER_BYTES_PER_PARAM[config.optimizer] / rate + (getattr(device, "step_overhead_s", None) or 0.0)
 
 
 # --- Memory --------------------------------------------------------------------------------
@@ -571,7 +575,7 @@ def _assemble(model, cluster, config, layouts, bounds, played: _Played, stages: 
     busiest = max(range(c.pp), key=run.busy_s)
     compute, tp, zero3 = (sum(played.parts[t.action][i] for t in run.ranks[busiest]) for i in range(3))
     pp = max(0.0, run.end_s(busiest) - played.run_without_transfers.end_s(busiest))
-    optimizer = max(_optimizer_s(params[r], cluster.profile(layouts[r].device_type), c, model) for r in range(c.pp))
+    optimizer = max(_optimizer_s(params[r], cluster.profile(layouts[r].device_type), c) for r in range(c.pp))
     time = TimeBreakdown(compute_s=compute, bubble_s=pipeline_end - compute - tp - zero3 - pp, tp_comm_s=tp, pp_comm_s=pp,
                          dp_comm_s=dp + zero3, optimizer_s=optimizer)
     step = time.step_s

@@ -19,7 +19,6 @@ from ortools.sat.python import cp_model
 from cost_models.collectives import all_reduce_time_s, p2p_time_s
 from cost_models.compute import dtype_bytes, layer_timing
 from cost_models.memory import state_bytes_per_param
-from cost_models.devices import get_device
 from cost_models.pipeline import SCHEDULES
 from planner.costs import (
     dp_linear,
@@ -382,7 +381,7 @@ def _representative_slots(cluster, cand: Candidate) -> dict[str, tuple[StageSlot
 
 def _layer_times(model: ModelGraph, cluster, cand: Candidate, dtype: str, slot: StageSlot) -> list[float]:
     """Per-layer micro-batch seconds on ``slot``'s device, tensor-parallel all-reduces included."""
-    device = get_device(slot.device_type)
+    device = cluster.profile(slot.device_type)
     scale = dtype_bytes(dtype) / 4
     times = []
     for layer in model.layers:
