@@ -9,6 +9,7 @@ import typer
 from hetpar import __version__
 from hetpar.commands import compile as compile_cmd
 from hetpar.commands import devices as devices_cmd
+from hetpar.commands import explain as explain_cmd
 from hetpar.commands import estimate as estimate_cmd
 from hetpar.commands import plan as plan_cmd
 from hetpar.commands import trace as trace_cmd
@@ -25,6 +26,7 @@ app.command("compile")(compile_cmd.compile_)
 app.command("trace")(trace_cmd.trace)
 app.command("devices")(devices_cmd.devices)
 app.command("estimate")(estimate_cmd.estimate)
+app.command("explain")(explain_cmd.explain)
 
 
 def _version(value: bool) -> None:

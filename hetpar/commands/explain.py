@@ -1,0 +1,76 @@
+"""``hetpar explain``: a plan's stages, where its time and memory go, and its schedule as a picture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from hetpar.commands.common import console, domain_errors, gib, print_json, seconds
+from planner.explain import explain_plan, timeline_svg
+from planner.plan import ParallelPlan, write_text_atomic
+from runtime.schedule import Kind
+
+
+@domain_errors
+def explain(
+    plan_file: Annotated[Path, typer.Argument(help="A plan written by `hetpar plan`.", show_default=False)],
+    timeline: Annotated[Optional[Path], typer.Option(help="Write the schedule timeline as SVG to this file.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the estimate of the plan as JSON.")] = False,
+) -> None:
+    """Show PLAN_FILE's stages, time and memory breakdown, and its pipeline schedule."""
+    plan = ParallelPlan.load(plan_file)
+    with console.status("tracing and estimating the plan"):
+        result = explain_plan(plan)
+    est = result.estimate
+    labels = [f"stage {s.index}" for s in plan.stages]
+    if timeline is not None:
+        if timeline.suffix.lower() != ".svg":
+            console.print(f"[bold red]hetpar: error:[/] --timeline {str(timeline)!r} must end in .svg")
+            raise typer.Exit(1)
+        title = f"{Path(plan.model.file).name} on {plan.cluster.spec}: {plan.schedule.value}, {plan.num_microbatches} micro-batches"
+        write_text_atomic(timeline, timeline_svg(est.timeline, labels, title))
+    if as_json:
+        print_json(est.to_dict())
+        return
+    _print_stages(plan, est)
+    t = est.time
+    console.print(
+        f"step {seconds(t.step_s)}: compute {seconds(t.compute_s)}, bubble {seconds(t.bubble_s)}, "
+        f"tp comm {seconds(t.tp_comm_s)}, pp comm {seconds(t.pp_comm_s)}, dp comm {seconds(t.dp_comm_s)}, "
+        f"optimizer {seconds(t.optimizer_s)}  ({est.tflops_per_device:.2f} TFLOP/s per device, MFU {est.mfu:.1%})"
+    )
+    console.print(_text_timeline(est.timeline, labels, width=max(20, console.width - 12)), soft_wrap=True)
+    if timeline is not None:
+        console.print(f"wrote {timeline}")
+
+
+def _print_stages(plan: ParallelPlan, est) -> None:
+    names = plan.model.layer_names
+    table = Table(title=f"{Path(plan.model.file).name} on {plan.cluster.spec}", title_justify="left")
+    for column in ("stage", "layers", "device", "tp", "fwd/mb", "bwd/mb", "weights", "grads", "optimizer", "activations", "total/device"):
+        table.add_column(column)
+    for s, e in zip(plan.stages, est.stages):
+        m = e.memory
+        layers = names[s.layers[0]] if len(s.layers) == 1 else f"{names[s.layers[0]]} .. {names[s.layers[-1]]}"
+        table.add_row(str(s.index), layers, s.device_type, str(s.tensor_parallel), seconds(e.fwd_s), seconds(e.bwd_s),
+                      gib(m.weights_bytes), gib(m.gradients_bytes), gib(m.optimizer_bytes), gib(m.activations_bytes),
+                      gib(m.total_bytes) + ("" if e.fits else " (does not fit)"))
+    console.print(table)
+
+
+def _text_timeline(run, labels: list[str], width: int = 72) -> str:
+    """The schedule as text: one row per stage, F/B/W letters, dots for bubbles."""
+    span = run.makespan_s or 1.0
+    rows = []
+    for label, timed in zip(labels, run.ranks):
+        cells = ["."] * width
+        for t in timed:
+            first, last = int(t.start_s / span * width), max(int(t.start_s / span * width), int(t.end_s / span * width) - 1)
+            letter = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.WEIGHT: "W"}[t.action.kind]
+            for i in range(first, min(last + 1, width)):
+                cells[i] = letter
+        rows.append(f"{label:>8} |{''.join(cells)}|")
+    return "\n".join(rows)

@@ -1,0 +1,56 @@
+"""hetpar explain: the estimate of a plan and its schedule drawn as SVG."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cost_models.cluster import parse_cluster
+from planner.api import plan_model
+from planner.explain import explain_plan, timeline_svg
+from planner.plan import PlanError
+from planner.search import SearchOptions
+
+GPT_ARGS = {"n_layers": 4, "hidden": 64, "heads": 4, "seq_len": 16, "vocab": 64}
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    model = tmp_path_factory.mktemp("m") / "gpt.py"
+    shutil.copy("examples/gpt.py", model)
+    options = SearchOptions(global_batch_size=8, dtype="fp32", pp=2, dp=2, micro_batch_size=1)
+    return plan_model(model, parse_cluster("1x4xcpu"), options, model_args=GPT_ARGS)
+
+
+def test_explanation_draws_every_action_of_every_stage(plan):
+    result = explain_plan(plan)
+    svg = timeline_svg(result.estimate.timeline, ["stage 0", "stage 1"], "t")
+    titles = re.findall(r"<title>(\d)([FBW])(\d+) ", svg)
+    m = plan.num_microbatches
+    for stage in (0, 1):
+        for kind in "FB":
+            assert sorted(int(mb) for s, k, mb in titles if s == str(stage) and k == kind) == list(range(m))
+    assert svg.count("<text") >= 2 + 2  # title, axis, stage labels
+    assert result.estimate.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-6)
+
+
+def test_changed_model_file_is_refused(plan, tmp_path):
+    changed = tmp_path / "gpt.py"
+    changed.write_text(open(plan.model.file).read() + "\n# edited\n")
+    moved = plan.__class__(**{**plan.__dict__, "model": plan.model.__class__(**{**plan.model.__dict__, "file": str(changed)})})
+    with pytest.raises(PlanError, match="changed since planning"):
+        explain_plan(moved)
+
+
+def test_cli_writes_svg_and_json(plan, tmp_path):
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    svg = tmp_path / "t.svg"
+    result = subprocess.run([sys.executable, "-m", "hetpar", "explain", str(path), "--timeline", str(svg), "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["kind"] == "hetpar.estimate"
+    assert svg.read_text().startswith("<svg")
