@@ -71,6 +71,23 @@ def cut_stage(
     return stage
 
 
+class Chunks(nn.ModuleList):
+    """The stages one rank holds under the interleaved schedule, as one module for the
+    optimizer, data-parallel gradients and checkpoints. Never called: the executor
+    runs each chunk. Its state_dict keys carry the chunk number (``0.blocks.0...``);
+    ``chunk_modules`` gives the chunks with their own names."""
+
+
+def rank_module(stage_modules: list[nn.Module]) -> nn.Module:
+    """The module of this rank's parameters: its one stage, or its chunks as ``Chunks``."""
+    return stage_modules[0] if len(stage_modules) == 1 else Chunks(stage_modules)
+
+
+def chunk_modules(module: nn.Module) -> list[nn.Module]:
+    """The stage modules inside a ``rank_module``."""
+    return list(module) if isinstance(module, Chunks) else [module]
+
+
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
@@ -169,6 +186,6 @@ def global_batches(model_file: ModelFile, batch_size: int, seed: int, *, start_s
 
 
 __all__ = [
-    "Microbatch", "ShardError", "apply_tensor_parallel", "cut_stage", "global_batches", "load_full_state",
+    "Chunks", "Microbatch", "ShardError", "apply_tensor_parallel", "chunk_modules", "cut_stage", "rank_module", "global_batches", "load_full_state",
     "loss_weight", "microbatches",
 ]

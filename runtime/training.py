@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from runtime.distributed import Placement, StageSpec
+from runtime.shard import chunk_modules
 
 
 def make_optimizer(name: str, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -123,7 +124,11 @@ def save_full_state(path: Path, model: nn.Module, stage_module: nn.Module, me: P
     stage's tensors to rank 0. Rank 0 orders the keys as ``model.state_dict()`` does;
     a key no stage holds (a parameter no layer uses) keeps rank 0's value.
     """
-    local = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in stage_module.state_dict().items()}
+    local = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        for chunk in chunk_modules(stage_module)  # the stage, or each chunk under the interleaved schedule
+        for k, v in chunk.state_dict().items()
+    }
     mine = local if (me.replica, me.tp_index) == (0, 0) else {}
     gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] if me.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import dataclasses
 import os
 import shutil
@@ -14,9 +15,10 @@ import pytest
 
 from conftest import build_plan, run_torchrun, subprocess_env
 from rewriters import CompileError, compile_plan
+from rewriters.torchrun import program_source
 
 GPT_ARGS = {"n_layers": 2, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64}
-STDLIB_IMPORTS = {"time", "pathlib"}
+STDLIB_IMPORTS = {"time", "pathlib", "dataclasses"}
 
 
 @pytest.fixture
@@ -214,3 +216,34 @@ def test_wrong_world_size_is_one_line_and_exit_code(tmp_path, model_copy):
         "run: torchrun --nproc_per_node=2 train.py"
     ]
     assert "runtime/cli.py" not in result.stderr  # no traceback from our code
+
+
+def test_interleaved_plan_checks_itself_round_trips_and_compiles(tmp_path, gpt_path):
+    from dataclasses import replace
+
+    from planner.plan import ClusterRef, ParallelPlan, PlanError, Schedule
+
+    flat = build_plan(gpt_path, GPT_ARGS, splits=[[0], [1], [2], [3]], num_microbatches=4)
+    stages = [replace(s, ranks=flat.stages[s.index % 2].ranks) for s in flat.stages]
+    cluster = ClusterRef(spec="1x2xcpu", world_size=2, device_types=["cpu"] * 2)
+    plan = replace(flat, stages=stages, schedule=Schedule.INTERLEAVED, virtual_stages=2, cluster=cluster)
+    assert plan.pipeline_parallel == 2
+    assert ParallelPlan.from_dict(json.loads(plan.to_json())) == plan
+    with pytest.raises(PlanError, match=r"num_microbatches\(3\) to be a multiple of pp\(2\)"):
+        replace(plan, num_microbatches=3, global_batch_size=6)
+    with pytest.raises(PlanError, match="needs schedule 'interleaved'"):
+        replace(plan, schedule=Schedule.ONE_F_ONE_B)
+    with pytest.raises(PlanError, match="stage 3 is chunk 1 of pipeline rank 1"):
+        replace(plan, stages=[*stages[:3], replace(stages[3], ranks=[[0]])])
+    old = json.loads(flat.to_json())
+    del old["virtual_stages"]
+    assert ParallelPlan.from_dict(old).virtual_stages == 1  # plans written before the field load unchanged
+    text = program_source(plan)
+    assert "VIRTUAL_STAGES = 2" in text and "PIPELINE_RANKS = 2" in text
+
+
+def test_zero_bubble_refuses_zero_stages(gpt_path):
+    from planner.plan import PlanError
+
+    with pytest.raises(PlanError, match="schedule 'zb' needs zero_stage 0"):
+        build_plan(gpt_path, GPT_ARGS, splits=[[0, 1], [2, 3]], data_parallel=2, schedule="zb", zero_stage=2)

@@ -212,3 +212,47 @@ def test_plans_from_the_planner_train_like_one_process(tmp_path, gpt_path, pins)
     if pins["tp"] > 1:
         assert any(s.tp_sharding for s in plan.stages)
     assert_trains_like_one_process(plan, tmp_path)
+
+
+def interleaved_plan(model_path: Path, model_args: dict, *, chunks: list[list[int]], pipeline_ranks: int,
+                     data_parallel: int = 1, num_microbatches: int):
+    """A plan with ``len(chunks) // pipeline_ranks`` virtual stages: stage s holds layers
+    ``chunks[s]`` on the ranks of stage ``s % pipeline_ranks``."""
+    from dataclasses import replace
+
+    from planner.plan import ClusterRef, Schedule
+
+    flat = build_plan(model_path, model_args, splits=chunks, data_parallel=data_parallel,
+                      num_microbatches=num_microbatches)
+    world = pipeline_ranks * data_parallel
+    stages = [replace(s, ranks=flat.stages[s.index % pipeline_ranks].ranks) for s in flat.stages]
+    return replace(flat, stages=stages, schedule=Schedule.INTERLEAVED,
+                   virtual_stages=len(chunks) // pipeline_ranks,
+                   cluster=ClusterRef(spec=f"1x{world}xcpu", world_size=world, device_types=["cpu"] * world))
+
+
+@pytest.mark.slow
+def test_pipeline_2_zero_bubble_4_microbatches(tmp_path, gpt_path):
+    plan = build_plan(gpt_path, GPT_ARGS, splits=[[0, 1], [2, 3]], num_microbatches=4, schedule="zb")
+    assert_trains_like_one_process(plan, tmp_path, optimizer="adamw")
+
+
+@pytest.mark.slow
+def test_pipeline_2_interleaved_2_chunks_per_rank(tmp_path, gpt_path):
+    # layers: embedding, blocks.0, blocks.1, head; rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+    plan = interleaved_plan(gpt_path, GPT_ARGS, chunks=[[0], [1], [2], [3]], pipeline_ranks=2, num_microbatches=4)
+    assert plan.pipeline_parallel == 2 and plan.virtual_stages == 2
+    assert_trains_like_one_process(plan, tmp_path, optimizer="adamw")
+
+
+@pytest.mark.slow
+def test_data_parallel_2_by_interleaved_pipeline_2(tmp_path, mlp_path):
+    plan = interleaved_plan(mlp_path, MLP_ARGS, chunks=[[0], [1], [2], [3]], pipeline_ranks=2, data_parallel=2,
+                            num_microbatches=2)
+    assert_trains_like_one_process(plan, tmp_path)
+
+
+@pytest.mark.slow
+def test_uneven_split_of_1_and_3_layers_one_f_one_b(tmp_path, gpt_path):
+    plan = build_plan(gpt_path, GPT_ARGS, splits=[[0], [1, 2, 3]], num_microbatches=3, schedule="1f1b")
+    assert_trains_like_one_process(plan, tmp_path)

@@ -17,18 +17,19 @@ GPT_ARGS = {"n_layers": 2, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64}
 NO_PEERS = Peers(recv_activations_from=None, send_activations_to=(), recv_grads_from=None, send_grads_to=())
 
 
-def whole_model_stage(path, args, micro_batch_size):
+def whole_model_stage(path, args, micro_batch_size, recompute="none"):
     model_file = load_model_file(path, args)
     torch.manual_seed(0)
     model = model_file.build_model()
     names = list(trace_layers(model).layer_names)
-    return model_file, model, cut_stage(model, model_file, micro_batch_size, (0, len(names) - 1), names)
+    return model_file, model, cut_stage(model, model_file, micro_batch_size, (0, len(names) - 1), names,
+                                        recompute=recompute)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_microbatched_gradient_is_the_whole_batch_gradient(gpt_path, schedule):
+@pytest.mark.parametrize("schedule,recompute", [("1f1b", "none"), ("gpipe", "none"), ("zb", "none"), ("zb", "full")])
+def test_microbatched_gradient_is_the_whole_batch_gradient(gpt_path, schedule, recompute):
     m, mbs = 4, 2
-    model_file, model, stage = whole_model_stage(gpt_path, GPT_ARGS, mbs)
+    model_file, model, stage = whole_model_stage(gpt_path, GPT_ARGS, mbs, recompute)
     inputs, targets = next(model_file.batches(m * mbs, 0))
 
     loss = model_file.loss(model(*inputs), targets)
@@ -53,7 +54,7 @@ def test_a_schedule_without_backwards_is_reported(mlp_path):
     data = microbatches(inputs, targets, replica=0, data_parallel=1, num_microbatches=2, device=torch.device("cpu"))
     executor = StageExecutor(stage=stage, peers=NO_PEERS, loss_fn=model_file.loss, num_microbatches=2,
                              device=torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="left micro-batches 0, 1 without a backward"):
+    with pytest.raises(RuntimeError, match="left micro-batches 0, 1 of stage 0 without a backward"):
         executor.run([Action(0, Kind.FORWARD, 0), Action(0, Kind.FORWARD, 1)], data)
 
 
@@ -120,3 +121,14 @@ def test_recompute_refuses_an_unknown_mode(mlp_path):
     names = list(trace_layers(model).layer_names)
     with pytest.raises(ValueError, match="recompute 'some' must be one of none, selective, full"):
         cut_stage(model, model_file, 2, (0, len(names) - 1), names, recompute="some")
+
+
+def test_a_backward_whose_weight_gradients_never_come_is_reported(mlp_path):
+    model_file, _, stage = whole_model_stage(mlp_path, {}, 2)
+    inputs, targets = next(model_file.batches(4, 0))
+    data = microbatches(inputs, targets, replica=0, data_parallel=1, num_microbatches=2, device=torch.device("cpu"))
+    executor = StageExecutor(stage=stage, peers=NO_PEERS, loss_fn=model_file.loss, num_microbatches=2,
+                             device=torch.device("cpu"))
+    actions = make_schedule("zb", 1, 2)[0][:-1]  # drops 0W1
+    with pytest.raises(RuntimeError, match="left micro-batches 1 of stage 0 without a weight-gradient action"):
+        executor.run(actions, data)
