@@ -12,6 +12,8 @@ from hetpar.commands import devices as devices_cmd
 from hetpar.commands import explain as explain_cmd
 from hetpar.commands import estimate as estimate_cmd
 from hetpar.commands import plan as plan_cmd
+from hetpar.commands import profile as profile_cmd
+from hetpar.commands import validate as validate_cmd
 from hetpar.commands import trace as trace_cmd
 
 app = typer.Typer(
@@ -26,6 +28,8 @@ app.command("compile")(compile_cmd.compile_)
 app.command("trace")(trace_cmd.trace)
 app.command("devices")(devices_cmd.devices)
 app.command("estimate")(estimate_cmd.estimate)
+app.command("profile")(profile_cmd.profile)
+app.command("validate")(validate_cmd.validate)
 app.command("explain")(explain_cmd.explain)
 
 

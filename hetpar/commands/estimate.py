@@ -11,6 +11,7 @@ from rich.table import Table
 
 from cost_models.cluster import parse_cluster
 from cost_models.compute import TRAINING_KERNEL_EFFICIENCY
+from hetpar.commands.profile import profiles_option
 from hetpar.commands.common import console, domain_errors, gib, print_json, seconds
 from hetpar.commands.plan import DType, default_dtype
 from planner.estimate import Estimate, EstimateConfig, EstimateError, estimate as estimate_plan
@@ -59,10 +60,11 @@ def estimate(
     kernel_efficiency: Annotated[float, typer.Option(help="Fraction of microbenchmark rates training kernels reach (docs/cost-model.md).")] = TRAINING_KERNEL_EFFICIENCY,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON to stdout.")] = False,
     model_arg: Annotated[Optional[list[str]], typer.Option("--model-arg", "-a", help="key=value passed to build_model(); repeatable.")] = None,
+    profile: Annotated[Optional[list[Path]], typer.Option("--profile", help="Device profile from hetpar profile; replaces the built-in profile of that device type. Repeatable.")] = None,
     leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
 ) -> None:
     """Predict step time, memory per stage and throughput of one configuration of MODEL_FILE."""
-    the_cluster = parse_cluster(cluster)
+    the_cluster = parse_cluster(cluster, profiles=profiles_option(profile))
     config = EstimateConfig(
         global_batch_size=global_batch, dp=dp, tp=tp, pp=pp, micro_batch_size=micro_batch_size,
         dtype=dtype.value if dtype else default_dtype(the_cluster.device_types()),

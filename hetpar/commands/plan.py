@@ -12,6 +12,7 @@ from rich.table import Table
 
 from cost_models.cluster import parse_cluster
 from cost_models.devices import get_device
+from hetpar.commands.profile import profiles_option
 from hetpar.commands.common import console, domain_errors, fail, gib, print_json, seconds
 from planner.plan import ParallelPlan
 from planner.api import plan_model
@@ -46,6 +47,7 @@ def plan(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Where to write the plan [default: plan.json, or nowhere with --json].")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON to stdout.")] = False,
     model_arg: Annotated[Optional[list[str]], typer.Option("--model-arg", "-a", help="key=value passed to build_model(); repeatable.")] = None,
+    profile: Annotated[Optional[list[Path]], typer.Option("--profile", help="Device profile from hetpar profile; replaces the built-in profile of that device type. Repeatable.")] = None,
     dp: Annotated[Optional[int], typer.Option(help="Pin the data-parallel degree.")] = None,
     tp: Annotated[Optional[int], typer.Option(help="Pin the tensor-parallel degree.")] = None,
     pp: Annotated[Optional[int], typer.Option(help="Pin the number of pipeline stages.")] = None,
@@ -57,7 +59,7 @@ def plan(
     leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
 ) -> None:
     """Find the fastest parallel plan for MODEL_FILE on a cluster and write it as JSON."""
-    the_cluster = parse_cluster(cluster)
+    the_cluster = parse_cluster(cluster, profiles=profiles_option(profile))
     options = SearchOptions(
         global_batch_size=global_batch,
         dtype=(dtype.value if dtype else default_dtype(the_cluster.device_types())),

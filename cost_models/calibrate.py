@@ -1,0 +1,119 @@
+"""Fit a device profile to the measurements ``hetpar profile`` takes on one host.
+
+Pure arithmetic on numbers (no torch, nothing of ours but the profile type), so the
+fits are tested on synthetic measurements. The measurement record is the dict that
+runtime/profiler.py's benchmarks produce (docs/profiling.md lists its keys):
+
+    {"fingerprint": str, "date": "YYYY-MM-DD", "workers": int,
+     "matmul": {"fp32": [[flops, seconds], ...], "bf16": [...]},
+     "copy": [bytes_moved, seconds],
+     "op_overhead": {"fwd_s_per_op": s, "fwd_bwd_s_per_op": s},
+     "collectives": {"all_reduce": [[nbytes, seconds], ...], ...},
+     "step_overhead_s": s}
+
+[Note: calibrated fits]
+Every fitted quantity is a straight line through (size, seconds) points by least
+squares of the relative error, ``seconds = fixed + size / rate``:
+- matmul: size = FLOPs; ``rate`` becomes ``peak_flops_per_s[dtype]`` with
+  ``matmul_efficiency`` 1 (the rate is already what a matmul reaches), and the
+  intercept is the per-call cost that makes small matmuls slow;
+- collectives: size = bytes; ``fixed`` is alpha (latency_s), ``rate`` is beta
+  (bw_bytes_per_s), as nccl-tests reports them;
+- ``op_overhead_s``: the cost model charges each op of a layer three times per
+  micro-batch (forward, input gradient, weight gradient; cost_models/compute.py), so
+  it is a third of the measured forward-plus-backward seconds per tiny op;
+- ``step_overhead_s`` is measured directly: a training step of a model too small to
+  cost anything (data, zero_grad, the loss all-reduce, the optimizer's calls).
+A negative intercept (noise on a shared machine) is clamped to zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from cost_models.devices import DeviceProfile, MeasuredCollective, ProfileError
+
+# The cost model charges each op three launches per micro-batch; see [Note: calibrated fits].
+LAUNCHES_PER_OP = 3
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``seconds = fixed_s + size / rate`` through (size, seconds) points.
+
+    Args:
+        points: at least two points with at least two distinct sizes.
+
+    Returns:
+        (fixed_s clamped to >= 0, rate in size units per second).
+
+    Raises:
+        ProfileError: too few points, or times that do not grow with size.
+    """
+    if len({x for x, _ in points}) < 2:
+        raise ProfileError(f"a fit needs measurements at two or more sizes, got {len(points)}")
+    # Weighted by 1/seconds^2, i.e. least relative error: otherwise the largest size
+    # alone sets the intercept and a small-message latency comes out ten times too big.
+    w = [1.0 / y**2 if y > 0 else 0.0 for _, y in points]
+    sw = sum(w)
+    mean_x = sum(wi * x for wi, (x, _) in zip(w, points)) / sw
+    mean_y = sum(wi * y for wi, (_, y) in zip(w, points)) / sw
+    sxx = sum(wi * (x - mean_x) ** 2 for wi, (x, _) in zip(w, points))
+    slope = sum(wi * (x - mean_x) * (y - mean_y) for wi, (x, y) in zip(w, points)) / sxx
+    if slope <= 0:
+        raise ProfileError("measured times do not grow with size; the machine is too noisy, run hetpar profile again")
+    return max(0.0, mean_y - slope * mean_x), 1.0 / slope
+
+
+def fit_profile(measurements: dict[str, Any], base: DeviceProfile) -> DeviceProfile:
+    """A device profile for the measured host: fitted numbers over ``base``'s unmeasured ones.
+
+    Args:
+        measurements: the record described in the module docstring.
+        base: the profile whose unmeasured fields (memory, NICs, inter-node) are kept,
+            e.g. the built-in "cpu" profile.
+
+    Returns:
+        The profile, named as ``base``, with the fingerprint and a source
+        "fitted from hetpar profile on <date>, <fingerprint>" on every fitted field.
+
+    Raises:
+        ProfileError: missing measurements or a failed fit.
+    """
+    try:
+        stamp = f"fitted from hetpar profile on {measurements['date']}, {measurements['fingerprint']}"
+        matmul, copy = measurements["matmul"], measurements["copy"]
+        per_op = measurements["op_overhead"]["fwd_bwd_s_per_op"]
+        collectives, step_s = measurements["collectives"], measurements["step_overhead_s"]
+    except (KeyError, TypeError) as exc:
+        raise ProfileError(f"profile measurements lack {exc}") from None
+    sources = {k: v for k, v in base.sources.items() if not k.startswith(("peak_flops_per_s.", "collectives."))}
+    peaks = {dtype: fit_line([tuple(p) for p in points])[1] for dtype, points in matmul.items()}
+    fits = {name: fit_line([tuple(p) for p in points]) for name, points in collectives.items()}
+    measured = {name: MeasuredCollective(latency_s=a, bw_bytes_per_s=bw, ranks=int(measurements["workers"]))
+                for name, (a, bw) in fits.items()}
+    fields: dict[str, Any] = {
+        "peak_flops_per_s": peaks,
+        "matmul_efficiency": 1.0,
+        "mem_bw_bytes_per_s": copy[0] / copy[1],
+        "op_overhead_s": per_op / LAUNCHES_PER_OP,
+        "step_overhead_s": float(step_s),
+        "collectives": measured,
+        "fingerprint": str(measurements["fingerprint"]),
+    }
+    if "p2p" in fits:
+        fields["intra_node_latency_s"], fields["intra_node_bw_bytes_per_s"] = fits["p2p"]
+    notes = {
+        "matmul_efficiency": "1.0: the fitted peak is the rate matmuls reach here",
+        "mem_bw_bytes_per_s": "copy bandwidth, bytes read plus written",
+        "op_overhead_s": "a third of forward+backward seconds per tiny op",
+        "step_overhead_s": "a training step of a negligible model",
+        "intra_node_latency_s": "send/recv alpha",
+        "intra_node_bw_bytes_per_s": "send/recv beta",
+    }
+    for key, note in notes.items():
+        if key in fields:
+            sources[key] = f"{stamp}: {note}"
+    sources.update({f"peak_flops_per_s.{d}": f"{stamp}: matmul FLOPs/s (slope of time vs FLOPs)" for d in peaks})
+    sources.update({f"collectives.{c}": f"{stamp}: alpha-beta fit over {len(collectives[c])} sizes" for c in measured})
+    return replace(base, **fields, sources=sources)

@@ -1,0 +1,153 @@
+"""``hetpar profile``: measure this host and write a device profile that ``plan``/``estimate --profile`` use."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import warnings
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import torch
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cost_models.calibrate import fit_profile
+from cost_models.devices import DeviceProfile, ProfileError, dump_profile, get_device, load_profile, profile_to_dict
+from hetpar.commands.common import console, domain_errors, seconds
+from runtime import profiler
+from runtime.model_file import load_model_file, parse_model_args
+
+# (matmul sizes, collective sizes in bytes, repeats): the default stays under 3 minutes
+# on a 2-core host; --quick is for tests and a first look.
+_FULL = ([64, 128, 256, 384, 512, 768], [4096, 65536, 1 << 20, 4 << 20, 16 << 20], 9)
+_QUICK = ([64, 256, 512], [4096, 1 << 20, 4 << 20], 3)
+
+
+def measure(*, nproc: int, quick: bool, step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Run every microbenchmark of this host; the record cost_models/calibrate.py fits.
+
+    Args:
+        nproc: local workers the collectives run between (2 or more).
+        quick: fewer sizes and repeats.
+        step: called with a description before each benchmark (progress display).
+
+    Returns:
+        The measurement record (cost_models/calibrate.py documents its keys).
+    """
+    sizes, comm_sizes, repeats = _QUICK if quick else _FULL
+    threads = 1 if nproc > 1 else torch.get_num_threads()  # what each torchrun worker gets
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        record: dict[str, Any] = {"fingerprint": profiler.fingerprint(), "date": datetime.date.today().isoformat(),
+                                  "workers": nproc, "threads_per_worker": threads, "matmul": {}}
+        for dtype in ("fp32", "bf16"):
+            step(f"{dtype} matmul")
+            record["matmul"][dtype] = [list(p) for p in profiler.matmul_times(sizes, dtype, repeats=repeats)]
+        step("memory bandwidth")
+        record["copy"] = list(profiler.copy_bandwidth(64 << 20, repeats=repeats))
+        step("elementwise")
+        record["elementwise"] = list(profiler.elementwise_times(1 << 22, repeats=repeats))
+        step("per-op overhead")
+        record["op_overhead"] = profiler.op_overhead_times(blocks=50, repeats=3 * repeats)
+    finally:
+        torch.set_num_threads(previous)
+    step(f"collectives between {nproc} workers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        record.update(profiler.collective_times(nproc, comm_sizes, repeats=repeats))
+    return record
+
+
+def load_measured_profile(path: Path) -> DeviceProfile:
+    """Read a profile file; warn in one line when it was measured on other hardware.
+
+    Raises:
+        ProfileError: the file is missing or malformed.
+    """
+    loaded = load_profile(path)
+    here = profiler.fingerprint()
+    if loaded.fingerprint is not None and loaded.fingerprint != here:
+        console.print(f"[yellow]hetpar: warning:[/] profile {path} was measured on '{loaded.fingerprint}', "
+                      f"this host is '{here}'", soft_wrap=True)
+    return loaded
+
+
+def profiles_option(paths: Optional[list[Path]]) -> dict[str, DeviceProfile]:
+    """``--profile`` files as parse_cluster's ``profiles``: device name -> measured profile."""
+    return {p.name: p for p in (load_measured_profile(path) for path in (paths or []))}
+
+
+@domain_errors
+def profile(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the profile (.json or .toml).")],
+    nproc: Annotated[int, typer.Option(help="Local workers to time collectives between (2 for timing on a 2-core host).")] = 2,
+    model: Annotated[Optional[Path], typer.Option(help="Also time the forward and backward of each layer of this model file.")] = None,
+    model_arg: Annotated[Optional[list[str]], typer.Option("--model-arg", "-a", help="key=value passed to build_model(); repeatable.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Samples per forward when timing --model layers.")] = 8,
+    quick: Annotated[bool, typer.Option(help="Fewer sizes and repeats (a first look; noisier).")] = False,
+    base: Annotated[str, typer.Option(help="Built-in profile whose unmeasured fields (memory, NICs) are kept.")] = "cpu",
+) -> None:
+    """Measure this host (matmul, memory, per-op overhead, collectives) and fit a device profile."""
+    if nproc < 2:
+        raise ProfileError(f"--nproc must be at least 2 to time collectives, got {nproc}")
+    if output.suffix.lower() not in (".json", ".toml"):
+        raise ProfileError(f"--output {str(output)!r} must end in .json or .toml")
+    base_profile = get_device(base)
+    total = 6 + (1 if model else 0)
+    with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.description}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("", total=total)
+        done = {"n": -1}
+
+        def step(what: str) -> None:
+            done["n"] += 1
+            bar.update(task, completed=done["n"], description=what)
+
+        record = measure(nproc=nproc, quick=quick, step=step)
+        if model is not None:
+            step("layers of the model")
+            record["layers"] = _model_layers(model, parse_model_args(model_arg or []), batch_size, quick)
+        bar.update(task, completed=total)
+    fitted = fit_profile(record, base_profile)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(profile_to_dict(fitted), indent=2) + "\n" if output.suffix.lower() == ".json" else dump_profile(fitted)
+    output.write_text(text)
+    sidecar = output.with_name(output.stem + ".measurements.json")
+    sidecar.write_text(json.dumps(record, indent=2) + "\n")
+    _print_summary(fitted, record)
+    console.print(f"wrote {output} (raw measurements in {sidecar})")
+    typer.echo(str(output))
+
+
+def _model_layers(path: Path, args: dict[str, Any], batch_size: int, quick: bool) -> list[dict]:
+    spec = load_model_file(path, args)
+    torch.manual_seed(0)
+    model = spec.build_model()
+    inputs = spec.example_inputs(batch_size)
+    torch.set_num_threads(1)
+    return profiler.module_times(model, tuple(inputs), repeats=3 if quick else 10)
+
+
+def _print_summary(p: DeviceProfile, record: dict[str, Any]) -> None:
+    console.print(f"[bold]{p.fingerprint}[/]")
+    console.print(
+        "matmul " + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in p.peak_flops_per_s.items())
+        + f"; memory {p.mem_bw_bytes_per_s / 1e9:.1f} GB/s; op overhead {p.op_overhead_s * 1e6:.1f} us; "
+        f"step overhead {seconds(p.step_overhead_s)}"
+    )
+    table = Table(title=f"collectives, {record['workers']} workers", title_justify="left")
+    for column in ("collective", "alpha", "beta"):
+        table.add_column(column)
+    for name, fit in p.collectives.items():
+        table.add_row(name, f"{fit.latency_s * 1e6:.0f} us", f"{fit.bw_bytes_per_s / 1e9:.2f} GB/s")
+    console.print(table)
+    if "layers" in record:
+        layers = Table(title="layers (measured)", title_justify="left")
+        for column in ("layer", "fwd", "bwd"):
+            layers.add_column(column)
+        for row in record["layers"]:
+            layers.add_row(row["name"], seconds(row["fwd_s"]), seconds(row["bwd_s"]))
+        console.print(layers)

@@ -1,0 +1,112 @@
+"""``hetpar validate``: run a plan on this host and compare measured against predicted step time."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hetpar.commands.common import console, domain_errors, print_json, seconds
+from planner.plan import ParallelPlan, PlanError
+from rewriters.launchers import PROGRAM
+from rewriters.torchrun import compile_plan
+
+# Steps whose time is dropped: the first builds the process groups' buffers and warms
+# the allocator and the autograd graph; the second still pays some of it.
+WARMUP_STEPS = 2
+
+
+class ValidateError(PlanError):
+    """A plan could not be run or measured here; the message says what happened."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Validation:
+    """Predicted against measured step time of one plan on this host."""
+
+    predicted_step_time_s: float
+    measured_step_time_s: float  # median over the measured steps, warm-up excluded
+    relative_error: float  # (predicted - measured) / measured
+    measured_steps: int
+    world_size: int
+    step_times_s: list[float]
+
+
+def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Path | None = None) -> Validation:
+    """Compile ``plan_path`` into a temporary directory, run it with torchrun, and compare.
+
+    Args:
+        plan_path: a plan JSON file from ``hetpar plan``.
+        steps: measured steps; WARMUP_STEPS more are run and dropped.
+        timeout_s: the run is killed after this many seconds.
+        workdir: where to build (a temporary directory when None).
+
+    Returns:
+        The comparison.
+
+    Raises:
+        ValidateError: the run failed, timed out, or wrote no metrics.
+        PlanError: the plan file is unreadable.
+    """
+    if steps < 1:
+        raise ValidateError(f"--steps must be at least 1, got {steps}")
+    plan = ParallelPlan.load(plan_path)
+    with tempfile.TemporaryDirectory(prefix="hetpar-validate-") as tmp:
+        build = Path(workdir or tmp) / "build"
+        compile_plan(plan, build)
+        times = _run(build, plan.cluster.world_size, steps + WARMUP_STEPS, timeout_s)
+    measured = times[WARMUP_STEPS:] or times
+    median = statistics.median(measured)
+    predicted = plan.predicted.step_time_s
+    return Validation(predicted_step_time_s=predicted, measured_step_time_s=median,
+                      relative_error=(predicted - median) / median, measured_steps=len(measured),
+                      world_size=plan.cluster.world_size, step_times_s=times)
+
+
+def _run(build: Path, world: int, steps: int, timeout_s: float) -> list[float]:
+    metrics = build / "metrics.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--rdzv-backend=c10d",
+               "--rdzv-endpoint=localhost:0", PROGRAM, "--steps", str(steps), "--metrics", str(metrics)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run(command, cwd=build, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ValidateError(f"the run did not finish within {timeout_s:.0f} s (raise --timeout)") from None
+    if done.returncode != 0:
+        last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["no output"]
+        raise ValidateError(f"the run failed with exit code {done.returncode}: {last[0].strip()}")
+    if not metrics.is_file():
+        raise ValidateError("the run wrote no metrics")
+    times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines() if line.strip()]
+    if not times:
+        raise ValidateError("the run wrote no step times")
+    return times
+
+
+@domain_errors
+def validate(
+    plan_file: Annotated[Path, typer.Argument(help="Plan JSON from hetpar plan.", show_default=False)],
+    steps: Annotated[int, typer.Option(help=f"Measured steps ({WARMUP_STEPS} warm-up steps more are run and dropped).")] = 10,
+    timeout: Annotated[float, typer.Option(help="Kill the run after this many seconds.")] = 300.0,
+    nproc_check: Annotated[bool, typer.Option("--nproc-check/--no-nproc-check", help="Refuse plans with more ranks than this host has cores.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON to stdout.")] = False,
+) -> None:
+    """Run PLAN_FILE with torchrun on this host and report predicted against measured step time."""
+    if nproc_check:
+        world = ParallelPlan.load(plan_file).cluster.world_size
+        if world > (os.cpu_count() or 1):
+            raise ValidateError(f"the plan has {world} ranks and this host {os.cpu_count()} cores; timings would be meaningless")
+    with console.status(f"running {plan_file} with torchrun"):
+        result = validate_plan(plan_file, steps=steps, timeout_s=timeout)
+    console.print(f"predicted {seconds(result.predicted_step_time_s)}, measured {seconds(result.measured_step_time_s)} "
+                  f"(median of {result.measured_steps} steps, {result.world_size} ranks): error {result.relative_error:+.1%}")
+    if as_json:
+        print_json(asdict(result))

@@ -1,0 +1,266 @@
+"""Microbenchmarks of this host for ``hetpar profile``: torch and the standard library only.
+
+Each function measures one thing and returns raw numbers (seconds, bytes, FLOPs); the
+fitting into a device profile lives in cost_models/calibrate.py, so that it can be
+tested on synthetic measurements. Timings are medians over repeats: the machine is
+shared, and a median ignores the neighbour who ran a build during one repeat.
+
+What a training worker sees is measured, not what the host could do flat out: with
+several workers per host torchrun gives each one thread (OMP_NUM_THREADS=1), so the
+compute benchmarks run at ``threads`` (1 unless told) as well.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def fingerprint() -> str:
+    """This host as a profile key: CPU model, core count, torch version and GPU name.
+
+    Returns:
+        e.g. ``"AMD EPYC 7B13 x2 cores, torch 2.13.0+cpu, no GPU"``.
+    """
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{cpu} x{os.cpu_count()} cores, torch {torch.__version__}, {gpu}"
+
+
+def median_time_s(fn: Callable[[], object], *, repeats: int, warmup: int = 2, inner: int = 1) -> float:
+    """Median wall time of ``inner`` calls of ``fn``, divided by ``inner``, over ``repeats`` runs."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def matmul_times(sizes: list[int], dtype: str, *, repeats: int) -> list[tuple[float, float]]:
+    """(FLOPs, seconds) of an ``n x n @ n x n`` matmul for each n in ``sizes``."""
+    out = []
+    for n in sizes:
+        a = torch.randn(n, n, dtype=_DTYPES[dtype])
+        b = torch.randn(n, n, dtype=_DTYPES[dtype])
+        inner = max(1, int(2e7 // n**3))
+        out.append((2.0 * n**3, median_time_s(lambda: torch.mm(a, b), repeats=repeats, inner=inner)))
+    return out
+
+
+def copy_bandwidth(nbytes: int, *, repeats: int) -> tuple[float, float]:
+    """(bytes moved, seconds) of copying an ``nbytes`` buffer: it is read once and written once."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    return 2.0 * nbytes, median_time_s(lambda: dst.copy_(src), repeats=repeats)
+
+
+def elementwise_times(numel: int, *, repeats: int) -> tuple[float, float]:
+    """(elements, seconds) of ``a + b`` into a preallocated output."""
+    a, b = torch.randn(numel), torch.randn(numel)
+    out = torch.empty_like(a)
+    return float(numel), median_time_s(lambda: torch.add(a, b, out=out), repeats=repeats)
+
+
+class _TinyBlock(nn.Module):
+    """Four ops (layer_norm, linear, relu, add) on tensors small enough that dispatch dominates."""
+
+    OPS = 4
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.fc(self.norm(x)))
+
+
+def op_overhead_times(*, blocks: int, repeats: int) -> dict[str, float]:
+    """Seconds per op of a chain of tiny training ops: forward, and forward plus backward.
+
+    The chain is ``blocks`` tiny residual blocks (4 ops each) at width 8, batch 2: the
+    arithmetic is negligible, so what is left is what every op of a training layer
+    pays on top of its FLOPs and bytes (dispatch, autograd recording, the backward's
+    node, allocation).
+    """
+    model = nn.Sequential(*[_TinyBlock(8) for _ in range(blocks)])
+    x = torch.randn(2, 8)
+    ops = blocks * _TinyBlock.OPS
+
+    def train_step() -> None:
+        model(x).sum().backward()
+
+    fwd = median_time_s(lambda: model(x), repeats=repeats)
+    both = median_time_s(train_step, repeats=repeats)
+    return {"fwd_s_per_op": fwd / ops, "fwd_bwd_s_per_op": both / ops}
+
+
+# --- Collectives between local workers --------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bench_collective(name: str, numel: int, rank: int, world: int, repeats: int) -> float:
+    """Median seconds of one collective of ``numel`` fp32 elements (the full tensor), rank-0's view."""
+    full = torch.ones(numel)
+    if name == "all_reduce":
+        def op() -> None:
+            dist.all_reduce(full)
+    elif name == "all_gather":
+        shard = torch.ones(numel // world)
+        def op() -> None:
+            dist.all_gather_into_tensor(full, shard)
+    elif name == "reduce_scatter":
+        shard = torch.empty(numel // world)
+        def op() -> None:
+            dist.reduce_scatter_tensor(shard, full)
+    else:  # p2p: half a ping-pong between ranks 0 and 1
+        def op() -> None:
+            if rank == 0:
+                dist.send(full, 1)
+                dist.recv(full, 1)
+            elif rank == 1:
+                dist.recv(full, 0)
+                dist.send(full, 0)
+    samples = []
+    for i in range(repeats + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        op()
+        elapsed = time.perf_counter() - start
+        if i >= 2:
+            samples.append(elapsed / 2 if name == "p2p" else elapsed)
+    return statistics.median(samples)
+
+
+def _step_overhead_s(rank: int, repeats: int) -> float:
+    """Median seconds of a training step minus its layers: data, zero_grad, loss all-reduce, optimizer.
+
+    A model of two tiny linears keeps the layers' share negligible; what remains is what
+    the generated program does every step whatever the model (runtime/training.py).
+    """
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    samples = []
+    for i in range(repeats + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        gen = torch.Generator().manual_seed(i)
+        x = torch.randn(8, 4, generator=gen)
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        reported = loss.detach().clone()
+        dist.all_reduce(reported)
+        float(reported)
+        if i >= 2:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _collective_worker(rank: int, world: int, port: int, plan: dict, out_path: str) -> None:
+    torch.set_num_threads(1)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=__import__("datetime").timedelta(seconds=120))
+    try:
+        results: dict[str, list[list[float]]] = {}
+        for name in plan["collectives"]:
+            results[name] = []
+            for nbytes in plan["sizes_bytes"]:
+                numel = max(world, nbytes // 4 // world * world)
+                results[name].append([numel * 4.0, _bench_collective(name, numel, rank, world, plan["repeats"])])
+        step = _step_overhead_s(rank, plan["repeats"] * 2)
+        if rank == 0:
+            Path(out_path).write_text(json.dumps({"collectives": results, "step_overhead_s": step}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def collective_times(world: int, sizes_bytes: list[int], *, repeats: int) -> dict:
+    """Time all-reduce, all-gather, reduce-scatter and send/recv between ``world`` local workers.
+
+    The workers are spawned here (gloo on CPU, nccl where CUDA is present) and talk over
+    loopback TCP, as the ranks of a generated program on one host do.
+
+    Args:
+        world: number of worker processes (2 or more).
+        sizes_bytes: tensor sizes to time (the full tensor, as nccl-tests counts it).
+        repeats: timed repeats of each (size, collective); the median is kept.
+
+    Returns:
+        ``{"collectives": {name: [[nbytes, seconds], ...]}, "step_overhead_s": seconds}``.
+    """
+    plan = {"collectives": ["all_reduce", "all_gather", "reduce_scatter", "p2p"], "sizes_bytes": sizes_bytes, "repeats": repeats}
+    with tempfile.TemporaryDirectory(prefix="hetpar-profile-") as tmp:
+        out_path = os.path.join(tmp, "collectives.json")
+        mp.spawn(_collective_worker, args=(world, _free_port(), plan, out_path), nprocs=world, join=True)
+        return json.loads(Path(out_path).read_text())
+
+
+def module_times(model: nn.Module, inputs: tuple, *, repeats: int) -> list[dict]:
+    """Forward and backward seconds of each child module of ``model``, by hooks, median over repeats.
+
+    Children are the modules one level down, with ``nn.ModuleList``/``nn.Sequential``
+    containers opened (the blocks of a transformer are the units a planner splits).
+
+    Returns:
+        ``[{"name", "fwd_s", "bwd_s"}, ...]`` in call order.
+    """
+    units: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 0:
+            units += [(f"{name}.{i}", c) for i, c in child.named_children()]
+        else:
+            units.append((name, child))
+    fwd: dict[str, list[float]] = {n: [] for n, _ in units}
+    bwd: dict[str, list[float]] = {n: [] for n, _ in units}
+    starts: dict[str, float] = {}
+    handles = []
+    for name, module in units:
+        handles.append(module.register_forward_pre_hook(lambda m, a, n=name: starts.__setitem__(n, time.perf_counter())))
+        handles.append(module.register_forward_hook(lambda m, a, o, n=name: fwd[n].append(time.perf_counter() - starts[n])))
+        handles.append(module.register_full_backward_pre_hook(lambda m, g, n=name: starts.__setitem__(n + "/b", time.perf_counter())))
+        handles.append(module.register_full_backward_hook(lambda m, gi, go, n=name: bwd[n].append(time.perf_counter() - starts[n + "/b"])))
+    try:
+        for _ in range(repeats + 2):
+            out = model(*inputs)
+            (out[0] if isinstance(out, (tuple, list)) else out).float().sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return [{"name": n, "fwd_s": statistics.median(fwd[n][2:] or [0.0]), "bwd_s": statistics.median(bwd[n][2:] or [0.0])}
+            for n, _ in units]
