@@ -52,23 +52,41 @@ def cut_stage(
 
     The stage module shares its parameters with ``model`` and keeps their qualified
     names (``blocks.0.attn.q.weight``). Shapes of the tensors between stages come from
-    the model run on a micro-batch of ``micro_batch_size`` on the meta device.
+    the model run on a micro-batch of ``micro_batch_size`` on the meta device. A model
+    torch.fx cannot trace is captured with torch.export for that micro-batch shape
+    (then without tensor parallelism; see docs/model-file.md).
     ``recompute`` ("selective" or "full") runs each layer of the stage under
     torch.utils.checkpoint; see [Note: recompute by layer] in runtime/recompute.py.
 
     Raises:
         ShardError: the model's layers are not the ones the program was compiled for.
     """
-    layered = trace_layers(model, leaf_modules)
+    example = model_file.example_inputs(micro_batch_size)
+    layered = trace_layers(model, leaf_modules, example_inputs=example)  # torch.fx, else torch.export
     if list(layered.layer_names) != list(layer_names):
         raise ShardError(
             f"{model_file.path.name} now has layers {list(layered.layer_names)}, "
             f"the program was compiled for {list(layer_names)}; re-run hetpar plan and compile"
         )
-    values = record_values(layered, model_file.example_inputs(micro_batch_size))
+    values = record_values(layered, example)
     stage = build_stage(layered, values, layers[0], layers[1])
+    if layered.capture == "export" and stage.is_last:
+        _return_the_only_output(stage.module)
     apply_recompute(stage.module, layered.node_layer, recompute)
     return stage
+
+
+def _return_the_only_output(module: nn.Module) -> None:
+    """An exported graph's last stage returns the flat tuple of the model's output
+    tensors (``(logits,)`` for a Hugging Face ``CausalLMOutput`` without cache); when
+    that is one tensor, return it bare, as the model file's ``loss_fn`` (and the
+    default loss) expects of a model that returns one tensor or whose output's first
+    field is what the loss reads."""
+    output = next(n for n in module.graph.nodes if n.op == "output")
+    values = output.args[0]
+    if isinstance(values, (tuple, list)) and len(values) == 1:
+        output.args = (values[0],)
+        module.recompile()
 
 
 class Chunks(nn.ModuleList):

@@ -256,3 +256,56 @@ def test_data_parallel_2_by_interleaved_pipeline_2(tmp_path, mlp_path):
 def test_uneven_split_of_1_and_3_layers_one_f_one_b(tmp_path, gpt_path):
     plan = build_plan(gpt_path, GPT_ARGS, splits=[[0], [1, 2, 3]], num_microbatches=3, schedule="1f1b")
     assert_trains_like_one_process(plan, tmp_path)
+
+
+# A Hugging Face Llama (tests/models/hf_zoo.py's config) that torch.fx cannot trace: the
+# program cuts its stages from a torch.export graph.
+HF_LLAMA = """
+import torch
+import torch.nn.functional as F
+import transformers as tf
+
+VOCAB, SEQ = 128, 16
+
+
+def build_model(n_layers=2):
+    return tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=n_layers, hidden_size=64, intermediate_size=128,
+                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                              use_cache=False))
+
+
+def example_inputs(batch_size, **_):
+    return (torch.zeros(batch_size, SEQ, dtype=torch.long),)
+
+
+def loss_fn(outputs, targets):
+    logits = outputs if isinstance(outputs, torch.Tensor) else outputs[0]  # a CausalLMOutput when run whole
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def batches(batch_size, seed, **_):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=gen)
+        yield (tokens[:, :-1],), tokens[:, 1:]
+"""
+
+
+@pytest.mark.slow
+def test_exported_hugging_face_llama_pipeline_2(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    import conftest
+    from runtime.graph import trace_layers
+
+    model_path = tmp_path / "hfllama.py"
+    model_path.write_text(HF_LLAMA)
+
+    def exported_layer_names(path, args):
+        model_file = load_model_file(path, args)
+        layered = trace_layers(model_file.build_model(), example_inputs=model_file.example_inputs(2))
+        assert layered.capture == "export"  # torch.fx cannot trace transformers' Llama
+        return list(layered.layer_names)
+
+    monkeypatch.setattr(conftest, "layer_names", exported_layer_names)
+    plan = build_plan(model_path, {}, splits=[[0, 1], [2, 3]], num_microbatches=2, schedule="1f1b")
+    assert_trains_like_one_process(plan, tmp_path, optimizer="adamw")
