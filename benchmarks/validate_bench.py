@@ -1,0 +1,102 @@
+"""Predictions against this machine: profile it, then plan, run and validate a matrix of plans.
+
+    .venv/bin/python benchmarks/validate_bench.py --out out/validate_bench
+
+Calibration comes only from `hetpar profile` (step 1); the validation runs (step 2)
+are measured and compared, never fitted. Each plan is run ``--rounds`` times,
+interleaved with the others so that a busy minute of the shared machine does not hit
+one plan only; its measured step time is the median over all measured steps of all
+rounds. Prints a Markdown table and the summary (median and worst |error|, Spearman).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HETPAR = [sys.executable, "-m", "hetpar"]
+GPT, MLP = str(ROOT / "examples/gpt.py"), str(ROOT / "examples/mlp.py")
+SMALL_GPT = ["-a", "n_layers=4", "-a", "hidden=128"]
+LARGE_GPT = ["-a", "n_layers=4", "-a", "hidden=256", "-a", "seq_len=64"]
+MLP_ARGS = ["-a", "depth=8", "-a", "width=256"]
+
+# (name, model, model args, cluster, global batch, pins)
+MATRIX = [
+    ("gpt-s dp2", GPT, SMALL_GPT, "1x2xcpu", 16, ["--dp", "2"]),
+    ("gpt-s pp2 1f1b", GPT, SMALL_GPT, "1x2xcpu", 16, ["--pp", "2", "--schedule", "1f1b"]),
+    ("gpt-s pp2 gpipe", GPT, SMALL_GPT, "1x2xcpu", 16, ["--pp", "2", "--schedule", "gpipe"]),
+    ("gpt-s tp2", GPT, SMALL_GPT, "1x2xcpu", 16, ["--tp", "2"]),
+    ("gpt-l dp2", GPT, LARGE_GPT, "1x2xcpu", 16, ["--dp", "2"]),
+    ("gpt-l pp2 1f1b", GPT, LARGE_GPT, "1x2xcpu", 16, ["--pp", "2", "--schedule", "1f1b"]),
+    ("gpt-l pp2 gpipe", GPT, LARGE_GPT, "1x2xcpu", 16, ["--pp", "2", "--schedule", "gpipe"]),
+    ("gpt-l tp2", GPT, LARGE_GPT, "1x2xcpu", 16, ["--tp", "2"]),
+    ("mlp dp2", MLP, MLP_ARGS, "1x2xcpu", 64, ["--dp", "2"]),
+    ("mlp pp2 1f1b", MLP, MLP_ARGS, "1x2xcpu", 64, ["--pp", "2", "--schedule", "1f1b"]),
+    ("gpt-s dp2 pp2", GPT, SMALL_GPT, "1x4xcpu", 16, ["--dp", "2", "--pp", "2", "--schedule", "1f1b"]),
+    ("gpt-s dp2 tp2", GPT, SMALL_GPT, "1x4xcpu", 16, ["--dp", "2", "--tp", "2"]),
+]
+
+
+def _hetpar(*args: str, timeout: float = 600) -> str:
+    done = subprocess.run([*HETPAR, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"hetpar {' '.join(args)} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return done.stdout
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman rank correlation (no ties expected in timings)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        for rank, i in enumerate(order):
+            out[i] = float(rank)
+        return out
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "out/validate_bench")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--quick-profile", action="store_true")
+    ns = parser.parse_args()
+    ns.out.mkdir(parents=True, exist_ok=True)
+    profile = ns.out / "profile.json"
+    print(f"profiling this machine -> {profile}", file=sys.stderr)
+    _hetpar("profile", "-o", str(profile), "--nproc", "2", *(["--quick"] if ns.quick_profile else []))
+    rows = []
+    for i, (name, model, args, cluster, batch, pins) in enumerate(MATRIX):
+        plan = ns.out / f"plan{i}.json"
+        _hetpar("plan", model, "-c", cluster, "-b", str(batch), *args, *pins, "--profile", str(profile), "-o", str(plan))
+        rows.append({"name": name, "plan": plan, "cluster": cluster, "steps": []})
+    for r in range(ns.rounds):
+        for row in rows:
+            print(f"round {r + 1}: {row['name']}", file=sys.stderr)
+            result = json.loads(_hetpar("validate", str(row["plan"]), "--steps", str(ns.steps), "--json"))
+            row["predicted"] = result["predicted_step_time_s"]
+            row["steps"] += result["step_times_s"][2:]
+    for row in rows:
+        row["measured"] = statistics.median(row["steps"])
+        row["error"] = (row["predicted"] - row["measured"]) / row["measured"]
+    errors = [abs(r["error"]) for r in rows]
+    rho = spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
+    print("| plan | cluster | predicted | measured | error |\n|---|---|---|---|---|")
+    for r in rows:
+        plan = json.loads(Path(r["plan"]).read_text())
+        detail = f"mb {plan['micro_batch_size']}x{plan['num_microbatches']}"
+        print(f"| {r['name']} ({detail}) | {r['cluster']} | {r['predicted'] * 1e3:.1f} ms | {r['measured'] * 1e3:.1f} ms | {r['error']:+.1%} |")
+    print(f"\n{len(rows)} plans: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}, Spearman {rho:.3f}")
+    (ns.out / "results.json").write_text(json.dumps([{k: (str(v) if isinstance(v, Path) else v) for k, v in r.items()} for r in rows], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""hetpar profile: fits on synthetic measurements, profile files, --profile, one-line errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cost_models.calibrate import LAUNCHES_PER_OP, fit_line, fit_profile
+from cost_models.cluster import parse_cluster
+from cost_models.devices import ProfileError, dump_profile, get_device, load_profile, profile_to_dict
+from planner.estimate import EstimateConfig, estimate
+from planner.trace import ModelGraph
+from cost_models.layers import LayerProfile
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = str(ROOT / "examples" / "gpt.py")
+SMALL_GPT = ["--model-arg", "n_layers=2", "--model-arg", "hidden=32", "--model-arg", "seq_len=8", "--model-arg", "vocab=64"]
+
+
+def line(fixed_s, rate, sizes):
+    return [[x, fixed_s + x / rate] for x in sizes]
+
+
+def record(fingerprint="test host x2 cores, torch 0, no GPU"):
+    # Exact lines, so the fit must give back exactly these parameters.
+    return {
+        "fingerprint": fingerprint, "date": "2026-01-01", "workers": 2,
+        "matmul": {"fp32": line(5e-6, 100e9, [1e6, 1e7, 1e8]), "bf16": line(5e-6, 200e9, [1e6, 1e7, 1e8])},
+        "copy": [2e9, 0.25],  # 8 GB/s
+        "op_overhead": {"fwd_s_per_op": 6e-6, "fwd_bwd_s_per_op": 15e-6},
+        "collectives": {
+            "all_reduce": line(200e-6, 1.5e9, [4096, 1 << 20, 16 << 20]),
+            "p2p": line(60e-6, 3e9, [4096, 1 << 20, 16 << 20]),
+        },
+        "step_overhead_s": 1e-3,
+    }
+
+
+def test_fit_line_recovers_an_exact_line():
+    fixed, rate = fit_line([(1.0, 3.0), (2.0, 5.0), (4.0, 9.0)])  # t = 1 + x / 0.5
+    assert fixed == pytest.approx(1.0)
+    assert rate == pytest.approx(0.5)
+
+
+def test_fit_line_clamps_a_negative_intercept_and_rejects_flat_data():
+    assert fit_line([(1.0, 0.5), (2.0, 1.5)])[0] == 0.0
+    with pytest.raises(ProfileError, match="two or more sizes"):
+        fit_line([(1.0, 1.0)])
+    with pytest.raises(ProfileError, match="noisy"):
+        fit_line([(1.0, 2.0), (2.0, 1.0)])
+
+
+def test_fit_profile_takes_each_parameter_from_its_measurement():
+    p = fit_profile(record(), get_device("cpu"))
+    assert p.peak_flops_per_s["fp32"] == pytest.approx(100e9)
+    assert p.peak_flops_per_s["bf16"] == pytest.approx(200e9)
+    assert p.matmul_efficiency == 1.0
+    assert p.mem_bw_bytes_per_s == pytest.approx(8e9)
+    assert p.op_overhead_s == pytest.approx(15e-6 / LAUNCHES_PER_OP)
+    assert p.step_overhead_s == pytest.approx(1e-3)
+    assert p.collectives["all_reduce"].latency_s == pytest.approx(200e-6)
+    assert p.collectives["all_reduce"].bw_bytes_per_s == pytest.approx(1.5e9)
+    assert p.intra_node_latency_s == pytest.approx(60e-6)
+    assert p.intra_node_bw_bytes_per_s == pytest.approx(3e9)
+    stamp = "fitted from hetpar profile on 2026-01-01, test host x2 cores, torch 0, no GPU"
+    for key in ("peak_flops_per_s.fp32", "op_overhead_s", "step_overhead_s", "collectives.p2p", "mem_bw_bytes_per_s"):
+        assert p.sources[key].startswith(stamp)
+    assert p.memory_bytes == get_device("cpu").memory_bytes  # unmeasured: kept from the base
+
+
+def test_fit_profile_names_missing_measurements():
+    data = record()
+    del data["copy"]
+    with pytest.raises(ProfileError, match="copy"):
+        fit_profile(data, get_device("cpu"))
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_profile_file_round_trip(tmp_path, suffix):
+    p = fit_profile(record(), get_device("cpu"))
+    path = tmp_path / f"host{suffix}"
+    path.write_text(json.dumps(profile_to_dict(p)) if suffix == ".json" else dump_profile(p))
+    assert load_profile(path) == p
+
+
+def test_builtin_profiles_have_no_calibrated_fields():
+    cpu = get_device("cpu")
+    assert cpu.op_overhead_s is None and cpu.fingerprint is None
+
+
+def _tiny_graph():
+    layer = LayerProfile(name="l", fwd_flops=1e6, bwd_flops=2e6, params=1000, saved_activation_bytes=1e3,
+                         boundary_bytes=1e3, num_ops=10)
+    return ModelGraph(file="synthetic.py", args={}, fingerprint="", layers=[layer] * 4)
+
+
+def test_profile_changes_the_prediction_through_the_cluster():
+    measured = fit_profile(record(), get_device("cpu"))
+    builtin = parse_cluster("1x2xcpu")
+    calibrated = parse_cluster("1x2xcpu", profiles={"CPU": measured})
+    assert calibrated.profile("cpu") is measured
+    assert builtin.profile("cpu") == get_device("cpu")
+    assert calibrated.groups[0].intra_node_bw_bytes_per_s == pytest.approx(3e9)
+    cfg = EstimateConfig(global_batch_size=8, dp=1, tp=1, pp=2, micro_batch_size=2, dtype="fp32")
+    before = estimate(_tiny_graph(), builtin, cfg).predicted.step_time_s
+    after = estimate(_tiny_graph(), calibrated, cfg).predicted.step_time_s
+    assert after != pytest.approx(before)
+    assert after > measured.step_overhead_s  # the step overhead is part of the step
+
+
+def hetpar(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "hetpar", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def one_line_error(result, fragment):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
+
+
+def test_estimate_with_a_foreign_profile_warns_in_one_line(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps(profile_to_dict(fit_profile(record("some other machine"), get_device("cpu")))))
+    args = ["estimate", GPT, *SMALL_GPT, "-c", "1x2xcpu", "-b", "4", "--dp", "2", "--tp", "1", "--pp", "1",
+            "--micro-batch-size", "2", "--json"]
+    with_profile = hetpar(*args, "--profile", str(path))
+    assert with_profile.returncode == 0, with_profile.stderr
+    warnings = [l for l in with_profile.stderr.splitlines() if "warning" in l]
+    assert len(warnings) == 1 and "some other machine" in with_profile.stderr
+    without = hetpar(*args)
+    step = lambda r: json.loads(r.stdout)["predicted"]["step_time_s"]
+    assert step(with_profile) != pytest.approx(step(without))
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path):
+    one_line_error(hetpar("profile", "-o", str(tmp_path / "p.txt")), ".json or .toml")
+    one_line_error(hetpar("profile", "-o", str(tmp_path / "p.json"), "--nproc", "1"), "--nproc")
+    one_line_error(hetpar("estimate", GPT, "-c", "1x2xcpu", "-b", "4", "--dp", "2", "--tp", "1", "--pp", "1",
+                          "--micro-batch-size", "2", "--profile", str(tmp_path / "missing.json")), "not found")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    one_line_error(hetpar("plan", GPT, "-c", "1x2xcpu", "-b", "4", "--profile", str(bad)), "not valid JSON")
+
+
+@pytest.mark.slow
+def test_quick_profile_writes_a_loadable_profile(tmp_path):
+    out = tmp_path / "host.json"
+    result = hetpar("profile", "-o", str(out), "--quick")
+    assert result.returncode == 0, result.stderr
+    p = load_profile(out)
+    assert p.fingerprint and p.op_overhead_s > 0 and "all_reduce" in p.collectives
+    assert (tmp_path / "host.measurements.json").is_file()

@@ -1,0 +1,39 @@
+"""hetpar validate: predicted against measured step time of a plan run on this host."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = str(ROOT / "examples" / "gpt.py")
+SMALL_GPT = ["--model-arg", "n_layers=2", "--model-arg", "hidden=32", "--model-arg", "seq_len=8", "--model-arg", "vocab=64"]
+
+
+def hetpar(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "hetpar", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_missing_plan_and_bad_steps_are_one_line_errors(tmp_path):
+    for result, fragment in ((hetpar("validate", str(tmp_path / "nope.json")), "nope.json"),):
+        assert result.returncode != 0 and "Traceback" not in result.stderr
+        lines = [l for l in result.stderr.splitlines() if l.strip()]
+        assert len(lines) == 1 and fragment in lines[0], result.stderr
+
+
+@pytest.mark.slow
+def test_validate_json_on_a_tiny_plan(tmp_path):
+    plan = tmp_path / "plan.json"
+    planned = hetpar("plan", GPT, *SMALL_GPT, "-c", "1x2xcpu", "-b", "4", "--dp", "2", "-o", str(plan))
+    assert planned.returncode == 0, planned.stderr
+    result = hetpar("validate", str(plan), "--steps", "3", "--json", "--timeout", "240")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["predicted_step_time_s"] > 0 and data["measured_step_time_s"] > 0
+    expected = (data["predicted_step_time_s"] - data["measured_step_time_s"]) / data["measured_step_time_s"]
+    assert data["relative_error"] == pytest.approx(expected)
+    assert data["measured_steps"] == 3 and len(data["step_times_s"]) == 5
+    bad = hetpar("validate", str(plan), "--steps", "0")
+    assert bad.returncode != 0 and "--steps" in bad.stderr and "Traceback" not in bad.stderr
