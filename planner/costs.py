@@ -46,9 +46,11 @@ class Candidate:
     micro_batch_size: int
     num_microbatches: int
     schedule: str
+    recompute: str = "none"  # "none" | "full": activation recomputation of every stage
 
     def describe(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} micro-batch {self.micro_batch_size}x{self.num_microbatches} {self.schedule}"
+        text = f"dp={self.dp} tp={self.tp} pp={self.pp} micro-batch {self.micro_batch_size}x{self.num_microbatches} {self.schedule}"
+        return text + (f" recompute {self.recompute}" if self.recompute != "none" else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,28 +196,49 @@ def build_tables(
     grad_bytes = state_bytes_per_param(dtype, optimizer)[1]
     lt, ct, mem, dpt, tpt = [], [], [], [], []
     dp_lines = [dp_linear(cluster, [rep[0] for rep in slot.ranks]) for slot in slots]
-    tp_all_reduce = functools.lru_cache(maxsize=None)(lambda payload, s: all_reduce_time_s(payload, slots[s].ranks[0], cluster))
-    for layer in model.layers:
+    # Stages of one device type and placement share their cells: compute each once.
+    memo: dict = {}
+
+    def cached(key, compute):
+        if key not in memo:
+            memo[key] = compute()
+        return memo[key]
+
+    # How a stage's tensor-parallel group and its p2p peer sit in the cluster: stages that
+    # agree on this cost the same.
+    tp_place = []
+    for slot in slots:
+        nodes = [cluster.node_of(r) for r in slot.ranks[0]]
+        tp_place.append((slot.device_type, tuple(n - nodes[0] for n in nodes)))
+    cut_place = [
+        (cluster.node_of(slots[s].ranks[0][0]) == cluster.node_of(cut_to[s]),
+         id(cluster.group_of(slots[s].ranks[0][0])), id(cluster.group_of(cut_to[s])))
+        for s in range(cand.pp - 1)
+    ]
+
+    for l, layer in enumerate(model.layers):
         row_t, row_c, row_m, row_d, row_tp = [], [], [], [], []
         for s, slot in enumerate(slots):
-            device = cluster.profile(slot.device_type)
-            timing = layer_timing(layer, device, tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
-            fwd, bwd = timing.fwd_s, timing.bwd_s
+            timing = cached(("time", l, slot.device_type), lambda: layer_timing(
+                layer, cluster.profile(slot.device_type), tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype))
+            bwd = timing.bwd_s + (timing.fwd_s if cand.recompute == "full" else 0.0)  # full recompute runs the forward again
             tp_comm = 0.0
             if cand.tp > 1 and layer.tp_allreduce_bytes:
                 payload = layer.tp_allreduce_bytes * cand.micro_batch_size * scale
-                tp_comm = 2 * tp_all_reduce(payload, s)
-            row_t.append(fwd + bwd + tp_comm)
+                tp_comm = cached(("tp", payload, tp_place[s]),
+                                 lambda: 2 * all_reduce_time_s(payload, slot.ranks[0], cluster))
+            row_t.append(timing.fwd_s + bwd + tp_comm)
             row_tp.append(tp_comm)
             cut = 0.0
             if s + 1 < cand.pp:
                 payload = layer.boundary_bytes * cand.micro_batch_size * scale
-                cut = 2 * p2p_time_s(payload, slot.ranks[0][0], cut_to[s], cluster)
+                cut = cached(("cut", payload, cut_place[s]),
+                             lambda: 2 * p2p_time_s(payload, slot.ranks[0][0], cut_to[s], cluster))
             row_c.append(cut)
             in_flight = in_flight_microbatches(cand.schedule, s, cand.pp, cand.num_microbatches)
-            row_m.append(
-                stage_memory([layer], tp=cand.tp, micro_batch_size=cand.micro_batch_size, in_flight=in_flight, dtype=dtype, optimizer=optimizer).total_bytes
-            )
+            row_m.append(cached(("memory", l, in_flight), lambda: stage_memory(
+                [layer], tp=cand.tp, micro_batch_size=cand.micro_batch_size, in_flight=in_flight, dtype=dtype,
+                optimizer=optimizer, recompute=cand.recompute).total_bytes))
             row_d.append(layer.params_at(cand.tp) * grad_bytes * dp_lines[s][1])
         lt.append(row_t)
         ct.append(row_c)
@@ -278,5 +301,6 @@ def stage_memory_breakdown(model: ModelGraph, tables: CostTables, s: int, first:
     cand = tables.candidate
     in_flight = in_flight_microbatches(cand.schedule, s, cand.pp, cand.num_microbatches)
     return stage_memory(
-        model.layers[first : last + 1], tp=cand.tp, micro_batch_size=cand.micro_batch_size, in_flight=in_flight, dtype=dtype, optimizer=optimizer
+        model.layers[first : last + 1], tp=cand.tp, micro_batch_size=cand.micro_batch_size, in_flight=in_flight, dtype=dtype,
+        optimizer=optimizer, recompute=cand.recompute,
     )

@@ -18,7 +18,7 @@ from ortools.sat.python import cp_model
 
 from cost_models.collectives import all_reduce_time_s, p2p_time_s
 from cost_models.compute import dtype_bytes, layer_timing
-from cost_models.memory import state_bytes_per_param
+from cost_models.memory import stage_memory, state_bytes_per_param
 from cost_models.pipeline import SCHEDULES
 from planner.costs import (
     dp_linear,
@@ -57,6 +57,7 @@ class SearchOptions:
     pp: int | None = None
     micro_batch_size: int | None = None
     schedule: str | None = None
+    recompute: str | None = None  # "none" | "full"; both are searched when None
     max_tp: int = 8
     time_limit_s: float = 10.0
     gap_limit: float = 0.0  # stop a candidate's solve once proven within this relative gap
@@ -84,6 +85,9 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
     # GPipe takes the time of 1F1B and more memory ([Note: pipeline step time]), so it
     # can never win; it is searched only when pinned.
     schedules = [options.schedule] if options.schedule else ["1f1b"]
+    # Selective recompute costs what no recompute costs under this cost model (attention
+    # is measured as a fused kernel holds it), so the search tries none and full.
+    recomputes = [options.recompute] if options.recompute else ["none", "full"]
     widths = {g.devices_per_node for g in cluster.groups}
     out = []
     for tp in divisors(world):
@@ -100,8 +104,9 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
             for mbs in divisors(gbs // dp):
                 if options.micro_batch_size and mbs != options.micro_batch_size:
                     continue
-                for schedule in schedules:
-                    out.append(Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=gbs // (dp * mbs), schedule=schedule))
+                for schedule, recompute in itertools.product(schedules, recomputes):
+                    m = gbs // (dp * mbs)
+                    out.append(Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule=schedule, recompute=recompute))
     if not out:
         raise PlanningError(
             f"no (dp, tp, pp) fits world_size({world}) with global batch {gbs}"
@@ -133,6 +138,8 @@ def _check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
         raise PlanningError(f"--micro-batch-size {mbs} does not divide the per-replica batch {gbs // dp}")
     if mbs and mbs > gbs:
         raise PlanningError(f"--micro-batch-size {mbs} exceeds --global-batch {gbs}")
+    if options.recompute and options.recompute not in ("none", "selective", "full"):
+        raise PlanningError(f"unknown --recompute {options.recompute!r}; use none, selective or full")
     if options.schedule and options.schedule not in SCHEDULES:
         raise PlanningError(f"unknown --schedule {options.schedule!r}; use one of {', '.join(SCHEDULES)}")
 
@@ -297,16 +304,21 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
     """
     start = time.perf_counter()
     candidates = enumerate_candidates(model, cluster, options)
-    bounds = {cand: lower_bound_s(model, cluster, cand, options.dtype) for cand in candidates}
+    cache: dict = {}
+    bounds = {cand: lower_bound_s(model, cluster, cand, options.dtype, cache) for cand in candidates}
     candidates.sort(key=bounds.get)
     solved: list[Solved] = []
     misfits: list[tuple[float, CostTables]] = []
+    skipped: list[Candidate] = []  # cannot fit in memory whatever the split
     best = math.inf
     for i, cand in enumerate(candidates):
         if progress:
             progress(i, len(candidates), cand.describe())
         if bounds[cand] >= best and len(solved) > options.top_k:
             break  # [Note: candidate bound]: no later candidate can win
+        if not memory_may_fit(model, cluster, cand, options):
+            skipped.append(cand)
+            continue
         tables, split = solve_candidate(model, cluster, cand, options)
         if split is None:
             misfits.append((_overflow(tables), tables))
@@ -316,6 +328,9 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
     if progress:
         progress(len(candidates), len(candidates), "done")
     if not solved:
+        for cand in skipped[: max(0, 8 - len(misfits))]:
+            tables = build_tables(model, cluster, cand, options.dtype, options.optimizer)
+            misfits.append((_overflow(tables), tables))
         raise PlanningError(_explain_misfit(model, options, min(misfits, key=lambda x: x[0])[1]))
     solved.sort(key=lambda s: s.split.cost.objective_s)
     best = solved[0]
@@ -344,10 +359,21 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
 # Candidates are solved in order of this bound, and the search stops at the first
 # whose bound is no better than the best plan found, so the plan it returns is optimal
 # over all of them.
-def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str) -> float:
-    """A lower bound on the objective of any split of ``cand``; see [Note: candidate bound]."""
+def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache: dict | None = None) -> float:
+    """A lower bound on the objective of any split of ``cand``; see [Note: candidate bound].
+
+    Args:
+        cache: reused across candidates: per-layer times depend only on (tp, micro-batch
+            size, recompute, device type, the tensor-parallel group's placement).
+    """
+    cache = {} if cache is None else cache
     slots = _representative_slots(cluster, cand)
-    per_type = {k: _layer_times(model, cluster, cand, dtype, slot) for k, (slot, _) in slots.items()}
+    per_type = {}
+    for k, (slot, _) in slots.items():
+        key = (cand.tp, cand.micro_batch_size, cand.recompute, k, tuple(cluster.node_of(r) for r in slot.ranks[0]))
+        if key not in cache:
+            cache[key] = _layer_times(model, cluster, cand, dtype, slot)
+        per_type[k] = cache[key]
     fastest = [min(times[l] for times in per_type.values()) for l in range(len(model.layers))]
     speed = sum(n * max(f / t for f, t in zip(fastest, per_type[k]) if t > 0) for k, (_, n) in slots.items())
     work = sum(fastest)
@@ -364,7 +390,21 @@ def _cut_floor(model: ModelGraph, cluster, cand: Candidate, dtype: str, slot: St
         return 0.0
     payload = min(l.boundary_bytes for l in model.layers[:-1]) * cand.micro_batch_size * dtype_bytes(dtype) / 4
     src = slot.ranks[0][0]
-    return 2 * min(p2p_time_s(payload, src, dst, cluster) for dst in range(cluster.world_size) if dst != src)
+    return 2 * min(p2p_time_s(payload, src, dst, cluster) for dst in _one_peer_per_place(cluster, src))
+
+
+def _one_peer_per_place(cluster, src: int) -> list[int]:
+    """One other rank in src's node and one in each other node group: p2p costs differ only by place."""
+    peers = [r for r in cluster.ranks_of_node(cluster.node_of(src)) if r != src][:1]
+    first = 0
+    for group in cluster.groups:
+        for node in range(group.num_nodes):
+            rank = first + node * group.devices_per_node
+            if cluster.node_of(rank) != cluster.node_of(src):
+                peers.append(rank)
+                break
+        first += group.num_devices
+    return peers or [src]
 
 
 def _representative_slots(cluster, cand: Candidate) -> dict[str, tuple[StageSlot, int]]:
@@ -397,7 +437,7 @@ def _layer_seconds(layer, device, cand: Candidate, dtype: str) -> float:
         timing = layer_timing(layer, device, tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
     except (KeyError, ValueError):
         return math.inf
-    return timing.fwd_s + timing.bwd_s
+    return timing.fwd_s * (2 if cand.recompute == "full" else 1) + timing.bwd_s
 
 
 def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions) -> tuple[CostTables, SplitResult | None]:
@@ -426,8 +466,22 @@ def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: Search
     return tables, SplitResult(bounds=split.bounds, cost=cost, status=split.status, types=split.types, bound_s=split.bound_s)
 
 
+def memory_may_fit(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions) -> bool:
+    """False when no split of ``cand`` can fit: the layers' memory, each at its smallest
+    (one micro-batch in flight, the roomiest stage type), exceeds all stages' memory together."""
+    slots = _representative_slots(cluster, cand)
+    capacity = sum(slot.memory_bytes * n for slot, n in slots.values())
+    need = 0.0
+    for layer in model.layers:
+        need += stage_memory([layer], tp=cand.tp, micro_batch_size=cand.micro_batch_size, in_flight=1, dtype=options.dtype,
+                             optimizer=options.optimizer, recompute=cand.recompute).total_bytes
+        if need > capacity:
+            return False
+    return True
+
+
 def _candidate_dict(c: Candidate) -> dict:
-    return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batch_size": c.micro_batch_size, "schedule": c.schedule}
+    return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batch_size": c.micro_batch_size, "schedule": c.schedule, "recompute": c.recompute}
 
 
 def _overflow(tables: CostTables) -> float:
@@ -467,6 +521,7 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
                 tensor_parallel=cand.tp,
                 ranks=tables.slots[s].ranks,
                 tp_sharding=sharding,
+                recompute=cand.recompute,
             )
         )
     predicted = _simulated_prediction(model, cluster, options, cand, bounds, stages) or _linear_prediction(options, tables, bounds, cost)
@@ -498,7 +553,7 @@ def _simulated_prediction(model: ModelGraph, cluster, options: SearchOptions, ca
     types = [s.device_type for s in stages]
     config = EstimateConfig(
         global_batch_size=options.global_batch_size, dp=cand.dp, tp=cand.tp, pp=cand.pp,
-        micro_batch_size=cand.micro_batch_size, dtype=options.dtype, schedule=cand.schedule,
+        micro_batch_size=cand.micro_batch_size, dtype=options.dtype, schedule=cand.schedule, recompute=cand.recompute,
         optimizer=options.optimizer, stage_layers=tuple(b - a + 1 for a, b in bounds),
         stage_devices=tuple(types) if len(set(cluster.device_types())) > 1 else None,
     )
