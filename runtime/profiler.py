@@ -5,9 +5,9 @@ fitting into a device profile lives in cost_models/calibrate.py, so that it can 
 tested on synthetic measurements. Timings are medians over repeats: the machine is
 shared, and a median ignores the neighbour who ran a build during one repeat.
 
-What a training worker sees is measured, not what the host could do flat out: with
-several workers per host torchrun gives each one thread (OMP_NUM_THREADS=1), so the
-compute benchmarks run at ``threads`` (1 unless told) as well.
+What a training worker sees is measured, not what the host could do flat out: the
+benchmarks run in ``world`` spawned workers at once, one thread each, as torchrun's
+workers of one host run (``host_measurements``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import socket
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -188,47 +189,97 @@ def _step_overhead_s(rank: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _collective_worker(rank: int, world: int, port: int, plan: dict, out_path: str) -> None:
+def _compute_benchmarks(plan: dict, progress: Callable[[str], None]) -> dict:
+    """Matmul, copy, elementwise and per-op overhead, as one worker sees them (see ``host_measurements``)."""
+    repeats = plan["repeats"]
+    out: dict = {"matmul": {}}
+    for dtype in plan["dtypes"]:
+        progress(f"{dtype} matmul")
+        out["matmul"][dtype] = [list(p) for p in matmul_times(plan["matmul_sizes"], dtype, repeats=repeats)]
+    progress("memory bandwidth")
+    out["copy"] = list(copy_bandwidth(64 << 20, repeats=repeats))
+    progress("elementwise")
+    out["elementwise"] = list(elementwise_times(1 << 22, repeats=repeats))
+    progress("per-op overhead")
+    out["op_overhead"] = op_overhead_times(blocks=50, repeats=3 * repeats)
+    return out
+
+
+def _worker(rank: int, world: int, port: int, plan: dict, out_dir: str) -> None:
+    warnings.simplefilter("ignore", FutureWarning)  # torch's renames of the *_tensor collectives
     torch.set_num_threads(1)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=__import__("datetime").timedelta(seconds=120))
+    progress_file = Path(out_dir) / "progress.txt"
+
+    def progress(what: str) -> None:
+        if rank == 0:
+            with open(progress_file, "a") as f:
+                f.write(what + "\n")
+
     try:
-        results: dict[str, list[list[float]]] = {}
+        dist.barrier()
+        results = _compute_benchmarks(plan, progress)
+        dist.barrier()
+        progress(f"collectives between {world} workers")
+        results["collectives"] = {}
         for name in plan["collectives"]:
-            results[name] = []
+            results["collectives"][name] = []
             for nbytes in plan["sizes_bytes"]:
                 numel = max(world, nbytes // 4 // world * world)
-                results[name].append([numel * 4.0, _bench_collective(name, numel, rank, world, plan["repeats"])])
-        step = _step_overhead_s(rank, plan["repeats"] * 2)
+                results["collectives"][name].append([numel * 4.0, _bench_collective(name, numel, rank, world, plan["repeats"])])
+        progress("per-step overhead")
+        results["step_overhead_s"] = _step_overhead_s(rank, plan["repeats"] * 2)
         if rank == 0:
-            Path(out_path).write_text(json.dumps({"collectives": results, "step_overhead_s": step}))
+            (Path(out_dir) / "results.json").write_text(json.dumps(results))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def collective_times(world: int, sizes_bytes: list[int], *, repeats: int) -> dict:
-    """Time all-reduce, all-gather, reduce-scatter and send/recv between ``world`` local workers.
+def host_measurements(world: int, *, matmul_sizes: list[int], sizes_bytes: list[int], repeats: int,
+                      progress: Callable[[str], None] = lambda _: None) -> dict:
+    """Measure this host from ``world`` spawned workers at once, as a training job's ranks run.
 
-    The workers are spawned here (gloo on CPU, nccl where CUDA is present) and talk over
-    loopback TCP, as the ranks of a generated program on one host do.
+    Every worker runs the compute benchmarks at the same time, with one thread each (as
+    torchrun's workers get), so the rates are what one rank reaches while the others
+    compute too: shared cores, memory bandwidth and whatever else the machine runs.
+    Then the workers time all-reduce, all-gather, reduce-scatter and send/recv between
+    them (gloo on CPU, nccl where CUDA is present, loopback TCP) and a training step of
+    a negligible model. Rank 0's numbers are returned.
 
     Args:
         world: number of worker processes (2 or more).
-        sizes_bytes: tensor sizes to time (the full tensor, as nccl-tests counts it).
-        repeats: timed repeats of each (size, collective); the median is kept.
+        matmul_sizes: n of the ``n x n`` matmuls.
+        sizes_bytes: collective sizes (the full tensor, as nccl-tests counts it).
+        repeats: timed repeats of each measurement; the median is kept.
+        progress: called with a description as each benchmark starts.
 
     Returns:
-        ``{"collectives": {name: [[nbytes, seconds], ...]}, "step_overhead_s": seconds}``.
+        ``{"matmul": {dtype: [[flops, s], ...]}, "copy": [bytes, s], "elementwise": [n, s],
+        "op_overhead": {...}, "collectives": {name: [[nbytes, s], ...]}, "step_overhead_s": s}``.
     """
-    plan = {"collectives": ["all_reduce", "all_gather", "reduce_scatter", "p2p"], "sizes_bytes": sizes_bytes, "repeats": repeats}
+    plan = {"collectives": ["all_reduce", "all_gather", "reduce_scatter", "p2p"], "sizes_bytes": sizes_bytes,
+            "repeats": repeats, "matmul_sizes": matmul_sizes, "dtypes": ["fp32", "bf16"]}
     with tempfile.TemporaryDirectory(prefix="hetpar-profile-") as tmp:
-        out_path = os.path.join(tmp, "collectives.json")
-        mp.spawn(_collective_worker, args=(world, _free_port(), plan, out_path), nprocs=world, join=True)
-        return json.loads(Path(out_path).read_text())
+        context = mp.spawn(_worker, args=(world, _free_port(), plan, tmp), nprocs=world, join=False)
+        seen = 0
+        while not context.join(timeout=0.2):
+            seen = _report_progress(Path(tmp) / "progress.txt", seen, progress)
+        _report_progress(Path(tmp) / "progress.txt", seen, progress)
+        return json.loads((Path(tmp) / "results.json").read_text())
+
+
+def _report_progress(path: Path, seen: int, progress: Callable[[str], None]) -> int:
+    if not path.is_file():
+        return seen
+    lines = path.read_text().splitlines()
+    for line in lines[seen:]:
+        progress(line)
+    return len(lines)
 
 
 def module_times(model: nn.Module, inputs: tuple, *, repeats: int) -> list[dict]:

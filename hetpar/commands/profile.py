@@ -29,35 +29,21 @@ def measure(*, nproc: int, quick: bool, step: Callable[[str], None] = lambda _: 
     """Run every microbenchmark of this host; the record cost_models/calibrate.py fits.
 
     Args:
-        nproc: local workers the collectives run between (2 or more).
+        nproc: local workers that run the benchmarks at once (2 or more), as the ranks
+            of a plan for this many devices would.
         quick: fewer sizes and repeats.
-        step: called with a description before each benchmark (progress display).
+        step: called with a description as each benchmark starts (progress display).
 
     Returns:
         The measurement record (cost_models/calibrate.py documents its keys).
     """
     sizes, comm_sizes, repeats = _QUICK if quick else _FULL
-    threads = 1 if nproc > 1 else torch.get_num_threads()  # what each torchrun worker gets
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        record: dict[str, Any] = {"fingerprint": profiler.fingerprint(), "date": datetime.date.today().isoformat(),
-                                  "workers": nproc, "threads_per_worker": threads, "matmul": {}}
-        for dtype in ("fp32", "bf16"):
-            step(f"{dtype} matmul")
-            record["matmul"][dtype] = [list(p) for p in profiler.matmul_times(sizes, dtype, repeats=repeats)]
-        step("memory bandwidth")
-        record["copy"] = list(profiler.copy_bandwidth(64 << 20, repeats=repeats))
-        step("elementwise")
-        record["elementwise"] = list(profiler.elementwise_times(1 << 22, repeats=repeats))
-        step("per-op overhead")
-        record["op_overhead"] = profiler.op_overhead_times(blocks=50, repeats=3 * repeats)
-    finally:
-        torch.set_num_threads(previous)
-    step(f"collectives between {nproc} workers")
+    record: dict[str, Any] = {"fingerprint": profiler.fingerprint(), "date": datetime.date.today().isoformat(),
+                              "workers": nproc, "threads_per_worker": 1}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        record.update(profiler.collective_times(nproc, comm_sizes, repeats=repeats))
+        record.update(profiler.host_measurements(nproc, matmul_sizes=sizes, sizes_bytes=comm_sizes, repeats=repeats,
+                                                 progress=step))
     return record
 
 
@@ -96,7 +82,7 @@ def profile(
     if output.suffix.lower() not in (".json", ".toml"):
         raise ProfileError(f"--output {str(output)!r} must end in .json or .toml")
     base_profile = get_device(base)
-    total = 6 + (1 if model else 0)
+    total = 7 + (1 if model else 0)
     with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.description}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("", total=total)
