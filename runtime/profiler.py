@@ -205,6 +205,44 @@ def _compute_benchmarks(plan: dict, progress: Callable[[str], None]) -> dict:
     return out
 
 
+class _TinyTPBlock(nn.Module):
+    """Three ops (colwise linear, relu, rowwise linear) as tensor parallelism shards an MLP."""
+
+    OPS, ALL_REDUCES = 3, 2  # the rowwise output in forward, the colwise input gradient in backward
+
+    def __init__(self, width: int, world: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, width * world)
+        self.down = nn.Linear(width * world, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _tp_op_overhead(world: int, *, blocks: int, repeats: int) -> dict[str, float]:
+    """Seconds per op, forward plus backward, of tiny blocks sharded with DTensor over all workers.
+
+    Recorded in the measurements, not yet fitted: DTensor's cost is per sharded module
+    (redistribution, dispatch), and the layer profiles do not count sharded modules.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(*[_TinyTPBlock(8, world) for _ in range(blocks)])
+    styles = {f"{i}.up": ColwiseParallel() for i in range(blocks)} | {f"{i}.down": RowwiseParallel() for i in range(blocks)}
+    parallelize_module(model, mesh, styles)
+    x = torch.randn(2, 8, requires_grad=True)
+
+    def train_step() -> None:
+        model(x).sum().backward()
+
+    dist.barrier()
+    both = median_time_s(train_step, repeats=repeats)
+    return {"fwd_bwd_s_per_op": both / (blocks * _TinyTPBlock.OPS), "ops_per_block": _TinyTPBlock.OPS,
+            "all_reduces_per_block": _TinyTPBlock.ALL_REDUCES}
+
+
 def _worker(rank: int, world: int, port: int, plan: dict, out_dir: str) -> None:
     warnings.simplefilter("ignore", FutureWarning)  # torch's renames of the *_tensor collectives
     torch.set_num_threads(1)
@@ -231,6 +269,9 @@ def _worker(rank: int, world: int, port: int, plan: dict, out_dir: str) -> None:
             for nbytes in plan["sizes_bytes"]:
                 numel = max(world, nbytes // 4 // world * world)
                 results["collectives"][name].append([numel * 4.0, _bench_collective(name, numel, rank, world, plan["repeats"])])
+        if not torch.cuda.is_available():
+            progress("tensor-parallel per-op overhead")
+            results["tp_op_overhead"] = _tp_op_overhead(world, blocks=10, repeats=plan["repeats"])
         progress("per-step overhead")
         results["step_overhead_s"] = _step_overhead_s(rank, plan["repeats"] * 2)
         if rank == 0:
