@@ -45,10 +45,11 @@ def test_plan_writes_a_valid_plan(tmp_path):
 
 def test_plan_json_goes_to_stdout_and_pins_hold(tmp_path):
     result = hetpar("plan", GPT, "--cluster", "1x4xcpu", "--global-batch", "8", *SMALL_GPT,
-                    "--pp", "2", "--tp", "2", "--schedule", "1f1b", "--json", cwd=tmp_path)
+                    "--pp", "2", "--tp", "2", "--schedule", "1f1b", "--recompute", "full", "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert len(plan["stages"]) == 2 and plan["stages"][0]["tensor_parallel"] == 2
+    assert {s["recompute"] for s in plan["stages"]} == {"full"}
     assert plan["stages"][0]["tp_sharding"] or plan["stages"][1]["tp_sharding"]
     assert not (tmp_path / "plan.json").exists()
 

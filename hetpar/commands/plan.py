@@ -31,6 +31,12 @@ class ScheduleChoice(str, Enum):
     gpipe = "gpipe"
 
 
+class RecomputeChoice(str, Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
 def default_dtype(device_types: list[str]) -> str:
     """fp32 on a CPU-only cluster; bf16 where every device has it; fp16 otherwise (V100, T4)."""
     profiles = [get_device(t) for t in set(device_types)]
@@ -53,6 +59,7 @@ def plan(
     pp: Annotated[Optional[int], typer.Option(help="Pin the number of pipeline stages.")] = None,
     micro_batch_size: Annotated[Optional[int], typer.Option(help="Pin the micro-batch size.")] = None,
     schedule: Annotated[Optional[ScheduleChoice], typer.Option(help="Pin the pipeline schedule.")] = None,
+    recompute: Annotated[Optional[RecomputeChoice], typer.Option(help="Pin activation recomputation [default: none and full are searched].")] = None,
     dtype: Annotated[Optional[DType], typer.Option(help="Training precision the costs assume [default: fp32 on cpu, bf16 else].")] = None,
     max_tp: Annotated[int, typer.Option(help="Largest tensor-parallel degree to consider.")] = 8,
     time_limit: Annotated[float, typer.Option(help="CP-SAT time limit per candidate, seconds.")] = 10.0,
@@ -66,6 +73,7 @@ def plan(
         dp=dp, tp=tp, pp=pp,
         micro_batch_size=micro_batch_size,
         schedule=schedule.value if schedule else None,
+        recompute=recompute.value if recompute else None,
         max_tp=max_tp,
         time_limit_s=time_limit,
     )
