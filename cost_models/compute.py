@@ -1,16 +1,7 @@
-"""Time of a layer's forward and backward on one device.
+"""Time of a layer's forward and backward on one device (``layer_timing``).
 
-Two models live here. ``layer_time_s`` is the search's roofline (below);
-``layer_timing`` is the estimator's, which also splits the backward into B and W; see
-[Note: layer time]. The search will move to the second once it is validated
-everywhere; until then both are kept so that the search's behaviour does not change.
-
-Search (``layer_time_s``):
-time = max(FLOPs / (peak * efficiency), bytes moved / memory bandwidth) + ops * overhead
-
-FLOPs and bytes come from a LayerProfile (measured on the meta device); peak,
-efficiency and bandwidth from the device profile. Backward launches about twice the
-kernels of forward.
+The search and the estimator both use it. FLOPs and bytes come from a LayerProfile
+(measured on the meta device); peak, efficiency and bandwidth from the device profile.
 
 [Note: layer time]
 A training layer runs matmuls, which are bound by the tensor cores, and elementwise
@@ -63,28 +54,6 @@ def dtype_bytes(dtype: str) -> int:
         return DTYPE_BYTES[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}") from None
-
-
-def layer_time_s(layer: LayerProfile, device, *, tp: int, micro_batch_size: int, dtype: str) -> tuple[float, float]:
-    """(forward, backward) seconds of one micro-batch of ``layer`` on one rank of ``device``.
-
-    Args:
-        layer: the measured layer (per sample, fp32).
-        device: a cost_models.devices.DeviceProfile.
-        tp: tensor-parallel degree of the stage.
-        micro_batch_size: samples per micro-batch.
-        dtype: training precision, which sets peak FLOP/s and activation bytes.
-    """
-    scale = dtype_bytes(dtype) / 4
-    fwd_flops, bwd_flops = layer.flops_at(tp)
-    rate = device.peak_flops(dtype) * device.matmul_efficiency
-    weight_bytes = layer.params_at(tp) * dtype_bytes(dtype)
-    act_bytes = (layer.saved_bytes_at(tp) + layer.boundary_bytes) * micro_batch_size * scale
-    bw = device.mem_bw_bytes_per_s
-    overhead = (getattr(device, "op_overhead_s", None) or DEFAULT_OP_OVERHEAD_S) * layer.num_ops
-    fwd = max(fwd_flops * micro_batch_size / rate, (weight_bytes + act_bytes) / bw) + overhead
-    bwd = max(bwd_flops * micro_batch_size / rate, (2 * weight_bytes + 2 * act_bytes) / bw) + 2 * overhead
-    return fwd, bwd
 
 
 # Achievable fraction of peak HBM bandwidth for streaming kernels: STREAM triad 1.70 of
