@@ -348,6 +348,9 @@ def module_times(model: nn.Module, inputs: tuple, *, repeats: int) -> list[dict]
         handles.append(module.register_full_backward_pre_hook(lambda m, g, n=name: starts.__setitem__(n + "/b", time.perf_counter())))
         handles.append(module.register_full_backward_hook(lambda m, gi, go, n=name: bwd[n].append(time.perf_counter() - starts[n + "/b"])))
     try:
+        # The first module sees inputs without gradients (token ids); its backward hook then
+        # times the gradient of its output, which is what we want, so torch's warning is noise.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
         for _ in range(repeats + 2):
             out = model(*inputs)
             (out[0] if isinstance(out, (tuple, list)) else out).float().sum().backward()
