@@ -58,6 +58,8 @@ class SearchOptions:
     micro_batch_size: int | None = None
     schedule: str | None = None
     recompute: str | None = None  # "none" | "full"; both are searched when None
+    stage_layers: tuple[int, ...] | None = None  # layers per stage, pinned
+    stage_devices: tuple[str, ...] | None = None  # device type per stage, pinned
     max_tp: int = 8
     time_limit_s: float = 10.0
     gap_limit: float = 0.0  # stop a candidate's solve once proven within this relative gap
@@ -98,7 +100,7 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
             dp = world // (tp * pp)
             if pp > num_layers or gbs % dp:
                 continue
-            pins = ((options.dp, dp), (options.tp, tp), (options.pp, pp))
+            pins = ((options.dp, dp), (options.tp, tp), (pinned_pp(options), pp))
             if any(pin is not None and pin != value for pin, value in pins):
                 continue
             for mbs in divisors(gbs // dp):
@@ -138,10 +140,48 @@ def _check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
         raise PlanningError(f"--micro-batch-size {mbs} does not divide the per-replica batch {gbs // dp}")
     if mbs and mbs > gbs:
         raise PlanningError(f"--micro-batch-size {mbs} exceeds --global-batch {gbs}")
+    _check_stage_pins(model, cluster, options)
     if options.recompute and options.recompute not in ("none", "selective", "full"):
         raise PlanningError(f"unknown --recompute {options.recompute!r}; use none, selective or full")
     if options.schedule and options.schedule not in SCHEDULES:
         raise PlanningError(f"unknown --schedule {options.schedule!r}; use one of {', '.join(SCHEDULES)}")
+
+
+def _check_stage_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
+    layers, devices, pp = options.stage_layers, options.stage_devices, options.pp
+    if layers is not None:
+        if any(n < 1 for n in layers) or sum(layers) != len(model.layers):
+            raise PlanningError(
+                f"--stage-layers {','.join(map(str, layers))} sums to {sum(layers)}; the model has {len(model.layers)} layers "
+                "(each stage needs at least one; see hetpar trace)"
+            )
+        if pp is not None and pp != len(layers):
+            raise PlanningError(f"--stage-layers gives {len(layers)} stages but --pp is {pp}")
+    if devices is not None:
+        stages = pp or (len(layers) if layers else None)
+        if stages is not None and len(devices) != stages:
+            raise PlanningError(f"--stage-devices names {len(devices)} device types for {stages} stages")
+        present = set(cluster.device_types())
+        missing = [d for d in devices if d not in present]
+        if missing:
+            raise PlanningError(f"--stage-devices: {', '.join(missing)} not in the cluster (it has {', '.join(sorted(present))})")
+        types = cluster.device_types()
+        per_stage, rest = divmod(len(types), len(devices))
+        for k in sorted(present):
+            if rest or devices.count(k) * per_stage != types.count(k):
+                raise PlanningError(
+                    f"--stage-devices puts {devices.count(k)} of {len(devices)} stages on {k}: "
+                    f"{devices.count(k) * per_stage} devices at {len(types)}/{len(devices)} per stage, the cluster has {types.count(k)}"
+                )
+
+
+def pinned_pp(options: SearchOptions) -> int | None:
+    """The pipeline depth the pins imply, if any."""
+    if options.pp:
+        return options.pp
+    if options.stage_layers:
+        return len(options.stage_layers)
+    return len(options.stage_devices) if options.stage_devices else None
 
 
 def to_ticks(seconds: float, tick_s: float) -> int:
@@ -163,6 +203,8 @@ def solve_split(tables: CostTables, options: SearchOptions) -> SplitResult | Non
 
     CP-SAT model of [Note: split objective] over the cut positions; see [Note: cut formulation].
     """
+    if options.stage_layers is not None:
+        return _pinned_split(tables, options.stage_layers)
     L, P, m = tables.num_layers, tables.candidate.pp, tables.candidate.num_microbatches
     hint = equal_split(L, P)
     tick_s = (evaluate_split(tables, hint).objective_s or 1.0) / _TICKS_PER_OBJECTIVE
@@ -260,6 +302,16 @@ def _read(model: cp_model.CpModel, values: list[int], index, name: str):
     var = model.new_int_var(min(values), max(values), name)
     model.add_element(index, values, var)
     return var
+
+
+def _pinned_split(tables: CostTables, stage_layers: tuple[int, ...]) -> SplitResult | None:
+    """The split the user pinned, evaluated; None if it does not fit."""
+    bounds, first = [], 0
+    for n in stage_layers:
+        bounds.append((first, first + n - 1))
+        first += n
+    cost = evaluate_split(tables, bounds)
+    return SplitResult(bounds=bounds, cost=cost, status="optimal", bound_s=cost.objective_s) if cost.fits(tables) else None
 
 
 # [Note: cut formulation]
@@ -454,9 +506,18 @@ def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: Search
     available = type_slots(cluster, cand)
     if available is None or len(available) == 1:
         tables = build_tables(model, cluster, cand, options.dtype, options.optimizer)
-        return tables, solve_split(tables, options)
+        pinned_ok = options.stage_devices is None or list(options.stage_devices) == [s.device_type for s in tables.slots]
+        return tables, (solve_split(tables, options) if pinned_ok else None)
     typed = tables_by_type(model, cluster, cand, options.dtype, available, options.optimizer)
-    split = solve_type_orders(typed, {k: len(v) for k, v in available.items()}, options)
+    counts = {k: len(v) for k, v in available.items()}
+    if options.stage_devices is not None:
+        wanted = list(options.stage_devices)
+        if any(wanted.count(k) != n for k, n in counts.items()):
+            return compose_tables(typed, type_sequence(list(available), counts)), None
+        split = solve_split(compose_tables(typed, wanted), options)
+        split = split and SplitResult(bounds=split.bounds, cost=split.cost, status=split.status, types=wanted, bound_s=split.bound_s)
+    else:
+        split = solve_type_orders(typed, counts, options)
     if split is None:
         return compose_tables(typed, type_sequence(list(available), {k: len(v) for k, v in available.items()})), None
     unused = {k: list(v) for k, v in available.items()}

@@ -150,3 +150,38 @@ def test_mixed_cluster_stages_choose_their_device_types():
     for stage in plan.stages:
         assert {types[r] for rep in stage.ranks for r in rep} == {stage.device_type}
     assert len(by_type["A100-80GB"].layers) > len(by_type["V100-32GB"].layers)
+
+
+def _gpt_graph():
+    from planner.trace import trace_model
+    from runtime.model_file import load_model_file
+
+    return trace_model(load_model_file("examples/gpt.py", {"n_layers": 6, "hidden": 256, "heads": 4, "seq_len": 64}))
+
+
+def test_pinned_stage_layers_and_devices_are_honoured():
+    from cost_models.cluster import parse_cluster
+    from planner.search import search
+
+    graph = _gpt_graph()  # 8 layers
+    cluster = parse_cluster("1x4xV100-32GB+1x4xA100-80GB")
+    options = SearchOptions(global_batch_size=16, dtype="fp16", tp=4, stage_layers=(6, 2), stage_devices=("V100-32GB", "A100-80GB"))
+    plan = search(graph, cluster, options)
+    assert [len(s.layers) for s in plan.stages] == [6, 2]
+    assert [s.device_type for s in plan.stages] == ["V100-32GB", "A100-80GB"]
+    types = cluster.device_types()
+    assert all(types[r] == s.device_type for s in plan.stages for rep in s.ranks for r in rep)
+
+
+@pytest.mark.parametrize("pins,message", [
+    (dict(stage_layers=(3, 3)), "sums to 6; the model has 8 layers"),
+    (dict(stage_layers=(4, 4), pp=4), "gives 2 stages but --pp is 4"),
+    (dict(stage_devices=("H100-80GB", "A100-80GB")), "H100-80GB not in the cluster"),
+    (dict(stage_devices=("A100-80GB", "A100-80GB")), "puts 2 of 2 stages on A100-80GB: 8 devices"),
+])
+def test_bad_stage_pins_are_explained(pins, message):
+    from cost_models.cluster import parse_cluster
+    from planner.search import PlanningError, search
+
+    with pytest.raises(PlanningError, match=message):
+        search(_gpt_graph(), parse_cluster("1x4xV100-32GB+1x4xA100-80GB"), SearchOptions(global_batch_size=16, dtype="fp16", **pins))

@@ -60,6 +60,8 @@ def plan(
     micro_batch_size: Annotated[Optional[int], typer.Option(help="Pin the micro-batch size.")] = None,
     schedule: Annotated[Optional[ScheduleChoice], typer.Option(help="Pin the pipeline schedule.")] = None,
     recompute: Annotated[Optional[RecomputeChoice], typer.Option(help="Pin activation recomputation [default: none and full are searched].")] = None,
+    stage_layers: Annotated[Optional[str], typer.Option(help="Pin layers per stage, e.g. 7,9,9,9 (see hetpar trace for the layers).")] = None,
+    stage_devices: Annotated[Optional[str], typer.Option(help="Pin the device type of each stage, e.g. A100-80GB,A100-80GB,V100-32GB.")] = None,
     dtype: Annotated[Optional[DType], typer.Option(help="Training precision the costs assume [default: fp32 on cpu, bf16 else].")] = None,
     max_tp: Annotated[int, typer.Option(help="Largest tensor-parallel degree to consider.")] = 8,
     time_limit: Annotated[float, typer.Option(help="CP-SAT time limit per candidate, seconds.")] = 10.0,
@@ -74,6 +76,8 @@ def plan(
         micro_batch_size=micro_batch_size,
         schedule=schedule.value if schedule else None,
         recompute=recompute.value if recompute else None,
+        stage_layers=_int_list("--stage-layers", stage_layers),
+        stage_devices=tuple(get_device(name.strip()).name for name in stage_devices.split(",")) if stage_devices else None,
         max_tp=max_tp,
         time_limit_s=time_limit,
     )
@@ -99,6 +103,15 @@ def plan(
     print_summary(result, output)
     if as_json:
         print_json(__import__("json").loads(result.to_json()))
+
+
+def _int_list(flag: str, text: Optional[str]) -> Optional[tuple[int, ...]]:
+    if text is None:
+        return None
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        fail(f"{flag} {text!r} is not a comma-separated list of integers, e.g. 7,9,9,9")
 
 
 def print_summary(plan: ParallelPlan, output: Optional[Path]) -> None:
