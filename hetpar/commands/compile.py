@@ -15,10 +15,10 @@ from rewriters.torchrun import compile_plan
 @domain_errors
 def compile_(
     plan_file: Annotated[Path, typer.Argument(help="A plan written by `hetpar plan`.", show_default=False)],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for train.py and launch.sh.")] = Path("build"),
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for train.py and its launch files.")] = Path("build"),
     as_json: Annotated[bool, typer.Option("--json", help="Print the written paths as JSON.")] = False,
 ) -> None:
-    """Write OUTPUT/train.py and OUTPUT/launch.sh for PLAN_FILE."""
+    """Write OUTPUT/train.py, launch.sh, slurm.sbatch and pytorchjob.yaml for PLAN_FILE."""
     plan = ParallelPlan.load(plan_file)
     paths = compile_plan(plan, output)
     if as_json:
