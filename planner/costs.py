@@ -20,7 +20,6 @@ span device types is costed on the slowest of them and the smallest memory.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from cost_models.collectives import all_reduce_time_s, p2p_time_s

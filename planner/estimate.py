@@ -33,14 +33,13 @@ rate in the training dtype) and must fit the smallest memory. With v virtual sta
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from cost_models.cluster import Cluster
 from cost_models.collectives import all_gather_time_s, all_reduce_time_s, p2p_time_s, reduce_scatter_time_s
 from cost_models.compute import (
     HBM_STREAM_EFFICIENCY,
     TRAINING_KERNEL_EFFICIENCY,
-    LayerTime,
     dtype_bytes,
     layer_timing,
 )
@@ -57,7 +56,7 @@ from cost_models.memory import (
 )
 from cost_models.pipeline import ALL_SCHEDULES
 from planner.plan import Predicted
-from planner.search import PlanningError, equal_split
+from planner.search import PlanningError, bounds_from_sizes, equal_split
 from planner.trace import ModelGraph
 from runtime.schedule import Action, Kind, ScheduleError, TimedRun, build_schedule, simulate_timed
 
@@ -336,11 +335,7 @@ def chunk_bounds(model: ModelGraph, config: EstimateConfig) -> list[tuple[int, i
     """(first, last) layer of each virtual stage: the user's split, or layers dealt out evenly."""
     if config.stage_layers is None:
         return equal_split(len(model.layers), config.pp * config.virtual_stages)
-    bounds, first = [], 0
-    for n in config.stage_layers:
-        bounds.append((first, first + n - 1))
-        first += n
-    return bounds
+    return bounds_from_sizes(config.stage_layers)
 
 
 # --- Per virtual stage costs -------------------------------------------------------------

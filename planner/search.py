@@ -306,10 +306,7 @@ def _read(model: cp_model.CpModel, values: list[int], index, name: str):
 
 def _pinned_split(tables: CostTables, stage_layers: tuple[int, ...]) -> SplitResult | None:
     """The split the user pinned, evaluated; None if it does not fit."""
-    bounds, first = [], 0
-    for n in stage_layers:
-        bounds.append((first, first + n - 1))
-        first += n
+    bounds = bounds_from_sizes(stage_layers)
     cost = evaluate_split(tables, bounds)
     return SplitResult(bounds=bounds, cost=cost, status="optimal", bound_s=cost.objective_s) if cost.fits(tables) else None
 
@@ -331,9 +328,13 @@ def _prefix(values: list[int]) -> list[int]:
 def equal_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """Layers dealt out as evenly as possible, earlier stages taking the remainder."""
     base, extra = divmod(num_layers, num_stages)
+    return bounds_from_sizes([base + (1 if s < extra else 0) for s in range(num_stages)])
+
+
+def bounds_from_sizes(sizes) -> list[tuple[int, int]]:
+    """Inclusive (first, last) layer of each stage from the number of layers per stage."""
     bounds, first = [], 0
-    for s in range(num_stages):
-        size = base + (1 if s < extra else 0)
+    for size in sizes:
         bounds.append((first, first + size - 1))
         first += size
     return bounds

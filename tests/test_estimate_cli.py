@@ -1,29 +1,15 @@
 """``hetpar estimate`` as a user meets it: JSON on stdout, one clear line for bad input."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import assert_one_line_error, hetpar
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "gpt.py")
 SMALL_GPT = ["-a", "n_layers=2", "-a", "hidden=32", "-a", "seq_len=8", "-a", "vocab=64"]  # 4 layers: emb, 2 blocks, head
 BASE = ["estimate", GPT, *SMALL_GPT, "--cluster", "1x8xA100-80GB", "--global-batch", "16", "--micro-batch-size", "2"]
-
-
-def hetpar(*args):
-    return subprocess.run([sys.executable, "-m", "hetpar", *args], capture_output=True, text=True, timeout=300)
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    lines = [l for l in result.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def test_estimate_prints_the_predicted_block_as_json():

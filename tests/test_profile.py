@@ -1,11 +1,10 @@
 """hetpar profile: fits on synthetic measurements, profile files, --profile, one-line errors."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import assert_one_line_error, hetpar
 
 from cost_models.calibrate import LAUNCHES_PER_OP, fit_line, fit_profile
 from cost_models.cluster import parse_cluster
@@ -110,15 +109,8 @@ def test_profile_changes_the_prediction_through_the_cluster():
     assert after > measured.step_overhead_s  # the step overhead is part of the step
 
 
-def hetpar(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "hetpar", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
-
-
 def one_line_error(result, fragment):
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    lines = [l for l in result.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and fragment in lines[0], result.stderr
+    assert_one_line_error(result, fragment)
 
 
 def test_estimate_with_a_foreign_profile_warns_in_one_line(tmp_path):

@@ -1,19 +1,14 @@
 """hetpar validate: predicted against measured step time of a plan run on this host."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import hetpar
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "gpt.py")
 SMALL_GPT = ["--model-arg", "n_layers=2", "--model-arg", "hidden=32", "--model-arg", "seq_len=8", "--model-arg", "vocab=64"]
-
-
-def hetpar(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "hetpar", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
 def test_missing_plan_and_bad_steps_are_one_line_errors(tmp_path):

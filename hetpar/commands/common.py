@@ -5,13 +5,14 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from enum import Enum
 from typing import Any, Callable
 
 import typer
 from rich.console import Console
 
 from cost_models.cluster import ClusterSpecError
-from cost_models.devices import ProfileError, UnknownDeviceError
+from cost_models.devices import ProfileError, UnknownDeviceError, get_device
 from planner.plan import PlanError
 from planner.search import PlanningError
 from rewriters.torchrun import CompileError
@@ -55,3 +56,27 @@ def gib(n: float) -> str:
 
 def seconds(t: float) -> str:
     return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.3f} s"
+
+
+class DType(str, Enum):
+    """Training precision choices."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Recompute(str, Enum):
+    """Activation recomputation choices."""
+
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+def default_dtype(device_types: list[str]) -> str:
+    """fp32 on a CPU-only cluster; bf16 where every device has it; fp16 otherwise (V100, T4)."""
+    profiles = [get_device(t) for t in set(device_types)]
+    if all(p.name == "cpu" for p in profiles):
+        return "fp32"
+    return "bf16" if all("bf16" in p.peak_flops_per_s for p in profiles) else "fp16"

@@ -13,7 +13,7 @@ from cost_models.cluster import parse_cluster
 from cost_models.compute import TRAINING_KERNEL_EFFICIENCY
 from hetpar.commands.profile import profiles_option
 from hetpar.commands.common import console, domain_errors, gib, print_json, seconds
-from hetpar.commands.plan import DType, default_dtype
+from hetpar.commands.common import DType, Recompute, default_dtype
 from planner.estimate import Estimate, EstimateConfig, EstimateError, estimate as estimate_plan
 from planner.trace import trace_model
 from runtime.model_file import load_model_file, parse_model_args
@@ -24,12 +24,6 @@ class ScheduleName(str, Enum):
     gpipe = "gpipe"
     interleaved = "interleaved"
     zb = "zb"
-
-
-class Recompute(str, Enum):
-    none = "none"
-    selective = "selective"
-    full = "full"
 
 
 class Optimizer(str, Enum):

@@ -13,36 +13,16 @@ from rich.table import Table
 from cost_models.cluster import parse_cluster
 from cost_models.devices import get_device
 from hetpar.commands.profile import profiles_option
-from hetpar.commands.common import console, domain_errors, fail, gib, print_json, seconds
+from hetpar.commands.common import DType, Recompute, console, default_dtype, domain_errors, fail, gib, print_json, seconds
 from planner.plan import ParallelPlan
 from planner.api import plan_model
 from planner.search import SearchOptions
 from runtime.model_file import parse_model_args
 
 
-class DType(str, Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
 class ScheduleChoice(str, Enum):
     one_f_one_b = "1f1b"
     gpipe = "gpipe"
-
-
-class RecomputeChoice(str, Enum):
-    none = "none"
-    selective = "selective"
-    full = "full"
-
-
-def default_dtype(device_types: list[str]) -> str:
-    """fp32 on a CPU-only cluster; bf16 where every device has it; fp16 otherwise (V100, T4)."""
-    profiles = [get_device(t) for t in set(device_types)]
-    if all(p.name == "cpu" for p in profiles):
-        return "fp32"
-    return "bf16" if all("bf16" in p.peak_flops_per_s for p in profiles) else "fp16"
 
 
 @domain_errors
@@ -59,7 +39,7 @@ def plan(
     pp: Annotated[Optional[int], typer.Option(help="Pin the number of pipeline stages.")] = None,
     micro_batch_size: Annotated[Optional[int], typer.Option(help="Pin the micro-batch size.")] = None,
     schedule: Annotated[Optional[ScheduleChoice], typer.Option(help="Pin the pipeline schedule.")] = None,
-    recompute: Annotated[Optional[RecomputeChoice], typer.Option(help="Pin activation recomputation [default: none and full are searched].")] = None,
+    recompute: Annotated[Optional[Recompute], typer.Option(help="Pin activation recomputation [default: none and full are searched].")] = None,
     stage_layers: Annotated[Optional[str], typer.Option(help="Pin layers per stage, e.g. 7,9,9,9 (see hetpar trace for the layers).")] = None,
     stage_devices: Annotated[Optional[str], typer.Option(help="Pin the device type of each stage, e.g. A100-80GB,A100-80GB,V100-32GB.")] = None,
     dtype: Annotated[Optional[DType], typer.Option(help="Training precision the costs assume [default: fp32 on cpu, bf16 else].")] = None,
