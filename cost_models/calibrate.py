@@ -29,6 +29,8 @@ A negative intercept (noise on a shared machine) is clamped to zero.
 
 from __future__ import annotations
 
+import itertools
+import statistics
 from dataclasses import replace
 from typing import Any
 
@@ -48,7 +50,8 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
         (fixed_s clamped to >= 0, rate in size units per second).
 
     Raises:
-        ProfileError: too few points, or times that do not grow with size.
+        ProfileError: too few points, or times that do not grow with size even by the
+            median of pairwise slopes.
     """
     if len({x for x, _ in points}) < 2:
         raise ProfileError(f"a fit needs measurements at two or more sizes, got {len(points)}")
@@ -60,9 +63,14 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     mean_y = sum(wi * y for wi, (_, y) in zip(w, points)) / sw
     sxx = sum(wi * (x - mean_x) ** 2 for wi, (x, _) in zip(w, points))
     slope = sum(wi * (x - mean_x) * (y - mean_y) for wi, (x, y) in zip(w, points)) / sxx
+    if slope > 0:
+        return max(0.0, mean_y - slope * mean_x), 1.0 / slope
+    # One slow repeat at a small size (a neighbour's burst) can tip the weighted fit;
+    # the median of pairwise slopes (Theil-Sen) ignores one such point in three.
+    slope = statistics.median((y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in itertools.combinations(sorted(points), 2) if x2 > x1)
     if slope <= 0:
         raise ProfileError("measured times do not grow with size; the machine is too noisy, run hetpar profile again")
-    return max(0.0, mean_y - slope * mean_x), 1.0 / slope
+    return max(0.0, statistics.median(y - slope * x for x, y in points)), 1.0 / slope
 
 
 def fit_profile(measurements: dict[str, Any], base: DeviceProfile) -> DeviceProfile:

@@ -51,6 +51,16 @@ def test_fit_line_clamps_a_negative_intercept_and_rejects_flat_data():
         fit_line([(1.0, 2.0), (2.0, 1.0)])
 
 
+def test_fit_line_survives_one_outlier_that_tips_the_weighted_fit():
+    # t = 1e-4 + x / 1e9, but the middle size was timed at a twentieth of its time:
+    # least relative error trusts that point most and finds no growth at all.
+    line = lambda x: 1e-4 + x / 1e9
+    points = [(4096.0, line(4096)), (1048576.0, line(1048576) / 20), (4194304.0, line(4194304))]
+    fixed, rate = fit_line(points)
+    assert rate == pytest.approx(1e9, rel=1e-6)
+    assert fixed == pytest.approx(1e-4, rel=1e-3)
+
+
 def test_fit_profile_takes_each_parameter_from_its_measurement():
     p = fit_profile(record(), get_device("cpu"))
     assert p.peak_flops_per_s["fp32"] == pytest.approx(100e9)
