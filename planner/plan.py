@@ -41,6 +41,8 @@ class Sharding(str, Enum):
 
     COLWISE = "colwise"  # output features split; the output stays sharded
     ROWWISE = "rowwise"  # input features split; outputs are summed (all-reduce)
+    COLWISE_GATHER = "colwise_gather"  # output features split, the output all-gathered (replicated)
+    ROWWISE_SLICE = "rowwise_slice"  # input features split from a replicated input; outputs all-reduced
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,30 +1,59 @@
-"""Find which Linear modules of a layer can be split across tensor-parallel ranks.
+"""Choose, per Linear module of a layer, how tensor-parallel ranks split it: an ILP.
 
-[Note: tensor-parallel pattern]
-A Linear whose input is replicated is split by output features ("colwise"): each rank
-holds a slice of the features. The slice may flow through ops that treat features
-independently (activations, element-wise arithmetic, views, attention over whole
-heads) into a Linear that is then split by input features ("rowwise"); its partial
-sums are added with one all-reduce and the result is replicated again. A colwise
-output that reaches anything else (a norm over features, the layer's output) cannot
-stay split, so that Linear stays replicated. Repeating this to a fixed point finds
-Megatron's pattern on a transformer block (q, k, v and mlp.fc colwise; o and
-mlp.proj rowwise: two all-reduces per block forward) without naming any of them. A
-dry run of the split layer on the meta device then checks the shapes, for example
-that the heads divide evenly (``view(B, T, -1, head_dim)``).
+[Note: tensor-parallel ILP]
+Each Linear of a layer's fx graph is kept whole on every rank (replicated) or split
+one of four ways, each a DTensor style the runtime applies (runtime.shard):
+
+    choice           input needed   output     forward comm          backward comm
+    replicated       replicated     replicated -                     -
+    colwise          replicated     split      -                     all-reduce(input)
+    colwise_gather   replicated     replicated all-gather(output)    all-reduce(input)
+    rowwise          split          replicated all-reduce(output)    -
+    rowwise_slice    replicated     replicated all-reduce(output)    all-gather(input)
+
+"split" is a value of which each rank holds a slice of the features (or heads).
+A split value passes through ops that treat features independently (activations,
+element-wise arithmetic, views, attention over whole heads: the _FEATURE_WISE_*
+sets) and must reach a rowwise Linear; anything else (a norm over features, a
+reduction, the layer's output) needs a replicated value, and only a Linear's own
+output can be gathered on the way (that is where DTensor can redistribute). A
+rowwise Linear's partial sums are all-reduced at its output, so partial sums never
+travel further.
+
+The CP-SAT model has one layout per fx value (split or replicated) and one choice
+per Linear, tied together by the table above. Its objective is the time one rank
+spends on the layer per sample, in an alpha-beta model (TpCostModel): a replicated
+Linear or element-wise op does all the work on every rank, a split one 1/tp of it;
+the collectives cost their ring time. Split work saves O(h^2) FLOPs per token where a
+collective moves O(h) bytes, so on a transformer block of useful width the optimum
+is Megatron's pattern (q, k, v and mlp.fc colwise; o and mlp.proj rowwise: two
+all-reduces per block forward), found without naming a module; a plain MLP stack
+pairs its Linears the same way, and a Linear before a norm gathers its output.
+
+The model cannot see every way a split can go wrong (a view that splits the head
+dimension instead of the heads, a chunk over the split features), so the chosen
+layer is run on the meta device as one rank holds it, recording each value's shape
+next to the unsplit run's. A failure forbids what caused it (the split input of the
+failing op, or else the whole assignment) and the model is solved again.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import operator
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from ortools.sat.python import cp_model
 
+from cost_models.devices import DeviceProfile, get_device
+from planner.measure import Measurement, measure
 from planner.plan import Sharding
 
 # Ops that act on each feature independently, or on whole heads: a split feature
@@ -32,96 +61,528 @@ from planner.plan import Sharding
 _FEATURE_WISE_FUNCTIONS = {
     F.gelu, F.relu, F.silu, F.dropout, F.scaled_dot_product_attention,
     torch.relu, torch.tanh, torch.sigmoid, torch.nn.functional.sigmoid,
-    operator.add, operator.mul, operator.sub, operator.truediv, operator.getitem,
-    torch.add, torch.mul, torch.transpose, torch.reshape,
+    operator.add, operator.mul, operator.sub, operator.truediv, operator.neg, operator.getitem,
+    torch.add, torch.mul, torch.neg, torch.transpose, torch.reshape,
+    # Dimension-sensitive: valid unless they act along the split dimension (the dry run checks).
+    torch.cat, torch.stack, torch.chunk, torch.split, torch.softmax, F.softmax, operator.matmul, torch.matmul,
 }
-_FEATURE_WISE_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "size", "relu", "mul", "add", "float", "to", "type_as"}
+_FEATURE_WISE_METHODS = {
+    "view", "reshape", "transpose", "permute", "contiguous", "size", "relu", "mul", "add", "neg", "float", "to",
+    "type_as", "chunk", "split", "softmax", "matmul",
+}
 _FEATURE_WISE_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Dropout, nn.Tanh, nn.Sigmoid, nn.Identity)
+# Dimension-sensitive ops: (function or method name, position of ``dim``, its default).
+_DIM_ARGUMENT = {
+    torch.cat: (1, 0), torch.chunk: (2, 0), torch.split: (2, 0), torch.softmax: (1, None),
+    F.softmax: (1, None), "chunk": (2, 0), "split": (2, 0), "softmax": (1, None),
+}
+_MATMULS = {operator.matmul, torch.matmul, "matmul"}
+
+_SPLIT_CHOICES = (Sharding.COLWISE, Sharding.COLWISE_GATHER, Sharding.ROWWISE, Sharding.ROWWISE_SLICE)
+_CHOICES: tuple[Sharding | None, ...] = (None, *_SPLIT_CHOICES)  # None: replicated
+_MAX_SOLVES = 32  # dry-run failures tolerated before the layer stays replicated
 
 
-def find_sharding(stage_module: fx.GraphModule) -> dict[str, Sharding]:
-    """Colwise/rowwise choice for the Linear modules of one layer; see [Note: tensor-parallel pattern].
+class TpError(ValueError):
+    """A sharding does not fit the layer (a split dimension does not divide, a view breaks)."""
+
+
+# Variables ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class TpCostModel:
+    """What one rank's time on a layer costs, per sample, in an alpha-beta model.
+
+    ``link_latency_s`` is per ring step of a collective; it is zero for a layer
+    planned per sample (the trace), whose micro-batch size is not known yet, and the
+    search charges latency per micro-batch.
+    """
+
+    tp: int = 2
+    matmul_flops_per_s: float
+    memory_bytes_per_s: float
+    link_bytes_per_s: float
+    link_latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.tp < 2:
+            raise ValueError(f"tp({self.tp}) must be >= 2 to split anything")
+
+    @classmethod
+    def for_device(cls, device: DeviceProfile | str = "A100-80GB", *, dtype: str = "fp32", tp: int = 2,
+                   latency: bool = False) -> TpCostModel:
+        """The model of ``tp`` devices of one node. The default, an A100 in fp32 (the
+        dtype the trace measures in), is the reference the trace plans layers for."""
+        profile = get_device(device) if isinstance(device, str) else device
+        return cls(tp=tp, matmul_flops_per_s=profile.achievable_matmul_flops(dtype),
+                   memory_bytes_per_s=profile.mem_bw_bytes_per_s, link_bytes_per_s=profile.intra_node_bw_bytes_per_s,
+                   link_latency_s=profile.intra_node_latency_s if latency else 0.0)
+
+    def compute_s(self, flops: float, memory_bytes: float) -> float:
+        return flops / self.matmul_flops_per_s + memory_bytes / self.memory_bytes_per_s
+
+    def all_reduce_s(self, nbytes: float) -> float:
+        """Ring all-reduce: 2(n-1) steps, 2(n-1)/n of the buffer over each link."""
+        n = self.tp
+        return 2 * (n - 1) * self.link_latency_s + 2 * (n - 1) / n * nbytes / self.link_bytes_per_s
+
+    def all_gather_s(self, nbytes: float) -> float:
+        """Ring all-gather of an ``nbytes`` output: n-1 steps, (n-1)/n of it over each link."""
+        n = self.tp
+        return (n - 1) * self.link_latency_s + (n - 1) / n * nbytes / self.link_bytes_per_s
+
+
+class _Kind(Enum):
+    SOURCE = "source"  # placeholder, get_attr: replicated on every rank
+    LINEAR = "linear"
+    FEATURE = "feature"  # a split input passes through
+    OTHER = "other"  # needs replicated inputs, gives a replicated output
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Site:
+    """One fx value of the layer and what its op allows."""
+
+    name: str
+    kind: _Kind
+    inputs: tuple[str, ...]  # fx inputs that are tensors (or tuples of tensors)
+    same_shape: tuple[str, ...] = ()  # FEATURE: inputs as large as the output (split with it, or never)
+    full_ticks: int = 0  # one rank's compute when replicated
+    split_ticks: int = 0  # ... when split
+    choice_ticks: dict[Sharding | None, int] = field(default_factory=dict)  # LINEAR: compute + comm per choice
+    path: str = ""  # LINEAR: module path
+
+
+@dataclass(frozen=True, kw_only=True)
+class TpProblem:
+    """The sharding ILP of one layer, in integer ticks of ``tick_s`` seconds."""
+
+    sites: tuple[_Site, ...]
+    tick_s: float
+    tp: int
+
+    @property
+    def linears(self) -> list[_Site]:
+        return [s for s in self.sites if s.kind is _Kind.LINEAR]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TpSolution:
+    """A solved layer: each Linear's choice (None: replicated) and one rank's time."""
+
+    choices: dict[str, Sharding | None]  # fx node name -> choice
+    objective_ticks: int
+    time_s: float
+    status: str  # "optimal" or "feasible"
+    solves: int = 1  # CP-SAT solves, one more per dry-run failure
+
+    def sharding(self, problem: TpProblem) -> dict[str, Sharding]:
+        """Module path -> Sharding of the split Linears."""
+        paths = {s.name: s.path for s in problem.linears}
+        return dict(sorted((paths[n], c) for n, c in self.choices.items() if c is not None))
+
+
+def build_problem(gm: fx.GraphModule, inputs: list[torch.Tensor], cost: TpCostModel,
+                  measurement: Measurement | None = None) -> TpProblem:
+    """The sharding ILP of ``gm`` run on meta ``inputs``; see [Note: tensor-parallel ILP].
+
+    Args:
+        gm: one layer's graph module.
+        inputs: meta tensors it runs on (one sample's worth).
+        cost: the alpha-beta model and the tensor-parallel degree.
+        measurement: ``planner.measure.measure(gm, inputs)`` when already taken.
+    """
+    counts = (measurement or measure(gm, inputs)).nodes
+    values = _run(gm, inputs)
+    seconds: dict[str, float] = {}
+    linear_s: dict[str, dict[Sharding | None, float]] = {}
+    raw: list[tuple[str, _Kind, tuple[str, ...], tuple[str, ...], str]] = []
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        c = counts.get(node.name)
+        seconds[node.name] = cost.compute_s(c.fwd_flops + c.bwd_flops, c.fwd_bytes + c.bwd_bytes) if c else 0.0
+        tensors = tuple(a.name for a in node.all_input_nodes if _is_tensors(values.get(a.name)))
+        kind, path, same = _kind(gm, node), "", ()
+        if kind is _Kind.LINEAR:
+            path, tensors = str(node.target), (node.args[0].name,)
+            linear_s[node.name] = _linear_seconds(gm.get_submodule(path), seconds[node.name],
+                                                  _nbytes(values[tensors[0]]), _nbytes(values[node.name]), cost)
+        elif kind is _Kind.FEATURE:
+            shape = getattr(values.get(node.name), "shape", None)
+            same = tuple(a for a in tensors if shape is not None and getattr(values[a], "shape", None) == shape)
+        raw.append((node.name, kind, tensors, same, path))
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    raw.append((output.name, _Kind.OTHER, tuple(a.name for a in output.all_input_nodes), (), ""))
+    tick_s = max(sum(seconds.values()), 1e-30) / 1e6  # [Note: tensor-parallel ILP]: one rank's layer in ~1e6 ticks
+    sites = []
+    for name, kind, tensors, same, path in raw:
+        full = _ticks(seconds.get(name, 0.0), tick_s)
+        sites.append(_Site(
+            name=name, kind=kind, inputs=tensors, same_shape=same, path=path, full_ticks=full,
+            split_ticks=_ticks(seconds.get(name, 0.0) / cost.tp, tick_s),
+            choice_ticks={k: _ticks(v, tick_s) for k, v in linear_s.get(name, {}).items()},
+        ))
+    return TpProblem(sites=tuple(sites), tick_s=tick_s, tp=cost.tp)
+
+
+def _ticks(seconds: float, tick_s: float) -> int:
+    """The one place seconds become solver ticks."""
+    return round(seconds / tick_s)
+
+
+def _linear_seconds(linear: nn.Linear, compute_s: float, in_bytes: int, out_bytes: int,
+                    cost: TpCostModel) -> dict[Sharding | None, float]:
+    """One rank's time for each choice a Linear can take (left out where its features do not divide)."""
+    tp = cost.tp
+    split = compute_s / tp
+    options: dict[Sharding | None, float] = {None: compute_s}
+    if linear.out_features % tp == 0:
+        options[Sharding.COLWISE] = split + cost.all_reduce_s(in_bytes)
+        options[Sharding.COLWISE_GATHER] = split + cost.all_reduce_s(in_bytes) + cost.all_gather_s(out_bytes)
+    if linear.in_features % tp == 0:
+        options[Sharding.ROWWISE] = split + cost.all_reduce_s(out_bytes)
+        options[Sharding.ROWWISE_SLICE] = split + cost.all_reduce_s(out_bytes) + cost.all_gather_s(in_bytes)
+    return options
+
+
+def _kind(gm: fx.GraphModule, node: fx.Node) -> _Kind:
+    if node.op in ("placeholder", "get_attr"):
+        return _Kind.SOURCE
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        if isinstance(module, nn.Linear):
+            return _Kind.LINEAR
+        return _Kind.FEATURE if isinstance(module, _FEATURE_WISE_MODULES) else _Kind.OTHER
+    if node.op == "call_function" and node.target in _FEATURE_WISE_FUNCTIONS:
+        return _Kind.FEATURE
+    if node.op == "call_method" and node.target in _FEATURE_WISE_METHODS:
+        return _Kind.FEATURE
+    return _Kind.OTHER
+
+
+# Solve ----------------------------------------------------------------------------------------------------------
+
+def solve(problem: TpProblem, *, forbidden_splits: frozenset[str] = frozenset(),
+          forbidden_together: tuple[frozenset[str], ...] = (),
+          forbidden_assignments: tuple[dict[str, Sharding | None], ...] = (),
+          time_limit_s: float = 10.0, workers: int = 1, seed: int = 0) -> TpSolution:
+    """Solve the sharding ILP of one layer.
+
+    Args:
+        problem: from ``build_problem``.
+        forbidden_splits: values that must stay replicated.
+        forbidden_together: sets of values that must not all be split at once.
+        forbidden_assignments: Linear choices (node -> choice) not to return again.
+        time_limit_s, workers, seed: CP-SAT's.
+
+    Returns:
+        The cheapest assignment found; "optimal" when proven.
+
+    Raises:
+        TpError: CP-SAT found no assignment in time (replicating everything always fits,
+            unless every assignment is forbidden).
+    """
+    model = cp_model.CpModel()
+    sites = {s.name: s for s in problem.sites}
+    # Variables
+    # split[v] is 1 iff value v is held split across the tensor-parallel ranks
+    split = {v: model.NewBoolVar(f"split[{v}]") for v in sites}
+    # choose[m, c] is 1 iff Linear m takes choice c (None: replicated)
+    choose = {(s.name, c): model.NewBoolVar(f"choose[{s.name},{c.value if c else 'replicated'}]")
+              for s in problem.linears for c in s.choice_ticks}
+    # Constraints
+    for s in problem.sites:
+        _layout_rules(model, s, split, choose)
+    for v in forbidden_splits:
+        model.Add(split[v] == 0)
+    for group in forbidden_together:
+        model.AddBoolOr([split[v].Not() for v in group])
+    for assignment in forbidden_assignments:
+        model.AddBoolOr([choose[m, c].Not() for m, c in assignment.items() if (m, c) in choose])
+    # Objective: one rank's time on the layer
+    terms = [choose[key] * sites[key[0]].choice_ticks[key[1]] for key in choose]
+    terms += [split[s.name] * (s.split_ticks - s.full_ticks) for s in problem.sites if s.kind is _Kind.FEATURE]
+    constant = sum(s.full_ticks for s in problem.sites if s.kind is not _Kind.LINEAR)
+    model.Minimize(sum(terms) + constant)
+    for (m, c), var in choose.items():  # hint: everything replicated, always valid
+        model.AddHint(var, c is None)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = seed
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise TpError(f"no tensor-parallel sharding of the layer ({solver.StatusName(status)})")
+    choices = {m: c for (m, c), var in choose.items() if solver.Value(var)}
+    ticks = round(solver.ObjectiveValue())
+    return TpSolution(choices=choices, objective_ticks=ticks, time_s=ticks * problem.tick_s,
+                      status="optimal" if status == cp_model.OPTIMAL else "feasible")
+
+
+def _layout_rules(model: cp_model.CpModel, s: _Site, split: dict, choose: dict) -> None:
+    """The rows of the table in [Note: tensor-parallel ILP], for one value."""
+    if s.kind is _Kind.LINEAR:
+        model.AddExactlyOne(choose[s.name, c] for c in s.choice_ticks)
+        rowwise = choose.get((s.name, Sharding.ROWWISE))
+        colwise = choose.get((s.name, Sharding.COLWISE))
+        model.Add(split[s.inputs[0]] == (rowwise if rowwise is not None else 0))
+        model.Add(split[s.name] == (colwise if colwise is not None else 0))
+    elif s.kind is _Kind.FEATURE and s.inputs:
+        model.AddMaxEquality(split[s.name], [split[i] for i in s.inputs])
+        for i in s.same_shape:
+            model.AddImplication(split[s.name], split[i])
+    else:
+        model.Add(split[s.name] == 0)
+        for i in s.inputs:
+            model.Add(split[i] == 0)
+
+
+def evaluate(problem: TpProblem, choices: dict[str, Sharding | None]) -> int | None:
+    """One rank's ticks under ``choices`` (node -> choice of every Linear), or None if invalid.
+
+    The table of [Note: tensor-parallel ILP] followed forward through the graph: the
+    brute-force check of ``solve``.
+    """
+    split: dict[str, bool] = {}
+    total = 0
+    for s in problem.sites:
+        ins = [split[i] for i in s.inputs]
+        if s.kind is _Kind.LINEAR:
+            c = choices[s.name]
+            if c not in s.choice_ticks or ins[0] != (c is Sharding.ROWWISE):
+                return None
+            split[s.name] = c is Sharding.COLWISE
+            total += s.choice_ticks[c]
+        elif s.kind is _Kind.FEATURE:
+            split[s.name] = any(ins)
+            if split[s.name] and not all(split[i] for i in s.same_shape):
+                return None
+            total += s.split_ticks if split[s.name] else s.full_ticks
+        else:
+            if any(ins):
+                return None
+            split[s.name] = False
+            total += s.full_ticks
+    return total
+
+
+# Dry run --------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _DryRunFailure:
+    """Why a sharded layer cannot run: the op, and its inputs that were split."""
+
+    node: str
+    split_inputs: frozenset[str]
+    reason: str
+
+
+def find_sharding(stage_module: fx.GraphModule, inputs: list[torch.Tensor], *,
+                  measurement: Measurement | None = None, cost: TpCostModel | None = None,
+                  time_limit_s: float = 10.0, workers: int = 1, seed: int = 0) -> dict[str, Sharding]:
+    """How tensor-parallel ranks split the Linears of one layer; see [Note: tensor-parallel ILP].
+
+    Args:
+        stage_module: one layer's graph module.
+        inputs: meta tensors it runs on (one sample's worth).
+        measurement: ``planner.measure.measure(stage_module, inputs)`` when already taken.
+        cost: the cost model; ``TpCostModel.for_device()`` (A100, fp32, tp 2) by default.
+        time_limit_s, workers, seed: CP-SAT's, per solve.
 
     Returns:
         Module path -> Sharding; modules left out stay replicated.
     """
-    linears = {
-        n.name: str(n.target)
-        for n in stage_module.graph.nodes
-        if n.op == "call_module" and isinstance(stage_module.get_submodule(str(n.target)), nn.Linear)
-    }
-    colwise = set(linears)
-    while True:
-        split, rowwise, broken = _propagate(stage_module, colwise, linears)
-        bad = {c for c in colwise if broken.get(c)}
-        if not bad:
-            break
-        colwise -= bad
-    chosen = {**{linears[c]: Sharding.COLWISE for c in colwise if c in split}, **{linears[r]: Sharding.ROWWISE for r in rowwise}}
-    return dict(sorted(chosen.items()))
+    cost = cost or TpCostModel.for_device()
+    problem = build_problem(stage_module, inputs, cost, measurement)
+    return solve_checked(stage_module, inputs, problem, time_limit_s=time_limit_s, workers=workers,
+                         seed=seed).sharding(problem)
 
 
-def _propagate(gm: fx.GraphModule, colwise: set[str], linears: dict[str, str]):
-    """Follow split values from colwise Linears. Returns (colwise that split, rowwise, broken)."""
-    origin: dict[str, set[str]] = {}  # node -> colwise Linears whose split output reaches it
-    rowwise: set[str] = set()
-    broken: dict[str, bool] = {}
-    used: set[str] = set()
-    for node in gm.graph.nodes:
-        sources = set().union(*(origin.get(a.name, set()) for a in node.all_input_nodes)) if node.all_input_nodes else set()
-        if node.name in linears:
-            if sources:
-                rowwise.add(node.name)
-                used |= sources
-            elif node.name in colwise:
-                origin[node.name] = {node.name}
-            continue
-        if not sources:
-            continue
-        if node.op == "output" or not _feature_wise(gm, node):
-            for s in sources:
-                broken[s] = True
-            continue
-        origin[node.name] = sources
-    # A Linear is only colwise if its split output is consumed by a rowwise Linear.
-    for c in colwise:
-        if c not in used:
-            broken.setdefault(c, True)
-    return used, rowwise, broken
+def solve_checked(stage_module: fx.GraphModule, inputs: list[torch.Tensor], problem: TpProblem,
+                  **solver_args: Any) -> TpSolution:
+    """``solve``, then dry-run the answer on the meta device; forbid what fails and solve again."""
+    splits: set[str] = set()
+    together: list[frozenset[str]] = []
+    assignments: list[dict[str, Sharding | None]] = []
+    for attempt in range(1, _MAX_SOLVES + 1):
+        solution = solve(problem, forbidden_splits=frozenset(splits), forbidden_together=tuple(together),
+                         forbidden_assignments=tuple(assignments), **solver_args)
+        sharding = solution.sharding(problem)
+        failure = dry_run(stage_module, inputs, sharding, problem.tp) if sharding else None
+        if failure is None:
+            return TpSolution(choices=solution.choices, objective_ticks=solution.objective_ticks,
+                              time_s=solution.time_s, status=solution.status, solves=attempt)
+        if len(failure.split_inputs) == 1:
+            splits |= failure.split_inputs
+        elif failure.split_inputs:
+            together.append(failure.split_inputs)
+        else:
+            assignments.append(solution.choices)
+    replicated = {s.name: None for s in problem.linears}
+    ticks = evaluate(problem, replicated)
+    return TpSolution(choices=replicated, objective_ticks=ticks, time_s=ticks * problem.tick_s, status="feasible",
+                      solves=_MAX_SOLVES)
 
 
-def _feature_wise(gm: fx.GraphModule, node: fx.Node) -> bool:
-    if node.op == "call_function":
-        return node.target in _FEATURE_WISE_FUNCTIONS
-    if node.op == "call_method":
-        return node.target in _FEATURE_WISE_METHODS
-    if node.op == "call_module":
-        return isinstance(gm.get_submodule(str(node.target)), _FEATURE_WISE_MODULES)
-    return False
+def dry_run(stage_module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding],
+            tp: int) -> _DryRunFailure | None:
+    """Run the layer as one rank holds it, next to the unsplit layer, on the meta device.
+
+    Returns:
+        None if every op ran on shapes it can handle, else where and why it failed.
+    """
+    reference = _run(stage_module, inputs)
+    try:
+        sharded_module = shard_on_meta(stage_module, sharding, tp)
+    except TpError as exc:
+        return _DryRunFailure(node="", split_inputs=frozenset(), reason=str(exc))
+    sharded: dict[str, Any] = {}
+    try:
+        _run(sharded_module, inputs, sharded)
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        node = next(n for n in stage_module.graph.nodes if n.name not in sharded)
+        return _failure(node, reference, sharded, f"{type(exc).__name__}: {exc}")
+    for node in stage_module.graph.nodes:
+        reason = _split_dim_misuse(node, reference, sharded)
+        if reason:
+            return _failure(node, reference, sharded, reason)
+    output = next(n for n in stage_module.graph.nodes if n.op == "output")
+    if not check_sharded_shapes(reference[output.name], sharded[output.name]):
+        return _failure(output, reference, sharded, "a split value reaches the layer's output")
+    return None
+
+
+def _failure(node: fx.Node, reference: dict, sharded: dict, reason: str) -> _DryRunFailure:
+    split_inputs = frozenset(a.name for a in node.all_input_nodes
+                             if a.name in sharded and _split_dims(reference[a.name], sharded[a.name]))
+    return _DryRunFailure(node=node.name, split_inputs=split_inputs, reason=reason)
+
+
+def _split_dims(full: Any, local: Any) -> list[int]:
+    """Dimensions (negative) in which a rank's value is smaller than the unsplit one."""
+    if isinstance(full, (tuple, list)) and isinstance(local, (tuple, list)):
+        return sorted({d for f, l in zip(full, local) for d in _split_dims(f, l)})
+    if not (isinstance(full, torch.Tensor) and isinstance(local, torch.Tensor)) or full.dim() != local.dim():
+        return []
+    return [d - full.dim() for d in range(full.dim()) if full.shape[d] != local.shape[d]]
+
+
+def _split_dim_misuse(node: fx.Node, reference: dict, sharded: dict) -> str | None:
+    """Why ``node`` computes something else on a split input than on the unsplit one, if it does."""
+    if node.op not in ("call_function", "call_method") or not node.all_input_nodes:
+        return None
+    first = node.args[0] if node.args else None
+    if isinstance(first, (tuple, list)):  # cat, stack: a sequence of tensors
+        first = first[0] if first else None
+    if not isinstance(first, fx.Node):
+        return None
+    split = _split_dims(reference[first.name], sharded[first.name])
+    if not split:
+        return None
+    full = reference[first.name]
+    if node.target in _DIM_ARGUMENT:
+        position, default = _DIM_ARGUMENT[node.target]
+        dim = node.kwargs.get("dim", node.args[position] if len(node.args) > position else default)
+        if dim is None or (isinstance(dim, int) and dim - (full.dim() if dim >= 0 else 0) in split):
+            return f"{node.target if isinstance(node.target, str) else node.target.__name__} acts along the split dimension"
+    if node.target in _MATMULS and -1 in split:
+        return "matmul contracts the split dimension"
+    if node.target in ("view", "reshape", torch.reshape):
+        return _view_misuse(full, reference[node.name], sharded[node.name], split)
+    return None
+
+
+def _view_misuse(full_in: torch.Tensor, full_out: torch.Tensor, local_out: torch.Tensor, split: list[int]) -> str | None:
+    """A view keeps each rank's slice contiguous only if the split dimension stays the
+    outermost of the dimensions it is merged with or cut into ([B, T, h] -> [B, T, heads,
+    head_dim] splits the heads; [B, T, head_dim, heads] would interleave them)."""
+    reason = "the view moves the split dimension inside another"
+    if len(split) != 1:
+        return reason
+    before = math.prod(full_in.shape[: split[0] + full_in.dim()])
+    starts = {j - full_out.dim() for j in range(full_out.dim()) if math.prod(full_out.shape[:j]) == before}
+    out_split = _split_dims(full_out, local_out)
+    return None if len(out_split) == 1 and out_split[0] in starts else reason
+
+
+def _run(module: fx.GraphModule, inputs: list[torch.Tensor], record: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run ``module`` on meta ``inputs`` without gradients; each node's value by name."""
+    values = {} if record is None else record
+
+    class _Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            values[n.name] = out
+            return out
+
+    with torch.no_grad():
+        _Recorder(module).run(*[t.detach() if isinstance(t, torch.Tensor) else t for t in inputs])
+    return values
+
+
+def _is_tensors(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_is_tensors(v) for v in value)
+    return isinstance(value, torch.Tensor)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+# The layer as one rank holds it ---------------------------------------------------------------------------------
+
+class _Gathered(nn.Module):
+    """A colwise_gather Linear on the meta device: the local slice, then the gathered width."""
+
+    def __init__(self, local: nn.Linear, tp: int):
+        super().__init__()
+        self.local, self.tp = local, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.local(x)] * self.tp, dim=-1)
+
+
+class _Sliced(nn.Module):
+    """A rowwise_slice Linear on the meta device: the rank's slice of the input, then the local Linear."""
+
+    def __init__(self, local: nn.Linear, tp: int):
+        super().__init__()
+        self.local, self.tp = local, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.local(x[..., : x.shape[-1] // self.tp])
 
 
 def shard_on_meta(stage_module: fx.GraphModule, sharding: dict[str, Sharding], tp: int) -> fx.GraphModule:
     """A meta-device copy of the layer as one tensor-parallel rank holds it.
 
     Raises:
-        ValueError: a split dimension is not divisible by ``tp``.
+        TpError: a split dimension is not divisible by ``tp``.
     """
     sharded = copy.deepcopy(stage_module)
     for path, how in sharding.items():
         linear = sharded.get_submodule(path)
         out_f, in_f = linear.out_features, linear.in_features
-        if how is Sharding.COLWISE:
+        if how in (Sharding.COLWISE, Sharding.COLWISE_GATHER):
             if out_f % tp:
-                raise ValueError(f"{path}: out_features({out_f}) not divisible by tp({tp})")
+                raise TpError(f"{path}: out_features({out_f}) not divisible by tp({tp})")
             out_f //= tp
         else:
             if in_f % tp:
-                raise ValueError(f"{path}: in_features({in_f}) not divisible by tp({tp})")
+                raise TpError(f"{path}: in_features({in_f}) not divisible by tp({tp})")
             in_f //= tp
+        local: nn.Module = nn.Linear(in_f, out_f, bias=linear.bias is not None, device="meta", dtype=linear.weight.dtype)
+        if how is Sharding.COLWISE_GATHER:
+            local = _Gathered(local, tp)
+        elif how is Sharding.ROWWISE_SLICE:
+            local = _Sliced(local, tp)
         parent_path, _, name = path.rpartition(".")
         parent = sharded.get_submodule(parent_path) if parent_path else sharded
-        bias = linear.bias is not None
-        setattr(parent, name, nn.Linear(in_f, out_f, bias=bias, device="meta", dtype=linear.weight.dtype))
+        setattr(parent, name, local)
     sharded.recompile()
     return sharded
 
@@ -135,18 +596,21 @@ def check_sharded_shapes(reference_out: Any, sharded_out: Any) -> bool:
     )
 
 
-def rowwise_output_bytes(module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding]) -> float:
-    """Bytes of the outputs of rowwise Linears: the payload of the forward all-reduces."""
-    rowwise = {p for p, s in sharding.items() if s is Sharding.ROWWISE}
-    sizes: list[int] = []
-    hooks = [
-        module.get_submodule(p).register_forward_hook(lambda m, a, out: sizes.append(out.numel() * out.element_size()))
-        for p in rowwise
-    ]
-    try:
-        with torch.no_grad():
-            module(*inputs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return float(sum(sizes))
+def forward_all_reduce_bytes(module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding]) -> float:
+    """The forward communication of a sharding as all-reduce payload bytes: the outputs
+    of rowwise Linears, plus half the gathered outputs of colwise_gather ones (a ring
+    all-gather moves half what an all-reduce of the same buffer moves)."""
+    values = _run(module, inputs)
+    total = 0.0
+    for node in module.graph.nodes:
+        how = sharding.get(str(node.target)) if node.op == "call_module" else None
+        if how in (Sharding.ROWWISE, Sharding.ROWWISE_SLICE):
+            total += _nbytes(values[node.name])
+        elif how is Sharding.COLWISE_GATHER:
+            total += _nbytes(values[node.name]) / 2
+    return total
+
+
+def forward_all_reduces(sharding: dict[str, Sharding]) -> int:
+    """All-reduces one forward pass of a layer so sharded runs: one per rowwise Linear."""
+    return sum(1 for how in sharding.values() if how in (Sharding.ROWWISE, Sharding.ROWWISE_SLICE))

@@ -29,7 +29,7 @@ import torch.fx as fx
 from cost_models.layers import LayerProfile
 from planner.measure import UNATTRIBUTED, Measurement, NodeCounts, measure, node_label, node_module
 from planner.plan import Sharding
-from planner.tensor_parallel import check_sharded_shapes, find_sharding, rowwise_output_bytes, shard_on_meta
+from planner.tensor_parallel import check_sharded_shapes, find_sharding, forward_all_reduce_bytes, shard_on_meta
 from runtime.graph import LayeredGraph, Stage, boundary_values, build_stage, meta_run_error, record_values, trace_layers
 from runtime.model_file import ModelFile, file_fingerprint
 
@@ -228,7 +228,7 @@ def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str) -> _Meas
     module = stage.module
     whole = measure(module, inputs)
     num_ops = sum(1 for n in module.graph.nodes if n.op not in _NO_KERNEL_OPS)
-    sharding = find_sharding(module)
+    sharding = find_sharding(module, inputs, measurement=whole)
     if not sharding:
         return _Measured(whole=whole, num_ops=num_ops, relative_sharding={})
     try:
@@ -249,7 +249,7 @@ def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str) -> _Meas
         split_fraction=min(1.0, scale * (1 - (half.total("fwd_flops") + half.total("bwd_flops")) / whole_flops)),
         split_params=round(scale * (params - sum(p.numel() for p in sharded.parameters()))),
         split_saved=scale * (whole.total("saved_bytes") - half.total("saved_bytes")),
-        allreduce_bytes=rowwise_output_bytes(module, inputs, sharding),
+        allreduce_bytes=forward_all_reduce_bytes(module, inputs, sharding),
     )
 
 

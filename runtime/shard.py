@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from runtime.graph import Stage, build_stage, record_values, trace_layers
@@ -106,16 +107,24 @@ def chunk_modules(module: nn.Module) -> list[nn.Module]:
     return list(module) if isinstance(module, Chunks) else [module]
 
 
-_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+_STYLES = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_slice": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
 
 
 def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict[str, str]) -> None:
-    """Shard the named submodules over ``mesh`` Megatron-style with DTensor.
+    """Shard the named submodules over ``mesh`` with DTensor (docs/plan-format.md, tp_sharding).
 
     ``colwise`` splits a Linear's output features (its output stays split, as a plain
     local tensor); ``rowwise`` splits its input features and all-reduces the output.
-    Every rank already holds identical weights, so each takes its shard locally
-    (``src_data_rank=None``) instead of receiving it from rank 0.
+    ``colwise_gather`` is colwise with the output all-gathered, so what follows (a norm,
+    the layer's output) sees every feature; ``rowwise_slice`` is rowwise on a
+    replicated input, each rank taking its slice locally. Every rank already holds
+    identical weights, so each takes its shard locally (``src_data_rank=None``)
+    instead of receiving it from rank 0.
 
     Raises:
         ShardError: a path names no submodule of the stage, or an unknown sharding.
