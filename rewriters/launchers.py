@@ -51,23 +51,64 @@ def node_layout(plan: ParallelPlan) -> tuple[int, int]:
 
 
 def launcher_source(plan: ParallelPlan) -> str:
-    """The text of ``launch.sh``: torchrun on one host, or on many with NNODES etc. set."""
+    """The text of ``launch.sh``: torchrun on one host, or on many with NNODES etc. set;
+    on a mixed cluster it also checks ``HETPAR_DEVICE_TYPE`` against the node rank's type."""
     world = plan.cluster.world_size
     nodes, per_node = node_layout(plan)
-    node_lines = []
-    if nodes > 1:
-        types = plan.cluster.device_types
-        for n in range(nodes):
-            ranks = range(n * per_node, (n + 1) * per_node)
-            kinds = sorted({types[r] for r in ranks if r < len(types)})
-            node_lines.append(f"#   NODE_RANK={n}: ranks {ranks.start}-{ranks.stop - 1} ({', '.join(kinds) or '?'})")
+    node_types = _node_types(plan, nodes, per_node)
+    node_lines = [
+        f"#   NODE_RANK={n}: ranks {n * per_node}-{(n + 1) * per_node - 1} ({', '.join(kinds) or '?'})"
+        for n, kinds in enumerate(node_types)
+    ]
     planned = (
         f"# The plan is for {nodes} hosts of {per_node} processes; NODE_RANK n must be the\n"
         f"# n-th host of the cluster spec {plan.cluster.spec!r}:\n" + "\n".join(node_lines) + "\n"
         if nodes > 1
         else ""
     )
-    return _LAUNCHER_TEMPLATE.format(world=world, planned=planned, program=PROGRAM)
+    return _LAUNCHER_TEMPLATE.format(world=world, planned=planned, program=PROGRAM,
+                                     node_type_check=_node_type_check(node_types))
+
+
+def _node_types(plan: ParallelPlan, nodes: int, per_node: int) -> list[list[str]]:
+    """The device types of each node's ranks, in node order."""
+    types = plan.cluster.device_types
+    return [sorted({types[r] for r in range(n * per_node, (n + 1) * per_node) if r < len(types)}) for n in range(nodes)]
+
+
+def _node_type_check(node_types: list[list[str]]) -> str:
+    """Shell lines that stop a host declared (HETPAR_DEVICE_TYPE) as another type than its
+    NODE_RANK's, before it joins the others; empty unless nodes differ in type.
+    See [Note: rank device types] in runtime/devices.py."""
+    kinds = list(dict.fromkeys(k for node in node_types if len(node) == 1 for k in node))
+    if len(kinds) < 2 or any(len(node) != 1 for node in node_types):
+        return ""
+    cases = "\n".join(
+        f"    {'|'.join(str(n) for n, node in enumerate(node_types) if node == [kind])}) PLANNED={kind} ;;"
+        for kind in kinds
+    )
+    hints = "; ".join(
+        f"{kind}: {','.join(str(n) for n, node in enumerate(node_types) if node == [kind])}" for kind in kinds
+    )
+    return _NODE_TYPE_CHECK.format(cases=cases, hints=hints)
+
+
+_NODE_TYPE_CHECK = """\
+# Mixed cluster: a host that says what it is (HETPAR_DEVICE_TYPE) must take a node rank of
+# that type; train.py checks every rank again, also by detecting its GPU.
+if [ -n "${{HETPAR_DEVICE_TYPE:-}}" ]; then
+    case "$NODE_RANK" in
+{cases}
+    *) PLANNED= ;;
+    esac
+    if [ "$(printf %s "$HETPAR_DEVICE_TYPE" | tr '[:upper:]' '[:lower:]')" != \\
+         "$(printf %s "$PLANNED" | tr '[:upper:]' '[:lower:]')" ]; then
+        echo "launch.sh: NODE_RANK=$NODE_RANK is planned for ${{PLANNED:-no node}} but HETPAR_DEVICE_TYPE=$HETPAR_DEVICE_TYPE;" \\
+            "node ranks by type: {hints}" >&2
+        exit 2
+    fi
+fi
+"""
 
 
 _LAUNCHER_TEMPLATE = """\
@@ -78,6 +119,8 @@ _LAUNCHER_TEMPLATE = """\
 # Many hosts:  on every host, with the same MASTER_ADDR (host of NODE_RANK=0):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 ./launch.sh --steps 100
 # Global rank = NODE_RANK * (world size / NNODES) + local rank, as the plan numbers them.
+# HETPAR_DEVICE_TYPE=A100-80GB (a device profile name) tells train.py what a host is where
+# GPU detection cannot (see docs/running.md); train.py stops if a rank is not on its planned type.
 # Fault tolerance: MAX_RESTARTS=3 ./launch.sh --steps 100 --checkpoint-dir ckpt --checkpoint-every 50
 #   (torchrun restarts the workers after a failure; they resume from the newest checkpoint).
 {planned}set -eu
@@ -94,7 +137,7 @@ if [ $((PLAN_WORLD_SIZE % NNODES)) -ne 0 ]; then
 fi
 : "${{NODE_RANK:?set NODE_RANK (0..NNODES-1) on every host}}"
 : "${{MASTER_ADDR:?set MASTER_ADDR to the host of NODE_RANK=0}}"
-exec torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" \\
+{node_type_check}exec torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" \\
     --nproc_per_node=$((PLAN_WORLD_SIZE / NNODES)) \\
     --master_addr="$MASTER_ADDR" --master_port="${{MASTER_PORT:-29500}}" \\
     ${{MAX_RESTARTS:+--max-restarts="$MAX_RESTARTS"}} "$HERE/{program}" "$@"

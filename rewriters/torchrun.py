@@ -183,8 +183,20 @@ def program_source(plan: ParallelPlan) -> str:
         dtype=_DTYPES[plan.dtype],
         plan_dtype=plan.dtype,
         stages=stages,
+        device_types=_rank_list_source(plan.cluster.device_types),
         program=PROGRAM,
     )
+
+
+def _rank_list_source(values: list[str]) -> str:
+    """A per-rank list as runs, ``['A100-80GB'] * 8 + ['V100-32GB'] * 8``, short for any world size."""
+    runs: list[list] = []
+    for value in values:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([value, 1])
+    return " + ".join(f"[{value!r}] * {count}" for value, count in runs) or "[]"
 
 
 _PROGRAM_TEMPLATE = '''\
@@ -206,7 +218,7 @@ from pathlib import Path
 
 import torch
 
-from runtime import checkpoint, cli, data_parallel, distributed, executor, precision, schedule, shard, training
+from runtime import checkpoint, cli, data_parallel, devices, distributed, executor, precision, schedule, shard, training
 from runtime.distributed import StageSpec
 from runtime.model_file import load_model_file
 
@@ -217,6 +229,7 @@ MODEL_ARGS = {model_args}  # plan.model.args
 LAYER_NAMES = {layer_names}  # plan.model.layer_names
 LEAF_MODULES = {leaf_modules}  # plan.model.leaf_modules: modules traced as opaque calls
 WORLD_SIZE = {world}  # plan.cluster.world_size
+DEVICE_TYPES = {device_types}  # plan.cluster.device_types: of each global rank
 DATA_PARALLEL = {dp}  # plan.data_parallel
 MICRO_BATCH_SIZE = {mbs}  # plan.micro_batch_size
 REPLICA_MICRO_BATCH_SIZES = {replica_mbs!r}  # plan.replica_batch_shares: micro-batch size of each replica
@@ -235,7 +248,8 @@ STAGES = [  # plan.stages: layers (first, last), ranks[d][t] = rank of replica d
 # rank setup: which stage, data-parallel replica and tp index this process is
 args = cli.parse_args(__doc__)
 cli.check_launch(WORLD_SIZE, __file__)  # torchrun started WORLD_SIZE processes?
-device = distributed.init_distributed(args.dist_timeout_s)
+device = distributed.init_distributed(args.dist_timeout_s, accelerator=devices.needs_accelerator(DEVICE_TYPES))
+devices.check_device_types(DEVICE_TYPES, device, allow_mismatch=args.allow_device_mismatch)  # each rank on its type?
 me = distributed.locate(STAGES, torch.distributed.get_rank())  # me.stage: this rank's first stage
 groups = distributed.build_groups(STAGES, me, device)  # collective: every rank builds every group
 my_stages = list(range(me.stage, len(STAGES), PIPELINE_RANKS))  # VIRTUAL_STAGES of them (model chunks)
@@ -295,13 +309,12 @@ start_step = checkpoints.restore(module, optimizer, scaler)  # 0: a fresh start
 # training loop: one optimizer step per global batch
 logger = training.StepLogger(enabled=me.rank == 0, total_steps=args.steps, global_batch_size=GLOBAL_BATCH_SIZE,
                              metrics=args.metrics, start_step=start_step)
-data = shard.global_batches(model_file, GLOBAL_BATCH_SIZE, args.seed, start_step=start_step)  # same on every rank
+rows = shard.replica_rows(REPLICA_MICRO_BATCH_SIZES, NUM_MICROBATCHES, me.replica)  # this replica's share
+data = shard.replica_batches(model_file, GLOBAL_BATCH_SIZE, args.seed, rows=rows, start_step=start_step)
 for step in range(start_step + 1, args.steps + 1):
     t0 = time.perf_counter()
-    inputs, targets = next(data)
-    micro = shard.microbatches(inputs, targets, replica=me.replica, data_parallel=DATA_PARALLEL,
-                               num_microbatches=NUM_MICROBATCHES, device=device,
-                               micro_batch_sizes=REPLICA_MICRO_BATCH_SIZES)
+    inputs, targets = next(data)  # rows `rows` of global batch `step`
+    micro = shard.microbatches(inputs, targets, num_microbatches=NUM_MICROBATCHES, device=device)
     optimizer.zero_grad(set_to_none=True)
     local_loss = executor.run_actions(pipeline, actions, micro, device)  # micro-batch losses / NUM_MICROBATCHES
     grad_sync.reduce()  # average over the replicas (FSDP2 already has)

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=4 train.py --steps 100 --optimizer adamw --lr 3e-4 \
         --init-from init.pt --save-final final.pt --metrics metrics.jsonl \
-        --checkpoint-dir ckpt --checkpoint-every 20
+        --checkpoint-dir ckpt --checkpoint-every 20 --allow-device-mismatch
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class TrainArgs:
     checkpoint_keep: int = 3  # newest checkpoints kept
     powersgd_rank: int = 1  # plan.grad_compression "powersgd": rank of the gradient approximation
     powersgd_start_step: int = 2  # ... and plain all-reduce steps before it compresses
+    allow_device_mismatch: bool = False  # warn, not stop, when a rank's device is not the plan's (runtime.devices)
 
 
 def parse_args(description: str | None = None, argv: list[str] | None = None) -> TrainArgs:
@@ -55,6 +56,8 @@ def parse_args(description: str | None = None, argv: list[str] | None = None) ->
                         help="plans with grad_compression powersgd: rank of the low-rank gradient approximation")
     parser.add_argument("--powersgd-start-step", type=int, default=2, metavar="N",
                         help="plans with grad_compression powersgd: steps of plain all-reduce first (>= 2)")
+    parser.add_argument("--allow-device-mismatch", action="store_true",
+                        help="run even where a rank's device is not the plan's device type for it (one warning)")
     ns = parser.parse_args(argv)
     if ns.steps < 0:
         parser.error(f"--steps {ns.steps} must be >= 0")
@@ -81,6 +84,7 @@ def parse_args(description: str | None = None, argv: list[str] | None = None) ->
         checkpoint_keep=ns.checkpoint_keep,
         powersgd_rank=ns.powersgd_rank,
         powersgd_start_step=ns.powersgd_start_step,
+        allow_device_mismatch=ns.allow_device_mismatch,
     )
 
 

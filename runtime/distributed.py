@@ -78,14 +78,15 @@ class Groups:
     dp_mesh: DeviceMesh | None = None  # mesh over the dp group (a slice of the (dp, tp) mesh under ZeRO with tp > 1)
 
 
-def init_distributed(timeout_s: float) -> torch.device:
+def init_distributed(timeout_s: float, *, accelerator: bool = True) -> torch.device:
     """Join the process group torchrun describes: nccl with one GPU per local rank when
-    CUDA is available, gloo on CPU otherwise. See [Note: restarted workers].
+    CUDA is available and ``accelerator`` (the plan's device types are not all CPUs;
+    runtime.devices.needs_accelerator), gloo on CPU otherwise. See [Note: restarted workers].
 
     Returns:
         The device this rank computes on.
     """
-    if torch.cuda.is_available():
+    if accelerator and torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         backend = "nccl"

@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
+import itertools
+import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,14 +96,26 @@ class ModelFile:
             return user_loss(outputs, targets)
         return default_loss(outputs, targets)
 
-    def batches(self, batch_size: int, seed: int) -> Iterator[tuple[tuple, torch.Tensor]]:
-        """Global batches ``(inputs, targets)``: the model file's, or synthetic ones."""
+    def batches(self, batch_size: int, seed: int, *, rows: range | None = None, start_step: int = 0
+                ) -> Iterator[tuple[tuple, torch.Tensor]]:
+        """Global batches ``(inputs, targets)`` of steps ``start_step + 1, ...``: the model
+        file's, or synthetic ones; with ``rows``, only those rows of each.
+
+        The model file's ``batches`` knows nothing of steps or rows, so it is drawn in
+        order from the first batch, the first ``start_step`` are dropped and each batch
+        is sliced. Synthetic data makes only the rows asked for, at any step
+        ([Note: synthetic data]); either way the rows equal those rows of the global batch.
+        """
         user_batches = getattr(self.module, "batches", None)
-        if user_batches is not None:
-            for inputs, targets in self._call("batches", user_batches, batch_size, seed):
-                yield (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), targets
+        if user_batches is None:
+            yield from synthetic_batches(self, batch_size, seed, rows=rows, start_step=start_step)
             return
-        yield from synthetic_batches(self, batch_size, seed)
+        drawn = self._call("batches", user_batches, batch_size, seed)
+        for inputs, targets in itertools.islice(drawn, start_step, None):
+            inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+            if rows is not None:
+                inputs, targets = tuple(t[rows.start:rows.stop] for t in inputs), targets[rows.start:rows.stop]
+            yield inputs, targets
 
     def _call(self, name: str, fn: Callable, *args: Any) -> Any:
         accepted = inspect.signature(fn).parameters
@@ -164,32 +178,57 @@ def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 # [Note: synthetic data]
-# Without a ``batches`` function every rank draws the same global batches from a
-# torch.Generator seeded with ``seed``: float inputs are standard normal; integer inputs
-# are uniform in [0, max(example) + 1) so token ids stay inside the example's range.
-# Targets follow the output of the model on the example (computed on the meta device):
-# integer class labels over the last output dimension when the first input is integer
-# (token models), standard normal values shaped like the output otherwise.
-def synthetic_batches(model_file: ModelFile, batch_size: int, seed: int) -> Iterator[tuple[tuple, torch.Tensor]]:
-    """Deterministic synthetic global batches; see [Note: synthetic data]."""
-    example = model_file.example_inputs(batch_size)
-    with torch.device("meta"):
-        model = model_file.build_model()
-    out = model(*(t.to("meta") for t in example))
+# Without a ``batches`` function the data is deterministic synthetic data, made row by
+# row: row r of the global batch of step k (0-based) is drawn from a torch.Generator
+# seeded with a hash of (seed, k, r). So any rows of any step are made directly, the
+# same on every rank: a data-parallel replica makes only its own rows, and a resumed
+# run starts at its step without drawing the batches before it. Float inputs are
+# standard normal; integer inputs are uniform in [0, max(example) + 1), over
+# ``example_inputs(batch_size)`` made under ``seed``, so token ids stay inside the
+# example's range. Targets follow the output of the model on the example (computed on
+# the meta device): integer class labels over the last output dimension when the first
+# input is integer (token models), standard normal values shaped like the output
+# otherwise. Dimension 0 of every input and of the output is the batch.
+def synthetic_batches(model_file: ModelFile, batch_size: int, seed: int, *, rows: range | None = None,
+                      start_step: int = 0) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """Deterministic synthetic global batches (their ``rows``) from step ``start_step + 1``
+    on; see [Note: synthetic data]."""
+    rows = range(batch_size) if rows is None else rows
+    if len(rows) == 0:
+        raise ValueError("synthetic_batches needs at least one row")
+    with torch.random.fork_rng(devices=[]):  # neither disturb nor depend on the program's RNG
+        torch.manual_seed(seed)
+        example = model_file.example_inputs(batch_size)
+        with torch.device("meta"):
+            model = model_file.build_model()
+        out = model(*(t.to("meta") for t in example))
     if isinstance(out, (tuple, list)):
         out = out[0]
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        inputs = tuple(_like(t, gen) for t in example)
-        if not example[0].is_floating_point():
-            targets = torch.randint(0, out.shape[-1], tuple(out.shape[:-1]), generator=gen)
-        else:
-            targets = torch.randn(tuple(out.shape), generator=gen)
-        yield inputs, targets
+    highs = [max(int(t.max().item()) + 1 if t.numel() else 2, 2) for t in example]
+    token_model = not example[0].is_floating_point()
+    gen = torch.Generator()
+    for step in itertools.count(start_step):
+        inputs: list[list[torch.Tensor]] = [[] for _ in example]
+        targets = []
+        for r in rows:
+            gen.manual_seed(_row_seed(seed, step, r))
+            for made, t, high in zip(inputs, example, highs):
+                made.append(_like(t, high, gen))
+            if token_model:
+                targets.append(torch.randint(0, out.shape[-1], tuple(out.shape[1:-1]), generator=gen))
+            else:
+                targets.append(torch.randn(tuple(out.shape[1:]), generator=gen))
+        yield tuple(torch.stack(made) for made in inputs), torch.stack(targets)
 
 
-def _like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def _row_seed(seed: int, step: int, row: int) -> int:
+    digest = hashlib.blake2b(struct.pack("<qqq", seed, step, row), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # manual_seed takes up to 2**63 - 1 here
+
+
+def _like(t: torch.Tensor, high: int, gen: torch.Generator) -> torch.Tensor:
+    """One row shaped like a row of ``t``."""
     if t.is_floating_point():
-        return torch.randn(tuple(t.shape), generator=gen, dtype=t.dtype)
-    high = int(t.max().item()) + 1 if t.numel() else 2
-    return torch.randint(0, max(high, 2), tuple(t.shape), generator=gen, dtype=t.dtype)
+        return torch.randn(tuple(t.shape[1:]), generator=gen, dtype=t.dtype)
+    return torch.randint(0, high, tuple(t.shape[1:]), generator=gen, dtype=t.dtype)
+

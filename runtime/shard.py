@@ -2,15 +2,27 @@
 applied, and its slice of each global batch.
 
 [Note: data order and sharding]
-Every rank iterates the same global batches, ``batches(GLOBAL_BATCH_SIZE, seed)`` of
-the model file (or its deterministic synthetic data), and keeps the rows of its
-data-parallel replica: the replicas' rows partition each global batch, so no sample is
-seen twice in a step and together they see all of it. The order is a function of the
-seed alone, so a run resumed at step k skips the first k batches and then sees exactly
-the batches an uninterrupted run would. The price: every rank materialises whole
-global batches (the model file's ``batches`` has no notion of ranks), which is cheap
-for token ids and synthetic data and worth replacing by a sharded loader for large
-inputs such as images.
+Each global batch is ``GLOBAL_BATCH_SIZE`` rows, and data-parallel replica d owns the
+rows ``replica_rows(d)``: with equal shares ``[d*B/dp, (d+1)*B/dp)``, with the plan's
+``replica_batch_shares`` (replica d's micro-batch size n_d) the ``num_microbatches *
+n_d`` rows after those of replicas 0..d-1. These ranges partition every global batch,
+so no sample is seen twice in a step and together the replicas see all of it, however
+unequal the shares. Every rank of a replica (its tensor-parallel and pipeline ranks)
+reads that replica's rows, and splits them into ``num_microbatches`` consecutive
+micro-batches.
+
+What a rank reads depends on where the data comes from (``ModelFile.batches``):
+
+- synthetic data (no ``batches`` in the model file) is made row by row from (seed,
+  step, row), so a rank makes only its replica's rows, and a resumed run starts at
+  its step directly ([Note: synthetic data] in runtime/model_file.py);
+- the model file's ``batches(GLOBAL_BATCH_SIZE, seed)`` is a plain iterator of whole
+  global batches with no notion of ranks or steps. Every rank draws it in the same
+  order and keeps its rows, and a run resumed at step k draws and drops the first k
+  batches. That is what keeps the order a function of the seed alone, identical to one
+  process's and to an uninterrupted run's; the price is that every rank materialises
+  whole global batches, cheap for token ids and worth a sharded loader for large
+  inputs such as images.
 """
 
 from __future__ import annotations
@@ -144,23 +156,54 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
 Microbatch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 
 
+def replica_rows(micro_batch_sizes: list[int], num_microbatches: int, replica: int) -> range:
+    """The rows of every global batch that replica ``replica`` trains on; see
+    [Note: data order and sharding].
+
+    Args:
+        micro_batch_sizes: each replica's micro-batch size (``REPLICA_MICRO_BATCH_SIZES``).
+        num_microbatches: micro-batches per replica and step.
+        replica: the data-parallel replica.
+    """
+    start = sum(micro_batch_sizes[:replica]) * num_microbatches
+    return range(start, start + micro_batch_sizes[replica] * num_microbatches)
+
+
+def replica_batches(model_file: ModelFile, batch_size: int, seed: int, *, rows: range, start_step: int = 0
+                    ) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """The ``rows`` of the global batches of steps ``start_step + 1, start_step + 2, ...``;
+    see [Note: data order and sharding].
+
+    Raises:
+        ShardError: (on the batch concerned) a global batch of the model file is too
+            small to hold ``rows``.
+    """
+    for inputs, targets in model_file.batches(batch_size, seed, rows=rows, start_step=start_step):
+        if any(t.shape[0] != len(rows) for t in (*inputs, targets)):
+            raise ShardError(
+                f"batches({batch_size}, seed) of {model_file.path.name} gave a batch without rows "
+                f"{rows.start}-{rows.stop - 1} (inputs {[t.shape[0] for t in inputs]} rows there, targets "
+                f"{targets.shape[0]}); it must yield {batch_size} rows per batch"
+            )
+        yield inputs, targets
+
+
 def microbatches(
     inputs: tuple[torch.Tensor, ...],
     targets: torch.Tensor,
     *,
-    replica: int,
-    data_parallel: int,
     num_microbatches: int,
     device: torch.device,
+    replica: int = 0,
+    data_parallel: int = 1,
     micro_batch_sizes: list[int] | None = None,
 ) -> list[Microbatch]:
-    """This replica's micro-batches of a global batch; see [Note: data order and sharding].
+    """A replica's micro-batches; see [Note: data order and sharding].
 
-    With equal shares, replica d takes rows ``[d*B/dp, (d+1)*B/dp)`` and splits them into
-    ``num_microbatches`` consecutive micro-batches of equal size. With
-    ``micro_batch_sizes`` (the plan's ``replica_batch_shares``: replica d's micro-batch
-    size n_d), replica d takes the next ``num_microbatches * n_d`` rows after those of
-    replicas 0..d-1.
+    By default the batch is the replica's own rows (``replica_batches``), split into
+    ``num_microbatches`` consecutive micro-batches of equal size. Given a whole global
+    batch, ``replica`` and ``data_parallel`` (and ``micro_batch_sizes``, the plan's
+    ``replica_batch_shares``) pick that replica's rows (``replica_rows``) first.
 
     Raises:
         ShardError: the batch does not split that way.
@@ -170,7 +213,7 @@ def microbatches(
     if sizes is None:
         if batch % (data_parallel * num_microbatches) or any(t.shape[0] != batch for t in inputs):
             raise ShardError(
-                f"a global batch of {batch} rows (inputs {[t.shape[0] for t in inputs]}) does not split into "
+                f"a batch of {batch} rows (inputs {[t.shape[0] for t in inputs]}) does not split into "
                 f"data_parallel({data_parallel}) * num_microbatches({num_microbatches}) equal micro-batches"
             )
         sizes = [batch // (data_parallel * num_microbatches)] * data_parallel
@@ -181,8 +224,7 @@ def microbatches(
             f"a global batch of {batch} rows (inputs {[t.shape[0] for t in inputs]}) does not split into "
             f"num_microbatches({num_microbatches}) micro-batches of {sizes} rows per replica"
         )
-    size = sizes[replica]
-    start = sum(sizes[:replica]) * num_microbatches
+    size, start = sizes[replica], replica_rows(sizes, num_microbatches, replica).start
     out = []
     for i in range(num_microbatches):
         lo, hi = start + i * size, start + (i + 1) * size
@@ -202,17 +244,7 @@ def loss_weight(micro_batch_sizes: list[int], replica: int) -> float:
     return len(micro_batch_sizes) * micro_batch_sizes[replica] / sum(micro_batch_sizes)
 
 
-def global_batches(model_file: ModelFile, batch_size: int, seed: int, *, start_step: int = 0
-                   ) -> Iterator[tuple[tuple, torch.Tensor]]:
-    """The global batches of steps ``start_step + 1, start_step + 2, ...``: the first
-    ``start_step`` batches are drawn and dropped; see [Note: data order and sharding]."""
-    data = model_file.batches(batch_size, seed)
-    for _ in range(start_step):
-        next(data)
-    return data
-
-
 __all__ = [
-    "Chunks", "Microbatch", "ShardError", "apply_tensor_parallel", "chunk_modules", "cut_stage", "rank_module", "global_batches", "load_full_state",
-    "loss_weight", "microbatches",
+    "Chunks", "Microbatch", "ShardError", "apply_tensor_parallel", "chunk_modules", "cut_stage", "rank_module", "load_full_state",
+    "loss_weight", "microbatches", "replica_batches", "replica_rows",
 ]
