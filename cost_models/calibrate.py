@@ -8,6 +8,9 @@ runtime/profiler.py's benchmarks produce (docs/profiling.md lists its keys):
      "matmul": {"fp32": [[flops, seconds], ...], "bf16": [...]},
      "copy": [bytes_moved, seconds],
      "op_overhead": {"fwd_s_per_op": s, "fwd_bwd_s_per_op": s},
+     "optimizer": {"optimizer": "adamw", "tensor_s": s, "param_s": s},        (optional)
+     "tp_op_overhead": {"fwd_bwd_s_per_op": s, "ops_per_block": n,
+                        "all_reduces_per_block": n},                          (optional)
      "collectives": {"all_reduce": [[nbytes, seconds], ...], ...},
      "step_overhead_s": s}
 
@@ -23,7 +26,19 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   micro-batch (forward, input gradient, weight gradient; cost_models/compute.py), so
   it is a third of the measured forward-plus-backward seconds per tiny op;
 - ``step_overhead_s`` is measured directly: a training step of a model too small to
-  cost anything (data, zero_grad, the loss all-reduce, the optimizer's calls).
+  cost anything (data, zero_grad, the loss all-reduce, the optimizer's calls), less
+  the optimizer's per-tensor cost of its four tensors, which the estimator charges
+  per tensor;
+- ``kernel_efficiency`` is 1: the rates above are the rates kernels reach on this host
+  (the global 0.75 of cost_models/compute.py stands for what GPU training kernels lose
+  against microbenchmarks, fitted on published runs, not for this host);
+- ``optimizer_tensor_overhead_s`` and ``optimizer_bytes_per_s``: an AdamW step's
+  seconds per parameter tensor and its memory traffic (OPTIMIZER_BYTES_PER_PARAM per
+  parameter) per second, from two steps (runtime/profiler.py ``optimizer_times``);
+- ``tp_module_overhead_s`` ([Note: tensor-parallel dispatch] in cost_models/compute.py):
+  a tiny colwise/rowwise block's forward plus backward, less what the estimator
+  already charges for it (its ops' overhead and its all-reduces at the fitted alpha),
+  per sharded module.
 A negative intercept (noise on a shared machine) is clamped to zero.
 """
 
@@ -35,9 +50,14 @@ from dataclasses import replace
 from typing import Any
 
 from cost_models.devices import DeviceProfile, MeasuredCollective, ProfileError
+from cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
 
 # The cost model charges each op three launches per micro-batch; see [Note: calibrated fits].
 LAUNCHES_PER_OP = 3
+# Parameter tensors of runtime/profiler.py's step-overhead model (two Linear layers).
+_STEP_PROBE_TENSORS = 4
+# Sharded modules of runtime/profiler.py's tensor-parallel block (one colwise, one rowwise).
+_TP_PROBE_SHARDED_MODULES = 2
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -111,6 +131,18 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile) -> DeviceProf
     }
     if "p2p" in fits:
         fields["intra_node_latency_s"], fields["intra_node_bw_bytes_per_s"] = fits["p2p"]
+    fields["kernel_efficiency"] = 1.0
+    optimizer = measurements.get("optimizer")
+    if optimizer:
+        fields["optimizer_tensor_overhead_s"] = float(optimizer["tensor_s"])
+        if optimizer["param_s"] > 0:
+            fields["optimizer_bytes_per_s"] = OPTIMIZER_BYTES_PER_PARAM[optimizer["optimizer"]] / optimizer["param_s"]
+        fields["step_overhead_s"] = max(0.0, float(step_s) - _STEP_PROBE_TENSORS * float(optimizer["tensor_s"]))
+    tp = measurements.get("tp_op_overhead")
+    if tp and "all_reduce" in measured:
+        block = tp["fwd_bwd_s_per_op"] * tp["ops_per_block"]
+        charged = tp["ops_per_block"] * per_op + tp["all_reduces_per_block"] * measured["all_reduce"].latency_s
+        fields["tp_module_overhead_s"] = max(0.0, block - charged) / _TP_PROBE_SHARDED_MODULES
     notes = {
         "matmul_efficiency": "1.0: the fitted peak is the rate matmuls reach here",
         "mem_bw_bytes_per_s": "copy bandwidth, bytes read plus written",
@@ -118,6 +150,10 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile) -> DeviceProf
         "step_overhead_s": "a training step of a negligible model",
         "intra_node_latency_s": "send/recv alpha",
         "intra_node_bw_bytes_per_s": "send/recv beta",
+        "kernel_efficiency": "1.0: the fitted rates are the rates kernels reach here",
+        "optimizer_tensor_overhead_s": "AdamW step seconds per tiny parameter tensor",
+        "optimizer_bytes_per_s": "AdamW step over large tensors, bytes moved per second",
+        "tp_module_overhead_s": "DTensor colwise/rowwise block less its ops and all-reduces, per sharded module",
     }
     for key, note in notes.items():
         if key in fields:

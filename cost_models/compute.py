@@ -87,7 +87,7 @@ class LayerTime:
 
 def layer_timing(
     layer: LayerProfile, device, *, tp: int, micro_batch_size: int, dtype: str,
-    kernel_efficiency: float = TRAINING_KERNEL_EFFICIENCY,
+    kernel_efficiency: float | None = None,
 ) -> LayerTime:
     """Forward, input-gradient and weight-gradient seconds of one micro-batch; see [Note: layer time].
 
@@ -97,11 +97,15 @@ def layer_timing(
         tp: tensor-parallel degree of the stage.
         micro_batch_size: samples per micro-batch.
         dtype: training precision, which sets peak FLOP/s and activation bytes.
-        kernel_efficiency: fraction of the microbenchmark rates reached in training.
+        kernel_efficiency: fraction of the microbenchmark rates reached in training;
+            None takes the device's own (a measured profile's) or else
+            TRAINING_KERNEL_EFFICIENCY.
 
     Raises:
         ValueError: unknown dtype, or a non-positive efficiency.
     """
+    if kernel_efficiency is None:
+        kernel_efficiency = training_efficiency(device)
     if not kernel_efficiency > 0:
         raise ValueError(f"kernel_efficiency must be positive, got {kernel_efficiency}")
     flop_rate = device.peak_flops(dtype) * device.matmul_efficiency * kernel_efficiency
@@ -110,8 +114,33 @@ def layer_timing(
     saved = layer.saved_bytes_at(tp) * micro_batch_size * dtype_bytes(dtype) / 4
     launch = (getattr(device, "op_overhead_s", None) or DEFAULT_OP_OVERHEAD_S) * layer.num_ops
     weight_flops = min(fwd_flops, bwd_flops / 2) if layer.params_at(tp) > 0 else 0.0
+    # [Note: tensor-parallel dispatch]: a third forward, two thirds input gradient.
+    sharded = (getattr(device, "tp_module_overhead_s", None) or 0.0) * layer.tp_sharded_modules if tp > 1 else 0.0
     return LayerTime(
-        fwd_s=fwd_flops / flop_rate + saved / byte_rate + launch,
-        bwd_input_s=(bwd_flops - weight_flops) / flop_rate + 2 * saved / byte_rate + launch,
+        fwd_s=fwd_flops / flop_rate + saved / byte_rate + launch + sharded / 3,
+        bwd_input_s=(bwd_flops - weight_flops) / flop_rate + 2 * saved / byte_rate + launch + 2 * sharded / 3,
         bwd_weight_s=weight_flops / flop_rate + launch,
     )
+
+
+def training_efficiency(device) -> float:
+    """The fraction of ``device``'s microbenchmark rates training kernels reach.
+
+    A measured profile carries its own (``hetpar profile`` measures the rates reached
+    on the host); datasheet profiles take TRAINING_KERNEL_EFFICIENCY.
+    """
+    own = getattr(device, "kernel_efficiency", None)
+    return own if own is not None else TRAINING_KERNEL_EFFICIENCY
+
+
+# [Note: tensor-parallel dispatch]
+# The generated program shards a module with DTensor (runtime/shard.py): every call
+# checks and redistributes its input, runs the op on distributed tensors (sharding
+# propagation in Python) and unwraps the output, in the forward and again in the
+# backward. On a GPU this hides behind the kernels; on a CPU it is milliseconds per
+# module. `hetpar profile` measures it (runtime/profiler.py, a tiny colwise/rowwise
+# block whose kernels cost nothing) and cost_models/calibrate.py fits
+# ``tp_module_overhead_s`` per sharded module and micro-batch, forward plus backward;
+# datasheet profiles leave it unset (zero). It is charged where the DTensor work runs:
+# the forward once, the input-gradient backward twice (its redistribution and the
+# gradient's); the weight gradient is a plain local matmul.

@@ -118,8 +118,8 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
             except Exception as exc:  # noqa: BLE001 - located and reported as one line
                 raise meta_run_error(stage.module, exc, f"layer {name}") from exc
         measured = cache[key]
-        params, tied = _owned_params(stage.module, held)
-        layers.append(measured.profile(name=name, params=params, tied_params=tied,
+        params, tied, tensors = _owned_params(stage.module, held)
+        layers.append(measured.profile(name=name, params=params, tied_params=tied, param_tensors=tensors,
                                        boundary_bytes=float(sum(s.nbytes for s in stage.send))))
         shardings.append(_absolute(measured.relative_sharding, name))
         boundaries.append([BoundaryTensor(shape=t.shape, dtype=str(t.dtype).removeprefix("torch."), nbytes=t.nbytes)
@@ -201,7 +201,7 @@ class _Measured:
     def node_counts(self) -> list[NodeCounts]:
         return list(self.whole.nodes.values())
 
-    def profile(self, *, name: str, params: int, tied_params: int, boundary_bytes: float) -> LayerProfile:
+    def profile(self, *, name: str, params: int, tied_params: int, param_tensors: int, boundary_bytes: float) -> LayerProfile:
         w = self.whole
         return LayerProfile(
             name=name,
@@ -215,6 +215,8 @@ class _Measured:
             tp_split_params=self.split_params,
             tp_split_saved_bytes=max(0.0, self.split_saved),
             tp_allreduce_bytes=self.allreduce_bytes,
+            tp_sharded_modules=len(self.relative_sharding),
+            param_tensors=param_tensors,
             fwd_elementwise_flops=w.total("fwd_elementwise_flops"),
             bwd_elementwise_flops=w.total("bwd_elementwise_flops"),
             fwd_bytes_accessed=w.total("fwd_bytes"),
@@ -253,16 +255,18 @@ def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str) -> _Meas
     )
 
 
-def _owned_params(module: fx.GraphModule, held: set[int]) -> tuple[int, int]:
-    """(parameters this layer holds first, parameters an earlier layer already holds); updates ``held``."""
-    owned = tied = 0
+def _owned_params(module: fx.GraphModule, held: set[int]) -> tuple[int, int, int]:
+    """(parameters this layer holds first, parameters an earlier layer already holds,
+    tensors this layer holds first); updates ``held``."""
+    owned = tied = tensors = 0
     for p in module.parameters():
         if id(p) in held:
             tied += p.numel()
         else:
             held.add(id(p))
             owned += p.numel()
-    return owned, tied
+            tensors += 1
+    return owned, tied, tensors
 
 
 def _structure_key(stage: Stage, layer_name: str, inputs: list[torch.Tensor]) -> Any:

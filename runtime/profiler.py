@@ -121,6 +121,28 @@ def op_overhead_times(*, blocks: int, repeats: int) -> dict[str, float]:
     return {"fwd_s_per_op": fwd / ops, "fwd_bwd_s_per_op": both / ops}
 
 
+def optimizer_times(*, repeats: int) -> dict[str, float]:
+    """Seconds of an AdamW step (torch's defaults, as the generated program builds it) per
+    parameter tensor and per parameter.
+
+    Two steps: many tiny tensors (their elements cost nothing, so the time is the
+    per-tensor loop) and a few large ones (their time less the per-tensor share is the
+    per-element traffic).
+    """
+    def step_s(tensors: int, numel: int) -> float:
+        params = [nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn(numel)
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        return median_time_s(optimizer.step, repeats=repeats)
+
+    tiny_tensors, big_tensors, big_numel = 256, 4, 1 << 20
+    per_tensor = step_s(tiny_tensors, 8) / tiny_tensors
+    big = step_s(big_tensors, big_numel)
+    return {"tensor_s": per_tensor, "param_s": max(big - big_tensors * per_tensor, 0.0) / (big_tensors * big_numel),
+            "optimizer": "adamw"}
+
+
 # --- Collectives between local workers --------------------------------------------------
 
 
@@ -202,6 +224,8 @@ def _compute_benchmarks(plan: dict, progress: Callable[[str], None]) -> dict:
     out["elementwise"] = list(elementwise_times(1 << 22, repeats=repeats))
     progress("per-op overhead")
     out["op_overhead"] = op_overhead_times(blocks=50, repeats=3 * repeats)
+    progress("optimizer step")
+    out["optimizer"] = optimizer_times(repeats=repeats)
     return out
 
 

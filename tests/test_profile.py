@@ -79,6 +79,63 @@ def test_fit_profile_takes_each_parameter_from_its_measurement():
     assert p.memory_bytes == get_device("cpu").memory_bytes  # unmeasured: kept from the base
 
 
+def test_fit_profile_recovers_the_optimizer_and_tensor_parallel_costs():
+    # Synthetic measurements built from known costs, as the probes would see them.
+    tensor_s, bytes_per_s, module_s = 40e-6, 4e9, 2e-3
+    data = record()
+    data["optimizer"] = {"optimizer": "adamw", "tensor_s": tensor_s, "param_s": 28 / bytes_per_s}
+    per_op, alpha = data["op_overhead"]["fwd_bwd_s_per_op"], 200e-6
+    block_s = 3 * per_op + 2 * alpha + 2 * module_s  # 3 ops, 2 all-reduces, 2 sharded modules
+    data["tp_op_overhead"] = {"fwd_bwd_s_per_op": block_s / 3, "ops_per_block": 3, "all_reduces_per_block": 2}
+    p = fit_profile(data, get_device("cpu"))
+    assert p.optimizer_tensor_overhead_s == pytest.approx(tensor_s)
+    assert p.optimizer_bytes_per_s == pytest.approx(bytes_per_s)
+    assert p.tp_module_overhead_s == pytest.approx(module_s)
+    assert p.step_overhead_s == pytest.approx(1e-3 - 4 * tensor_s)  # the probe's four tensors are charged per tensor
+    assert p.kernel_efficiency == 1.0
+    for key in ("optimizer_tensor_overhead_s", "optimizer_bytes_per_s", "tp_module_overhead_s", "kernel_efficiency"):
+        assert p.sources[key].startswith("fitted from hetpar profile")
+
+
+def test_a_measured_profile_uses_its_own_kernel_efficiency_unless_one_is_given():
+    from cost_models.compute import TRAINING_KERNEL_EFFICIENCY, layer_timing
+    measured = fit_profile(record(), get_device("cpu"))
+    layer = _tiny_graph().layers[0]
+    own = layer_timing(layer, measured, tp=1, micro_batch_size=4, dtype="fp32")
+    given = layer_timing(layer, measured, tp=1, micro_batch_size=4, dtype="fp32", kernel_efficiency=1.0)
+    derated = layer_timing(layer, measured, tp=1, micro_batch_size=4, dtype="fp32", kernel_efficiency=TRAINING_KERNEL_EFFICIENCY)
+    assert own == given and derated.fwd_s > own.fwd_s
+    builtin = get_device("cpu")
+    assert layer_timing(layer, builtin, tp=1, micro_batch_size=4, dtype="fp32") == layer_timing(
+        layer, builtin, tp=1, micro_batch_size=4, dtype="fp32", kernel_efficiency=TRAINING_KERNEL_EFFICIENCY)
+
+
+def test_tensor_parallel_dispatch_is_charged_per_sharded_module_only_under_tp():
+    from dataclasses import replace
+    from cost_models.compute import layer_timing
+    measured = replace(fit_profile(record(), get_device("cpu")), tp_module_overhead_s=3e-3,
+                       sources={**fit_profile(record(), get_device("cpu")).sources, "tp_module_overhead_s": "test"})
+    plain = LayerProfile(name="l", fwd_flops=1e6, bwd_flops=2e6, params=1000, saved_activation_bytes=1e3,
+                         boundary_bytes=1e3, num_ops=10, tp_split_flops_fraction=0.0)
+    sharded = replace(plain, tp_sharded_modules=4)
+    t = lambda layer, tp: layer_timing(layer, measured, tp=tp, micro_batch_size=1, dtype="fp32")
+    assert t(sharded, 1) == t(plain, 1)
+    extra = (t(sharded, 2).fwd_s + t(sharded, 2).bwd_s) - (t(plain, 2).fwd_s + t(plain, 2).bwd_s)
+    assert extra == pytest.approx(4 * 3e-3)
+
+
+def test_the_optimizer_step_costs_per_tensor_with_a_measured_profile():
+    from dataclasses import replace
+    base = fit_profile(record(), get_device("cpu"))
+    cluster = lambda p: parse_cluster("1x1xcpu", profiles={"CPU": p})
+    few = ModelGraph(file="synthetic.py", args={}, fingerprint="", layers=[replace(_tiny_graph().layers[0], param_tensors=2)] * 4)
+    many = ModelGraph(file="synthetic.py", args={}, fingerprint="", layers=[replace(_tiny_graph().layers[0], param_tensors=12)] * 4)
+    cfg = EstimateConfig(global_batch_size=4, dp=1, tp=1, pp=1, micro_batch_size=4, dtype="fp32")
+    costly = replace(base, optimizer_tensor_overhead_s=1e-4, sources={**base.sources, "optimizer_tensor_overhead_s": "test"})
+    step = lambda g: estimate(g, cluster(costly), cfg).time.optimizer_s
+    assert step(many) - step(few) == pytest.approx(4 * 10 * 1e-4)
+
+
 def test_fit_profile_names_missing_measurements():
     data = record()
     del data["copy"]

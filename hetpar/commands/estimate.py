@@ -51,7 +51,7 @@ def estimate(
     optimizer: Annotated[Optimizer, typer.Option(help="Optimizer whose state is held.")] = Optimizer.adamw,
     scatter_gather: Annotated[bool, typer.Option(help="Megatron's scatter/gather of pipeline sends over tensor-parallel ranks.")] = True,
     overlap_grad_reduce: Annotated[bool, typer.Option(help="Overlap the gradient all-reduce with the last backward.")] = False,
-    kernel_efficiency: Annotated[float, typer.Option(help="Fraction of microbenchmark rates training kernels reach (docs/cost-model.md).")] = TRAINING_KERNEL_EFFICIENCY,
+    kernel_efficiency: Annotated[Optional[float], typer.Option(help=f"Fraction of microbenchmark rates training kernels reach (docs/cost-model.md); default: a measured --profile's own, else {TRAINING_KERNEL_EFFICIENCY}.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON to stdout.")] = False,
     model_arg: Annotated[Optional[list[str]], typer.Option("--model-arg", "-a", help="key=value passed to build_model(); repeatable.")] = None,
     profile: Annotated[Optional[list[Path]], typer.Option("--profile", help="Device profile from hetpar profile; replaces the built-in profile of that device type. Repeatable.")] = None,

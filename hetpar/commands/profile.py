@@ -105,7 +105,7 @@ def profile(
 
 def _measure_with_progress(nproc: int, quick: bool, model: Optional[Path], model_arg: Optional[list[str]],
                            batch_size: int) -> dict[str, Any]:
-    total = 7 + (1 if model else 0)
+    total = 9 + (1 if model else 0)
     with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.description}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("", total=total)
