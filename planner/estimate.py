@@ -39,9 +39,9 @@ from cost_models.cluster import Cluster
 from cost_models.collectives import all_gather_time_s, all_reduce_time_s, p2p_time_s, reduce_scatter_time_s
 from cost_models.compute import (
     HBM_STREAM_EFFICIENCY,
-    TRAINING_KERNEL_EFFICIENCY,
     dtype_bytes,
     layer_timing,
+    training_efficiency,
 )
 from cost_models.devices import DeviceProfile
 from cost_models.layers import LayerProfile
@@ -90,7 +90,7 @@ class EstimateConfig:
     stage_devices: tuple[str, ...] | None = None  # device type per pipeline rank, p entries
     scatter_gather: bool = True  # Megatron's p2p optimisation (Narayanan et al. 2021, section 4.1)
     overlap_grad_reduce: bool = False
-    kernel_efficiency: float = TRAINING_KERNEL_EFFICIENCY
+    kernel_efficiency: float | None = None  # None: each device's own (cost_models.compute.training_efficiency)
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
@@ -123,7 +123,7 @@ class EstimateConfig:
             raise EstimateError(f"virtual stages ({self.virtual_stages}) need --schedule interleaved, not {self.schedule}")
         if self.dtype not in ("fp32", "bf16", "fp16"):
             raise EstimateError(f"unknown dtype {self.dtype!r}; use one of fp32, bf16, fp16")
-        if not self.kernel_efficiency > 0:
+        if self.kernel_efficiency is not None and not self.kernel_efficiency > 0:
             raise EstimateError(f"kernel efficiency must be positive, got {self.kernel_efficiency}")
 
     def _check_stage_lists(self) -> None:
@@ -469,15 +469,20 @@ def _dp_sync_s(params: float, cluster: Cluster, config: EstimateConfig, layout: 
     return reduce_scatter_time_s(nbytes, group, cluster, **kw) + all_gather_time_s(nbytes, group, cluster, **kw)
 
 
-def _optimizer_s(params: float, device: DeviceProfile, config: EstimateConfig) -> float:
+def _optimizer_s(params: float, tensors: int, device: DeviceProfile, config: EstimateConfig) -> float:
     """One optimizer step over this rank's share of the parameters: bound by memory traffic.
 
-    A measured profile adds its ``step_overhead_s``: what a training step costs besides
-    the layers and the gradient sync (docs/profiling.md); datasheet profiles have none.
+    A measured profile has the traffic rate an optimizer step reaches and its cost per
+    parameter tensor, and adds its ``step_overhead_s``: what a training step costs
+    besides the layers and the gradient sync (docs/profiling.md); datasheet profiles
+    have none of these.
     """
     share = params / config.dp if config.zero_stage >= 1 else params
-    rate = device.mem_bw_bytes_per_s * HBM_STREAM_EFFICIENCY * config.kernel_efficiency
-    return share * _OPTIMIZER_BYTES_PER_PARAM[config.optimizer] / rate + (getattr(device, "step_overhead_s", None) or 0.0)
+    rate = getattr(device, "optimizer_bytes_per_s", None) or (
+        device.mem_bw_bytes_per_s * HBM_STREAM_EFFICIENCY
+        * (config.kernel_efficiency if config.kernel_efficiency is not None else training_efficiency(device)))
+    fixed = (getattr(device, "step_overhead_s", None) or 0.0) + tensors * (getattr(device, "optimizer_tensor_overhead_s", None) or 0.0)
+    return share * _OPTIMIZER_BYTES_PER_PARAM[config.optimizer] / rate + fixed
 
 
 # --- Memory --------------------------------------------------------------------------------
@@ -570,7 +575,8 @@ def _assemble(model, cluster, config, layouts, bounds, played: _Played, stages: 
     busiest = max(range(c.pp), key=run.busy_s)
     compute, tp, zero3 = (sum(played.parts[t.action][i] for t in run.ranks[busiest]) for i in range(3))
     pp = max(0.0, run.end_s(busiest) - played.run_without_transfers.end_s(busiest))
-    optimizer = max(_optimizer_s(params[r], cluster.profile(layouts[r].device_type), c) for r in range(c.pp))
+    tensors = [sum(model.layers[l].param_tensors for first, last in s.chunks for l in range(first, last + 1)) for s in stages]
+    optimizer = max(_optimizer_s(params[r], tensors[r], cluster.profile(layouts[r].device_type), c) for r in range(c.pp))
     time = TimeBreakdown(compute_s=compute, bubble_s=pipeline_end - compute - tp - zero3 - pp, tp_comm_s=tp, pp_comm_s=pp,
                          dp_comm_s=dp + zero3, optimizer_s=optimizer)
     step = time.step_s
