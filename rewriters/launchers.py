@@ -189,6 +189,7 @@ def slurm_source(plan: ParallelPlan, *, job_name: str) -> str:
             f"# The cluster mixes {', '.join(kinds)}: node n of the allocation (SLURM_NODEID) must be the n-th node\n"
             f"# of the spec {plan.cluster.spec!r}, so node ranks are fixed (static rendezvous) and a failure\n"
             "# ends the job (MAX_RESTARTS defaults to 0); resubmit it and it resumes from --checkpoint-dir.\n"
+            "# train.py checks each rank's GPU against its planned type and stops the job on a wrong order.\n"
         )
         torchrun = (
             'exec torchrun --nnodes="$SLURM_NNODES" --node_rank="$SLURM_NODEID" --nproc_per_node="$NPROC_PER_NODE" '
@@ -258,7 +259,8 @@ def pytorchjob_source(plan: ParallelPlan, *, job_name: str, build_dir: str) -> s
     note = (
         f"#\n# NOTE: the cluster mixes {', '.join(kinds)}. The pods of a PyTorchJob share one template and\n"
         "# the c10d rendezvous orders them freely, so the plan's device types per rank are not kept:\n"
-        "# run this plan with launch.sh or slurm.sbatch, which fix node ranks.\n"
+        "# run this plan with launch.sh or slurm.sbatch, which fix node ranks (train.py stops at start-up\n"
+        "# when a rank's device is not its planned type).\n"
         if len(kinds) > 1
         else ""
     )
