@@ -4,9 +4,10 @@ Modules, in the order a program uses them:
 
 - ``cli``: the program's options and the world-size check.
 - ``distributed``: process group, this rank's place in the plan, its groups and pipeline peers, teardown.
+- ``devices``: each rank's device type (HETPAR_DEVICE_TYPE or detection) checked against the plan's.
 - ``model_file``: the model-file contract (build, loss, data).
 - ``graph``: fx capture, layers, and stage cuts.
-- ``shard``: this rank's stage, tensor parallel, its micro-batches, the data order.
+- ``shard``: this rank's stage, tensor parallel, its replica's rows of each batch, its micro-batches.
 - ``recompute``: each layer of a stage under torch.utils.checkpoint.
 - ``data_parallel``: gradients of a stage's replicas: all-reduce, DDP comm hooks, ZeRO through FSDP2.
 - ``precision``: fp16 loss scaling agreed by every rank.
