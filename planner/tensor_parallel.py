@@ -201,9 +201,11 @@ def build_problem(gm: fx.GraphModule, inputs: list[torch.Tensor], cost: TpCostMo
         if node.op == "output":
             continue
         c = counts.get(node.name)
-        seconds[node.name] = cost.compute_s(c.fwd_flops + c.bwd_flops, c.fwd_bytes + c.bwd_bytes) if c else 0.0
-        tensors = tuple(a.name for a in node.all_input_nodes if _is_tensors(values.get(a.name)))
         kind, path, same = _kind(gm, node), "", ()
+        # A Linear is charged its FLOPs alone: its weight traffic is per micro-batch, not per sample.
+        memory_bytes = 0.0 if kind is _Kind.LINEAR or c is None else c.fwd_bytes + c.bwd_bytes
+        seconds[node.name] = cost.compute_s(c.fwd_flops + c.bwd_flops, memory_bytes) if c else 0.0
+        tensors = tuple(a.name for a in node.all_input_nodes if _is_tensors(values.get(a.name)))
         if kind is _Kind.LINEAR:
             path, tensors = str(node.target), (node.args[0].name,)
             linear_s[node.name] = _linear_seconds(gm.get_submodule(path), seconds[node.name],
@@ -488,6 +490,8 @@ def _split_dim_misuse(node: fx.Node, reference: dict, sharded: dict) -> str | No
             return f"{node.target if isinstance(node.target, str) else node.target.__name__} acts along the split dimension"
     if node.target in _MATMULS and -1 in split:
         return "matmul contracts the split dimension"
+    if node.target is F.scaled_dot_product_attention and set(split) - {-3, -4}:
+        return "attention over a split sequence or head dimension"
     if node.target in ("view", "reshape", torch.reshape):
         return _view_misuse(full, reference[node.name], sharded[node.name], split)
     return None

@@ -1,0 +1,341 @@
+"""The tensor-parallel ILP (planner.tensor_parallel): brute force, Megatron's pattern, valid plans.
+
+A plan is checked by running the layer as ``tp`` ranks would, in one process: each
+rank holds its slice of every split Linear, and the collectives (all-reduce of rowwise
+outputs, all-gather of colwise_gather outputs) are done by hand. The result must be
+the unsplit layer's, on real tensors.
+"""
+
+import copy
+import itertools
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from planner.plan import Sharding
+from planner.tensor_parallel import (
+    TpCostModel, build_problem, dry_run, evaluate, find_sharding, forward_all_reduces, solve, solve_checked,
+)
+from runtime.model_file import load_model_file
+
+
+# Models ---------------------------------------------------------------------------------------------------------
+
+class MLPStack(nn.Module):
+    def __init__(self, width: int = 128, depth: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = F.relu(layer(x))
+        return x
+
+
+class NormMLP(nn.Module):
+    """A norm between two Linears: the first one's split output cannot reach it."""
+
+    def __init__(self, width: int = 128):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(width, width), nn.LayerNorm(width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.fc2(self.norm(F.relu(self.fc1(x))))
+
+
+class ConvHead(nn.Module):
+    def __init__(self, channels: int = 8, hidden: int = 256, classes: int = 10):
+        super().__init__()
+        self.conv = nn.Conv2d(3, channels, 3, padding=1)
+        self.fc1, self.fc2 = nn.Linear(channels * 8 * 8, hidden), nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(F.relu(self.conv(x)).flatten(1))))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, rotary q and k (a cat over the head dimension), SwiGLU."""
+
+    def __init__(self, hidden: int = 128, heads: int = 4, seq: int = 8):
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.norm1, self.norm2 = RMSNorm(hidden), RMSNorm(hidden)
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(hidden, 3 * hidden, bias=False), nn.Linear(hidden, 3 * hidden, bias=False)
+        self.down = nn.Linear(3 * hidden, hidden, bias=False)
+        angles = torch.outer(torch.arange(seq).float(), 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2) / self.head_dim))
+        self.register_buffer("cos", torch.cat([angles.cos(), angles.cos()], -1))
+        self.register_buffer("sin", torch.cat([angles.sin(), angles.sin()], -1))
+
+    def rotate(self, t):
+        half = self.head_dim // 2
+        return t * self.cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * self.sin
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        h = self.norm1(x)
+        q = self.rotate(self.q(h).view(B, T, -1, self.head_dim).transpose(1, 2))
+        k = self.rotate(self.k(h).view(B, T, -1, self.head_dim).transpose(1, 2))
+        v = self.v(h).view(B, T, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(B, T, -1))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class FixedHeads(nn.Module):
+    """Attention that views features as [heads, -1] with the head count fixed: a rank's
+    half of q's features would become half of every head, so the dry run must refuse it."""
+
+    def __init__(self, hidden: int = 128, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        return x + self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
+
+
+class FusedQKV(nn.Module):
+    """One Linear for q, k and v, chunked: a chunk over split features mixes q, k and v."""
+
+    def __init__(self, hidden: int = 128, heads: int = 4):
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.qkv, self.o = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        return x + self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
+
+
+def gpt_block(hidden: int = 128, heads: int = 4) -> nn.Module:
+    return load_model_file("examples/gpt.py", {"n_layers": 1, "hidden": hidden, "heads": heads}).build_model().blocks[0]
+
+
+def mlp_block(width: int = 64) -> nn.Module:
+    return load_model_file("examples/mlp.py", {"width": width}).build_model()[1]
+
+
+MODELS = {  # name -> (module factory, input shape of one sample)
+    "gpt_block": (gpt_block, (1, 8, 128)),
+    "llama_block": (LlamaBlock, (1, 8, 128)),
+    "mlp_stack": (MLPStack, (1, 128)),
+    "norm_mlp": (NormMLP, (1, 128)),
+    "conv_head": (ConvHead, (1, 3, 8, 8)),
+    "examples_mlp_block": (mlp_block, (1, 64)),
+}
+SLOW_LINK = TpCostModel.for_device("V100-16GB", tp=2)  # 300 GB/s NVLink over ~14 TFLOP/s fp32: less to gain
+
+
+def layer(name: str):
+    """(real module, its fx graph on the meta device, meta inputs) for ``MODELS[name]``."""
+    factory, shape = MODELS[name]
+    torch.manual_seed(0)
+    module = factory()
+    meta = fx.symbolic_trace(copy.deepcopy(module).to("meta"))
+    return module, meta, [torch.empty(shape, device="meta", requires_grad=True)]
+
+
+def brute_force(problem) -> int:
+    names = [s.name for s in problem.linears]
+    options = [list(s.choice_ticks) for s in problem.linears]
+    costs = (evaluate(problem, dict(zip(names, combo))) for combo in itertools.product(*options))
+    return min(c for c in costs if c is not None)
+
+
+# ILP against brute force ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cost", [TpCostModel.for_device(), SLOW_LINK, TpCostModel.for_device(tp=4, latency=True)],
+                         ids=["a100", "v100", "a100_tp4_latency"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_ilp_matches_brute_force(name, cost):
+    _, gm, inputs = layer(name)
+    problem = build_problem(gm, inputs, cost)
+    solution = solve(problem)
+    assert solution.status == "optimal"
+    assert evaluate(problem, solution.choices) == solution.objective_ticks
+    assert solution.objective_ticks == brute_force(problem)
+
+
+# Megatron's pattern, found -------------------------------------------------------------------------------------
+
+def residual_branches(gm: fx.GraphModule) -> int:
+    """Additions of a Linear's output to something else: the residual branches of a block."""
+    linears = {n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear)}
+    return sum(1 for n in gm.graph.nodes
+               if n.op == "call_function" and n.target in (operator.add, torch.add) and linears & set(n.all_input_nodes))
+
+
+def megatron_pattern(gm: fx.GraphModule) -> dict[str, Sharding]:
+    """Megatron's sharding, read off the graph: a Linear whose output is added back to the
+    residual stream is rowwise, every other Linear colwise."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear):
+            to_residual = any(u.op == "call_function" and u.target in (operator.add, torch.add) for u in n.users)
+            out[str(n.target)] = Sharding.ROWWISE if to_residual else Sharding.COLWISE
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt_block", "llama_block"])
+def test_megatron_pattern_on_transformer_blocks(name):
+    _, gm, inputs = layer(name)
+    sharding = find_sharding(gm, inputs)
+    assert sharding == megatron_pattern(gm)
+    assert forward_all_reduces(sharding) == residual_branches(gm) == 2
+
+
+def test_megatron_pattern_on_every_gpt_layer_of_a_traced_model():
+    from planner.trace import trace_model
+
+    graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 3, "hidden": 128}))
+    for index in range(1, 4):
+        prefix = f"blocks.{index - 1}."
+        assert {p.removeprefix(prefix) for p, s in graph.tp_sharding[index].items() if s is Sharding.ROWWISE} == {
+            "attn.o", "mlp.proj"}
+        assert forward_all_reduces(graph.tp_sharding[index]) == 2
+
+
+def test_a_narrow_block_stays_replicated_where_collectives_cost_more_than_the_split_saves():
+    """Split work saves O(h^2) FLOPs per token; a collective moves O(h) bytes and waits its
+    latency, which one sample of a narrow block cannot hide."""
+    module = gpt_block(hidden=16, heads=2)
+    gm = fx.symbolic_trace(module.to("meta"))
+    inputs = [torch.empty(1, 8, 16, device="meta", requires_grad=True)]
+    assert find_sharding(gm, inputs) != {}
+    assert find_sharding(gm, inputs, cost=TpCostModel.for_device(latency=True)) == {}
+
+
+# Valid plans, on real tensors ------------------------------------------------------------------------------------
+
+def run_as_ranks(gm: fx.GraphModule, sharding: dict[str, Sharding], tp: int, inputs: list[torch.Tensor]) -> list:
+    """Each rank's output of ``gm`` under ``sharding``, collectives done by hand."""
+    envs = [{} for _ in range(tp)]
+    interpreters = [fx.Interpreter(gm) for _ in range(tp)]
+    fed = iter(inputs)
+    for node in gm.graph.nodes:
+        how = sharding.get(str(node.target)) if node.op == "call_module" else None
+        if node.op == "placeholder":
+            value = next(fed)
+            outs = [value] * tp
+        elif how is not None:
+            outs = _split_linear(gm.get_submodule(str(node.target)), how, [env[node.args[0]] for env in envs])
+        else:
+            outs = []
+            for interpreter, env in zip(interpreters, envs):
+                interpreter.env = env
+                outs.append(interpreter.run_node(node))
+        if node.op == "output":
+            return outs
+        for env, out in zip(envs, outs):
+            env[node] = out
+    raise AssertionError("no output node")
+
+
+def _split_linear(linear: nn.Linear, how: Sharding, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    tp = len(xs)
+    if how in (Sharding.COLWISE, Sharding.COLWISE_GATHER):
+        biases = linear.bias.chunk(tp) if linear.bias is not None else [None] * tp
+        outs = [F.linear(x, w, b) for x, w, b in zip(xs, linear.weight.chunk(tp, 0), biases)]
+        return [torch.cat(outs, -1)] * tp if how is Sharding.COLWISE_GATHER else outs
+    if how is Sharding.ROWWISE_SLICE:
+        xs = [x.chunk(tp, -1)[r] for r, x in enumerate(xs)]
+    total = sum(F.linear(x, w) for x, w in zip(xs, linear.weight.chunk(tp, 1)))  # the all-reduce
+    return [total + linear.bias if linear.bias is not None else total] * tp
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_chosen_plans_compute_the_unsplit_layer(name, tp):
+    module, gm, inputs = layer(name)
+    sharding = find_sharding(gm, inputs, cost=TpCostModel.for_device(tp=tp))
+    assert sharding, f"{name}: nothing split"
+    x = torch.randn(inputs[0].shape)
+    real = fx.symbolic_trace(module)
+    with torch.no_grad():
+        expected = real(x)
+        for out in run_as_ranks(real, sharding, tp, [x]):
+            torch.testing.assert_close(out, expected)
+
+
+def test_a_norm_after_a_linear_gathers_its_output():
+    _, gm, inputs = layer("norm_mlp")
+    sharding = find_sharding(gm, inputs)
+    assert sharding["fc1"] is Sharding.COLWISE_GATHER and forward_all_reduces(sharding) <= 1
+
+
+def test_mlp_stacks_pair_their_linears():
+    for depth in (2, 3, 4, 5):
+        module = MLPStack(depth=depth)
+        gm = fx.symbolic_trace(module.to("meta"))
+        sharding = find_sharding(gm, [torch.empty(1, 128, device="meta", requires_grad=True)])
+        gathers = sum(1 for s in sharding.values() if s is Sharding.COLWISE_GATHER)
+        # one collective per pair of Linears (colwise, rowwise), and one for the odd one out
+        assert forward_all_reduces(sharding) + gathers == (depth + 1) // 2
+        assert forward_all_reduces(sharding) >= depth // 2
+
+
+# The dry run -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("factory", [FixedHeads, FusedQKV])
+def test_dry_run_forbids_splits_the_model_cannot_see_and_resolves(factory):
+    torch.manual_seed(0)
+    module = factory()
+    gm = fx.symbolic_trace(copy.deepcopy(module).to("meta"))
+    inputs = [torch.empty(1, 8, 128, device="meta", requires_grad=True)]
+    problem = build_problem(gm, inputs, TpCostModel.for_device())
+    first = solve(problem)
+    assert dry_run(gm, inputs, first.sharding(problem), 2) is not None  # the unconstrained optimum is wrong
+    checked = solve_checked(gm, inputs, problem)
+    assert checked.solves > 1 and dry_run(gm, inputs, checked.sharding(problem), 2) is None
+    x = torch.randn(1, 8, 128)
+    real = fx.symbolic_trace(module)
+    with torch.no_grad():
+        for out in run_as_ranks(real, checked.sharding(problem), 2, [x]):
+            torch.testing.assert_close(out, real(x))
+
+
+def test_dry_run_catches_heads_that_do_not_divide():
+    module = gpt_block(hidden=96, heads=3)  # tp=2 splits 96 features, but not 3 heads of 32
+    gm = fx.symbolic_trace(module.to("meta"))
+    sharding = find_sharding(gm, [torch.empty(1, 8, 96, device="meta", requires_grad=True)])
+    assert "attn.q" not in sharding and sharding["mlp.fc"] is Sharding.COLWISE
+
+
+# The runtime applies every choice ---------------------------------------------------------------------------------
+
+def test_runtime_accepts_every_sharding(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from runtime.shard import apply_tensor_parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        module = MLPStack(width=8, depth=4)
+        x = torch.randn(2, 8)
+        expected = module(x)
+        apply_tensor_parallel(module, mesh, {f"layers.{i}": s.value for i, s in enumerate(Sharding)})
+        torch.testing.assert_close(module(x), expected)
+    finally:
+        dist.destroy_process_group()
