@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_helpers import hetpar
+from cli_helpers import assert_one_line_error, hetpar
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -32,3 +32,10 @@ def test_validate_json_on_a_tiny_plan(tmp_path):
     assert data["measured_steps"] == 3 and len(data["step_times_s"]) == 5
     bad = hetpar("validate", str(plan), "--steps", "0")
     assert bad.returncode != 0 and "--steps" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_plan_for_other_devices_is_refused_before_running(tmp_path):
+    plan = tmp_path / "plan.json"
+    planned = hetpar("plan", GPT, *SMALL_GPT, "-c", "1x2xA100-80GB", "-b", "4", "--dp", "2", "-o", str(plan))
+    assert planned.returncode == 0, planned.stderr
+    assert_one_line_error(hetpar("validate", str(plan), "--steps", "1"), "A100-80GB", "this host")

@@ -12,12 +12,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 
 from hetpar.commands.common import console, domain_errors, print_json, seconds
 from planner.plan import ParallelPlan, PlanError
 from rewriters.launchers import PROGRAM
 from rewriters.torchrun import compile_plan
+from runtime import devices
 
 # Steps whose time is dropped: the first builds the process groups' buffers and warms
 # the allocator and the autograd graph; the second still pays some of it.
@@ -59,6 +61,7 @@ def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Pat
     if steps < 1:
         raise ValidateError(f"--steps must be at least 1, got {steps}")
     plan = ParallelPlan.load(plan_path)
+    _check_this_host(plan)
     with tempfile.TemporaryDirectory(prefix="hetpar-validate-") as tmp:
         build = Path(workdir or tmp) / "build"
         compile_plan(plan, build)
@@ -69,6 +72,18 @@ def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Pat
     return Validation(predicted_step_time_s=predicted, measured_step_time_s=median,
                       relative_error=(predicted - median) / median, measured_steps=len(measured),
                       world_size=plan.cluster.world_size, step_times_s=times)
+
+
+def _check_this_host(plan: ParallelPlan) -> None:
+    """Refuse a plan for other devices: validate measures it here, against a prediction
+    made for devices this host does not have."""
+    device = torch.device("cuda" if torch.cuda.is_available() and devices.needs_accelerator(plan.cluster.device_types) else "cpu")
+    found = devices.this_device(device)
+    foreign = sorted({t for t in plan.cluster.device_types if not devices.matches(t, found)})
+    if foreign:
+        raise ValidateError(
+            f"the plan is for {', '.join(foreign)} ranks and this host is {found.describe()}; validate runs the plan "
+            f"here, so plan it for this host (for example -c 1x{plan.cluster.world_size}xcpu with --profile)")
 
 
 def _run(build: Path, world: int, steps: int, timeout_s: float) -> list[float]:
