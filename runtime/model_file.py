@@ -178,11 +178,13 @@ def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 # [Note: synthetic data]
-# Without a ``batches`` function the data is deterministic synthetic data, made row by
-# row: row r of the global batch of step k (0-based) is drawn from a torch.Generator
-# seeded with a hash of (seed, k, r). So any rows of any step are made directly, the
-# same on every rank: a data-parallel replica makes only its own rows, and a resumed
-# run starts at its step without drawing the batches before it. Float inputs are
+# Without a ``batches`` function the data is deterministic synthetic data, made by
+# blocks of rows: rows 16b .. 16b + 15 of the global batch of step k (0-based) are
+# drawn together from a torch.Generator seeded with a hash of (seed, k, b), and a
+# rank keeps the rows it needs of the blocks they fall in. So any rows of any step are
+# made directly, the same on every rank, at one seeding per 16 rows: a data-parallel
+# replica makes only its own rows, and a resumed run starts at its step without
+# drawing the batches before it. Float inputs are
 # standard normal; integer inputs are uniform in [0, max(example) + 1), over
 # ``example_inputs(batch_size)`` made under ``seed``, so token ids stay inside the
 # example's range. Targets follow the output of the model on the example (computed on
@@ -194,8 +196,8 @@ def synthetic_batches(model_file: ModelFile, batch_size: int, seed: int, *, rows
     """Deterministic synthetic global batches (their ``rows``) from step ``start_step + 1``
     on; see [Note: synthetic data]."""
     rows = range(batch_size) if rows is None else rows
-    if len(rows) == 0:
-        raise ValueError("synthetic_batches needs at least one row")
+    if len(rows) == 0 or rows.step != 1:
+        raise ValueError(f"synthetic_batches needs consecutive rows, got {rows}")
     with torch.random.fork_rng(devices=[]):  # neither disturb nor depend on the program's RNG
         torch.manual_seed(seed)
         example = model_file.example_inputs(batch_size)
@@ -207,28 +209,36 @@ def synthetic_batches(model_file: ModelFile, batch_size: int, seed: int, *, rows
     highs = [max(int(t.max().item()) + 1 if t.numel() else 2, 2) for t in example]
     token_model = not example[0].is_floating_point()
     gen = torch.Generator()
+    first_block, last_block = rows[0] // _ROWS_PER_DRAW, rows[-1] // _ROWS_PER_DRAW
+    keep = slice(rows[0] - first_block * _ROWS_PER_DRAW, rows[-1] + 1 - first_block * _ROWS_PER_DRAW)
     for step in itertools.count(start_step):
         inputs: list[list[torch.Tensor]] = [[] for _ in example]
         targets = []
-        for r in rows:
-            gen.manual_seed(_row_seed(seed, step, r))
+        for block in range(first_block, last_block + 1):
+            gen.manual_seed(_block_seed(seed, step, block))
             for made, t, high in zip(inputs, example, highs):
                 made.append(_like(t, high, gen))
             if token_model:
-                targets.append(torch.randint(0, out.shape[-1], tuple(out.shape[1:-1]), generator=gen))
+                targets.append(torch.randint(0, out.shape[-1], (_ROWS_PER_DRAW, *out.shape[1:-1]), generator=gen))
             else:
-                targets.append(torch.randn(tuple(out.shape[1:]), generator=gen))
-        yield tuple(torch.stack(made) for made in inputs), torch.stack(targets)
+                targets.append(torch.randn((_ROWS_PER_DRAW, *out.shape[1:]), generator=gen))
+        yield tuple(torch.cat(made)[keep] for made in inputs), torch.cat(targets)[keep]
 
 
-def _row_seed(seed: int, step: int, row: int) -> int:
-    digest = hashlib.blake2b(struct.pack("<qqq", seed, step, row), digest_size=8).digest()
+# Rows drawn per generator seeding ([Note: synthetic data]); a constant, so a row's
+# values never depend on the batch size or on how the rows are shared out.
+_ROWS_PER_DRAW = 16
+
+
+def _block_seed(seed: int, step: int, block: int) -> int:
+    digest = hashlib.blake2b(struct.pack("<qqq", seed, step, block), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # manual_seed takes up to 2**63 - 1 here
 
 
 def _like(t: torch.Tensor, high: int, gen: torch.Generator) -> torch.Tensor:
-    """One row shaped like a row of ``t``."""
+    """``_ROWS_PER_DRAW`` rows shaped like the rows of ``t``."""
+    shape = (_ROWS_PER_DRAW, *t.shape[1:])
     if t.is_floating_point():
-        return torch.randn(tuple(t.shape[1:]), generator=gen, dtype=t.dtype)
-    return torch.randint(0, high, tuple(t.shape[1:]), generator=gen, dtype=t.dtype)
+        return torch.randn(shape, generator=gen, dtype=t.dtype)
+    return torch.randint(0, high, shape, generator=gen, dtype=t.dtype)
 
