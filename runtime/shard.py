@@ -13,8 +13,8 @@ micro-batches.
 
 What a rank reads depends on where the data comes from (``ModelFile.batches``):
 
-- synthetic data (no ``batches`` in the model file) is made row by row from (seed,
-  step, row), so a rank makes only its replica's rows, and a resumed run starts at
+- synthetic data (no ``batches`` in the model file) is made in blocks of 16 rows from
+  (seed, step, block), so a rank makes only its replica's rows (and their blocks'), and a resumed run starts at
   its step directly ([Note: synthetic data] in runtime/model_file.py);
 - the model file's ``batches(GLOBAL_BATCH_SIZE, seed)`` is a plain iterator of whole
   global batches with no notion of ranks or steps. Every rank draws it in the same
