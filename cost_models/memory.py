@@ -56,6 +56,12 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 # al. 2022 (section 4.1, eq. 1) count per layer without the attention matrix.
 WEIGHT_GRAD_ACTIVATION_SHARE = 14 / 34
 
+# Bytes an optimizer step moves per parameter it updates: Adam reads the gradient (2 in
+# mixed precision, 4 in fp32), reads and writes the fp32 master weight (8) and both fp32
+# moments (16), and writes the working copy (2; none in fp32, the master is it): 28
+# either way. SGD without momentum: gradient, master read and write, copy: 12.
+OPTIMIZER_BYTES_PER_PARAM = {"adamw": 28, "adam": 28, "sgd": 12}
+
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryBreakdown:
@@ -138,14 +144,32 @@ def training_state_bytes(
     """
     check_choices(optimizer=optimizer, zero_stage=zero_stage)
     params = sum(l.params_at(tp) for l in layers) + extra_params
-    w, g, o = state_bytes_per_param(dtype, optimizer)
-    shard = [1 / dp if zero_stage >= level else 1.0 for level in (3, 2, 1)]
-    weights, grads, opt = params * w * shard[0], params * g * shard[1], params * o * shard[2]
+    w, g, o = sharded_state_bytes_per_param(dtype, optimizer, dp=dp, zero_stage=zero_stage)
+    weights, grads, opt = params * w, params * g, params * o
     if zero_stage == 3 and dp > 1 and layers:
         largest = max(l.params_at(tp) for l in layers)
-        weights += 2 * largest * w
-        grads += largest * g
+        w_full, g_full, _ = state_bytes_per_param(dtype, optimizer)
+        weights += 2 * largest * w_full
+        grads += largest * g_full
     return weights, grads, opt
+
+
+def sharded_state_bytes_per_param(dtype: str, optimizer: str = "adamw", *, dp: int = 1, zero_stage: int = 0) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes one rank keeps per parameter of its stage under
+    ZeRO ``zero_stage`` over ``dp`` replicas, between steps; see [Note: ZeRO stages].
+
+    ZeRO-3's gathered working buffers come on top (``zero3_buffer_bytes``).
+    """
+    w, g, o = state_bytes_per_param(dtype, optimizer)
+    shard = [1 / dp if zero_stage >= level else 1.0 for level in (3, 2, 1)]
+    return w * shard[0], g * shard[1], o * shard[2]
+
+
+def zero3_buffer_bytes(layer: LayerProfile, *, tp: int, dtype: str, optimizer: str = "adamw") -> float:
+    """What a ZeRO-3 rank holds gathered when ``layer`` is its stage's largest: two layers'
+    full weights (running and prefetched) and one layer's full gradient; see [Note: ZeRO stages]."""
+    w, g, _ = state_bytes_per_param(dtype, optimizer)
+    return layer.params_at(tp) * (2 * w + g)
 
 
 def activation_bytes_per_microbatch(

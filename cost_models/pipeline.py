@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("1f1b", "gpipe")  # what the search enumerates and the runtime runs
-ALL_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")  # what the estimator simulates
+ALL_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")  # what the estimator simulates and the search enumerates
+SCHEDULES = ALL_SCHEDULES  # the runtime runs them all
 
 # [Note: pipeline bubble closed forms]
 # For p equal stages whose micro-batch takes t_f forward and t_b backward (t_b = B + W
@@ -33,6 +33,87 @@ ALL_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")  # what the estimator sim
 # for equal stages (tests/test_simulator.py); it also handles the unequal ones.
 
 
+# [Note: linear step time]
+# The search needs each schedule's step time as a linear function of per-stage sums
+# and maxima, which CP-SAT optimises exactly; planner.estimate then simulates the plan
+# it picks. With p pipeline ranks, v chunks per rank (C = p v chunks in layer order,
+# chunk c on rank c mod p), m micro-batches, and per chunk c: t_c the forward and
+# backward of one micro-batch (its p2p sends, its exposed ZeRO-3 gathers included)
+# and w_c the weight-gradient (W) part of it, and per rank r: e_r its epilogue
+# (gradient synchronisation and optimizer step):
+#
+#   GPipe, 1F1B:  T = sum_c t_c + (m - 1) max_c t_c + max_r e_r
+#   interleaved:  T = (1/v) sum_c t_c + (m - 1/v) sum_j max_r t_{j p + r} + max_r e_r
+#   ZB-H1:        T = sum_c t_c - (1 + k/p) sum_c w_c + (m - 1) max_c t_c + max_c w_c + max_r e_r,
+#                 k = min(m, p) - 1
+#
+# Each is exact for equal stages (it reduces to m t + the closed-form bubble of
+# [Note: pipeline bubble closed forms]; for ZB-H1 with m < p, W can fill only m - 1
+# bubbles) and tracks runtime.schedule.simulate_timed on unequal ones:
+# - 1F1B: the first micro-batch walks every stage, the slowest stage paces the other
+#   m - 1 (Alpa's Eq. 2). An upper bound of the simulated makespan: 1F1B lets a slow
+#   first stage run ahead (tests/test_simulator.py).
+# - Interleaved: a micro-batch walks all C chunks once, at 1/v of a rank's work per
+#   chunk round; in the steady state micro-batches pass chunk round j at the pace of its
+#   slowest chunk, so a micro-batch costs sum_j max_r t_{jp+r} (>= the busiest rank's
+#   total; equal to it when the chunks of each round are equal).
+# - ZB-H1: as 1F1B, but during the warm-up and cool-down each stage fills up to k of
+#   its bubbles with W (on average k/p of the stages' W each) and the first micro-batch
+#   waits for no W except the last one's.
+# On random stages up to threefold unequal they stay within about -10%..+35% of the simulated
+# makespan (tests/test_search_space.py checks the equal-stage identities and a band).
+# GPipe's T equals 1F1B's and its memory is never lower, so the search offers GPipe
+# only when it is pinned.
+@dataclass(frozen=True, kw_only=True)
+class LinearStepWeights:
+    """Integer weights of [Note: linear step time], all multiplied by ``scale`` = p v."""
+
+    scale: int
+    chunk_sum: int  # on sum_c t_c
+    weight_sum: int  # subtracted: on sum_c w_c (ZB-H1)
+    round_max: int  # on sum_j max_r t_{j p + r} (max_c t_c when v = 1)
+    weight_max: int  # on max_c w_c (ZB-H1)
+    epilogue_max: int  # on max_r e_r
+
+
+def linear_step_weights(schedule: str, *, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> LinearStepWeights:
+    """The weights of ``schedule``'s linear step time; see [Note: linear step time].
+
+    Raises:
+        ValueError: unknown schedule, or virtual stages with a schedule that has none.
+    """
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    if schedule not in ALL_SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(ALL_SCHEDULES)}")
+    if v != 1 and schedule != "interleaved":
+        raise ValueError(f"virtual stages ({v}) need the interleaved schedule, not {schedule!r}")
+    scale = p * v
+    zb = schedule == "zb"
+    k = min(m, p) - 1
+    return LinearStepWeights(scale=scale, chunk_sum=p, weight_sum=(p + k) if zb else 0, round_max=p * (v * m - 1),
+                             weight_max=p if zb else 0, epilogue_max=scale)
+
+
+def linear_step_time_s(
+    schedule: str, *, num_stages: int, num_microbatches: int, chunk_time_s: list[float], rank_epilogue_s: list[float],
+    chunk_weight_s: list[float] | None = None, virtual_stages: int = 1,
+) -> float:
+    """[Note: linear step time] of one split, in seconds.
+
+    Args:
+        chunk_time_s: t_c per chunk in layer order (p v of them).
+        rank_epilogue_s: e_r per pipeline rank.
+        chunk_weight_s: w_c per chunk (ZB-H1 only).
+    """
+    p, v = num_stages, virtual_stages
+    wt = linear_step_weights(schedule, num_stages=p, num_microbatches=num_microbatches, virtual_stages=v)
+    w = chunk_weight_s or [0.0] * len(chunk_time_s)
+    rounds = sum(max(chunk_time_s[j * p : (j + 1) * p]) for j in range(v))
+    total = (wt.chunk_sum * sum(chunk_time_s) - wt.weight_sum * sum(w) + wt.round_max * rounds
+             + wt.weight_max * max(w) + wt.epilogue_max * max(rank_epilogue_s))
+    return total / wt.scale
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepTime:
     """A step's time and how it splits."""
@@ -44,12 +125,13 @@ class StepTime:
 
 
 def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at the peak."""
+    """Micro-batches whose activations stage ``stage`` holds at the peak (GPipe, 1F1B; the
+    search counts the others from their action lists, planner.costs.activation_multipliers)."""
     if schedule == "gpipe":
         return num_microbatches
     if schedule == "1f1b":
         return min(num_microbatches, num_stages - stage)
-    raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    raise ValueError(f"unknown schedule {schedule!r}; use one of gpipe, 1f1b")
 
 
 def pipeline_step_time(stage_times_s: list[float], num_microbatches: int, dp_sync_s: list[float]) -> StepTime:

@@ -1,18 +1,43 @@
-"""Cost tables for one outer candidate (dp, tp, pp, micro-batch size, schedule).
+"""Cost tables for one outer candidate (dp, tp, pp, micro-batch size, schedule, virtual stages).
 
 The search's CP-SAT model and the exact evaluator both read these tables, so the
 solver and brute force optimise exactly the same function; see [Note: split objective].
 
 [Note: split objective]
-For a split of the layers into stages (stage s holds layers first_s..last_s):
+The layers are split into C = pp * v chunks in layer order (v virtual stages per
+pipeline rank, 1 unless interleaved; chunk c runs on rank c mod pp), and each chunk
+picks one stage mode k, a (recompute, ZeRO stage) pair. For chunk c holding layers
+first_c..last_c in mode k_c, with every sum over those layers and read from the
+tables' column c and row k_c:
 
-    stage_time[s] = sum_{l in s} layer_time[l][s] + cut_time[last_s][s]   (no cut after the last stage)
-    dp_sync[s]    = dp_latency[s] + sum_{l in s} dp_time[l][s]
-    objective     = sum_s stage_time[s] + (m - 1) * max_s stage_time[s] + max_s dp_sync[s]
+    t_c = sum time[l] + cut[last_c]                     (no cut after the last chunk)
+          + max(0, gather_fwd_latency + sum (gather_fwd[l] - fwd[l]))
+          + max(0, gather_bwd_latency + sum (gather_bwd[l] - (time[l] - fwd[l])))
+    w_c = sum weight[l]
+    e_r = sum over rank r's chunks of (epilogue_latency + sum epilogue[l])
 
-layer_time includes tensor-parallel all-reduces; cut_time is the p2p of the boundary
-tensors, forward and backward, per micro-batch; see [Note: pipeline step time] for the
-first two terms. Memory: sum_{l in s} layer_memory[l][s] <= capacity[s].
+and the objective is [Note: linear step time] (cost_models/pipeline.py) of t, w and e.
+``time`` is one micro-batch's forward and backward with the tensor-parallel all-reduces
+and, under full recompute, the forward again; the two ``max(0, ...)`` are ZeRO-3's
+per-micro-batch parameter gathers (and gradient reduce-scatter) where they outlast the
+compute they overlap, as planner.estimate counts them; ``epilogue`` is the end-of-step
+gradient synchronisation (all-reduce, or ZeRO-1/2's reduce-scatter and all-gather, none
+under ZeRO-3) plus the optimizer step over the rank's share of the parameters.
+Collective times are read off the collective model as latency + bytes * per-byte cost.
+
+Memory of rank r, which must fit its devices:
+
+    sum over its chunks of (sum memory[l] + [full recompute] max workspace[l] + [ZeRO-3] max zero3_buffer[l])
+
+``memory`` is the layer's training state under the mode's ZeRO stage plus its
+activations times the micro-batches the schedule keeps in flight on the chunk
+(``activation_multipliers``); the two maxima are the one-layer buffers of
+[Note: activations kept per micro-batch] and [Note: ZeRO stages] (cost_models/memory.py),
+with at most ``_RANGE_MAX_LEVELS`` distinct values (larger sets are rounded up). For
+the interleaved schedule each chunk counts its own peak of in-flight micro-batches and
+its own buffers, an upper bound of the rank's joint peak that planner.estimate plays out.
+Everything carries cost_models.memory.FRAGMENTATION_MARGIN.
+
 Ranks follow Megatron's order (tensor-parallel innermost, then data-parallel, then
 pipeline) over the devices in the order the cluster lists them; a stage whose ranks
 span device types is costed on the slowest of them and the smallest memory.
@@ -20,24 +45,51 @@ span device types is costed on the slowest of them and the smallest memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
-from cost_models.collectives import all_reduce_time_s, p2p_time_s
-from cost_models.compute import dtype_bytes, layer_timing
-from cost_models.devices import get_device
-from cost_models.memory import MemoryBreakdown, stage_memory, state_bytes_per_param
-from cost_models.pipeline import in_flight_microbatches
+import numpy as np
+
+from cost_models.collectives import all_gather_time_s, all_reduce_time_s, p2p_time_s, reduce_scatter_time_s
+from cost_models.compute import HBM_STREAM_EFFICIENCY, dtype_bytes, layer_timing, training_efficiency
+from cost_models.memory import (
+    FRAGMENTATION_MARGIN,
+    OPTIMIZER_BYTES_PER_PARAM,
+    WEIGHT_GRAD_ACTIVATION_SHARE,
+    MemoryBreakdown,
+    activation_bytes_per_microbatch,
+    recompute_workspace_bytes,
+    sharded_state_bytes_per_param,
+    state_bytes_per_param,
+    training_state_bytes,
+)
+from cost_models.pipeline import linear_step_time_s
 from planner.trace import ModelGraph
+from runtime.schedule import Kind, build_schedule
 
-# The size at which the data-parallel all-reduce's per-byte cost is read off the
-# collective model: DDP's default gradient bucket (torch.nn.parallel.DistributedDataParallel,
-# bucket_cap_mb=25).
+# The size at which a collective's per-byte cost is read off the collective model:
+# DDP's default gradient bucket (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25).
 _DP_BUCKET_BYTES = 25 * 2**20
+
+# Distinct values a range maximum (workspace, ZeRO-3 buffers) keeps; see [Note: split objective].
+_RANGE_MAX_LEVELS = 4
+
+
+@dataclass(frozen=True, order=True)
+class StageMode:
+    """What one stage (chunk) chooses inside the CP-SAT model."""
+
+    recompute: str = "none"  # "none" | "selective" | "full"
+    zero_stage: int = 0
+
+    def describe(self) -> str:
+        parts = ([f"recompute {self.recompute}"] if self.recompute != "none" else []) + ([f"zero {self.zero_stage}"] if self.zero_stage else [])
+        return ", ".join(parts) or "plain"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
-    """The choices the search enumerates outside the CP-SAT model."""
+    """The choices the search enumerates outside the CP-SAT model, and the stage modes it offers inside."""
 
     dp: int
     tp: int
@@ -45,11 +97,17 @@ class Candidate:
     micro_batch_size: int
     num_microbatches: int
     schedule: str
-    recompute: str = "none"  # "none" | "full": activation recomputation of every stage
+    virtual_stages: int = 1
+    modes: tuple[StageMode, ...] = (StageMode(),)
+
+    @property
+    def num_chunks(self) -> int:
+        """Stages of the plan: pp * virtual_stages."""
+        return self.pp * self.virtual_stages
 
     def describe(self) -> str:
-        text = f"dp={self.dp} tp={self.tp} pp={self.pp} micro-batch {self.micro_batch_size}x{self.num_microbatches} {self.schedule}"
-        return text + (f" recompute {self.recompute}" if self.recompute != "none" else "")
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} micro-batch {self.micro_batch_size}x{self.num_microbatches} {self.schedule}{v}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,36 +119,54 @@ class StageSlot:
     memory_bytes: int
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class CostTables:
-    """Per layer x stage coefficients of [Note: split objective]; seconds and bytes."""
+    """Coefficients of [Note: split objective]; seconds and bytes.
+
+    Shapes: K modes (``candidate.modes``), L layers, C chunks (pp * v), P pipeline ranks.
+    """
 
     candidate: Candidate
-    slots: list[StageSlot]
-    layer_time_s: list[list[float]]
-    cut_time_s: list[list[float]]
-    layer_memory_bytes: list[list[float]]
-    capacity_bytes: list[float]
-    dp_latency_s: list[float]
-    dp_time_s: list[list[float]]
-    tp_time_s: list[list[float]]  # the tensor-parallel part of layer_time, for reporting
+    slots: list[StageSlot]  # per pipeline rank
+    time_s: np.ndarray  # [K, L, C]
+    fwd_s: np.ndarray  # [K, L, C] the forward part of time_s
+    weight_s: np.ndarray  # [K, L, C] the weight-gradient (W) part of time_s
+    gather_fwd_s: np.ndarray  # [K, L, C] ZeRO-3 per-micro-batch gathers before the forward (per-byte part)
+    gather_bwd_s: np.ndarray  # [K, L, C] ... and gathers and reduce-scatters in the backward
+    gather_fwd_latency_s: np.ndarray  # [K, C]
+    gather_bwd_latency_s: np.ndarray  # [K, C]
+    cut_s: np.ndarray  # [L, C] p2p of the boundary after layer l from chunk c, forward and backward
+    epilogue_s: np.ndarray  # [K, L, C]
+    epilogue_latency_s: np.ndarray  # [K, C] once per rank: nonzero on its first chunk only
+    memory_bytes: np.ndarray  # [K, L, C]
+    workspace_bytes: np.ndarray  # [L] one layer rebuilt under full recompute
+    zero3_buffer_bytes: np.ndarray  # [L] gathered weights and gradient under ZeRO-3
+    capacity_bytes: np.ndarray  # [P]
+    tp_time_s: np.ndarray = field(default=None)  # [L, C] the tensor-parallel part of time_s (mode 0), for reporting
 
     @property
     def num_layers(self) -> int:
-        return len(self.layer_time_s)
+        return self.time_s.shape[1]
+
+    @property
+    def num_chunks(self) -> int:
+        return self.time_s.shape[2]
 
 
-def stage_slots(device_types: list[str], cand: Candidate) -> list[StageSlot]:
+def _slot(ranks: list[list[int]], device_types: list[str], cluster) -> StageSlot:
+    types = sorted({device_types[r] for rep in ranks for r in rep})
+    profiles = [cluster.profile(t) for t in types]
+    slowest = min(profiles, key=_peak)
+    return StageSlot(ranks=ranks, device_type=slowest.name, memory_bytes=min(p.memory_bytes for p in profiles))
+
+
+def stage_slots(cluster, cand: Candidate) -> list[StageSlot]:
     """Megatron's rank layout: rank = s * dp * tp + d * tp + t; see [Note: split objective]."""
-    slots = []
-    for s in range(cand.pp):
-        ranks = [[s * cand.dp * cand.tp + d * cand.tp + t for t in range(cand.tp)] for d in range(cand.dp)]
-        types = sorted({device_types[r] for rep in ranks for r in rep})
-        profiles = [get_device(t) for t in types]
-        slowest = min(profiles, key=_peak)
-        smallest = min(p.memory_bytes for p in profiles)
-        slots.append(StageSlot(ranks=ranks, device_type=slowest.name, memory_bytes=smallest))
-    return slots
+    types = cluster.device_types()
+    return [
+        _slot([[s * cand.dp * cand.tp + d * cand.tp + t for t in range(cand.tp)] for d in range(cand.dp)], types, cluster)
+        for s in range(cand.pp)
+    ]
 
 
 def type_slots(cluster, cand: Candidate) -> dict[str, list[StageSlot]] | None:
@@ -100,21 +176,25 @@ def type_slots(cluster, cand: Candidate) -> dict[str, list[StageSlot]] | None:
         Device type -> its slots in listed order, or None when some type's devices do
         not split into whole slots (the stages then follow Megatron's layout).
     """
-    size = cand.dp * cand.tp
+    return _type_slots(cluster, cand.dp, cand.tp)
+
+
+@functools.lru_cache(maxsize=256)
+def _type_slots(cluster, dp: int, tp: int) -> dict[str, list[StageSlot]] | None:
+    size = dp * tp
     by_type: dict[str, list[int]] = {}
     for rank, device_type in enumerate(cluster.device_types()):
         by_type.setdefault(device_type, []).append(rank)
     if any(len(ranks) % size for ranks in by_type.values()):
         return None
-    if any(cluster.devices_per_node_of(ranks[0]) % cand.tp for ranks in by_type.values()):
+    if any(cluster.devices_per_node_of(ranks[0]) % tp for ranks in by_type.values()):
         return None
     out = {}
     for device_type, ranks in by_type.items():
         memory = cluster.profile(device_type).memory_bytes
-        blocks = [ranks[i : i + size] for i in range(0, len(ranks), size)]
         out[device_type] = [
-            StageSlot(ranks=[block[d * cand.tp : (d + 1) * cand.tp] for d in range(cand.dp)], device_type=device_type, memory_bytes=memory)
-            for block in blocks
+            StageSlot(ranks=[ranks[i + d * tp : i + (d + 1) * tp] for d in range(dp)], device_type=device_type, memory_bytes=memory)
+            for i in range(0, len(ranks), size)
         ]
     return out
 
@@ -133,35 +213,41 @@ def type_slots(cluster, cand: Candidate) -> dict[str, list[StageSlot]] | None:
 # one between the sending type's own blocks, an approximation when neighbouring
 # stages are of different types. After solving, each stage takes the next unused
 # block of its type, and the plan's prediction is recomputed on those exact ranks.
-def tables_by_type(model: ModelGraph, cluster, cand: Candidate, dtype: str, available: dict[str, list[StageSlot]], optimizer: str = "adamw") -> dict[str, "CostTables"]:
+def tables_by_type(model: ModelGraph, cluster, cand: Candidate, dtype: str, available: dict[str, list[StageSlot]],
+                   optimizer: str = "adamw", cache: dict | None = None) -> dict[str, "CostTables"]:
     """One set of cost columns per device type, each as if every stage ran on that type."""
     out = {}
     for device_type, blocks in available.items():
         same = blocks[: min(len(blocks), 2)]
         slots = [same[s % len(same)] for s in range(cand.pp)]
         if len(blocks) > 1:
-            cut_to = [blocks[1 - s % 2].ranks[0][0] for s in range(cand.pp - 1)]
+            cut_to = [blocks[1 - s % 2] for s in range(cand.pp)]
         else:  # a single block hosts one stage at most: its cuts go to another type
-            peers = [b[0].ranks[0][0] for t, b in available.items() if t != device_type]
-            cut_to = [peers[0] for _ in range(cand.pp - 1)] if peers else []
-        out[device_type] = build_tables(model, cluster, cand, dtype, optimizer, slots=slots, cut_to=cut_to)
+            peers = [b[0] for t, b in available.items() if t != device_type]
+            cut_to = [peers[0] if peers else blocks[0] for _ in range(cand.pp)]
+        out[device_type] = build_tables(model, cluster, cand, dtype, optimizer, slots=slots, cut_to=cut_to, cache=cache)
     return out
 
 
 def compose_tables(tables_by_type: dict[str, "CostTables"], types: list[str]) -> "CostTables":
-    """The cost tables of a split whose stage s runs on device type ``types[s]``."""
+    """The cost tables of a split whose pipeline rank r runs on device type ``types[r]``."""
     first = next(iter(tables_by_type.values()))
-    pick = lambda rows_of: [[rows_of(tables_by_type[t])[l][s] for s, t in enumerate(types)] for l in range(first.num_layers)]
+    P, C = len(types), first.num_chunks
+    chunk_types = [types[c % P] for c in range(C)]
+
+    def pick(name: str, axis: int) -> np.ndarray:
+        cols = [np.take(getattr(tables_by_type[t], name), [c], axis=axis) for c, t in enumerate(chunk_types)]
+        return np.concatenate(cols, axis=axis)
+
+    per_chunk3 = ("time_s", "fwd_s", "weight_s", "gather_fwd_s", "gather_bwd_s", "epilogue_s", "memory_bytes")
     return CostTables(
         candidate=first.candidate,
-        slots=[tables_by_type[t].slots[s] for s, t in enumerate(types)],
-        layer_time_s=pick(lambda t: t.layer_time_s),
-        cut_time_s=pick(lambda t: t.cut_time_s),
-        layer_memory_bytes=pick(lambda t: t.layer_memory_bytes),
-        capacity_bytes=[tables_by_type[t].capacity_bytes[s] for s, t in enumerate(types)],
-        dp_latency_s=[tables_by_type[t].dp_latency_s[s] for s, t in enumerate(types)],
-        dp_time_s=pick(lambda t: t.dp_time_s),
-        tp_time_s=pick(lambda t: t.tp_time_s),
+        slots=[tables_by_type[t].slots[r] for r, t in enumerate(types)],
+        **{name: pick(name, 2) for name in per_chunk3},
+        **{name: pick(name, 1) for name in ("gather_fwd_latency_s", "gather_bwd_latency_s", "cut_s", "epilogue_latency_s", "tp_time_s")},
+        workspace_bytes=first.workspace_bytes,
+        zero3_buffer_bytes=first.zero3_buffer_bytes,
+        capacity_bytes=np.array([tables_by_type[t].capacity_bytes[r] for r, t in enumerate(types)], dtype=float),
     )
 
 
@@ -174,6 +260,100 @@ def _peak(profile) -> float:
     return 0.0
 
 
+@functools.lru_cache(maxsize=64)
+def activation_multipliers(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> tuple[float, ...]:
+    """Per chunk, the most micro-batches' activations it keeps at once, counted on the
+    schedule's action lists (a W keeps WEIGHT_GRAD_ACTIVATION_SHARE of one after its B;
+    [Note: zero-bubble split]). For 1F1B this is min(m, pp - s), for GPipe m."""
+    plan = build_schedule(schedule, pp, num_microbatches, virtual_stages)
+    kept_for_w = WEIGHT_GRAD_ACTIVATION_SHARE if schedule == "zb" else 0.0
+    peak = [0.0] * (pp * virtual_stages)
+    for actions in plan:
+        live: dict[int, float] = {}
+        for a in actions:
+            step = {Kind.FORWARD: 1.0, Kind.BACKWARD: -(1 - kept_for_w), Kind.WEIGHT: -kept_for_w}[a.kind]
+            live[a.stage] = live.get(a.stage, 0.0) + step
+            peak[a.stage] = max(peak[a.stage], live[a.stage])
+    return tuple(peak)
+
+
+def optimizer_rates(device) -> tuple[float, float, float]:
+    """(bytes/s an optimizer step streams, seconds per parameter tensor, fixed seconds per step) on ``device``,
+    as planner.estimate charges the optimizer step."""
+    rate = getattr(device, "optimizer_bytes_per_s", None) or device.mem_bw_bytes_per_s * HBM_STREAM_EFFICIENCY * training_efficiency(device)
+    return rate, getattr(device, "optimizer_tensor_overhead_s", None) or 0.0, getattr(device, "step_overhead_s", None) or 0.0
+
+
+def collective_linear(time_s, ranks: list[int], cluster, concurrent: int = 1) -> tuple[float, float]:
+    """(latency s, s per byte) of a collective ``time_s(nbytes, ranks, cluster, concurrent=...)`` among ``ranks``."""
+    if len(ranks) < 2:
+        return 0.0, 0.0
+    latency = time_s(1, ranks, cluster, concurrent=concurrent)
+    per_byte = (time_s(_DP_BUCKET_BYTES, ranks, cluster, concurrent=concurrent) - latency) / _DP_BUCKET_BYTES
+    return latency, max(per_byte, 0.0)
+
+
+def dp_linear(cluster, ranks: list[int], concurrent: int = 1) -> tuple[float, float]:
+    """(latency s, s per byte) of the gradient all-reduce among ``ranks``, read off the collective model."""
+    return collective_linear(all_reduce_time_s, ranks, cluster, concurrent)
+
+
+@dataclass(frozen=True)
+class _LayerColumns:
+    """Per-layer numbers of one device type at one (tp, micro-batch size, dtype)."""
+
+    fwd: np.ndarray
+    b_input: np.ndarray
+    weight: np.ndarray
+    saved: np.ndarray  # bytes per micro-batch in the training dtype
+    inputs: np.ndarray  # the layer's input bytes per micro-batch (what full recompute keeps)
+    params: np.ndarray
+    tied: np.ndarray
+    tp_bytes: np.ndarray  # forward all-reduce payload per micro-batch
+    boundary: np.ndarray  # per micro-batch
+    tensors: np.ndarray  # parameter tensors (an optimizer step pays per tensor)
+
+
+def _layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: int, dtype: str, cache: dict) -> _LayerColumns:
+    key = ("layers", device_type, tp, mbs, dtype)
+    if key not in cache:
+        device = cluster.profile(device_type)
+        scale = dtype_bytes(dtype) / 4 * mbs
+        times = []
+        for layer in model.layers:
+            try:
+                times.append(layer_timing(layer, device, tp=tp, micro_batch_size=mbs, dtype=dtype))
+            except (KeyError, ValueError):
+                times.append(None)
+        inf = float("inf")
+        boundary = np.array([l.boundary_bytes for l in model.layers]) * scale
+        cache[key] = _LayerColumns(
+            fwd=np.array([t.fwd_s if t else inf for t in times]),
+            b_input=np.array([t.bwd_input_s if t else inf for t in times]),
+            weight=np.array([t.bwd_weight_s if t else inf for t in times]),
+            saved=np.array([l.saved_bytes_at(tp) for l in model.layers]) * scale,
+            inputs=np.concatenate([[model.input_bytes * scale], boundary[:-1]]),
+            params=np.array([l.params_at(tp) for l in model.layers]),
+            tied=np.array([float(l.tied_params) for l in model.layers]),
+            tp_bytes=np.array([l.tp_allreduce_bytes for l in model.layers]) * scale,
+            boundary=boundary,
+            tensors=np.array([float(l.param_tensors) for l in model.layers]),
+        )
+    return cache[key]
+
+
+def _memo(cache: dict, key, compute):
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
+def _place(cluster, ranks: list[int]) -> tuple:
+    """How ranks sit in the cluster: groups that agree on this cost the same collectives."""
+    first = cluster.node_of(ranks[0])
+    return tuple((id(cluster.group_of(r)), cluster.node_of(r) - first) for r in ranks)
+
+
 def build_tables(
     model: ModelGraph,
     cluster,
@@ -181,89 +361,130 @@ def build_tables(
     dtype: str,
     optimizer: str = "adamw",
     slots: list[StageSlot] | None = None,
-    cut_to: list[int] | None = None,
+    cut_to: list[StageSlot] | None = None,
+    cache: dict | None = None,
 ) -> CostTables:
     """Fill the coefficient tables of [Note: split objective] for one candidate.
 
     Args:
-        slots: where each stage runs; Megatron's layout (``stage_slots``) by default.
-        cut_to: the rank each stage sends its output to; the next slot's first rank by default.
+        slots: where each pipeline rank runs; Megatron's layout (``stage_slots``) by default.
+        cut_to: the slot each rank sends its chunks' outputs to; the next rank's by default.
+        cache: reused across candidates (per-layer timings, collective fits).
     """
-    slots = slots or stage_slots(cluster.device_types(), cand)
-    cut_to = cut_to or [slots[s + 1].ranks[0][0] for s in range(cand.pp - 1)]
-    scale = dtype_bytes(dtype) / 4
-    grad_bytes = state_bytes_per_param(dtype, optimizer)[1]
-    lt, ct, mem, dpt, tpt = [], [], [], [], []
-    dp_lines = [dp_linear(cluster, [rep[0] for rep in slot.ranks]) for slot in slots]
-    # Stages of one device type and placement share their cells: compute each once.
-    memo: dict = {}
-
-    def cached(key, compute):
-        if key not in memo:
-            memo[key] = compute()
-        return memo[key]
-
-    # How a stage's tensor-parallel group and its p2p peer sit in the cluster: stages that
-    # agree on this cost the same.
-    tp_place = []
-    for slot in slots:
-        nodes = [cluster.node_of(r) for r in slot.ranks[0]]
-        tp_place.append((slot.device_type, tuple(n - nodes[0] for n in nodes)))
-    cut_place = [
-        (cluster.node_of(slots[s].ranks[0][0]) == cluster.node_of(cut_to[s]),
-         id(cluster.group_of(slots[s].ranks[0][0])), id(cluster.group_of(cut_to[s])))
-        for s in range(cand.pp - 1)
-    ]
-
-    for l, layer in enumerate(model.layers):
-        row_t, row_c, row_m, row_d, row_tp = [], [], [], [], []
-        for s, slot in enumerate(slots):
-            timing = cached(("time", l, slot.device_type), lambda: layer_timing(
-                layer, cluster.profile(slot.device_type), tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype))
-            bwd = timing.bwd_s + (timing.fwd_s if cand.recompute == "full" else 0.0)  # full recompute runs the forward again
-            tp_comm = 0.0
-            if cand.tp > 1 and layer.tp_allreduce_bytes:
-                payload = layer.tp_allreduce_bytes * cand.micro_batch_size * scale
-                tp_comm = cached(("tp", payload, tp_place[s]),
-                                 lambda: 2 * all_reduce_time_s(payload, slot.ranks[0], cluster))
-            row_t.append(timing.fwd_s + bwd + tp_comm)
-            row_tp.append(tp_comm)
-            cut = 0.0
-            if s + 1 < cand.pp:
-                payload = layer.boundary_bytes * cand.micro_batch_size * scale
-                cut = cached(("cut", payload, cut_place[s]),
-                             lambda: 2 * p2p_time_s(payload, slot.ranks[0][0], cut_to[s], cluster))
-            row_c.append(cut)
-            in_flight = in_flight_microbatches(cand.schedule, s, cand.pp, cand.num_microbatches)
-            row_m.append(cached(("memory", l, in_flight), lambda: stage_memory(
-                [layer], tp=cand.tp, micro_batch_size=cand.micro_batch_size, in_flight=in_flight, dtype=dtype,
-                optimizer=optimizer, recompute=cand.recompute).total_bytes))
-            row_d.append(layer.params_at(cand.tp) * grad_bytes * dp_lines[s][1])
-        lt.append(row_t)
-        ct.append(row_c)
-        mem.append(row_m)
-        dpt.append(row_d)
-        tpt.append(row_tp)
+    cache = {} if cache is None else cache
+    slots = slots or stage_slots(cluster, cand)
+    P, C, K, L = cand.pp, cand.num_chunks, len(cand.modes), len(model.layers)
+    cut_to = cut_to or [slots[(r + 1) % P] for r in range(P)]
+    in_flight = activation_multipliers(cand.schedule, P, cand.num_microbatches, cand.virtual_stages)
+    shape = (K, L, C)
+    tables = {name: np.zeros(shape) for name in ("time_s", "fwd_s", "weight_s", "gather_fwd_s", "gather_bwd_s", "epilogue_s", "memory_bytes")}
+    lat = {name: np.zeros((K, C)) for name in ("gather_fwd_latency_s", "gather_bwd_latency_s", "epilogue_latency_s")}
+    cut, tp_time = np.zeros((L, C)), np.zeros((L, C))
+    elem = dtype_bytes(dtype)
+    for c in range(C):
+        r = c % P
+        slot = slots[r]
+        cols = _layer_columns(model, cluster, slot.device_type, cand.tp, cand.micro_batch_size, dtype, cache)
+        tp_ar = _tp_all_reduce(cluster, slot, cols, cand, cache)
+        tp_time[:, c] = 2 * tp_ar
+        if c + 1 < C:
+            cut[:, c] = _cut_seconds(cluster, cand, slot, cut_to[r], cols, cache)
+        comm = _data_parallel_linear(cluster, cand, slot, cache)
+        device = cluster.profile(slot.device_type)
+        optimizer_rate, per_tensor_s, overhead_s = optimizer_rates(device)
+        params = cols.params + (cols.tied if r != 0 else 0.0)  # a tied copy lives on every rank but the first
+        for k, mode in enumerate(cand.modes):
+            full = mode.recompute == "full"
+            fwd = cols.fwd + tp_ar
+            bwd = cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_ar * (2 if full else 1)
+            tables["time_s"][k, :, c] = fwd + bwd
+            tables["fwd_s"][k, :, c] = fwd
+            tables["weight_s"][k, :, c] = cols.weight
+            sharded = cand.dp > 1 and mode.zero_stage > 0
+            if sharded and mode.zero_stage == 3:
+                (ag_lat, ag_pb), (rs_lat, rs_pb) = comm["all_gather"], comm["reduce_scatter"]
+                tables["gather_fwd_s"][k, :, c] = ag_pb * cols.params * elem
+                tables["gather_bwd_s"][k, :, c] = (ag_pb + rs_pb) * cols.params * elem
+                lat["gather_fwd_latency_s"][k, c] = ag_lat
+                lat["gather_bwd_latency_s"][k, c] = ag_lat + rs_lat
+            sync_lat, sync_pb = _sync_linear(comm, cand.dp, mode.zero_stage)
+            share = params / cand.dp if sharded else params
+            tables["epilogue_s"][k, :, c] = (sync_pb * params * elem + share * OPTIMIZER_BYTES_PER_PARAM[optimizer] / optimizer_rate
+                                             + cols.tensors * per_tensor_s)
+            if c < P:
+                lat["epilogue_latency_s"][k, c] = sync_lat + overhead_s
+            state = sum(sharded_state_bytes_per_param(dtype, optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
+            activations = cols.inputs if full else cols.saved
+            tables["memory_bytes"][k, :, c] = FRAGMENTATION_MARGIN * (params * state + in_flight[c] * activations)
+    any_cols = _layer_columns(model, cluster, slots[0].device_type, cand.tp, cand.micro_batch_size, dtype, cache)
+    w, g, _ = state_bytes_per_param(dtype, optimizer)
     return CostTables(
         candidate=cand,
-        slots=slots,
-        layer_time_s=lt,
-        cut_time_s=ct,
-        layer_memory_bytes=mem,
-        capacity_bytes=[float(s.memory_bytes) for s in slots],
-        dp_latency_s=[latency for latency, _ in dp_lines],
-        dp_time_s=dpt,
-        tp_time_s=tpt,
+        slots=list(slots),
+        **tables,
+        **lat,
+        cut_s=cut,
+        workspace_bytes=_levels(FRAGMENTATION_MARGIN * any_cols.saved),
+        zero3_buffer_bytes=_levels(FRAGMENTATION_MARGIN * any_cols.params * (2 * w + g)),
+        capacity_bytes=np.array([float(s.memory_bytes) for s in slots]),
+        tp_time_s=tp_time,
     )
 
 
-def dp_linear(cluster, ranks: list[int]) -> tuple[float, float]:
-    """(latency s, s per byte) of the gradient all-reduce among ``ranks``, read off the collective model."""
-    if len(ranks) < 2:
+def _levels(values: np.ndarray) -> np.ndarray:
+    """``values`` with at most _RANGE_MAX_LEVELS distinct ones, each rounded up to the next kept level."""
+    distinct = np.unique(values)[::-1]
+    if len(distinct) <= _RANGE_MAX_LEVELS:
+        return values.copy()
+    kept = np.sort(distinct[: _RANGE_MAX_LEVELS])
+    return kept[np.searchsorted(kept, values)]
+
+
+def _tp_all_reduce(cluster, slot: StageSlot, cols: _LayerColumns, cand: Candidate, cache: dict) -> np.ndarray:
+    """Seconds of one pass (forward or backward) of each layer's tensor-parallel all-reduces."""
+    if cand.tp == 1:
+        return np.zeros_like(cols.tp_bytes)
+    place = _place(cluster, slot.ranks[0])
+    return np.array([
+        _memo(cache, ("tp", b, place), lambda b=b: all_reduce_time_s(b, slot.ranks[0], cluster)) if b else 0.0
+        for b in cols.tp_bytes
+    ])
+
+
+def _cut_seconds(cluster, cand: Candidate, src: StageSlot, dst: StageSlot, cols: _LayerColumns, cache: dict) -> np.ndarray:
+    """Forward and backward hand-off of each layer's boundary tensor, as planner.estimate sends it
+    (Megatron's scatter/gather over the tensor-parallel ranks when tp > 1)."""
+    a, b = src.ranks[0][0], dst.ranks[0][0]
+    key_place = (cluster.node_of(a) == cluster.node_of(b), id(cluster.group_of(a)), id(cluster.group_of(b)), _place(cluster, dst.ranks[0]))
+
+    def one(nbytes: float) -> float:
+        if cand.tp > 1:
+            return 2 * (p2p_time_s(nbytes / cand.tp, a, b, cluster) + all_gather_time_s(nbytes, dst.ranks[0], cluster))
+        return 2 * p2p_time_s(nbytes, a, b, cluster)
+
+    return np.array([_memo(cache, ("cut", cand.tp, n, key_place), lambda n=n: one(n)) for n in cols.boundary])
+
+
+def _data_parallel_linear(cluster, cand: Candidate, slot: StageSlot, cache: dict) -> dict[str, tuple[float, float]]:
+    """(latency, per byte) of all-reduce, reduce-scatter and all-gather over the stage's replicas."""
+    group = [rep[0] for rep in slot.ranks]
+    key = ("dp", cand.tp, _place(cluster, group))
+
+    def fit() -> dict[str, tuple[float, float]]:
+        fns = {"all_reduce": all_reduce_time_s, "reduce_scatter": reduce_scatter_time_s, "all_gather": all_gather_time_s}
+        return {name: collective_linear(fn, group, cluster, cand.tp) for name, fn in fns.items()}
+
+    return _memo(cache, key, fit)
+
+
+def _sync_linear(comm: dict[str, tuple[float, float]], dp: int, zero_stage: int) -> tuple[float, float]:
+    """The end-of-step gradient synchronisation: all-reduce, ZeRO-1/2's reduce-scatter + all-gather, none under ZeRO-3."""
+    if dp == 1 or zero_stage == 3:
         return 0.0, 0.0
-    latency = all_reduce_time_s(1, ranks, cluster)
-    per_byte = (all_reduce_time_s(_DP_BUCKET_BYTES, ranks, cluster) - latency) / _DP_BUCKET_BYTES
-    return latency, max(per_byte, 0.0)
+    if zero_stage == 0:
+        return comm["all_reduce"]
+    (a, b), (c, d) = comm["reduce_scatter"], comm["all_gather"]
+    return a + c, b + d
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,35 +492,61 @@ class SplitCost:
     """The exact value of [Note: split objective] for one split, with its parts."""
 
     objective_s: float
-    stage_time_s: list[float]
-    dp_sync_s: list[float]
-    stage_memory_bytes: list[float]
+    stage_time_s: list[float]  # t_c per chunk
+    dp_sync_s: list[float]  # e_r per rank: gradient synchronisation and optimizer step
+    stage_memory_bytes: list[float]  # per rank
+    modes: list[int]  # the mode index of each chunk
 
     def fits(self, tables: CostTables) -> bool:
         return all(m <= c for m, c in zip(self.stage_memory_bytes, tables.capacity_bytes))
 
 
-def evaluate_split(tables: CostTables, bounds: list[tuple[int, int]]) -> SplitCost:
-    """Evaluate a split given as inclusive (first, last) layer ranges per stage."""
-    m = tables.candidate.num_microbatches
-    stage_time, sync, memory = [], [], []
-    for s, (first, last) in enumerate(bounds):
-        layers = range(first, last + 1)
-        t = sum(tables.layer_time_s[l][s] for l in layers)
-        if s + 1 < len(bounds):
-            t += tables.cut_time_s[last][s]
-        stage_time.append(t)
-        sync.append(tables.dp_latency_s[s] + sum(tables.dp_time_s[l][s] for l in layers))
-        memory.append(sum(tables.layer_memory_bytes[l][s] for l in layers))
-    objective = sum(stage_time) + (m - 1) * max(stage_time) + max(sync)
-    return SplitCost(objective_s=objective, stage_time_s=stage_time, dp_sync_s=sync, stage_memory_bytes=memory)
+def chunk_terms(tables: CostTables, c: int, first: int, last: int, k: int) -> tuple[float, float, float, float]:
+    """(t_c, w_c, epilogue, memory) of chunk c holding layers first..last in mode k; see [Note: split objective]."""
+    rows = slice(first, last + 1)
+    time = tables.time_s[k, rows, c].sum()
+    fwd = tables.fwd_s[k, rows, c].sum()
+    t = time + (tables.cut_s[last, c] if c + 1 < tables.num_chunks else 0.0)
+    t += max(0.0, tables.gather_fwd_latency_s[k, c] + tables.gather_fwd_s[k, rows, c].sum() - fwd)
+    t += max(0.0, tables.gather_bwd_latency_s[k, c] + tables.gather_bwd_s[k, rows, c].sum() - (time - fwd))
+    epilogue = tables.epilogue_latency_s[k, c] + tables.epilogue_s[k, rows, c].sum()
+    memory = tables.memory_bytes[k, rows, c].sum()
+    mode = tables.candidate.modes[k]
+    if mode.recompute == "full":
+        memory += tables.workspace_bytes[rows].max()
+    if mode.zero_stage == 3 and tables.candidate.dp > 1:
+        memory += tables.zero3_buffer_bytes[rows].max()
+    return float(t), float(tables.weight_s[k, rows, c].sum()), float(epilogue), float(memory)
 
 
-def stage_memory_breakdown(model: ModelGraph, tables: CostTables, s: int, first: int, last: int, dtype: str, optimizer: str = "adamw") -> MemoryBreakdown:
-    """The memory terms of stage ``s`` holding layers ``first..last``."""
+def evaluate_split(tables: CostTables, bounds: list[tuple[int, int]], modes: list[int] | None = None) -> SplitCost:
+    """Evaluate a split given as inclusive (first, last) layer ranges per chunk, each chunk in mode ``modes[c]`` (0 by default)."""
     cand = tables.candidate
-    in_flight = in_flight_microbatches(cand.schedule, s, cand.pp, cand.num_microbatches)
-    return stage_memory(
-        model.layers[first : last + 1], tp=cand.tp, micro_batch_size=cand.micro_batch_size, in_flight=in_flight, dtype=dtype,
-        optimizer=optimizer, recompute=cand.recompute,
-    )
+    modes = list(modes) if modes is not None else [0] * len(bounds)
+    P = cand.pp
+    times, weights = [], []
+    epilogue, memory = [0.0] * P, [0.0] * P
+    for c, ((first, last), k) in enumerate(zip(bounds, modes)):
+        t, w, e, mem = chunk_terms(tables, c, first, last, k)
+        times.append(t)
+        weights.append(w)
+        epilogue[c % P] += e
+        memory[c % P] += mem
+    objective = linear_step_time_s(cand.schedule, num_stages=P, num_microbatches=cand.num_microbatches, chunk_time_s=times,
+                                   rank_epilogue_s=epilogue, chunk_weight_s=weights, virtual_stages=cand.virtual_stages)
+    return SplitCost(objective_s=objective, stage_time_s=times, dp_sync_s=epilogue, stage_memory_bytes=memory, modes=modes)
+
+
+def stage_memory_breakdown(model: ModelGraph, tables: CostTables, s: int, first: int, last: int, dtype: str, optimizer: str = "adamw",
+                           mode: StageMode | None = None) -> MemoryBreakdown:
+    """The memory terms of stage ``s`` holding layers ``first..last`` in ``mode`` (the first offered by default)."""
+    cand = tables.candidate
+    mode = mode or cand.modes[0]
+    in_flight = activation_multipliers(cand.schedule, cand.pp, cand.num_microbatches, cand.virtual_stages)[s]
+    layers = model.layers[first : last + 1]
+    c = dict(tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
+    weights, grads, opt = training_state_bytes(layers, tp=cand.tp, dtype=dtype, optimizer=optimizer, dp=cand.dp, zero_stage=mode.zero_stage)
+    inputs = model.layers[first - 1].boundary_bytes if first > 0 else model.input_bytes
+    per_mb = activation_bytes_per_microbatch(layers, recompute=mode.recompute, input_bytes=inputs, **c)
+    workspace = recompute_workspace_bytes(layers, recompute=mode.recompute, **c)
+    return MemoryBreakdown(weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=opt, activations_bytes=per_mb * in_flight + workspace)

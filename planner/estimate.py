@@ -46,6 +46,7 @@ from cost_models.compute import (
 from cost_models.devices import DeviceProfile
 from cost_models.layers import LayerProfile
 from cost_models.memory import (
+    OPTIMIZER_BYTES_PER_PARAM,
     OPTIMIZERS,
     RECOMPUTE_CHOICES,
     WEIGHT_GRAD_ACTIVATION_SHARE,
@@ -60,11 +61,6 @@ from planner.search import PlanningError, bounds_from_sizes, equal_split
 from planner.trace import ModelGraph
 from runtime.schedule import Action, Kind, ScheduleError, TimedRun, build_schedule, simulate_timed
 
-# Bytes an optimizer step moves per parameter it updates: Adam reads the gradient (2 in
-# mixed precision, 4 in fp32), reads and writes the fp32 master weight (8) and both fp32
-# moments (16), and writes the working copy (2; none in fp32, the master is it): 28
-# either way. SGD without momentum: gradient, master read and write, copy: 12.
-_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 28, "adam": 28, "sgd": 12}
 
 
 class EstimateError(PlanningError):
@@ -88,6 +84,8 @@ class EstimateConfig:
     optimizer: str = "adamw"
     stage_layers: tuple[int, ...] | None = None  # layers per virtual stage, p * v entries
     stage_devices: tuple[str, ...] | None = None  # device type per pipeline rank, p entries
+    stage_recompute: tuple[str, ...] | None = None  # recompute per virtual stage, p * v entries; ``recompute`` for all when None
+    stage_zero: tuple[int, ...] | None = None  # ZeRO stage per pipeline rank, p entries; ``zero_stage`` for all when None
     scatter_gather: bool = True  # Megatron's p2p optimisation (Narayanan et al. 2021, section 4.1)
     overlap_grad_reduce: bool = False
     kernel_efficiency: float | None = None  # None: each device's own (cost_models.compute.training_efficiency)
@@ -136,6 +134,26 @@ class EstimateConfig:
                 raise EstimateError(f"--stage-layers {','.join(map(str, self.stage_layers))}: every stage needs a layer")
         if self.stage_devices is not None and len(self.stage_devices) != self.pp:
             raise EstimateError(f"--stage-devices has {len(self.stage_devices)} entries, pp({self.pp}) needed")
+        if self.stage_recompute is not None:
+            if len(self.stage_recompute) != chunks:
+                raise EstimateError(f"stage_recompute has {len(self.stage_recompute)} entries, {chunks} stages")
+            for value in self.stage_recompute:
+                if value not in RECOMPUTE_CHOICES:
+                    raise EstimateError(f"unknown recompute {value!r}; use one of {', '.join(RECOMPUTE_CHOICES)}")
+        if self.stage_zero is not None:
+            if len(self.stage_zero) != self.pp:
+                raise EstimateError(f"stage_zero has {len(self.stage_zero)} entries, pp({self.pp}) needed")
+            for value in self.stage_zero:
+                if value not in (0, 1, 2, 3):
+                    raise EstimateError(f"unknown zero {value!r}; use one of 0, 1, 2, 3")
+
+    def recompute_of(self, chunk: int) -> str:
+        """The recompute mode of virtual stage ``chunk``."""
+        return self.stage_recompute[chunk] if self.stage_recompute is not None else self.recompute
+
+    def zero_of(self, rank: int) -> int:
+        """The ZeRO stage of pipeline rank ``rank``."""
+        return self.stage_zero[rank] if self.stage_zero is not None else self.zero_stage
 
     @property
     def num_microbatches(self) -> int:
@@ -369,7 +387,7 @@ class _ChunkCost:
         return compute, tp, max(0.0, gather - compute - tp)
 
 
-def _chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bounds, layout: StageLayout) -> _ChunkCost:
+def _chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bounds, layout: StageLayout, chunk: int) -> _ChunkCost:
     first, last = bounds
     layers = model.layers[first : last + 1]
     device = cluster.profile(layout.device_type)
@@ -377,8 +395,8 @@ def _chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bou
                           kernel_efficiency=config.kernel_efficiency) for l in layers]
     tp_s = sum(_tp_all_reduce_s(l, cluster, config, layout) for l in layers)
     fwd = sum(t.fwd_s for t in times)
-    full = config.recompute == "full"
-    gather_fwd, gather_bwd = _zero3_comm_s(layers, cluster, config, layout)
+    full = config.recompute_of(chunk) == "full"
+    gather_fwd, gather_bwd = _zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp))
     return _ChunkCost(
         fwd_compute_s=fwd,
         fwd_tp_s=tp_s,
@@ -398,9 +416,9 @@ def _tp_all_reduce_s(layer: LayerProfile, cluster: Cluster, config: EstimateConf
     return all_reduce_time_s(payload, layout.ranks[0], cluster)
 
 
-def _zero3_comm_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout) -> tuple[float, float]:
+def _zero3_comm_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout, zero_stage: int) -> tuple[float, float]:
     """ZeRO-3, per micro-batch: gather the weights for forward; gather again and reduce-scatter the gradients in backward."""
-    if config.zero_stage < 3 or config.dp == 1:
+    if zero_stage < 3 or config.dp == 1:
         return 0.0, 0.0
     nbytes = sum(l.params_at(config.tp) for l in layers) * dtype_bytes(config.dtype)
     group = [replica[0] for replica in layout.ranks]
@@ -458,18 +476,18 @@ def _stage_params(model: ModelGraph, tp: int, chunks: list[tuple[int, int]]) -> 
     return params
 
 
-def _dp_sync_s(params: float, cluster: Cluster, config: EstimateConfig, layout: StageLayout) -> float:
+def _dp_sync_s(params: float, cluster: Cluster, config: EstimateConfig, layout: StageLayout, zero_stage: int) -> float:
     """The end-of-step gradient synchronisation of one pipeline rank (ZeRO-3 synchronises per micro-batch)."""
-    if config.dp == 1 or config.zero_stage == 3:
+    if config.dp == 1 or zero_stage == 3:
         return 0.0
     nbytes = params * dtype_bytes(config.dtype)
     group, kw = [replica[0] for replica in layout.ranks], {"concurrent": config.tp}
-    if config.zero_stage == 0:
+    if zero_stage == 0:
         return all_reduce_time_s(nbytes, group, cluster, **kw)
     return reduce_scatter_time_s(nbytes, group, cluster, **kw) + all_gather_time_s(nbytes, group, cluster, **kw)
 
 
-def _optimizer_s(params: float, tensors: int, device: DeviceProfile, config: EstimateConfig) -> float:
+def _optimizer_s(params: float, tensors: int, device: DeviceProfile, config: EstimateConfig, zero_stage: int) -> float:
     """One optimizer step over this rank's share of the parameters: bound by memory traffic.
 
     A measured profile has the traffic rate an optimizer step reaches and its cost per
@@ -477,12 +495,12 @@ def _optimizer_s(params: float, tensors: int, device: DeviceProfile, config: Est
     besides the layers and the gradient sync (docs/profiling.md); datasheet profiles
     have none of these.
     """
-    share = params / config.dp if config.zero_stage >= 1 else params
+    share = params / config.dp if zero_stage >= 1 else params
     rate = getattr(device, "optimizer_bytes_per_s", None) or (
         device.mem_bw_bytes_per_s * HBM_STREAM_EFFICIENCY
         * (config.kernel_efficiency if config.kernel_efficiency is not None else training_efficiency(device)))
     fixed = (getattr(device, "step_overhead_s", None) or 0.0) + tensors * (getattr(device, "optimizer_tensor_overhead_s", None) or 0.0)
-    return share * _OPTIMIZER_BYTES_PER_PARAM[config.optimizer] / rate + fixed
+    return share * OPTIMIZER_BYTES_PER_PARAM[config.optimizer] / rate + fixed
 
 
 # --- Memory --------------------------------------------------------------------------------
@@ -508,14 +526,16 @@ def _rank_memory(model: ModelGraph, config: EstimateConfig, bounds, chunks: list
     layers = [model.layers[l] for k in chunks for l in range(bounds[k][0], bounds[k][1] + 1)]
     tied = _stage_params(model, c.tp, [bounds[k] for k in chunks]) - sum(l.params_at(c.tp) for l in layers)
     weights, grads, opt = training_state_bytes(layers, tp=c.tp, dtype=c.dtype, optimizer=c.optimizer, dp=c.dp,
-                                               zero_stage=c.zero_stage, extra_params=tied)
-    per_mb = {}
+                                               zero_stage=c.zero_of(chunks[0] % c.pp), extra_params=tied)
+    per_mb, workspace = {}, 0.0
     for k in chunks:
         first, last = bounds[k]
         inputs = model.layers[first - 1].boundary_bytes if first > 0 else model.input_bytes
-        per_mb[k] = activation_bytes_per_microbatch(model.layers[first : last + 1], tp=c.tp, micro_batch_size=c.micro_batch_size,
-                                                    dtype=c.dtype, recompute=c.recompute, input_bytes=inputs)
-    workspace = recompute_workspace_bytes(layers, tp=c.tp, micro_batch_size=c.micro_batch_size, dtype=c.dtype, recompute=c.recompute)
+        mine = model.layers[first : last + 1]
+        per_mb[k] = activation_bytes_per_microbatch(mine, tp=c.tp, micro_batch_size=c.micro_batch_size,
+                                                    dtype=c.dtype, recompute=c.recompute_of(k), input_bytes=inputs)
+        workspace = max(workspace, recompute_workspace_bytes(mine, tp=c.tp, micro_batch_size=c.micro_batch_size, dtype=c.dtype,
+                                                             recompute=c.recompute_of(k)))
     activations = _peak_activations(actions, per_mb, c.schedule == "zb") + workspace
     return MemoryBreakdown(weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=opt, activations_bytes=activations)
 
@@ -541,7 +561,7 @@ def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -> Est
     check_against(model, cluster, config)
     layouts = stage_layout(cluster, config)
     bounds = chunk_bounds(model, config)
-    costs = [_chunk_cost(model, cluster, config, b, layouts[k % config.pp]) for k, b in enumerate(bounds)]
+    costs = [_chunk_cost(model, cluster, config, b, layouts[k % config.pp], k) for k, b in enumerate(bounds)]
     played = _play(model, cluster, config, layouts, bounds, costs)
     stages = [_stage_estimate(model, config, layouts, bounds, played, r) for r in range(config.pp)]
     return _assemble(model, cluster, config, layouts, bounds, played, stages)
@@ -569,14 +589,14 @@ def _stage_estimate(model, config, layouts, bounds, played: _Played, r: int) -> 
 def _assemble(model, cluster, config, layouts, bounds, played: _Played, stages: list[StageEstimate]) -> Estimate:
     c, run = config, played.run
     params = [_stage_params(model, c.tp, s.chunks) for s in stages]
-    dp_s = [_exposed_dp_s(_dp_sync_s(params[r], cluster, c, layouts[r]), played, r, c) for r in range(c.pp)]
+    dp_s = [_exposed_dp_s(_dp_sync_s(params[r], cluster, c, layouts[r], c.zero_of(r)), played, r, c) for r in range(c.pp)]
     pipeline_end = max(run.end_s(r) for r in range(c.pp))
     dp = max(run.end_s(r) + dp_s[r] for r in range(c.pp)) - pipeline_end
     busiest = max(range(c.pp), key=run.busy_s)
     compute, tp, zero3 = (sum(played.parts[t.action][i] for t in run.ranks[busiest]) for i in range(3))
     pp = max(0.0, run.end_s(busiest) - played.run_without_transfers.end_s(busiest))
     tensors = [sum(model.layers[l].param_tensors for first, last in s.chunks for l in range(first, last + 1)) for s in stages]
-    optimizer = max(_optimizer_s(params[r], tensors[r], cluster.profile(layouts[r].device_type), c) for r in range(c.pp))
+    optimizer = max(_optimizer_s(params[r], tensors[r], cluster.profile(layouts[r].device_type), c, c.zero_of(r)) for r in range(c.pp))
     time = TimeBreakdown(compute_s=compute, bubble_s=pipeline_end - compute - tp - zero3 - pp, tp_comm_s=tp, pp_comm_s=pp,
                          dp_comm_s=dp + zero3, optimizer_s=optimizer)
     step = time.step_s

@@ -1,9 +1,10 @@
 """The search: the fastest plan under the cost model, with proof of optimality.
 
 Outer enumeration covers what the CP-SAT model keeps fixed (data-, tensor- and
-pipeline-parallel degrees, micro-batch size, schedule); for each such candidate one
-CP-SAT model chooses the cut points of the layer sequence into stages, which may be
-uneven and which see each stage's own device type. The objective is
+pipeline-parallel degrees, micro-batch size, schedule and its virtual stages); for
+each such candidate one CP-SAT model chooses the cut points of the layer sequence
+into stages, which may be uneven and which see each stage's own device type, and
+each stage's mode: its activation recomputation and ZeRO stage. The objective is
 [Note: split objective] in planner.costs.
 """
 
@@ -14,21 +15,27 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 from ortools.sat.python import cp_model
 
-from cost_models.collectives import all_reduce_time_s, p2p_time_s
-from cost_models.compute import dtype_bytes, layer_timing
-from cost_models.memory import stage_memory, state_bytes_per_param
-from cost_models.pipeline import SCHEDULES
+from cost_models.collectives import p2p_time_s
+from cost_models.compute import dtype_bytes
+from cost_models.memory import FRAGMENTATION_MARGIN, OPTIMIZER_BYTES_PER_PARAM, sharded_state_bytes_per_param
+from cost_models.pipeline import SCHEDULES, linear_step_weights
 from planner.costs import (
-    dp_linear,
     Candidate,
     CostTables,
-    StageSlot,
     SplitCost,
+    StageMode,
+    StageSlot,
+    _data_parallel_linear,
+    _layer_columns,
+    _sync_linear,
+    _tp_all_reduce,
     build_tables,
     compose_tables,
     evaluate_split,
+    optimizer_rates,
     stage_memory_breakdown,
     stage_slots,
     tables_by_type,
@@ -57,10 +64,13 @@ class SearchOptions:
     pp: int | None = None
     micro_batch_size: int | None = None
     schedule: str | None = None
-    recompute: str | None = None  # "none" | "full"; both are searched when None
-    stage_layers: tuple[int, ...] | None = None  # layers per stage, pinned
-    stage_devices: tuple[str, ...] | None = None  # device type per stage, pinned
+    virtual_stages: int | None = None  # model chunks per pipeline rank, pinned (interleaved when > 1)
+    recompute: str | None = None  # "none" | "selective" | "full" on every stage; none and full are searched per stage when None
+    zero: int | None = None  # ZeRO stage of every stage, pinned; searched per stage when None
+    stage_layers: tuple[int, ...] | None = None  # layers per stage (pp * virtual stages entries), pinned
+    stage_devices: tuple[str, ...] | None = None  # device type per pipeline rank, pinned
     max_tp: int = 8
+    max_virtual_stages: int = 4  # the interleaved schedules searched: 2..this many chunks per rank
     time_limit_s: float = 10.0
     gap_limit: float = 0.0  # stop a candidate's solve once proven within this relative gap
     uniform_split: bool = False  # equal layers per stage in Megatron's layout (a baseline, not a search)
@@ -73,8 +83,21 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# [Note: search space]
+# Outside the CP-SAT model: tp (dividing every node's device count, and 1 unless a
+# layer splits), pp, dp = world / (tp pp), the micro-batch size, and the schedule:
+# 1F1B, ZB-H1 ("zb", when pp > 1) and interleaved 1F1B with v = 2..max_virtual_stages
+# chunks per rank (pp > 1, tp = 1, m a multiple of pp, pp v <= layers). GPipe has
+# 1F1B's step time and never less memory ([Note: linear step time]), so it is searched
+# only when pinned. Inside, every stage (every chunk, when interleaved) picks a mode:
+# recompute none or full (selective costs what none costs under this cost model: the
+# tracer measures attention as a fused kernel keeps it) times a ZeRO stage, 0, 2 or 3
+# when dp > 1 under 1F1B and GPipe (the runtime shards with FSDP, which neither ZB-H1's
+# split backward nor interleaved chunks support), 0 otherwise. ZeRO-1 costs exactly
+# what ZeRO-2 costs here (one reduce-scatter and all-gather per step, the same
+# optimizer share) and holds more, so it is searched only when pinned.
 def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> list[Candidate]:
-    """Every (dp, tp, pp, micro-batch size, schedule) the pins allow.
+    """Every (dp, tp, pp, micro-batch size, schedule, virtual stages) the pins allow; see [Note: search space].
 
     Raises:
         PlanningError: the pins or the batch size rule out every candidate; says why.
@@ -84,12 +107,6 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
     gbs = options.global_batch_size
     _check_pins(model, cluster, options)
     tp_ok = any(l.tp_capable for l in model.layers)
-    # GPipe takes the time of 1F1B and more memory ([Note: pipeline step time]), so it
-    # can never win; it is searched only when pinned.
-    schedules = [options.schedule] if options.schedule else ["1f1b"]
-    # Selective recompute costs what no recompute costs under this cost model (attention
-    # is measured as a fused kernel holds it), so the search tries none and full.
-    recomputes = [options.recompute] if options.recompute else ["none", "full"]
     widths = {g.devices_per_node for g in cluster.groups}
     out = []
     for tp in divisors(world):
@@ -106,16 +123,60 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
             for mbs in divisors(gbs // dp):
                 if options.micro_batch_size and mbs != options.micro_batch_size:
                     continue
-                for schedule, recompute in itertools.product(schedules, recomputes):
-                    m = gbs // (dp * mbs)
-                    out.append(Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule=schedule, recompute=recompute))
+                m = gbs // (dp * mbs)
+                for schedule, v in schedules_for(options, tp=tp, pp=pp, num_microbatches=m, num_layers=num_layers):
+                    modes = stage_modes(options, dp=dp, schedule=schedule)
+                    if modes:
+                        out.append(Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule=schedule,
+                                             virtual_stages=v, modes=modes))
     if not out:
-        raise PlanningError(
-            f"no (dp, tp, pp) fits world_size({world}) with global batch {gbs}"
-            + ("" if tp_ok else " (the model has no tensor-parallel layers, so tp is 1)")
-            + "; change the pins or --global-batch"
-        )
+        raise PlanningError(_no_candidate_reason(model, cluster, options, tp_ok))
     return out
+
+
+def schedules_for(options: SearchOptions, *, tp: int, pp: int, num_microbatches: int, num_layers: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs searched for one (tp, pp, m); see [Note: search space]."""
+    names = [options.schedule] if options.schedule else ["1f1b", "zb", "interleaved"]
+    if options.virtual_stages is not None:
+        names = [n for n in names if (n == "interleaved") == (options.virtual_stages > 1)]
+    out = []
+    for name in names:
+        if name == "interleaved":
+            pinned = options.schedule == "interleaved"
+            top = options.virtual_stages or options.max_virtual_stages
+            low = options.virtual_stages or 2
+            for v in range(low, top + 1):
+                if (pp > 1 or pinned) and tp == 1 and num_microbatches % pp == 0 and pp * v <= num_layers:
+                    out.append((name, v))
+        elif name != "zb" or pp > 1 or options.schedule == "zb":
+            out.append((name, 1))
+    return out
+
+
+def stage_modes(options: SearchOptions, *, dp: int, schedule: str) -> tuple[StageMode, ...]:
+    """The modes each stage may take; empty when the pins leave none; see [Note: search space]."""
+    recomputes = [options.recompute] if options.recompute else ["none", "full"]
+    shardable = dp > 1 and schedule in ("1f1b", "gpipe")
+    if options.zero is not None:
+        zeros = [options.zero] if options.zero == 0 or shardable else []
+    else:
+        zeros = [0, 2, 3] if shardable else [0]
+    return tuple(StageMode(recompute=r, zero_stage=z) for z in zeros for r in recomputes)
+
+
+def _no_candidate_reason(model: ModelGraph, cluster, options: SearchOptions, tp_ok: bool) -> str:
+    world, gbs = cluster.world_size, options.global_batch_size
+    if options.zero:
+        return (f"--zero {options.zero} needs data parallelism (dp > 1) and schedule 1f1b or gpipe; no such (dp, tp, pp) "
+                f"fits world_size({world}) with global batch {gbs} and the other pins")
+    if options.schedule == "interleaved" or (options.virtual_stages or 1) > 1:
+        return (f"the interleaved schedule needs tp 1, micro-batches a multiple of pp and pp * virtual stages <= "
+                f"{len(model.layers)} layers; nothing fits world_size({world}) with global batch {gbs} and the other pins")
+    return (
+        f"no (dp, tp, pp) fits world_size({world}) with global batch {gbs}"
+        + ("" if tp_ok else " (the model has no tensor-parallel layers, so tp is 1)")
+        + "; change the pins or --global-batch"
+    )
 
 
 def _check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
@@ -140,25 +201,50 @@ def _check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
         raise PlanningError(f"--micro-batch-size {mbs} does not divide the per-replica batch {gbs // dp}")
     if mbs and mbs > gbs:
         raise PlanningError(f"--micro-batch-size {mbs} exceeds --global-batch {gbs}")
-    _check_stage_pins(model, cluster, options)
     if options.recompute and options.recompute not in ("none", "selective", "full"):
         raise PlanningError(f"unknown --recompute {options.recompute!r}; use none, selective or full")
     if options.schedule and options.schedule not in SCHEDULES:
         raise PlanningError(f"unknown --schedule {options.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    _check_schedule_pins(model, options)
+    _check_stage_pins(model, cluster, options)
+
+
+def _check_schedule_pins(model: ModelGraph, options: SearchOptions) -> None:
+    v, schedule, zero, dp = options.virtual_stages, options.schedule, options.zero, options.dp
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise PlanningError(f"unknown --zero {zero}; use 0, 1, 2 or 3")
+    if v is not None:
+        if v < 1:
+            raise PlanningError(f"--virtual-stages must be at least 1, got {v}")
+        if v > 1 and schedule not in (None, "interleaved"):
+            raise PlanningError(f"--virtual-stages {v} needs --schedule interleaved, not {schedule}")
+        if v > 1 and options.tp not in (None, 1):
+            raise PlanningError(f"--virtual-stages {v} runs with tp 1 (the program runs interleaved chunks without tensor parallelism), not --tp {options.tp}")
+        if v > 1 and options.pp and options.pp * v > len(model.layers):
+            raise PlanningError(f"--pp {options.pp} * --virtual-stages {v} = {options.pp * v} stages, the model has only {len(model.layers)} layers")
+    if zero:
+        if dp == 1:
+            raise PlanningError(f"--zero {zero} shards over data-parallel replicas; --dp 1 has none (use --zero 0)")
+        if schedule in ("zb", "interleaved") or (v or 1) > 1:
+            what = "interleaved" if (v or 1) > 1 else schedule
+            raise PlanningError(f"--zero {zero} runs with schedule 1f1b or gpipe only (FSDP cannot run {what}'s stages); use --zero 0")
 
 
 def _check_stage_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
-    layers, devices, pp = options.stage_layers, options.stage_devices, options.pp
+    layers, devices, pp, v = options.stage_layers, options.stage_devices, options.pp, options.virtual_stages or 1
     if layers is not None:
         if any(n < 1 for n in layers) or sum(layers) != len(model.layers):
             raise PlanningError(
                 f"--stage-layers {','.join(map(str, layers))} sums to {sum(layers)}; the model has {len(model.layers)} layers "
                 "(each stage needs at least one; see hetpar trace)"
             )
-        if pp is not None and pp != len(layers):
-            raise PlanningError(f"--stage-layers gives {len(layers)} stages but --pp is {pp}")
+        if len(layers) % v:
+            raise PlanningError(f"--stage-layers gives {len(layers)} stages, not a multiple of --virtual-stages {v}")
+        if pp is not None and pp * v != len(layers):
+            what = f"--pp is {pp}" if v == 1 else f"--pp {pp} * --virtual-stages {v} is {pp * v}"
+            raise PlanningError(f"--stage-layers gives {len(layers)} stages but {what}")
     if devices is not None:
-        stages = pp or (len(layers) if layers else None)
+        stages = pp or (len(layers) // v if layers else None)
         if stages is not None and len(devices) != stages:
             raise PlanningError(f"--stage-devices names {len(devices)} device types for {stages} stages")
         present = set(cluster.device_types())
@@ -180,7 +266,7 @@ def pinned_pp(options: SearchOptions) -> int | None:
     if options.pp:
         return options.pp
     if options.stage_layers:
-        return len(options.stage_layers)
+        return len(options.stage_layers) // (options.virtual_stages or 1)
     return len(options.stage_devices) if options.stage_devices else None
 
 
@@ -189,67 +275,237 @@ def to_ticks(seconds: float, tick_s: float) -> int:
     return int(round(seconds / tick_s))
 
 
+def _ticks(seconds: np.ndarray, tick_s: float) -> list[int]:
+    """``to_ticks`` over an array."""
+    return np.rint(seconds / tick_s).astype(np.int64).tolist()
+
+
 @dataclass(frozen=True, kw_only=True)
 class SplitResult:
     bounds: list[tuple[int, int]]
     cost: SplitCost
     status: str  # "optimal" | "feasible"
-    types: list[str] | None = None  # device type per stage, when the search chose them
+    types: list[str] | None = None  # device type per pipeline rank, when the search chose them
     bound_s: float = 0.0  # the solver's proven lower bound on the objective
 
+    @property
+    def modes(self) -> list[int]:
+        return self.cost.modes
 
-def solve_split(tables: CostTables, options: SearchOptions) -> SplitResult | None:
-    """The best split of layers into ``pp`` stages for one candidate, or None if none fits.
 
-    CP-SAT model of [Note: split objective] over the cut positions; see [Note: cut formulation].
+def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[int, ...] | None = None) -> SplitResult | None:
+    """The best split of layers into chunks, and the mode of each, for one candidate; None if none fits.
+
+    CP-SAT model of [Note: split objective] over the cut positions and the stage modes;
+    see [Note: cut formulation].
+
+    Args:
+        fixed_sizes: layers per chunk, when the split is pinned (the modes are still chosen).
     """
-    if options.stage_layers is not None:
-        return _pinned_split(tables, options.stage_layers)
-    L, P, m = tables.num_layers, tables.candidate.pp, tables.candidate.num_microbatches
-    hint = equal_split(L, P)
-    tick_s = (evaluate_split(tables, hint).objective_s or 1.0) / _TICKS_PER_OBJECTIVE
-    model = cp_model.CpModel()
-
-    # Variables
-    # start[s] is the first layer of stage s; start[P] = L closes the last stage
-    start = [model.new_constant(0)] + [model.new_int_var(s, L - P + s, f"start_{s}") for s in range(1, P)] + [model.new_constant(L)]
-    # stage_time[s]: ticks of one micro-batch's forward + backward (+ p2p) on stage s
-    # dp_sync[s]: ticks of stage s's gradient all-reduce
-    stage_time, dp_sync = [], []
-
-    # Constraints
-    for s in range(P):
-        model.add(start[s + 1] >= start[s] + 1)  # every stage holds at least one layer
-        work, sync, memory = _stage_terms(model, tables, s, start, tick_s)
-        model.add(memory <= int(tables.capacity_bytes[s]))
-        stage_time.append(work)
-        dp_sync.append(sync)
-    horizon = sum(to_ticks(max(row) + max(c), tick_s) for row, c in zip(tables.layer_time_s, tables.cut_time_s)) + 1
-    slowest = model.new_int_var(0, horizon, "slowest_stage_time")
-    model.add_max_equality(slowest, stage_time)
-    sync_horizon = to_ticks(sum(map(max, tables.dp_time_s)) + max(tables.dp_latency_s), tick_s) + P + 1
-    slowest_sync = model.new_int_var(0, sync_horizon, "slowest_sync")
-    model.add_max_equality(slowest_sync, dp_sync)
-
-    # Objective
-    model.minimize(sum(stage_time) + (m - 1) * slowest + slowest_sync)
-
-    for s in range(1, P):
-        model.add_hint(start[s], hint[s][0])
+    fixed_sizes = fixed_sizes or options.stage_layers
+    if not np.isfinite(tables.time_s).all():
+        return None  # a device lacks the training dtype
+    hint_bounds = bounds_from_sizes(fixed_sizes) if fixed_sizes else equal_split(tables.num_layers, tables.num_chunks)
+    hint_modes = greedy_modes(tables, hint_bounds)
+    tick_s = (evaluate_split(tables, hint_bounds, hint_modes).objective_s or 1.0) / _TICKS_PER_OBJECTIVE
+    split = _SplitModel(tables, tick_s)
+    if fixed_sizes:
+        for c, (first, _) in enumerate(hint_bounds):
+            split.model.add(split.start[c] == first)
+    split.hint(hint_bounds, hint_modes)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = options.time_limit_s
     solver.parameters.num_workers = options.workers
     solver.parameters.random_seed = options.seed
     solver.parameters.relative_gap_limit = options.gap_limit
-    status = solver.solve(model)
+    status = solver.solve(split.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-    starts = [solver.value(v) for v in start]
-    bounds = [(starts[s], starts[s + 1] - 1) for s in range(P)]
-    cost = evaluate_split(tables, bounds)
+    starts = [solver.value(v) for v in split.start]
+    bounds = [(starts[c], starts[c + 1] - 1) for c in range(tables.num_chunks)]
+    modes = [solver.value(m) for m in split.mode]
+    cost = evaluate_split(tables, bounds, modes)
     optimal = status == cp_model.OPTIMAL
-    bound_s = cost.objective_s if optimal else solver.best_objective_bound * tick_s
+    bound_s = cost.objective_s if optimal else solver.best_objective_bound * tick_s / split.weights.scale
     return SplitResult(bounds=bounds, cost=cost, status="optimal" if optimal else "feasible", bound_s=bound_s)
+
+
+def greedy_modes(tables: CostTables, bounds: list[tuple[int, int]]) -> list[int]:
+    """A mode per chunk for the solver's hint: per rank, the fastest mode all its chunks can share that fits."""
+    from planner.costs import chunk_terms
+
+    K, P = len(tables.candidate.modes), tables.candidate.pp
+    modes = [0] * len(bounds)
+    for r in range(P):
+        chunks = list(range(r, len(bounds), P))
+        scored = []
+        for k in range(K):
+            terms = [chunk_terms(tables, c, *bounds[c], k) for c in chunks]
+            scored.append((sum(t[3] for t in terms) > tables.capacity_bytes[r], sum(t[0] for t in terms) + max(t[2] for t in terms),
+                           sum(t[3] for t in terms), k))
+        best = min(scored)
+        if best[0]:  # nothing fits: the smallest
+            best = min(scored, key=lambda x: x[2])
+        for c in chunks:
+            modes[c] = best[3]
+    return modes
+
+
+class _SplitModel:
+    """The CP-SAT model of [Note: split objective]; sections as in the OR-Tools samples."""
+
+    def __init__(self, tables: CostTables, tick_s: float):
+        self.tables, self.tick_s = tables, tick_s
+        cand = tables.candidate
+        L, C, P, K = tables.num_layers, tables.num_chunks, cand.pp, len(cand.modes)
+        self.weights = linear_step_weights(cand.schedule, num_stages=P, num_microbatches=cand.num_microbatches,
+                                           virtual_stages=cand.virtual_stages)
+        model = self.model = cp_model.CpModel()
+
+        # Variables
+        # start[c] is the first layer of chunk c; start[C] = L closes the last chunk
+        self.start = [model.new_constant(0)] + [model.new_int_var(c, L - C + c, f"start_{c}") for c in range(1, C)] + [model.new_constant(L)]
+        # mode[c] is the index (into cand.modes) of chunk c's recompute and ZeRO choice
+        self.mode = [model.new_int_var(0, K - 1, f"mode_{c}") if K > 1 else model.new_constant(0) for c in range(C)]
+        # chunk_time[c], chunk_weight[c], epilogue[c], memory[c]: the chunk's t_c, w_c, share of e_r, bytes
+        chunk_time, chunk_weight, epilogue, memory = [], [], [], []
+
+        # Constraints
+        for c in range(C):
+            model.add(self.start[c + 1] >= self.start[c] + 1)  # every chunk holds at least one layer
+            t, w, e, mem = self._chunk_terms(c)
+            chunk_time.append(t)
+            chunk_weight.append(w)
+            epilogue.append(e)
+            memory.append(mem)
+        for r in range(P):
+            model.add(sum(memory[r::P]) <= int(tables.capacity_bytes[r]))
+        horizon = self._horizon()
+        # round_time[j] >= t_c of every chunk of round j (chunks j P .. j P + P - 1): the slowest
+        round_time = [model.new_int_var(0, horizon, f"round_time_{j}") for j in range(cand.virtual_stages)]
+        for c in range(C):
+            model.add(round_time[c // P] >= chunk_time[c])
+        slowest_epilogue = model.new_int_var(0, horizon, "slowest_epilogue")
+        for r in range(P):
+            model.add(slowest_epilogue >= sum(epilogue[r::P]))
+        wt = self.weights
+        objective = wt.chunk_sum * sum(chunk_time) + wt.round_max * sum(round_time) + wt.epilogue_max * slowest_epilogue
+        if wt.weight_sum or wt.weight_max:
+            largest_weight = model.new_int_var(0, horizon, "largest_weight")
+            for w in chunk_weight:
+                model.add(largest_weight >= w)
+            objective += wt.weight_max * largest_weight - wt.weight_sum * sum(chunk_weight)
+
+        # Objective
+        model.minimize(objective)
+
+    def hint(self, bounds: list[tuple[int, int]], modes: list[int]) -> None:
+        for c in range(1, self.tables.num_chunks):
+            self.model.add_hint(self.start[c], bounds[c][0])
+        if len(self.tables.candidate.modes) > 1:
+            for c, k in enumerate(modes):
+                self.model.add_hint(self.mode[c], k)
+
+    def _horizon(self) -> int:
+        t = self.tables
+        per_layer = t.time_s.max(axis=(0, 2)) + t.gather_bwd_s.max(axis=(0, 2)) + t.gather_fwd_s.max(axis=(0, 2)) + t.epilogue_s.max(axis=(0, 2))
+        extra = t.cut_s.max() + t.gather_fwd_latency_s.max() + t.gather_bwd_latency_s.max() + t.epilogue_latency_s.max()
+        return to_ticks(float(per_layer.sum() + extra * t.num_chunks), self.tick_s) + t.num_chunks + 1
+
+    def _chunk_terms(self, c: int):
+        """(t_c, w_c, epilogue share, memory) of chunk c as linear expressions; see [Note: cut formulation]."""
+        t, model, cand = self.tables, self.model, self.tables.candidate
+        L, K = t.num_layers, len(cand.modes)
+        first = self._index(c, self.start[c])
+        end = self._index(c, self.start[c + 1])
+        last_cut = np.concatenate([[0.0], t.cut_s[:, c]]) if c + 1 < t.num_chunks else np.zeros(L + 1)
+
+        def read(name: str, values: np.ndarray, at, end_extra=None):
+            """values: [K, L] per-layer seconds or bytes of column c; the chunk's sum, read at (first, end)."""
+            prefix = np.concatenate([np.zeros((K, 1)), np.cumsum(values, axis=1)], axis=1)
+            start_table = prefix if at is None else prefix
+            end_table = prefix + (end_extra if end_extra is not None else 0.0)
+            if name == "memory":
+                lo, hi = np.ceil(start_table).astype(np.int64).ravel().tolist(), np.ceil(end_table).astype(np.int64).ravel().tolist()
+            else:
+                lo, hi = _ticks(start_table.ravel(), self.tick_s), _ticks(end_table.ravel(), self.tick_s)
+            return self._element(end, hi, f"{name}_end_{c}") - self._element(first, lo, f"{name}_start_{c}")
+
+        time = read("time", t.time_s[:, :, c], None, last_cut[None, :])
+        chunk_time = time
+        if (t.gather_fwd_s[:, :, c] != 0).any() or (t.gather_fwd_latency_s[:, c] != 0).any():
+            for name, gather, part, latency in (
+                ("gather_fwd", t.gather_fwd_s, t.fwd_s, t.gather_fwd_latency_s),
+                ("gather_bwd", t.gather_bwd_s, t.time_s - t.fwd_s, t.gather_bwd_latency_s),
+            ):
+                # exposed[c] >= the gathers' excess over the compute they overlap, and >= 0
+                excess = read(name, gather[:, :, c] - part[:, :, c], None, latency[:, c][:, None])
+                exposed = model.new_int_var(0, self._horizon(), f"{name}_exposed_{c}")
+                model.add(exposed >= excess)
+                chunk_time = chunk_time + exposed
+        weight = read("weight", t.weight_s[:, :, c], None) if self.weights.weight_sum else 0
+        epilogue = read("epilogue", t.epilogue_s[:, :, c], None, t.epilogue_latency_s[:, c][:, None])
+        memory = read("memory", t.memory_bytes[:, :, c], None) + self._buffers(c)
+        return chunk_time, weight, epilogue, memory
+
+    def _index(self, c: int, position):
+        """The flat index mode[c] * (L + 1) + position into a chunk's [K, L + 1] tables."""
+        K, L = len(self.tables.candidate.modes), self.tables.num_layers
+        if K == 1:
+            return position
+        index = self.model.new_int_var(0, K * (L + 1) - 1, "")
+        self.model.add(index == self.mode[c] * (L + 1) + position)
+        return index
+
+    def _element(self, index, values: list[int], name: str):
+        """A variable equal to values[index]."""
+        var = self.model.new_int_var(min(values), max(values), name)
+        self.model.add_element(index, values, var)
+        return var
+
+    def _buffers(self, c: int):
+        """Bytes of the one-layer buffers of chunk c's mode: the range maxima of [Note: split objective]."""
+        t, cand = self.tables, self.tables.candidate
+        total = 0
+        families = (
+            ("workspace", t.workspace_bytes, [k for k, m in enumerate(cand.modes) if m.recompute == "full"]),
+            ("zero3", t.zero3_buffer_bytes, [k for k, m in enumerate(cand.modes) if m.zero_stage == 3 and cand.dp > 1]),
+        )
+        for name, values, modes in families:
+            if modes:
+                total = total + self._range_max(c, name, values, modes)
+        return total
+
+    def _range_max(self, c: int, name: str, values: np.ndarray, modes: list[int]):
+        """A variable >= max(values[start[c] : start[c + 1]]) when chunk c's mode is one of ``modes``, else >= 0."""
+        model, L, K = self.model, self.tables.num_layers, len(self.tables.candidate.modes)
+        levels = sorted({int(math.ceil(v)) for v in values}, reverse=True)
+        in_mode = model.new_bool_var(f"{name}_on_{c}")
+        if len(modes) == K:
+            model.add(in_mode == 1)
+        else:
+            uses = []
+            for k in range(K):
+                b = model.new_bool_var("")
+                model.add(self.mode[c] == k).only_enforce_if(b)
+                model.add(self.mode[c] != k).only_enforce_if(~b)
+                uses.append(b)
+            model.add(in_mode == sum(uses[k] for k in modes))
+        buffer = model.new_int_var(0, levels[0], f"{name}_{c}")
+        model.add(buffer >= levels[-1]).only_enforce_if(in_mode)
+        for level in levels[:-1]:
+            # next_at[i]: the first layer at or after i whose value reaches this level (L if none)
+            next_at, nxt = [], L
+            for i in range(L, -1, -1):
+                if i < L and math.ceil(values[i]) >= level:
+                    nxt = i
+                next_at.append(nxt)
+            next_at.reverse()
+            found = self._element(self.start[c], next_at, "")
+            holds = model.new_bool_var("")
+            model.add(found >= self.start[c + 1]).only_enforce_if(~holds)
+            model.add(buffer >= level).only_enforce_if([holds, in_mode])
+        return buffer
 
 
 def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, int], options: SearchOptions) -> SplitResult | None:
@@ -260,10 +516,10 @@ def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, 
 
     Args:
         tables: cost columns per device type (``planner.costs.tables_by_type``).
-        stages_per_type: how many stages each type hosts.
+        stages_per_type: how many pipeline ranks each type hosts.
 
     Returns:
-        The best split, with ``types`` naming each stage's device type, or None if none fits.
+        The best split, with ``types`` naming each pipeline rank's device type, or None if none fits.
     """
     best: SplitResult | None = None
     for order in itertools.permutations(tables):
@@ -281,50 +537,18 @@ def type_sequence(order: list[str], stages_per_type: dict[str, int]) -> list[str
     return [k for k in order for _ in range(stages_per_type[k])]
 
 
-def _stage_terms(model: cp_model.CpModel, tables: CostTables, s: int, start: list, tick_s: float):
-    """(work ticks, gradient-sync ticks, memory bytes) of stage s; see [Note: cut formulation]."""
-    L, P = tables.num_layers, tables.candidate.pp
-    time_prefix = _prefix([to_ticks(tables.layer_time_s[l][s], tick_s) for l in range(L)])
-    cut_cost = [0] + [to_ticks(tables.cut_time_s[l][s], tick_s) if s < P - 1 else 0 for l in range(L)]
-    sync_prefix = _prefix([to_ticks(tables.dp_time_s[l][s], tick_s) for l in range(L)])
-    memory_prefix = _prefix([math.ceil(tables.layer_memory_bytes[l][s]) for l in range(L)])
-    first, end = start[s], start[s + 1]
-    work = _read(model, time_prefix, end, f"time_end_{s}") - _read(model, time_prefix, first, f"time_start_{s}")
-    work += _read(model, cut_cost, end, f"cut_{s}")
-    sync = _read(model, sync_prefix, end, f"sync_end_{s}") - _read(model, sync_prefix, first, f"sync_start_{s}")
-    sync += to_ticks(tables.dp_latency_s[s], tick_s)
-    memory = _read(model, memory_prefix, end, f"memory_end_{s}") - _read(model, memory_prefix, first, f"memory_start_{s}")
-    return work, sync, memory
-
-
-def _read(model: cp_model.CpModel, values: list[int], index, name: str):
-    """A variable equal to values[index]."""
-    var = model.new_int_var(min(values), max(values), name)
-    model.add_element(index, values, var)
-    return var
-
-
-def _pinned_split(tables: CostTables, stage_layers: tuple[int, ...]) -> SplitResult | None:
-    """The split the user pinned, evaluated; None if it does not fit."""
-    bounds = bounds_from_sizes(stage_layers)
-    cost = evaluate_split(tables, bounds)
-    return SplitResult(bounds=bounds, cost=cost, status="optimal", bound_s=cost.objective_s) if cost.fits(tables) else None
-
-
 # [Note: cut formulation]
-# A split is P + 1 increasing layer indices start[0] = 0 < start[1] < ... < start[P] = L.
-# Every per-layer quantity of [Note: split objective] is additive, so stage s's share
-# is prefix[start[s + 1]] - prefix[start[s]] of a prefix-sum table of that stage's
-# column, read with element constraints. The model has O(P) integer variables whatever
-# the number of layers, which keeps CP-SAT fast on 100-layer, 64-stage instances
-# where a layer x stage boolean model does not finish in seconds.
-def _prefix(values: list[int]) -> list[int]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
-
-
+# A split is C + 1 increasing layer indices start[0] = 0 < start[1] < ... < start[C] = L.
+# Every per-layer quantity of [Note: split objective] is additive, so chunk c's share
+# is prefix[start[c + 1]] - prefix[start[c]] of a prefix-sum table of that chunk's
+# column, read with element constraints; per-chunk constants (the cut after the last
+# layer, collective latencies) ride on the table read at start[c + 1]. The mode joins
+# the index: the tables of all modes are laid end to end, and the read is at
+# mode[c] * (L + 1) + position. A range maximum (the one-layer buffers) is >= each of
+# its few levels whose next layer at or after start[c] comes before start[c + 1]. The
+# model has O(C) integer variables whatever the number of layers, which keeps CP-SAT
+# fast on 100-layer, 64-stage instances where a layer x stage boolean model does not
+# finish in seconds.
 def equal_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """Layers dealt out as evenly as possible, earlier stages taking the remainder."""
     base, extra = divmod(num_layers, num_stages)
@@ -358,7 +582,7 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
     start = time.perf_counter()
     candidates = enumerate_candidates(model, cluster, options)
     cache: dict = {}
-    bounds = {cand: lower_bound_s(model, cluster, cand, options.dtype, cache) for cand in candidates}
+    bounds = {cand: lower_bound_s(model, cluster, cand, options.dtype, cache, options.optimizer) for cand in candidates}
     candidates.sort(key=bounds.get)
     solved: list[Solved] = []
     misfits: list[tuple[float, CostTables]] = []
@@ -369,10 +593,10 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
             progress(i, len(candidates), cand.describe())
         if bounds[cand] >= best and len(solved) > options.top_k:
             break  # [Note: candidate bound]: no later candidate can win
-        if not memory_may_fit(model, cluster, cand, options):
+        if not memory_may_fit(model, cluster, cand, options, cache):
             skipped.append(cand)
             continue
-        tables, split = solve_candidate(model, cluster, cand, options)
+        tables, split = solve_candidate(model, cluster, cand, options, cache)
         if split is None:
             misfits.append((_overflow(tables), tables))
         else:
@@ -382,7 +606,7 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
         progress(len(candidates), len(candidates), "done")
     if not solved:
         for cand in skipped[: max(0, 8 - len(misfits))]:
-            tables = build_tables(model, cluster, cand, options.dtype, options.optimizer)
+            tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, cache=cache)
             misfits.append((_overflow(tables), tables))
         raise PlanningError(_explain_misfit(model, options, min(misfits, key=lambda x: x[0])[1]))
     solved.sort(key=lambda s: s.split.cost.objective_s)
@@ -393,55 +617,84 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
     info = SolverInfo(status=status, wall_time_s=round(time.perf_counter() - start, 3), objective_gap=round(gap, 6), candidates=len(candidates),
                       objective_s=best.split.cost.objective_s)
     alternatives = [
-        {**_candidate_dict(s.tables.candidate), "stage_layers": [b - a + 1 for a, b in s.split.bounds], "step_time_s": s.split.cost.objective_s}
+        {**_candidate_dict(s.tables.candidate), "stage_layers": [b - a + 1 for a, b in s.split.bounds],
+         **_mode_lists(s.tables, s.split), "step_time_s": s.split.cost.objective_s}
         for s in solved[1 : 1 + options.top_k]
     ]
-    return assemble_plan(model, cluster, options, best.tables, best.split.bounds, info, alternatives)
+    return assemble_plan(model, cluster, options, best.tables, best.split.bounds, info, alternatives, modes=best.split.modes)
 
 
 # [Note: candidate bound]
-# Whatever the split, [Note: split objective] is at least
-#     W + (m - 1) * max(W / R, max_l t_l),   W = sum_l t_l,
-# where t_l is layer l's micro-batch time (tensor-parallel all-reduces included) on the
-# device type that runs it fastest, and
-# R = sum over stages of the stage type's relative speed r_k = max_l t_l / t_l(k) (1 for
-# the fastest type): the stages together do all the work once, and in the time of the
-# slowest stage M a type-k stage does at most M * r_k of it. The slowest gradient
-# all-reduce moves at least 1/pp of the gradients, and each of the pp - 1 cuts costs
-# at least the cheapest p2p of any boundary to any other device.
-# Candidates are solved in order of this bound, and the search stops at the first
-# whose bound is no better than the best plan found, so the plan it returns is optimal
-# over all of them.
-def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache: dict | None = None) -> float:
+# Whatever the split and the stage modes, [Note: linear step time] is at least
+#     (A sum_l min_k (t_l(k) - (B/A) w_l(k)) + A (C - 1) cut + G max(W / R, max_l t_l) + H max_l min_k w_l(k)
+#      + E (min latency + sum_l min e_l / pp)) / scale
+# with A, B, G, H, E, scale the schedule's weights (cost_models.pipeline.linear_step_weights),
+# where t_l(k) is layer l's micro-batch time (tensor-parallel all-reduces included,
+# recomputation only if every offered mode recomputes) on device type k, t_l = min_k
+# t_l(k), W = sum_l t_l, w_l(k) its weight-gradient part, e_l the least epilogue (gradient
+# sync and optimizer step) of the layer over the offered modes and types, and
+# R = sum over pipeline ranks of the rank type's relative speed r_k = max_l t_l / t_l(k)
+# (1 for the fastest type): the ranks together do all the work once, and in the time of
+# the slowest (the slowest round, interleaved) M a type-k rank does at most M * r_k of it.
+# The slowest epilogue is at least the average one, and each of the C - 1 cuts costs at
+# least the cheapest p2p of any boundary to any other device. ZeRO-3's exposed gathers
+# and the one-layer buffers are left out (they only add). Candidates are solved in
+# order of this bound, and the search stops at the first whose bound is no better than
+# the best plan found, so the plan it returns is optimal over all of them.
+def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache: dict | None = None, optimizer: str = "adamw") -> float:
     """A lower bound on the objective of any split of ``cand``; see [Note: candidate bound].
 
     Args:
         cache: reused across candidates: per-layer times depend only on (tp, micro-batch
-            size, recompute, device type, the tensor-parallel group's placement).
+            size, device type, the tensor-parallel group's placement).
     """
     cache = {} if cache is None else cache
     slots = _representative_slots(cluster, cand)
-    per_type = {}
+    wt = linear_step_weights(cand.schedule, num_stages=cand.pp, num_microbatches=cand.num_microbatches, virtual_stages=cand.virtual_stages)
+    full_only = all(m.recompute == "full" for m in cand.modes)
+    times, weights, epilogues, latencies = [], [], [], []
     for k, (slot, _) in slots.items():
-        key = (cand.tp, cand.micro_batch_size, cand.recompute, k, tuple(cluster.node_of(r) for r in slot.ranks[0]))
-        if key not in cache:
-            cache[key] = _layer_times(model, cluster, cand, dtype, slot)
-        per_type[k] = cache[key]
-    fastest = [min(times[l] for times in per_type.values()) for l in range(len(model.layers))]
-    speed = sum(n * max(f / t for f, t in zip(fastest, per_type[k]) if t > 0) for k, (_, n) in slots.items())
-    work = sum(fastest)
-    grad_bytes = sum(l.params_at(cand.tp) for l in model.layers) * state_bytes_per_param(dtype)[1]
-    linear = [dp_linear(cluster, [rep[0] for rep in slot.ranks]) for slot, _ in slots.values()]
-    sync = min(a for a, _ in linear) + min(b for _, b in linear) * grad_bytes / cand.pp
-    cuts = (cand.pp - 1) * min(_cut_floor(model, cluster, cand, dtype, slot) for slot, _ in slots.values())
-    return work + cuts + (cand.num_microbatches - 1) * max(work / speed, max(fastest)) + sync
+        cols = _layer_columns(model, cluster, k, cand.tp, cand.micro_batch_size, dtype, cache)
+        tp_ar = _tp_all_reduce(cluster, slot, cols, cand, cache)
+        times.append(cols.fwd + cols.b_input + cols.weight + tp_ar * (3 if full_only else 2) + (cols.fwd if full_only else 0.0))
+        weights.append(cols.weight)
+        e, lat = _least_epilogue(cluster, cand, slot, cols, dtype, optimizer, cache)
+        epilogues.append(e)
+        latencies.append(lat)
+    times, weights = np.array(times), np.array(weights)
+    fastest = times.min(axis=0)
+    work = float(fastest.sum())
+    with np.errstate(divide="ignore", invalid="ignore"):
+        speed = sum(n * float(np.nanmax(np.where(t > 0, fastest / t, np.nan))) for t, (_, n) in zip(times, slots.values()))
+    pace = max(work / speed, float(fastest.max())) if speed > 0 else float(fastest.max())
+    sums = float((wt.chunk_sum * times - wt.weight_sum * weights).min(axis=0).sum())
+    cuts = (cand.num_chunks - 1) * min(_cut_floor(model, cluster, cand, dtype, slot) for slot, _ in slots.values())
+    epilogue = min(latencies) + float(np.min(epilogues, axis=0).sum()) / cand.pp
+    total = (sums + wt.chunk_sum * cuts + wt.round_max * pace + wt.weight_max * float(weights.min(axis=0).max())
+             + wt.epilogue_max * epilogue)
+    return total / wt.scale
+
+
+def _least_epilogue(cluster, cand: Candidate, slot: StageSlot, cols, dtype: str, optimizer: str, cache: dict) -> tuple[np.ndarray, float]:
+    """Per layer, the least epilogue seconds over the offered modes, and the least latency."""
+    comm = _data_parallel_linear(cluster, cand, slot, cache)
+    rate, per_tensor, overhead = optimizer_rates(cluster.profile(slot.device_type))
+    per_layer, latency = [], []
+    for zero in {m.zero_stage for m in cand.modes}:
+        lat, pb = _sync_linear(comm, cand.dp, zero)
+        share = cols.params / cand.dp if cand.dp > 1 and zero > 0 else cols.params
+        per_layer.append(pb * cols.params * dtype_bytes(dtype) + share * OPTIMIZER_BYTES_PER_PARAM[optimizer] / rate + cols.tensors * per_tensor)
+        latency.append(lat + overhead)
+    return np.min(per_layer, axis=0), min(latency)
 
 
 def _cut_floor(model: ModelGraph, cluster, cand: Candidate, dtype: str, slot: StageSlot) -> float:
     """The cheapest p2p of a stage boundary, forward and backward, from ``slot``."""
-    if cand.pp == 1:
+    if cand.num_chunks == 1:
         return 0.0
     payload = min(l.boundary_bytes for l in model.layers[:-1]) * cand.micro_batch_size * dtype_bytes(dtype) / 4
+    if cand.tp > 1:
+        payload /= cand.tp
     src = slot.ranks[0][0]
     return 2 * min(p2p_time_s(payload, src, dst, cluster) for dst in _one_peer_per_place(cluster, src))
 
@@ -461,55 +714,31 @@ def _one_peer_per_place(cluster, src: int) -> list[int]:
 
 
 def _representative_slots(cluster, cand: Candidate) -> dict[str, tuple[StageSlot, int]]:
-    """Device type -> (one stage slot of that type, how many stages are costed as that type)."""
+    """Device type -> (one stage slot of that type, how many pipeline ranks are costed as that type)."""
     available = type_slots(cluster, cand)
     if available is not None:
         return {k: (v[0], len(v)) for k, v in available.items()}
     out: dict[str, tuple[StageSlot, int]] = {}
-    for slot in stage_slots(cluster.device_types(), cand):
+    for slot in stage_slots(cluster, cand):
         first, n = out.get(slot.device_type, (slot, 0))
         out[slot.device_type] = (first, n + 1)
     return out
 
 
-def _layer_times(model: ModelGraph, cluster, cand: Candidate, dtype: str, slot: StageSlot) -> list[float]:
-    """Per-layer micro-batch seconds on ``slot``'s device, tensor-parallel all-reduces included."""
-    device = cluster.profile(slot.device_type)
-    scale = dtype_bytes(dtype) / 4
-    times = []
-    for layer in model.layers:
-        t = _layer_seconds(layer, device, cand, dtype)
-        if cand.tp > 1 and layer.tp_allreduce_bytes:
-            t += 2 * all_reduce_time_s(layer.tp_allreduce_bytes * cand.micro_batch_size * scale, slot.ranks[0], cluster)
-        times.append(t)
-    return times
-
-
-def _layer_seconds(layer, device, cand: Candidate, dtype: str) -> float:
-    try:
-        timing = layer_timing(layer, device, tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
-    except (KeyError, ValueError):
-        return math.inf
-    return timing.fwd_s * (2 if cand.recompute == "full" else 1) + timing.bwd_s
-
-
-def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions) -> tuple[CostTables, SplitResult | None]:
-    """Solve one candidate: the split, and the device type of each stage where types can choose.
+def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, cache: dict | None = None) -> tuple[CostTables, SplitResult | None]:
+    """Solve one candidate: the split, the stage modes, and the device type of each stage where types can choose.
 
     Returns:
         The cost tables of the stages' exact ranks, and the split (None if nothing fits).
     """
-    if options.uniform_split:
-        tables = build_tables(model, cluster, cand, options.dtype, options.optimizer)
-        bounds = equal_split(tables.num_layers, cand.pp)
-        cost = evaluate_split(tables, bounds)
-        return tables, (SplitResult(bounds=bounds, cost=cost, status="optimal", bound_s=cost.objective_s) if cost.fits(tables) else None)
-    available = type_slots(cluster, cand)
+    cache = {} if cache is None else cache
+    fixed = tuple(b - a + 1 for a, b in equal_split(len(model.layers), cand.num_chunks)) if options.uniform_split else None
+    available = None if options.uniform_split else type_slots(cluster, cand)
     if available is None or len(available) == 1:
-        tables = build_tables(model, cluster, cand, options.dtype, options.optimizer)
+        tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, cache=cache)
         pinned_ok = options.stage_devices is None or list(options.stage_devices) == [s.device_type for s in tables.slots]
-        return tables, (solve_split(tables, options) if pinned_ok else None)
-    typed = tables_by_type(model, cluster, cand, options.dtype, available, options.optimizer)
+        return tables, (solve_split(tables, options, fixed) if pinned_ok else None)
+    typed = tables_by_type(model, cluster, cand, options.dtype, available, options.optimizer, cache)
     counts = {k: len(v) for k, v in available.items()}
     if options.stage_devices is not None:
         wanted = list(options.stage_devices)
@@ -520,70 +749,86 @@ def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: Search
     else:
         split = solve_type_orders(typed, counts, options)
     if split is None:
-        return compose_tables(typed, type_sequence(list(available), {k: len(v) for k, v in available.items()})), None
+        return compose_tables(typed, type_sequence(list(available), counts)), None
     unused = {k: list(v) for k, v in available.items()}
     slots = [unused[k].pop(0) for k in split.types]
-    tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, slots=slots)
-    cost = evaluate_split(tables, split.bounds)
+    tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, slots=slots, cache=cache)
+    cost = evaluate_split(tables, split.bounds, split.modes)
     return tables, SplitResult(bounds=split.bounds, cost=cost, status=split.status, types=split.types, bound_s=split.bound_s)
 
 
-def memory_may_fit(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions) -> bool:
+def memory_may_fit(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, cache: dict | None = None) -> bool:
     """False when no split of ``cand`` can fit: the layers' memory, each at its smallest
-    (one micro-batch in flight, the roomiest stage type), exceeds all stages' memory together."""
+    (one micro-batch in flight, the most frugal mode), exceeds all ranks' memory together."""
+    cache = {} if cache is None else cache
     slots = _representative_slots(cluster, cand)
     capacity = sum(slot.memory_bytes * n for slot, n in slots.values())
-    need = 0.0
-    for layer in model.layers:
-        need += stage_memory([layer], tp=cand.tp, micro_batch_size=cand.micro_batch_size, in_flight=1, dtype=options.dtype,
-                             optimizer=options.optimizer, recompute=cand.recompute).total_bytes
-        if need > capacity:
-            return False
-    return True
+    cols = _layer_columns(model, cluster, next(iter(slots)), cand.tp, cand.micro_batch_size, options.dtype, cache)
+    need = np.full(len(model.layers), np.inf)
+    for mode in cand.modes:
+        state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
+        activations = cols.inputs if mode.recompute == "full" else cols.saved
+        need = np.minimum(need, cols.params * state + activations)
+    return FRAGMENTATION_MARGIN * float(need.sum()) <= capacity
 
 
 def _candidate_dict(c: Candidate) -> dict:
-    return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batch_size": c.micro_batch_size, "schedule": c.schedule, "recompute": c.recompute}
+    return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batch_size": c.micro_batch_size, "schedule": c.schedule,
+            "virtual_stages": c.virtual_stages}
+
+
+def _mode_lists(tables: CostTables, split: SplitResult) -> dict:
+    modes = [tables.candidate.modes[k] for k in split.modes]
+    return {"recompute": [m.recompute for m in modes], "zero_stage": [m.zero_stage for m in modes]}
 
 
 def _overflow(tables: CostTables) -> float:
-    cost = evaluate_split(tables, equal_split(tables.num_layers, tables.candidate.pp))
+    bounds = equal_split(tables.num_layers, tables.num_chunks)
+    cost = evaluate_split(tables, bounds, greedy_modes(tables, bounds))
     return max(m / c for m, c in zip(cost.stage_memory_bytes, tables.capacity_bytes))
 
 
 def _explain_misfit(model: ModelGraph, options: SearchOptions, tables: CostTables) -> str:
-    bounds = equal_split(tables.num_layers, tables.candidate.pp)
-    cost = evaluate_split(tables, bounds)
-    s = max(range(len(bounds)), key=lambda i: cost.stage_memory_bytes[i] / tables.capacity_bytes[i])
-    breakdown = stage_memory_breakdown(model, tables, s, *bounds[s], options.dtype, options.optimizer)
+    cand = tables.candidate
+    bounds = equal_split(tables.num_layers, tables.num_chunks)
+    modes = greedy_modes(tables, bounds)
+    cost = evaluate_split(tables, bounds, modes)
+    r = max(range(cand.pp), key=lambda i: cost.stage_memory_bytes[i] / tables.capacity_bytes[i])
+    mode = cand.modes[modes[r]]
+    breakdown = stage_memory_breakdown(model, tables, r, *bounds[r], options.dtype, options.optimizer, mode=mode)
     gib = 2**30
     return (
-        f"no plan fits in memory: the closest ({tables.candidate.describe()}) needs "
-        f"{breakdown.total_bytes / gib:.1f} GiB on stage {s}, {tables.slots[s].device_type} has "
-        f"{tables.capacity_bytes[s] / gib:.1f} GiB (mostly {breakdown.dominant_term()}); "
+        f"no plan fits in memory: the closest ({cand.describe()}, {mode.describe()}) needs "
+        f"{cost.stage_memory_bytes[r] / gib:.1f} GiB on stage {r}, {tables.slots[r].device_type} has "
+        f"{tables.capacity_bytes[r] / gib:.1f} GiB (mostly {breakdown.dominant_term()}); "
         "add devices, lower --global-batch or use --dtype bf16"
     )
 
 
-def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: CostTables, bounds, info: SolverInfo, alternatives=()) -> ParallelPlan:
+def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: CostTables, bounds, info: SolverInfo, alternatives=(),
+                  modes: list[int] | None = None) -> ParallelPlan:
     """Turn a solved split into a ParallelPlan with its predicted cost."""
     cand = tables.candidate
-    cost = evaluate_split(tables, bounds)
+    modes = list(modes) if modes is not None else [0] * len(bounds)
+    cost = evaluate_split(tables, bounds, modes)
     stages = []
-    for s, (first, last) in enumerate(bounds):
+    for c, (first, last) in enumerate(bounds):
         sharding = {}
         if cand.tp > 1:
             for l in range(first, last + 1):
                 sharding.update(model.tp_sharding[l])
+        slot = tables.slots[c % cand.pp]
+        mode = cand.modes[modes[c]]
         stages.append(
             StagePlan(
-                index=s,
+                index=c,
                 layers=list(range(first, last + 1)),
-                device_type=tables.slots[s].device_type,
+                device_type=slot.device_type,
                 tensor_parallel=cand.tp,
-                ranks=tables.slots[s].ranks,
+                ranks=slot.ranks,
                 tp_sharding=sharding,
-                recompute=cand.recompute,
+                zero_stage=mode.zero_stage if cand.dp > 1 else 0,
+                recompute=mode.recompute,
             )
         )
     predicted = _simulated_prediction(model, cluster, options, cand, bounds, stages) or _linear_prediction(options, tables, bounds, cost)
@@ -600,6 +845,7 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
         predicted=predicted,
         solver=info,
         alternatives=list(alternatives),
+        virtual_stages=cand.virtual_stages,
     )
 
 
@@ -612,18 +858,19 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
 def _simulated_prediction(model: ModelGraph, cluster, options: SearchOptions, cand: Candidate, bounds, stages: list[StagePlan]) -> Predicted | None:
     from planner.estimate import EstimateConfig, EstimateError, estimate
 
-    types = [s.device_type for s in stages]
+    ranks = stages[: cand.pp]
     config = EstimateConfig(
         global_batch_size=options.global_batch_size, dp=cand.dp, tp=cand.tp, pp=cand.pp,
-        micro_batch_size=cand.micro_batch_size, dtype=options.dtype, schedule=cand.schedule, recompute=cand.recompute,
+        micro_batch_size=cand.micro_batch_size, dtype=options.dtype, schedule=cand.schedule, virtual_stages=cand.virtual_stages,
         optimizer=options.optimizer, stage_layers=tuple(b - a + 1 for a, b in bounds),
-        stage_devices=tuple(types) if len(set(cluster.device_types())) > 1 else None,
+        stage_devices=tuple(s.device_type for s in ranks) if len(set(cluster.device_types())) > 1 else None,
+        stage_recompute=tuple(s.recompute for s in stages), stage_zero=tuple(s.zero_stage for s in ranks),
     )
     try:
         result = estimate(model, cluster, config)
     except (EstimateError, ValueError):
         return None
-    if [e.ranks for e in result.stages] != [s.ranks for s in stages]:
+    if [e.ranks for e in result.stages] != [s.ranks for s in ranks]:
         return None
     return result.predicted
 
@@ -633,9 +880,7 @@ def _linear_prediction(options: SearchOptions, tables: CostTables, bounds, cost:
     step = cost.objective_s
     slowest = max(cost.stage_time_s)
     m = cand.num_microbatches
-    tp_comm = max(
-        sum(tables.tp_time_s[l][s] for l in range(first, last + 1)) for s, (first, last) in enumerate(bounds)
-    ) * m
+    tp_comm = max(float(tables.tp_time_s[first : last + 1, c].sum()) for c, (first, last) in enumerate(bounds)) * m
     return Predicted(
         step_time_s=step,
         throughput_samples_per_s=options.global_batch_size / step if step > 0 else 0.0,
@@ -643,7 +888,7 @@ def _linear_prediction(options: SearchOptions, tables: CostTables, bounds, cost:
         compute_time_s=m * slowest,
         bubble_time_s=sum(cost.stage_time_s) - slowest,
         dp_comm_time_s=max(cost.dp_sync_s),
-        pp_comm_time_s=sum(tables.cut_time_s[last][s] for s, (_, last) in enumerate(bounds[:-1])) * m,
+        pp_comm_time_s=sum(float(tables.cut_s[last, c]) for c, (_, last) in enumerate(bounds[:-1])) * m,
         tp_comm_time_s=tp_comm,
     )
 

@@ -3,36 +3,12 @@
 import itertools
 import random
 
+import numpy as np
 import pytest
 
-from planner.costs import Candidate, CostTables, StageSlot, evaluate_split
+from planner.costs import CostTables, evaluate_split
 from planner.search import SearchOptions, equal_split, solve_split, to_ticks
-
-
-def compositions(num_layers, num_stages):
-    """Every split of num_layers into num_stages non-empty contiguous runs."""
-    for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
-        edges = (0, *cuts, num_layers)
-        yield [(edges[i], edges[i + 1] - 1) for i in range(num_stages)]
-
-
-def random_tables(rng, num_layers, num_stages, num_microbatches, tight_memory):
-    layer_time = [[rng.uniform(1e-3, 5e-3) * (1 + s % 2) for s in range(num_stages)] for _ in range(num_layers)]
-    memory = [[rng.uniform(1, 4) * 2**30 for _ in range(num_stages)] for _ in range(num_layers)]
-    total = sum(r[0] for r in memory)
-    cap = total / num_stages * (1.3 if tight_memory else 100)
-    return CostTables(
-        candidate=Candidate(dp=2, tp=1, pp=num_stages, micro_batch_size=1, num_microbatches=num_microbatches, schedule="1f1b"),
-        slots=[StageSlot(ranks=[[0], [1]], device_type="cpu", memory_bytes=int(cap)) for _ in range(num_stages)],
-        layer_time_s=layer_time,
-        cut_time_s=[[rng.uniform(0, 1e-3) for _ in range(num_stages)] for _ in range(num_layers)],
-        layer_memory_bytes=memory,
-        capacity_bytes=[cap] * num_stages,
-        dp_latency_s=[rng.uniform(0, 1e-4) for _ in range(num_stages)],
-        dp_time_s=[[rng.uniform(0, 2e-3) for _ in range(num_stages)] for _ in range(num_layers)],
-        tp_time_s=[[0.0] * num_stages for _ in range(num_layers)],
-    )
-
+from tests.search_tables import compositions, random_tables
 
 INSTANCES = [(seed, L, P, m, tight) for seed, (L, P, m, tight) in enumerate(
     (L, P, m, tight) for L in (2, 5, 8) for P in (1, 2, 3, 4) if P <= L for m in (1, 4) for tight in (False, True)
@@ -41,7 +17,7 @@ INSTANCES = [(seed, L, P, m, tight) for seed, (L, P, m, tight) in enumerate(
 
 @pytest.mark.parametrize("seed,num_layers,num_stages,num_microbatches,tight", INSTANCES)
 def test_solver_matches_brute_force(seed, num_layers, num_stages, num_microbatches, tight):
-    tables = random_tables(random.Random(seed), num_layers, num_stages, num_microbatches, tight)
+    tables = random_tables(np.random.default_rng(seed), num_layers, num_stages, num_microbatches, memory=1.3 if tight else 100)
     options = SearchOptions(global_batch_size=num_microbatches * 2, dtype="fp32", time_limit_s=10, workers=1)
     fitting = [evaluate_split(tables, b) for b in compositions(num_layers, num_stages)]
     fitting = [c for c in fitting if c.fits(tables)]
@@ -58,11 +34,11 @@ def test_solver_matches_brute_force(seed, num_layers, num_stages, num_microbatch
 
 def test_uneven_stages_get_uneven_splits():
     """A stage on a device twice as fast should take about twice the layers."""
-    rng = random.Random(0)
-    tables = random_tables(rng, 9, 2, 8, False)
+    tables = random_tables(np.random.default_rng(0), 9, 2, 8, memory=100)
     fast, slow = 1e-3, 2e-3
-    tables = CostTables(**{**tables.__dict__, "layer_time_s": [[fast, slow] for _ in range(9)],
-                           "cut_time_s": [[0.0, 0.0] for _ in range(9)], "dp_time_s": [[0.0, 0.0] for _ in range(9)]})
+    zero = np.zeros_like(tables.time_s)
+    tables = CostTables(**{**tables.__dict__, "time_s": zero + np.array([fast, slow]), "fwd_s": zero, "weight_s": zero,
+                           "cut_s": np.zeros_like(tables.cut_s), "epilogue_s": zero})
     result = solve_split(tables, SearchOptions(global_batch_size=16, dtype="fp32"))
     assert result.bounds == [(0, 5), (6, 8)]
 
@@ -99,11 +75,10 @@ def test_pruned_search_finds_the_best_candidate(cluster_spec, dtype):
 
 
 def typed_instance(seed, num_layers, num_stages):
-    rng = random.Random(seed)
-    fast = random_tables(rng, num_layers, num_stages, 4, tight_memory=seed % 2 == 0)
-    slow = random_tables(rng, num_layers, num_stages, 4, tight_memory=False)
-    slow = CostTables(**{**slow.__dict__, "layer_time_s": [[2.5 * t for t in row] for row in slow.layer_time_s],
-                         "capacity_bytes": [c * 0.8 for c in slow.capacity_bytes]})
+    rng = np.random.default_rng(seed)
+    fast = random_tables(rng, num_layers, num_stages, 4, memory=1.3 if seed % 2 == 0 else 100)
+    slow = random_tables(rng, num_layers, num_stages, 4, memory=100)
+    slow = CostTables(**{**slow.__dict__, "time_s": 2.5 * slow.time_s, "capacity_bytes": slow.capacity_bytes * 0.8})
     return {"A100-80GB": fast, "V100-32GB": slow}
 
 

@@ -1,0 +1,127 @@
+"""The search space of issue 5: per-stage recompute and ZeRO modes inside the CP-SAT model,
+every schedule's linear step time, and the plan pins that go with them."""
+
+import random
+
+import numpy as np
+import pytest
+
+from cost_models.pipeline import bubble_time_s, linear_step_time_s
+from planner.costs import CostTables, evaluate_split
+from planner.search import SearchOptions, solve_split
+from runtime.schedule import Kind, build_schedule, simulate_timed
+from tests.cli_helpers import assert_one_line_error, hetpar
+from tests.search_tables import PLAIN, RECOMPUTE, ZERO, brute_force, random_tables
+
+OPTIONS = SearchOptions(global_batch_size=8, dtype="fp32", time_limit_s=20, workers=1)
+
+# (layers, pp, virtual stages, micro-batches, schedule, modes, memory): small enough to enumerate every
+# split and every mode of every chunk, tight and ample memory.
+SPACE = [
+    (L, pp, v, m, schedule, modes, memory)
+    for schedule, pp, v, m in (("1f1b", 2, 1, 4), ("1f1b", 3, 1, 2), ("gpipe", 2, 1, 3), ("zb", 2, 1, 4), ("zb", 3, 1, 2),
+                               ("zb", 3, 1, 5), ("interleaved", 2, 2, 4), ("interleaved", 2, 3, 2), ("interleaved", 1, 3, 2))
+    for modes in (RECOMPUTE, ZERO)
+    if not (modes is ZERO and schedule in ("zb", "interleaved")) and (modes is not ZERO or pp * v <= 2 or L <= 6)
+    for L in (pp * v + 1, 6, 8) if L >= pp * v
+    for memory in (0.9, 1.4, 100)
+]
+
+
+@pytest.mark.parametrize("num_layers,pp,v,m,schedule,modes,memory", SPACE)
+def test_solver_matches_brute_force_over_splits_and_modes(num_layers, pp, v, m, schedule, modes, memory):
+    rng = np.random.default_rng(hash((num_layers, pp, v, m, schedule, len(modes), memory)) % 2**32)
+    tables = random_tables(rng, num_layers, pp, m, modes=modes, schedule=schedule, virtual_stages=v, memory=memory)
+    best = brute_force(tables)
+    result = solve_split(tables, OPTIONS)
+    if best is None:
+        assert result is None
+        return
+    assert result is not None and result.status == "optimal"
+    assert result.cost.fits(tables)
+    assert result.cost.objective_s == pytest.approx(best[0], rel=1e-4)
+
+
+def test_zero_is_chosen_when_memory_forces_it_and_not_when_it_only_costs_time():
+    """The same tables, ample then tight memory: ZeRO-3 costs gathers and saves memory."""
+    modes = tuple(m for m in ZERO if m.recompute == "none")
+    rng = np.random.default_rng(7)
+    ample = random_tables(rng, 6, 2, 4, modes=modes, memory=100)
+    # Every ZeRO mode syncs slower than plain data parallelism, ZeRO-3's gathers outlast the compute.
+    slower = np.array([1.0 + 0.5 * (m.zero_stage > 0) for m in modes])[:, None, None]
+    slow_gathers = CostTables(**{**ample.__dict__, "gather_fwd_s": ample.gather_fwd_s + ample.time_s,
+                                 "epilogue_s": ample.epilogue_s.max(axis=0) * slower})
+    result = solve_split(slow_gathers, OPTIONS)
+    assert [modes[k].zero_stage for k in result.modes] == [0, 0]
+    plain_need = max(evaluate_split(slow_gathers, result.bounds, [0, 0]).stage_memory_bytes)
+    tight = CostTables(**{**slow_gathers.__dict__, "capacity_bytes": slow_gathers.capacity_bytes * 0 + plain_need * 0.5})
+    assert solve_split(_only(tight, [0]), OPTIONS) is None  # without ZeRO nothing fits
+    result = solve_split(tight, OPTIONS)
+    assert result is not None and any(modes[k].zero_stage > 0 for k in result.modes)
+
+
+def _only(tables, keep):
+    """``tables`` offering only the modes ``keep`` (indices)."""
+    from dataclasses import replace
+
+    per_mode = ("time_s", "fwd_s", "weight_s", "gather_fwd_s", "gather_bwd_s", "gather_fwd_latency_s", "gather_bwd_latency_s",
+                "epilogue_s", "epilogue_latency_s", "memory_bytes")
+    cand = replace(tables.candidate, modes=tuple(tables.candidate.modes[k] for k in keep))
+    return CostTables(**{**tables.__dict__, "candidate": cand, **{n: getattr(tables, n)[keep] for n in per_mode}})
+
+
+# --- [Note: linear step time] against the simulator ------------------------------------------
+
+
+def _simulated(schedule, p, m, v, fwd, b_input, weight):
+    """Makespan of ``schedule`` with per-chunk forward, input-gradient and weight-gradient seconds."""
+    split = schedule == "zb"
+
+    def duration(a):
+        if a.kind is Kind.FORWARD:
+            return fwd[a.stage]
+        if a.kind is Kind.WEIGHT:
+            return weight[a.stage]
+        return b_input[a.stage] + (0.0 if split else weight[a.stage])
+
+    return simulate_timed(build_schedule(schedule, p, m, v), duration).makespan_s
+
+
+def _linear(schedule, p, m, v, fwd, b_input, weight):
+    times = [f + b + w for f, b, w in zip(fwd, b_input, weight)]
+    return linear_step_time_s(schedule, num_stages=p, num_microbatches=m, chunk_time_s=times, rank_epilogue_s=[0.0] * p,
+                              chunk_weight_s=weight, virtual_stages=v)
+
+
+GRID = [(s, p, m, v) for s, v in (("1f1b", 1), ("gpipe", 1), ("zb", 1), ("interleaved", 2), ("interleaved", 3))
+        for p in range(1, 6) for m in range(1, 11) if s != "interleaved" or m % p == 0]
+
+
+@pytest.mark.parametrize("schedule,p,m,v", GRID)
+def test_linear_step_time_is_exact_for_equal_stages(schedule, p, m, v):
+    fwd, b_input, weight = 1.0 / v, 1.3 / v, 0.8 / v
+    chunks = p * v
+    linear = _linear(schedule, p, m, v, [fwd] * chunks, [b_input] * chunks, [weight] * chunks)
+    assert linear == pytest.approx(_simulated(schedule, p, m, v, [fwd] * chunks, [b_input] * chunks, [weight] * chunks))
+    if schedule != "zb" or m >= p:  # the closed forms (ZB-H1's needs m >= p)
+        per_rank = v * (fwd + b_input + weight)
+        bubble = bubble_time_s(schedule, num_stages=p, num_microbatches=m, fwd_s=v * fwd, bwd_s=v * (b_input + weight),
+                               weight_s=v * weight, virtual_stages=v)
+        assert linear == pytest.approx(m * per_rank + bubble)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("zb", 1), ("interleaved", 2), ("interleaved", 3)])
+def test_linear_step_time_tracks_the_simulator_on_unequal_stages(schedule, v):
+    """Within the band [Note: linear step time] states; 1F1B's is an upper bound."""
+    rng = random.Random(3)
+    for _ in range(200):
+        p, m = rng.randint(1, 5), rng.randint(1, 10)
+        if schedule == "interleaved":
+            m = p * rng.randint(1, 3)
+        fwd = [rng.uniform(0.5, 1.5) for _ in range(p * v)]
+        b_input = [f * rng.uniform(0.8, 1.5) for f in fwd]
+        weight = [f * rng.uniform(0.5, 1.2) for f in fwd]
+        ratio = _linear(schedule, p, m, v, fwd, b_input, weight) / _simulated(schedule, p, m, v, fwd, b_input, weight)
+        assert 0.9 <= ratio <= 1.35
+        if schedule == "1f1b":
+            assert ratio >= 1 - 1e-9
