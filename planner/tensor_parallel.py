@@ -11,7 +11,9 @@ one of four ways, each a DTensor style the runtime applies (runtime.shard):
     rowwise          split          replicated all-reduce(output)    -
     rowwise_slice    replicated     replicated all-reduce(output)    all-gather(input)
 
-"split" is a value of which each rank holds a slice of the features (or heads).
+The backward collectives act on the input's gradient, so they vanish where the input
+needs none (data). "split" is a value of which each rank holds a slice of the
+features (or heads).
 A split value passes through ops that treat features independently (activations,
 element-wise arithmetic, views, attention over whole heads: the _FEATURE_WISE_*
 sets) and must reach a rowwise Linear; anything else (a norm over features, a
@@ -193,7 +195,7 @@ def build_problem(gm: fx.GraphModule, inputs: list[torch.Tensor], cost: TpCostMo
         measurement: ``planner.measure.measure(gm, inputs)`` when already taken.
     """
     counts = (measurement or measure(gm, inputs)).nodes
-    values = _run(gm, inputs)
+    values = _run(gm, inputs, grad=True)
     seconds: dict[str, float] = {}
     linear_s: dict[str, dict[Sharding | None, float]] = {}
     raw: list[tuple[str, _Kind, tuple[str, ...], tuple[str, ...], str]] = []
@@ -208,8 +210,9 @@ def build_problem(gm: fx.GraphModule, inputs: list[torch.Tensor], cost: TpCostMo
         tensors = tuple(a.name for a in node.all_input_nodes if _is_tensors(values.get(a.name)))
         if kind is _Kind.LINEAR:
             path, tensors = str(node.target), (node.args[0].name,)
-            linear_s[node.name] = _linear_seconds(gm.get_submodule(path), seconds[node.name],
-                                                  _nbytes(values[tensors[0]]), _nbytes(values[node.name]), cost)
+            x = values[tensors[0]]
+            linear_s[node.name] = _linear_seconds(gm.get_submodule(path), seconds[node.name], _nbytes(x),
+                                                  _nbytes(values[node.name]), getattr(x, "requires_grad", False), cost)
         elif kind is _Kind.FEATURE:
             shape = getattr(values.get(node.name), "shape", None)
             same = tuple(a for a in tensors if shape is not None and getattr(values[a], "shape", None) == shape)
@@ -233,18 +236,22 @@ def _ticks(seconds: float, tick_s: float) -> int:
     return round(seconds / tick_s)
 
 
-def _linear_seconds(linear: nn.Linear, compute_s: float, in_bytes: int, out_bytes: int,
+def _linear_seconds(linear: nn.Linear, compute_s: float, in_bytes: int, out_bytes: int, input_grad: bool,
                     cost: TpCostModel) -> dict[Sharding | None, float]:
-    """One rank's time for each choice a Linear can take (left out where its features do not divide)."""
+    """One rank's time for each choice a Linear can take (left out where its features do
+    not divide). The backward collectives on the input gradient run only if the input
+    needs one (not for data)."""
     tp = cost.tp
     split = compute_s / tp
+    grad_all_reduce = cost.all_reduce_s(in_bytes) if input_grad else 0.0
+    grad_all_gather = cost.all_gather_s(in_bytes) if input_grad else 0.0
     options: dict[Sharding | None, float] = {None: compute_s}
     if linear.out_features % tp == 0:
-        options[Sharding.COLWISE] = split + cost.all_reduce_s(in_bytes)
-        options[Sharding.COLWISE_GATHER] = split + cost.all_reduce_s(in_bytes) + cost.all_gather_s(out_bytes)
+        options[Sharding.COLWISE] = split + grad_all_reduce
+        options[Sharding.COLWISE_GATHER] = split + grad_all_reduce + cost.all_gather_s(out_bytes)
     if linear.in_features % tp == 0:
         options[Sharding.ROWWISE] = split + cost.all_reduce_s(out_bytes)
-        options[Sharding.ROWWISE_SLICE] = split + cost.all_reduce_s(out_bytes) + cost.all_gather_s(in_bytes)
+        options[Sharding.ROWWISE_SLICE] = split + cost.all_reduce_s(out_bytes) + grad_all_gather
     return options
 
 
@@ -510,8 +517,10 @@ def _view_misuse(full_in: torch.Tensor, full_out: torch.Tensor, local_out: torch
     return None if len(out_split) == 1 and out_split[0] in starts else reason
 
 
-def _run(module: fx.GraphModule, inputs: list[torch.Tensor], record: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run ``module`` on meta ``inputs`` without gradients; each node's value by name."""
+def _run(module: fx.GraphModule, inputs: list[torch.Tensor], record: dict[str, Any] | None = None, *,
+         grad: bool = False) -> dict[str, Any]:
+    """Run ``module`` on meta ``inputs``; each node's value by name. With ``grad``, inputs
+    require gradients where they do in training, and so do the values made from them."""
     values = {} if record is None else record
 
     class _Recorder(fx.Interpreter):
@@ -520,8 +529,9 @@ def _run(module: fx.GraphModule, inputs: list[torch.Tensor], record: dict[str, A
             values[n.name] = out
             return out
 
-    with torch.no_grad():
-        _Recorder(module).run(*[t.detach() if isinstance(t, torch.Tensor) else t for t in inputs])
+    with torch.set_grad_enabled(grad):
+        _Recorder(module).run(*[t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                                for t in inputs])
     return values
 
 

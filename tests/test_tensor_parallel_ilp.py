@@ -339,3 +339,21 @@ def test_runtime_accepts_every_sharding(tmp_path):
         torch.testing.assert_close(module(x), expected)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_plan_with_every_sharding_trains_like_one_process(tmp_path, mlp_path):
+    """examples/mlp.py as the trace shards it: its input Linear gathers (a norm follows),
+    its blocks pair up, its output Linear slices a replicated input."""
+    from conftest import build_plan
+    from test_distributed import assert_trains_like_one_process
+
+    from planner.trace import trace_model
+
+    args = {"depth": 1, "width": 256, "in_features": 128, "out_features": 64}
+    graph = trace_model(load_model_file(mlp_path, args))
+    sharding = {path: how.value for layer in graph.tp_sharding for path, how in layer.items()}
+    assert set(sharding.values()) == {s.value for s in Sharding}
+    plan = build_plan(mlp_path, args, splits=[list(range(len(graph.layers)))], tensor_parallel=2,
+                      tp_sharding=[sharding], num_microbatches=2)
+    assert_trains_like_one_process(plan, tmp_path)
