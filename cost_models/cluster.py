@@ -24,7 +24,7 @@ _COUNTS_AND_TYPE = re.compile(r"^(?:(?P<nodes>\d+)x)?(?P<devices>\d+)x(?P<type>[
 # "200gx8", "200Gx8", "12.5gbpsx1"
 _NIC = re.compile(r"^(?P<rate>\d+(?:\.\d+)?)(?:g|gbps|gb/s)x(?P<nics>\d+)$", re.IGNORECASE)
 
-_GROUP_KEYS = ("nodes", "devices_per_node", "device", "nic_gbps", "nics_per_node", "intra_node_gbps")
+_GROUP_KEYS = ("nodes", "devices_per_node", "device", "nic_gbps", "nics_per_node", "intra_node_gbps", "usd_per_device_hour")
 
 
 class ClusterSpecError(ValueError):
@@ -45,6 +45,7 @@ class NodeGroup:
     nic_bw_bytes_per_s: float
     nics_per_node: int
     intra_node_bw_bytes_per_s: float  # from the device unless overridden in TOML
+    usd_per_device_hour: float | None = None  # what one device costs per hour, for --objective cost; None: not given
 
     def __post_init__(self) -> None:
         counts = {"num_nodes": self.num_nodes, "devices_per_node": self.devices_per_node, "nics_per_node": self.nics_per_node}
@@ -327,6 +328,9 @@ def _group_from_table(table: dict[str, Any], index: int, spec: str) -> NodeGroup
     for key in ("nic_gbps", "intra_node_gbps"):
         if key in table and (not isinstance(table[key], (int, float)) or table[key] <= 0):
             raise ClusterSpecError(f"{where}: {key} must be a positive number of Gb/s, got {table[key]!r}")
+    price = table.get("usd_per_device_hour")
+    if price is not None and (not isinstance(price, (int, float)) or isinstance(price, bool) or price < 0):
+        raise ClusterSpecError(f"{where}: usd_per_device_hour must be a number >= 0 (US dollars per device-hour), got {price!r}")
     return NodeGroup(
         num_nodes=table["nodes"],
         devices_per_node=table["devices_per_node"],
@@ -336,6 +340,7 @@ def _group_from_table(table: dict[str, Any], index: int, spec: str) -> NodeGroup
         intra_node_bw_bytes_per_s=(
             table["intra_node_gbps"] * _GBPS if "intra_node_gbps" in table else device.intra_node_bw_bytes_per_s
         ),
+        usd_per_device_hour=None if price is None else float(price),
     )
 
 
@@ -360,4 +365,6 @@ def cluster_to_toml(cluster: Cluster) -> str:
             f"nics_per_node = {g.nics_per_node}",
             f"intra_node_gbps = {g.intra_node_bw_bytes_per_s / _GBPS!r}",
         ]
+        if g.usd_per_device_hour is not None:
+            lines.append(f"usd_per_device_hour = {g.usd_per_device_hour!r}")
     return "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ from hetpar.commands.profile import profiles_option
 from hetpar.commands.common import DType, Recompute, console, default_dtype, domain_errors, fail, gib, print_json, seconds
 from planner.plan import ParallelPlan
 from planner.api import plan_model
+from planner.objective import Objective, resolve_prices, usd_per_step
 from planner.search import SearchOptions
 from runtime.model_file import parse_model_args
 
@@ -23,6 +24,17 @@ from runtime.model_file import parse_model_args
 class ScheduleChoice(str, Enum):
     one_f_one_b = "1f1b"
     gpipe = "gpipe"
+
+
+class ObjectiveChoice(str, Enum):
+    time = "time"  # the fastest plan on all devices
+    cost = "cost"  # the cheapest plan per step over sub-clusters (needs --price or cluster-file prices)
+
+
+class HeteroDP(str, Enum):
+    auto = "auto"
+    on = "on"
+    off = "off"
 
 
 @domain_errors
@@ -46,8 +58,12 @@ def plan(
     max_tp: Annotated[int, typer.Option(help="Largest tensor-parallel degree to consider.")] = 8,
     time_limit: Annotated[float, typer.Option(help="CP-SAT time limit per candidate, seconds.")] = 10.0,
     leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
+    objective: Annotated[ObjectiveChoice, typer.Option(help="time: the fastest plan on all devices; cost: the fewest dollars per step over sub-clusters.")] = ObjectiveChoice.time,
+    price: Annotated[Optional[list[str]], typer.Option(help="TYPE=USD: price of one device of TYPE per hour, for --objective cost; repeatable (overrides the cluster file's).")] = None,
+    min_throughput: Annotated[float, typer.Option(help="Throughput target in samples/s the plan must reach.")] = 0.0,
+    hetero_dp: Annotated[HeteroDP, typer.Option(help="Data-parallel replicas on different device types (mixed clusters): auto keeps the faster plan, on forces it, off never.")] = HeteroDP.auto,
 ) -> None:
-    """Find the fastest parallel plan for MODEL_FILE on a cluster and write it as JSON."""
+    """Find the fastest parallel plan for MODEL_FILE on a cluster (or the cheapest, on part of it) and write it as JSON."""
     the_cluster = parse_cluster(cluster, profiles=profiles_option(profile))
     options = SearchOptions(
         global_batch_size=global_batch,
@@ -70,6 +86,9 @@ def plan(
             model_file, the_cluster, options,
             model_args=parse_model_args(model_arg or []),
             leaf_modules=tuple(leaf_module or ()),
+            objective=Objective(kind=objective.value, usd_per_device_hour=_prices(price or []),
+                                min_throughput_samples_per_s=min_throughput),
+            hetero_dp=hetero_dp.value,
             on_traced=lambda graph: (status.stop(), bar.update(task, visible=True)),
             progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what),
         )
@@ -80,9 +99,21 @@ def plan(
         if output.is_dir():
             fail(f"--output {str(output)!r} is a directory; give a file name such as plan.json")
         result.save(output)
-    print_summary(result, output)
+    print_summary(result, output, resolve_prices(the_cluster, _prices(price or [])) if objective is ObjectiveChoice.cost else None)
     if as_json:
         print_json(__import__("json").loads(result.to_json()))
+
+
+def _prices(items: list[str]) -> dict[str, float]:
+    prices = {}
+    for item in items:
+        name, _, usd = item.partition("=")
+        try:
+            value = float(usd)
+        except ValueError:
+            fail(f"--price {item!r} is not TYPE=USD, e.g. --price A100-80GB=2.5 (US dollars per device-hour)")
+        prices[get_device(name.strip()).name] = value
+    return prices
 
 
 def _int_list(flag: str, text: Optional[str]) -> Optional[tuple[int, ...]]:
@@ -94,7 +125,7 @@ def _int_list(flag: str, text: Optional[str]) -> Optional[tuple[int, ...]]:
         fail(f"{flag} {text!r} is not a comma-separated list of integers, e.g. 7,9,9,9")
 
 
-def print_summary(plan: ParallelPlan, output: Optional[Path]) -> None:
+def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[dict[str, float]] = None) -> None:
     """The plan as a rich table on stderr."""
     names = plan.model.layer_names
     table = Table(title=f"hetpar plan: {Path(plan.model.file).name} on {plan.cluster.spec}", title_justify="left")
@@ -114,6 +145,10 @@ def print_summary(plan: ParallelPlan, output: Optional[Path]) -> None:
         f"predicted step {seconds(p.step_time_s)}  ({p.throughput_samples_per_s:.1f} samples/s; "
         f"bubble {seconds(p.bubble_time_s)}, dp comm {seconds(p.dp_comm_time_s)}, tp comm {seconds(p.tp_comm_time_s)})"
     )
+    if prices:
+        console.print(f"cost: ${usd_per_step(plan, prices):.4g} per step on {plan.cluster.world_size} devices ({plan.cluster.spec})")
+    if plan.replica_batch_shares is not None:
+        console.print(f"heterogeneous data parallelism: micro-batch size per replica {plan.replica_batch_shares}")
     console.print(f"solver: {plan.solver.status} over {plan.solver.candidates} candidates in {plan.solver.wall_time_s:.2f} s")
     if output is not None:
         console.print(f"wrote {output}")
