@@ -1,0 +1,158 @@
+"""Heterogeneous data parallelism: replicas on one device type each, shares balanced by speed."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+
+import pytest
+
+from conftest import ROOT
+from cost_models.cluster import Cluster, NodeGroup, parse_cluster
+from cost_models.devices import get_device
+from planner.api import fastest_plan, plan_graph
+from planner.estimate import EstimateConfig, estimate
+from planner.hetero_dp import balance_shares, hetero_dp_plan, replica_classes, replica_sizes
+from planner.search import PlanningError, SearchOptions, search
+from planner.trace import trace_model
+from runtime.model_file import load_model_file
+
+GPT_ARGS = {"n_layers": 4, "hidden": 256, "heads": 4, "seq_len": 128, "vocab": 512}
+MIXED = "1x2xA100-80GB+1x2xV100-32GB"
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return trace_model(load_model_file(ROOT / "examples" / "gpt.py", GPT_ARGS))
+
+
+def options(batch: int, **pins) -> SearchOptions:
+    return SearchOptions(global_batch_size=batch, dtype="fp16", workers=1, time_limit_s=5, **pins)
+
+
+def brute_force_shares(time_s, classes, total):
+    best = None
+    for shares in itertools.product(range(1, total + 1), repeat=len(classes)):
+        if sum(shares) == total:
+            slowest = max(time_s(k, b) for k, b in zip(classes, shares))
+            best = slowest if best is None else min(best, slowest)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_balanced_shares_match_brute_force(seed):
+    """Random non-decreasing replica times, some with a memory limit past which they do not fit."""
+    rng = random.Random(seed)
+    kinds = rng.randint(1, 3)
+    per_sample = [rng.uniform(0.5, 3.0) for _ in range(kinds)]
+    fixed = [rng.uniform(0.0, 2.0) for _ in range(kinds)]
+    limit = [rng.choice([math.inf, rng.randint(2, 5)]) for _ in range(kinds)]
+
+    def time_s(k, b):
+        return math.inf if b > limit[k] else fixed[k] + per_sample[k] * b
+
+    classes = [rng.randrange(kinds) for _ in range(rng.randint(2, 4))]
+    total = rng.randint(len(classes), 9)
+    shares = balance_shares(time_s, classes, total)
+    best = brute_force_shares(time_s, classes, total)
+    if best is None or math.isinf(best):
+        assert shares is None
+        return
+    assert sum(shares) == total and min(shares) >= 1
+    assert max(time_s(k, b) for k, b in zip(classes, shares)) == pytest.approx(best)
+
+
+def test_shares_are_proportional_to_speed():
+    """Times proportional to the samples: each replica's share is within one sample of total * its speed / all speeds."""
+    speeds = {0: 3.0, 1: 1.0, 2: 2.0}
+    classes = [0, 0, 1, 2]
+    total = 96
+    shares = balance_shares(lambda k, b: b / speeds[k], classes, total)
+    all_speed = sum(speeds[k] for k in classes)
+    for k, share in zip(classes, shares):
+        assert abs(share - total * speeds[k] / all_speed) <= 1
+
+
+def test_replica_sizes_tile_every_group_and_divide_the_batch():
+    cluster = parse_cluster("2x4xA100-80GB+1x2xV100-32GB")
+    assert replica_sizes(cluster, options(40)) == [1, 2]  # 10 or 5 replicas; 4 would leave the V100 node half used
+    assert replica_sizes(cluster, options(40, dp=5)) == [2]
+    classes = replica_classes(cluster, 2)
+    assert [(c.device_type, c.first_rank, c.count, c.replica_cluster.spec) for c in classes] == [
+        ("A100-80GB", 0, 4, "1x2xA100-80GB"), ("V100-32GB", 8, 1, "1x2xV100-32GB")]
+
+
+def test_hetero_plan_gives_faster_replicas_more_samples_in_proportion(gpt):
+    """On A100 and V100 replicas of one device each, the shares follow each replica's speed, as
+    planner.estimate predicts it for a replica alone."""
+    batch = 64
+    plan = hetero_dp_plan(gpt, parse_cluster(MIXED), options(batch, pp=1))
+    assert plan.replica_batch_shares is not None and plan.data_parallel == 4
+    assert sum(plan.replica_batch_shares) * plan.num_microbatches == batch
+    types = [plan.cluster.device_types[s[0]] for s in plan.stages[0].ranks]
+    per_type = {t: {b for b, u in zip(plan.replica_batch_shares, types) if u == t} for t in types}
+    fast, slow = max(per_type["A100-80GB"]), min(per_type["V100-32GB"])
+    assert fast > slow
+
+    def replica_speed(device):
+        one = Cluster(spec=f"1x1x{device}", groups=(parse_cluster(f"1x1x{device}").groups[0],))
+        b = max(per_type[device])
+        run = estimate(gpt, one, EstimateConfig(global_batch_size=b * plan.num_microbatches, dp=1, tp=1, pp=1, micro_batch_size=b,
+                                                dtype="fp16", recompute=plan.stages[0].recompute))
+        return b * plan.num_microbatches / (run.predicted.step_time_s - run.time.optimizer_s)
+
+    speed = {t: replica_speed(t) for t in per_type}
+    total = sum(plan.replica_batch_shares)
+    for share, t in zip(plan.replica_batch_shares, types):
+        assert abs(share - total * speed[t] / sum(speed[u] for u in types)) <= 1.5
+
+
+def test_hetero_plan_prediction_is_the_slowest_replica_plus_the_all_reduce(gpt):
+    plan = hetero_dp_plan(gpt, parse_cluster(MIXED), options(64))
+    p = plan.predicted
+    assert p.dp_comm_time_s > 0
+    assert p.step_time_s == pytest.approx(p.compute_time_s + p.bubble_time_s + p.pp_comm_time_s + p.tp_comm_time_s + p.dp_comm_time_s)
+    assert p.throughput_samples_per_s == pytest.approx(64 / p.step_time_s)
+
+
+@pytest.mark.parametrize("spec,batch", [(MIXED, 64), (MIXED, 512), ("1x2xA100-80GB+1x2xT4-16GB", 32), ("1x4xA100-80GB+1x4xV100-32GB", 128)])
+def test_auto_is_never_slower_than_either_kind_and_records_the_other(gpt, spec, batch):
+    cluster = parse_cluster(spec)
+    searched = search(gpt, cluster, options(batch))
+    hetero = hetero_dp_plan(gpt, cluster, options(batch))
+    chosen = fastest_plan(gpt, cluster, options(batch))
+    assert chosen.predicted.step_time_s <= min(searched.predicted.step_time_s, hetero.predicted.step_time_s)
+    other = chosen.alternatives[0]
+    assert other["kind"] == ("pipeline" if chosen.replica_batch_shares is not None else "hetero_dp")
+    assert other["step_time_s"] == pytest.approx(max(searched.predicted.step_time_s, hetero.predicted.step_time_s))
+    assert plan_graph(gpt, cluster, options(batch), hetero_dp="off").replica_batch_shares is None
+
+
+def test_hetero_dp_on_a_single_type_cluster_is_one_clear_error(gpt):
+    with pytest.raises(PlanningError, match="needs at least two device types"):
+        plan_graph(gpt, parse_cluster("1x4xA100-80GB"), options(64), hetero_dp="on")
+    with pytest.raises(PlanningError, match="no replica size tiles every node group"):
+        hetero_dp_plan(gpt, parse_cluster("1x2xA100-80GB+1x1xV100-32GB"), options(64))
+
+
+def slow_cpu_cluster() -> Cluster:
+    """One CPU worker and one three times slower (a profile made for the test: the planner must give it a smaller share)."""
+    cpu = get_device("cpu")
+    slow = dataclasses.replace(cpu, name="cpu-slow", peak_flops_per_s={k: v / 3 for k, v in cpu.peak_flops_per_s.items()},
+                               mem_bw_bytes_per_s=cpu.mem_bw_bytes_per_s / 3,
+                               op_overhead_s=3 * (getattr(cpu, "op_overhead_s", None) or 5e-6),
+                               sources={**cpu.sources, "op_overhead_s": "made up for this test: three times the cpu's"})
+    group = parse_cluster("1x1xcpu").groups[0]
+    return Cluster(spec="1x1xcpu+1x1xcpu-slow", groups=(group, dataclasses.replace(group, device=slow)))
+
+
+@pytest.mark.slow
+def test_a_searched_hetero_plan_trains_like_one_process(tmp_path, mlp_path):
+    from test_distributed import MLP_ARGS, assert_trains_like_one_process
+
+    graph = trace_model(load_model_file(mlp_path, MLP_ARGS))
+    plan = plan_graph(graph, slow_cpu_cluster(), SearchOptions(global_batch_size=8, dtype="fp32", workers=1), hetero_dp="on")
+    assert plan.data_parallel == 2 and plan.replica_batch_shares[0] > plan.replica_batch_shares[1]
+    assert_trains_like_one_process(plan, tmp_path)
