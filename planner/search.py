@@ -293,7 +293,8 @@ class SplitResult:
         return self.cost.modes
 
 
-def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[int, ...] | None = None) -> SplitResult | None:
+def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[int, ...] | None = None,
+                cutoff_s: float | None = None) -> SplitResult | None:
     """The best split of layers into chunks, and the mode of each, for one candidate; None if none fits.
 
     CP-SAT model of [Note: split objective] over the cut positions and the stage modes;
@@ -301,6 +302,7 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
 
     Args:
         fixed_sizes: layers per chunk, when the split is pinned (the modes are still chosen).
+        cutoff_s: only splits faster than this are of interest (None also when none is).
     """
     fixed_sizes = fixed_sizes or options.stage_layers
     if not np.isfinite(tables.time_s).all():
@@ -308,7 +310,7 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
     hint_bounds = bounds_from_sizes(fixed_sizes) if fixed_sizes else equal_split(tables.num_layers, tables.num_chunks)
     hint_modes = greedy_modes(tables, hint_bounds)
     tick_s = (evaluate_split(tables, hint_bounds, hint_modes).objective_s or 1.0) / _TICKS_PER_OBJECTIVE
-    split = _SplitModel(tables, tick_s)
+    split = _SplitModel(tables, tick_s, cutoff_s)
     if fixed_sizes:
         for c, (first, _) in enumerate(hint_bounds):
             split.model.add(split.start[c] == first)
@@ -318,12 +320,15 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
     solver.parameters.num_workers = options.workers
     solver.parameters.random_seed = options.seed
     solver.parameters.relative_gap_limit = options.gap_limit
+    solver.parameters.linearization_level = 2  # the envelopes of [Note: cut formulation] give the LP its bound
     status = solver.solve(split.model)
+    if status == cp_model.UNKNOWN:
+        raise _Unresolved(max(0.0, solver.best_objective_bound * tick_s / split.weights.scale))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     starts = [solver.value(v) for v in split.start]
     bounds = [(starts[c], starts[c + 1] - 1) for c in range(tables.num_chunks)]
-    modes = [solver.value(m) for m in split.mode]
+    modes = split.modes(solver)
     cost = evaluate_split(tables, bounds, modes)
     optimal = status == cp_model.OPTIMAL
     bound_s = cost.objective_s if optimal else solver.best_objective_bound * tick_s / split.weights.scale
@@ -351,164 +356,275 @@ def greedy_modes(tables: CostTables, bounds: list[tuple[int, int]]) -> list[int]
     return modes
 
 
-class _SplitModel:
-    """The CP-SAT model of [Note: split objective]; sections as in the OR-Tools samples."""
+class _Unresolved(Exception):
+    """The solver ran out of time before it found a split or proved there is none (under the cutoff)."""
 
-    def __init__(self, tables: CostTables, tick_s: float):
+    def __init__(self, bound_s: float):
+        super().__init__(bound_s)
+        self.bound_s = bound_s
+
+
+class _SplitModel:
+    """The CP-SAT model of [Note: split objective]; sections as in the OR-Tools samples.
+
+    Built in two passes: each chunk first names the prefix tables it reads at its two
+    cut positions, then every position is split into the few ranges where all tables
+    read there are affine, and each read becomes affine per range ([Note: cut formulation]).
+    """
+
+    def __init__(self, tables: CostTables, tick_s: float, cutoff_s: float | None = None):
         self.tables, self.tick_s = tables, tick_s
         cand = tables.candidate
         L, C, P, K = tables.num_layers, tables.num_chunks, cand.pp, len(cand.modes)
         self.weights = linear_step_weights(cand.schedule, num_stages=P, num_microbatches=cand.num_microbatches,
                                            virtual_stages=cand.virtual_stages)
+        self.horizon = self._horizon()
+        self._memo: dict = {}
         model = self.model = cp_model.CpModel()
 
         # Variables
         # start[c] is the first layer of chunk c; start[C] = L closes the last chunk
-        self.start = [model.new_constant(0)] + [model.new_int_var(c, L - C + c, f"start_{c}") for c in range(1, C)] + [model.new_constant(L)]
-        # mode[c] is the index (into cand.modes) of chunk c's recompute and ZeRO choice
-        self.mode = [model.new_int_var(0, K - 1, f"mode_{c}") if K > 1 else model.new_constant(0) for c in range(C)]
-        # chunk_time[c], chunk_weight[c], epilogue[c], memory[c]: the chunk's t_c, w_c, share of e_r, bytes
-        chunk_time, chunk_weight, epilogue, memory = [], [], [], []
+        self.domains = [(0, 0)] + [(c, L - C + c) for c in range(1, C)] + [(L, L)]
+        self.start = [model.new_int_var(lo, hi, f"start_{c}") for c, (lo, hi) in enumerate(self.domains)]
+        # uses[c][k] is 1 iff chunk c runs in mode k (cand.modes[k]: its recompute and ZeRO stage)
+        self.uses = [[model.new_bool_var(f"mode_{c}_{k}") for k in range(K)] if K > 1 else [model.new_constant(1)] for c in range(C)]
+        # segment[i][j] is 1 iff start[i] lies in the j-th range where every table read at it is affine
+        specs = [self._chunk_spec(c) for c in range(C)]
+        self._segments = [self._segment(i) for i in range(C + 1)]
 
         # Constraints
+        # chunk_time[c], chunk_weight[c], epilogue[c], memory[c]: the chunk's t_c, w_c, share of e_r, bytes
+        chunk_time, chunk_weight, epilogue, memory = [], [], [], []
         for c in range(C):
             model.add(self.start[c + 1] >= self.start[c] + 1)  # every chunk holds at least one layer
-            t, w, e, mem = self._chunk_terms(c)
+            if K > 1:
+                model.add_exactly_one(self.uses[c])
+            t, w, e, mem = self._chunk_terms(c, specs[c])
             chunk_time.append(t)
             chunk_weight.append(w)
             epilogue.append(e)
             memory.append(mem)
         for r in range(P):
             model.add(sum(memory[r::P]) <= int(tables.capacity_bytes[r]))
-        horizon = self._horizon()
         # round_time[j] >= t_c of every chunk of round j (chunks j P .. j P + P - 1): the slowest
-        round_time = [model.new_int_var(0, horizon, f"round_time_{j}") for j in range(cand.virtual_stages)]
+        round_time = [model.new_int_var(0, self.horizon, f"round_time_{j}") for j in range(cand.virtual_stages)]
         for c in range(C):
             model.add(round_time[c // P] >= chunk_time[c])
-        slowest_epilogue = model.new_int_var(0, horizon, "slowest_epilogue")
+        slowest_epilogue = model.new_int_var(0, self.horizon, "slowest_epilogue")
         for r in range(P):
             model.add(slowest_epilogue >= sum(epilogue[r::P]))
         wt = self.weights
         objective = wt.chunk_sum * sum(chunk_time) + wt.round_max * sum(round_time) + wt.epilogue_max * slowest_epilogue
         if wt.weight_sum or wt.weight_max:
-            largest_weight = model.new_int_var(0, horizon, "largest_weight")
+            largest_weight = model.new_int_var(0, self.horizon, "largest_weight")
             for w in chunk_weight:
                 model.add(largest_weight >= w)
             objective += wt.weight_max * largest_weight - wt.weight_sum * sum(chunk_weight)
+        if cutoff_s is not None:  # only a plan better than one found already is of interest
+            model.add(objective <= to_ticks(cutoff_s * wt.scale, tick_s))
 
         # Objective
         model.minimize(objective)
+
+    def modes(self, solver: cp_model.CpSolver) -> list[int]:
+        return [next(k for k, u in enumerate(uses) if solver.boolean_value(u)) if len(uses) > 1 else 0 for uses in self.uses]
 
     def hint(self, bounds: list[tuple[int, int]], modes: list[int]) -> None:
         for c in range(1, self.tables.num_chunks):
             self.model.add_hint(self.start[c], bounds[c][0])
         if len(self.tables.candidate.modes) > 1:
             for c, k in enumerate(modes):
-                self.model.add_hint(self.mode[c], k)
+                for j, u in enumerate(self.uses[c]):
+                    self.model.add_hint(u, j == k)
 
     def _horizon(self) -> int:
         t = self.tables
         per_layer = t.time_s.max(axis=(0, 2)) + t.gather_bwd_s.max(axis=(0, 2)) + t.gather_fwd_s.max(axis=(0, 2)) + t.epilogue_s.max(axis=(0, 2))
         extra = t.cut_s.max() + t.gather_fwd_latency_s.max() + t.gather_bwd_latency_s.max() + t.epilogue_latency_s.max()
-        return to_ticks(float(per_layer.sum() + extra * t.num_chunks), self.tick_s) + t.num_chunks + 1
+        return to_ticks(float(per_layer.sum() + extra * t.num_chunks), self.tick_s) + 2 * t.num_layers + t.num_chunks + 1
 
-    def _chunk_terms(self, c: int):
-        """(t_c, w_c, epilogue share, memory) of chunk c as linear expressions; see [Note: cut formulation]."""
-        t, model, cand = self.tables, self.model, self.tables.candidate
-        L, K = t.num_layers, len(cand.modes)
-        first = self._index(c, self.start[c])
-        end = self._index(c, self.start[c + 1])
+    # --- Pass 1: what each chunk reads ----------------------------------------------------
+
+    def _chunk_spec(self, c: int) -> dict:
+        """The prefix tables chunk c reads, by term; see [Note: split objective]."""
+        t, cand = self.tables, self.tables.candidate
+        K, L = len(cand.modes), t.num_layers
         last_cut = np.concatenate([[0.0], t.cut_s[:, c]]) if c + 1 < t.num_chunks else np.zeros(L + 1)
-
-        def read(name: str, values: np.ndarray, at, end_extra=None):
-            """values: [K, L] per-layer seconds or bytes of column c; the chunk's sum, read at (first, end)."""
-            prefix = np.concatenate([np.zeros((K, 1)), np.cumsum(values, axis=1)], axis=1)
-            start_table = prefix if at is None else prefix
-            end_table = prefix + (end_extra if end_extra is not None else 0.0)
-            if name == "memory":
-                lo, hi = np.ceil(start_table).astype(np.int64).ravel().tolist(), np.ceil(end_table).astype(np.int64).ravel().tolist()
-            else:
-                lo, hi = _ticks(start_table.ravel(), self.tick_s), _ticks(end_table.ravel(), self.tick_s)
-            return self._element(end, hi, f"{name}_end_{c}") - self._element(first, lo, f"{name}_start_{c}")
-
-        time = read("time", t.time_s[:, :, c], None, last_cut[None, :])
-        chunk_time = time
-        if (t.gather_fwd_s[:, :, c] != 0).any() or (t.gather_fwd_latency_s[:, c] != 0).any():
+        spec = {"time": self._range_spec(c, t.time_s[:, :, c], np.broadcast_to(last_cut, (K, L + 1)))}
+        zero3 = np.array([m.zero_stage == 3 and cand.dp > 1 for m in cand.modes])
+        if zero3.any():
             for name, gather, part, latency in (
                 ("gather_fwd", t.gather_fwd_s, t.fwd_s, t.gather_fwd_latency_s),
                 ("gather_bwd", t.gather_bwd_s, t.time_s - t.fwd_s, t.gather_bwd_latency_s),
             ):
-                # exposed[c] >= the gathers' excess over the compute they overlap, and >= 0
-                excess = read(name, gather[:, :, c] - part[:, :, c], None, latency[:, c][:, None])
-                exposed = model.new_int_var(0, self._horizon(), f"{name}_exposed_{c}")
-                model.add(exposed >= excess)
-                chunk_time = chunk_time + exposed
-        weight = read("weight", t.weight_s[:, :, c], None) if self.weights.weight_sum else 0
-        epilogue = read("epilogue", t.epilogue_s[:, :, c], None, t.epilogue_latency_s[:, c][:, None])
-        memory = read("memory", t.memory_bytes[:, :, c], None) + self._buffers(c)
-        return chunk_time, weight, epilogue, memory
-
-    def _index(self, c: int, position):
-        """The flat index mode[c] * (L + 1) + position into a chunk's [K, L + 1] tables."""
-        K, L = len(self.tables.candidate.modes), self.tables.num_layers
-        if K == 1:
-            return position
-        index = self.model.new_int_var(0, K * (L + 1) - 1, "")
-        self.model.add(index == self.mode[c] * (L + 1) + position)
-        return index
-
-    def _element(self, index, values: list[int], name: str):
-        """A variable equal to values[index]."""
-        var = self.model.new_int_var(min(values), max(values), name)
-        self.model.add_element(index, values, var)
-        return var
-
-    def _buffers(self, c: int):
-        """Bytes of the one-layer buffers of chunk c's mode: the range maxima of [Note: split objective]."""
-        t, cand = self.tables, self.tables.candidate
-        total = 0
+                excess = np.where(zero3[:, None], gather[:, :, c] - part[:, :, c], 0.0)
+                spec[name] = self._range_spec(c, excess, np.where(zero3, latency[:, c], 0.0)[:, None] * np.ones(L + 1))
+        if self.weights.weight_sum:
+            spec["weight"] = self._range_spec(c, t.weight_s[:, :, c])
+        spec["epilogue"] = self._range_spec(c, t.epilogue_s[:, :, c], t.epilogue_latency_s[:, c][:, None] * np.ones(L + 1))
+        spec["memory"] = self._range_spec(c, t.memory_bytes[:, :, c], bytes_=True)
+        spec["buffers"] = []
         families = (
             ("workspace", t.workspace_bytes, [k for k, m in enumerate(cand.modes) if m.recompute == "full"]),
             ("zero3", t.zero3_buffer_bytes, [k for k, m in enumerate(cand.modes) if m.zero_stage == 3 and cand.dp > 1]),
         )
-        for name, values, modes in families:
-            if modes:
-                total = total + self._range_max(c, name, values, modes)
-        return total
+        for name, values, members in families:
+            if members:
+                levels = sorted({int(math.ceil(v)) for v in values}, reverse=True)
+                steps = [(level, self._want(c, self._next_at(values, level))) for level in levels[:-1]]
+                spec["buffers"].append((name, members, levels, steps))
+        return spec
 
-    def _range_max(self, c: int, name: str, values: np.ndarray, modes: list[int]):
-        """A variable >= max(values[start[c] : start[c + 1]]) when chunk c's mode is one of ``modes``, else >= 0."""
-        model, L, K = self.model, self.tables.num_layers, len(self.tables.candidate.modes)
-        levels = sorted({int(math.ceil(v)) for v in values}, reverse=True)
-        in_mode = model.new_bool_var(f"{name}_on_{c}")
-        if len(modes) == K:
-            model.add(in_mode == 1)
+    def _range_spec(self, c: int, values: np.ndarray, end_extra: np.ndarray | None = None, bytes_: bool = False) -> tuple[list, list]:
+        """([(modes, table read at start[c], table read at start[c + 1])], envelopes): the modes whose rows
+        agree share one pair; the envelopes bound every mode's sum from below and above (for the LP relaxation)."""
+        key = ("spec", values.tobytes(), None if end_extra is None else np.ascontiguousarray(end_extra).tobytes(), bytes_)
+        if key not in self._memo:
+            self._memo[key] = self._range_tables(values, end_extra, bytes_)
+        groups, envelopes = self._memo[key]
+        return ([(members, self._want(c, lo), self._want(c + 1, hi)) for members, lo, hi in groups],
+                [(self._want(c, lo), self._want(c + 1, hi)) for lo, hi in envelopes])
+
+    def _range_tables(self, values: np.ndarray, end_extra: np.ndarray | None, bytes_: bool) -> tuple[list, list]:
+        """The integer prefix tables of ``_range_spec``, not yet tied to positions."""
+        K, L = values.shape
+        per_layer = (np.ceil(values) if bytes_ else np.rint(values / self.tick_s)).astype(np.int64)
+        extra = np.zeros((K, L + 1), dtype=np.int64) if end_extra is None else (np.ceil(end_extra) if bytes_ else np.rint(end_extra / self.tick_s)).astype(np.int64)
+
+        def prefix(rows: np.ndarray) -> np.ndarray:
+            return np.concatenate([np.zeros((rows.shape[0], 1), dtype=np.int64), np.cumsum(rows, axis=1)], axis=1)
+
+        starts = prefix(per_layer)
+        ends = starts + extra
+        groups: dict = {}
+        for k in range(K):
+            groups.setdefault((tuple(starts[k].tolist()), tuple(ends[k].tolist())), []).append(k)
+        out = [(members, lo, hi) for (lo, hi), members in groups.items()]
+        envelopes = []
+        if len(out) > 1:
+            for pick in (np.min, np.max):
+                rows = prefix(pick(per_layer, axis=0, keepdims=True))[0]
+                envelopes.append((tuple(rows.tolist()), tuple((rows + pick(extra, axis=0)).tolist())))
+        return out, envelopes
+
+    def _want(self, i: int, table: tuple[int, ...]) -> tuple[int, ...]:
+        self._memo.setdefault(("tables", i), set()).add(table)
+        return table
+
+    def _next_at(self, values: np.ndarray, level: int) -> tuple[int, ...]:
+        """next_at[i]: the first layer at or after i whose value reaches ``level`` (L if none)."""
+        L = len(values)
+        out, nxt = [L] * (L + 1), L
+        for i in range(L - 1, -1, -1):
+            if math.ceil(values[i]) >= level:
+                nxt = i
+            out[i] = nxt
+        return tuple(out)
+
+    def _segment(self, i: int) -> list[tuple[int, int, object]]:
+        """Ranges [a, b] of start[i] on which every table read there is affine, with their literals."""
+        lo, hi = self.domains[i]
+        tables = self._memo.get(("tables", i))
+        cuts = []
+        if tables and hi - lo > 1:
+            window = np.array(list(tables), dtype=np.int64)[:, lo : hi + 1]
+            bends = (np.diff(window, n=2, axis=1) != 0).any(axis=0)  # bends[j]: a kink at position lo + 1 + j
+            cuts = [lo + 1 + int(j) for j in np.flatnonzero(bends)]
+        ranges = [(a, b) for a, b in zip([lo] + [k + 1 for k in cuts], cuts + [hi]) if a <= b]
+        if len(ranges) == 1:
+            return [(lo, hi, None)]
+        out = []
+        for a, b in ranges:
+            lit = self.model.new_bool_var("")
+            self.model.add_linear_constraint(self.start[i], a, b).only_enforce_if(lit)
+            out.append((a, b, lit))
+        self.model.add_exactly_one(lit for _, _, lit in out)
+        return out
+
+    # --- Pass 2: the reads as expressions -------------------------------------------------
+
+    def _read(self, i: int, table: tuple[int, ...]):
+        """An expression equal to table[start[i]]: affine on each range of start[i]."""
+        key = ("read", i, table)
+        if key in self._memo:
+            return self._memo[key]
+        pieces = []
+        for a, b, lit in self._segments[i]:
+            slope = table[a + 1] - table[a] if b > a else 0
+            pieces.append((table[a] - slope * a, slope, lit))
+        if len(pieces) == 1:
+            offset, slope, _ = pieces[0]
+            expr = offset + slope * self.start[i] if slope else offset
         else:
-            uses = []
-            for k in range(K):
-                b = model.new_bool_var("")
-                model.add(self.mode[c] == k).only_enforce_if(b)
-                model.add(self.mode[c] != k).only_enforce_if(~b)
-                uses.append(b)
-            model.add(in_mode == sum(uses[k] for k in modes))
+            lo, hi = self.domains[i]
+            expr = self.model.new_int_var(min(table[lo : hi + 1]), max(table[lo : hi + 1]), "")
+            for offset, slope, lit in pieces:
+                self.model.add(expr == offset + slope * self.start[i]).only_enforce_if(lit)
+        self._memo[key] = expr
+        return expr
+
+    def _chunk_terms(self, c: int, spec: dict):
+        """(t_c, w_c, epilogue share, memory) of chunk c as linear expressions."""
+        chunk_time = self._range_sum(c, "time", spec["time"])
+        for name in ("gather_fwd", "gather_bwd"):
+            if name in spec:
+                # exposed >= the gathers' excess over the compute they overlap (none outside ZeRO-3), and >= 0
+                exposed = self.model.new_int_var(0, self.horizon, f"{name}_exposed_{c}")
+                self.model.add(exposed >= self._range_sum(c, name, spec[name]))
+                chunk_time = chunk_time + exposed
+        weight = self._range_sum(c, "weight", spec["weight"]) if "weight" in spec else 0
+        epilogue = self._range_sum(c, "epilogue", spec["epilogue"])
+        memory = self._range_sum(c, "memory", spec["memory"])
+        for name, members, levels, steps in spec["buffers"]:
+            memory = memory + self._range_max(c, name, members, levels, steps)
+        return chunk_time, weight, epilogue, memory
+
+    def _range_sum(self, c: int, name: str, spec: tuple[list, list]):
+        """Chunk c's sum over its layers in its mode: one group's difference of reads, chosen by the mode."""
+        groups, envelopes = spec
+        diffs = [(self._read(c + 1, hi) - self._read(c, lo) if any(lo) or any(hi) else 0, members) for members, lo, hi in groups]
+        if len(diffs) == 1:
+            return diffs[0][0]
+        low = min(min(lo) for _, lo, _ in groups) - max(max(hi) for _, _, hi in groups)
+        high = max(max(hi) for _, _, hi in groups) - min(min(lo) for _, lo, _ in groups)
+        value = self.model.new_int_var(min(low, 0), max(high, 0), f"{name}_{c}")
+        for diff, members in diffs:
+            self.model.add(value == diff).only_enforce_if(self._in_modes(c, members))
+        (low_lo, low_hi), (high_lo, high_hi) = envelopes
+        self.model.add(value >= self._read(c + 1, low_hi) - self._read(c, low_lo))
+        self.model.add(value <= self._read(c + 1, high_hi) - self._read(c, high_lo))
+        return value
+
+    def _in_modes(self, c: int, members: list[int]):
+        """A literal that is 1 iff chunk c's mode is one of ``members``."""
+        uses = self.uses[c]
+        if len(members) == len(uses):
+            return self.model.new_constant(1)
+        if len(members) == 1:
+            return uses[members[0]]
+        key = ("modes", c, tuple(members))
+        if key not in self._memo:
+            lit = self.model.new_bool_var("")
+            self.model.add(lit == sum(uses[k] for k in members))
+            self._memo[key] = lit
+        return self._memo[key]
+
+    def _range_max(self, c: int, name: str, members: list[int], levels: list[int], steps: list):
+        """A variable >= the largest level among chunk c's layers when its mode is one of ``members``, else >= 0:
+        a level counts when its next layer at or after start[c] comes before start[c + 1]."""
+        model = self.model
+        in_mode = self._in_modes(c, members)
         buffer = model.new_int_var(0, levels[0], f"{name}_{c}")
         model.add(buffer >= levels[-1]).only_enforce_if(in_mode)
-        for level in levels[:-1]:
-            # next_at[i]: the first layer at or after i whose value reaches this level (L if none)
-            next_at, nxt = [], L
-            for i in range(L, -1, -1):
-                if i < L and math.ceil(values[i]) >= level:
-                    nxt = i
-                next_at.append(nxt)
-            next_at.reverse()
-            found = self._element(self.start[c], next_at, "")
+        for level, next_at in steps:
             holds = model.new_bool_var("")
-            model.add(found >= self.start[c + 1]).only_enforce_if(~holds)
+            model.add(self._read(c, next_at) >= self.start[c + 1]).only_enforce_if(~holds)
             model.add(buffer >= level).only_enforce_if([holds, in_mode])
         return buffer
 
 
-def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, int], options: SearchOptions) -> SplitResult | None:
+def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, int], options: SearchOptions,
+                      cutoff_s: float | None = None) -> SplitResult | None:
     """The best split over every order of the device types; see [Note: stage device types] in planner.costs.
 
     Each type's stages are consecutive, so the pipeline crosses from one type to the
@@ -522,13 +638,23 @@ def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, 
         The best split, with ``types`` naming each pipeline rank's device type, or None if none fits.
     """
     best: SplitResult | None = None
+    unresolved: list[float] = []
     for order in itertools.permutations(tables):
         types = type_sequence(list(order), stages_per_type)
-        split = solve_split(compose_tables(tables, types), options)
+        try:
+            split = solve_split(compose_tables(tables, types), options,
+                                cutoff_s=cutoff_s if best is None else min(cutoff_s or math.inf, best.cost.objective_s))
+        except _Unresolved as exc:
+            unresolved.append(exc.bound_s)
+            continue
         if split is not None and (best is None or split.cost.objective_s < best.cost.objective_s):
             best = SplitResult(bounds=split.bounds, cost=split.cost, status=split.status, types=types, bound_s=split.bound_s)
         elif split is not None and best is not None and split.status != "optimal":
             best = SplitResult(bounds=best.bounds, cost=best.cost, status="feasible", types=best.types, bound_s=min(best.bound_s, split.bound_s))
+    if unresolved and best is None:
+        raise _Unresolved(min(unresolved))
+    if unresolved:
+        best = SplitResult(bounds=best.bounds, cost=best.cost, status="feasible", types=best.types, bound_s=min([best.bound_s, *unresolved]))
     return best
 
 
@@ -587,6 +713,7 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
     solved: list[Solved] = []
     misfits: list[tuple[float, CostTables]] = []
     skipped: list[Candidate] = []  # cannot fit in memory whatever the split
+    unresolved: list[float] = []  # lower bounds of candidates the solver did not settle in time
     best = math.inf
     for i, cand in enumerate(candidates):
         if progress:
@@ -596,14 +723,24 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
         if not memory_may_fit(model, cluster, cand, options, cache):
             skipped.append(cand)
             continue
-        tables, split = solve_candidate(model, cluster, cand, options, cache)
-        if split is None:
+        # Once the runners-up are known, only a candidate that beats the best is of interest.
+        cutoff = best if len(solved) > options.top_k else None
+        try:
+            tables, split = solve_candidate(model, cluster, cand, options, cache, cutoff)
+        except _Unresolved as exc:  # no answer in time: its bound stays open
+            unresolved.append(max(bounds[cand], exc.bound_s))
+            continue
+        if split is None and cutoff is None:
             misfits.append((_overflow(tables), tables))
+        elif split is None:
+            continue
         else:
             solved.append(Solved(tables=tables, split=split))
             best = min(best, split.cost.objective_s)
     if progress:
         progress(len(candidates), len(candidates), "done")
+    if not solved and unresolved:
+        raise PlanningError(f"no candidate was solved within --time-limit {options.time_limit_s:g} s; raise it")
     if not solved:
         for cand in skipped[: max(0, 8 - len(misfits))]:
             tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, cache=cache)
@@ -611,8 +748,8 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
         raise PlanningError(_explain_misfit(model, options, min(misfits, key=lambda x: x[0])[1]))
     solved.sort(key=lambda s: s.split.cost.objective_s)
     best = solved[0]
-    status = "optimal" if all(s.split.status == "optimal" for s in solved) else "feasible"
-    proven = min([best.split.cost.objective_s] + [s.split.bound_s for s in solved if s.split.status != "optimal"])
+    status = "optimal" if all(s.split.status == "optimal" for s in solved) and not unresolved else "feasible"
+    proven = min([best.split.cost.objective_s] + [s.split.bound_s for s in solved if s.split.status != "optimal"] + unresolved)
     gap = max(0.0, 1.0 - proven / best.split.cost.objective_s) if best.split.cost.objective_s > 0 else 0.0
     info = SolverInfo(status=status, wall_time_s=round(time.perf_counter() - start, 3), objective_gap=round(gap, 6), candidates=len(candidates),
                       objective_s=best.split.cost.objective_s)
@@ -725,8 +862,12 @@ def _representative_slots(cluster, cand: Candidate) -> dict[str, tuple[StageSlot
     return out
 
 
-def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, cache: dict | None = None) -> tuple[CostTables, SplitResult | None]:
+def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, cache: dict | None = None,
+                    cutoff_s: float | None = None) -> tuple[CostTables, SplitResult | None]:
     """Solve one candidate: the split, the stage modes, and the device type of each stage where types can choose.
+
+    Args:
+        cutoff_s: only splits faster than this are of interest.
 
     Returns:
         The cost tables of the stages' exact ranks, and the split (None if nothing fits).
@@ -737,17 +878,17 @@ def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: Search
     if available is None or len(available) == 1:
         tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, cache=cache)
         pinned_ok = options.stage_devices is None or list(options.stage_devices) == [s.device_type for s in tables.slots]
-        return tables, (solve_split(tables, options, fixed) if pinned_ok else None)
+        return tables, (solve_split(tables, options, fixed, cutoff_s) if pinned_ok else None)
     typed = tables_by_type(model, cluster, cand, options.dtype, available, options.optimizer, cache)
     counts = {k: len(v) for k, v in available.items()}
     if options.stage_devices is not None:
         wanted = list(options.stage_devices)
         if any(wanted.count(k) != n for k, n in counts.items()):
             return compose_tables(typed, type_sequence(list(available), counts)), None
-        split = solve_split(compose_tables(typed, wanted), options)
+        split = solve_split(compose_tables(typed, wanted), options, cutoff_s=cutoff_s)
         split = split and SplitResult(bounds=split.bounds, cost=split.cost, status=split.status, types=wanted, bound_s=split.bound_s)
     else:
-        split = solve_type_orders(typed, counts, options)
+        split = solve_type_orders(typed, counts, options, cutoff_s)
     if split is None:
         return compose_tables(typed, type_sequence(list(available), counts)), None
     unused = {k: list(v) for k, v in available.items()}

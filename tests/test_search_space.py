@@ -125,3 +125,14 @@ def test_linear_step_time_tracks_the_simulator_on_unequal_stages(schedule, v):
         assert 0.9 <= ratio <= 1.35
         if schedule == "1f1b":
             assert ratio >= 1 - 1e-9
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("zb", 1), ("interleaved", 2), ("interleaved", 3), ("interleaved", 4)])
+def test_activation_multipliers_match_the_action_lists(schedule, v):
+    from planner.costs import _counted_multipliers, activation_multipliers
+
+    for p in range(1, 6):
+        for m in range(1, 31):
+            if schedule == "interleaved" and m % p:
+                continue
+            assert activation_multipliers(schedule, p, m, v) == pytest.approx(_counted_multipliers(schedule, p, m, v))
