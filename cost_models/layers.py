@@ -33,6 +33,7 @@ class LayerProfile:
     tp_split_saved_bytes: float = 0.0
     tp_allreduce_bytes: float = 0.0  # forward all-reduce payload (rowwise outputs); backward repeats it
     param_tensors: int = 0  # parameter tensors this layer holds (an optimizer step pays per tensor)
+    tp_degrees: tuple[int, ...] = ()  # tensor-parallel degrees > 1 the layer's split runs at (heads divide, ...)
     tp_sharded_modules: int = 0  # modules split under tensor parallelism ([Note: tensor-parallel dispatch])
     # Measured alongside (planner.measure, [Note: what a kernel costs]): work that is
     # bound by memory traffic rather than by matmul throughput.

@@ -35,6 +35,7 @@ from runtime.model_file import ModelFile, file_fingerprint
 
 _NO_KERNEL_OPS = ("placeholder", "get_attr", "output")
 _PROBE_TP = 2  # the degree of the second measurement; see [Note: tensor-parallel scaling]
+_MAX_TP_CHECKED = 16  # a split is dry-run at every degree up to this (a node's devices)
 _RELATIVE = "@"  # stands for the layer's own path in structural keys and cached shardings
 
 
@@ -196,6 +197,7 @@ class _Measured:
     split_params: int = 0
     split_saved: float = 0.0
     allreduce_bytes: float = 0.0
+    tp_degrees: tuple[int, ...] = ()
 
     @property
     def node_counts(self) -> list[NodeCounts]:
@@ -216,6 +218,7 @@ class _Measured:
             tp_split_saved_bytes=max(0.0, self.split_saved),
             tp_allreduce_bytes=self.allreduce_bytes,
             tp_sharded_modules=len(self.relative_sharding),
+            tp_degrees=self.tp_degrees,
             param_tensors=param_tensors,
             fwd_elementwise_flops=w.total("fwd_elementwise_flops"),
             bwd_elementwise_flops=w.total("bwd_elementwise_flops"),
@@ -252,7 +255,19 @@ def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str) -> _Meas
         split_params=round(scale * (params - sum(p.numel() for p in sharded.parameters()))),
         split_saved=scale * (whole.total("saved_bytes") - half.total("saved_bytes")),
         allreduce_bytes=forward_all_reduce_bytes(module, inputs, sharding),
+        tp_degrees=tuple(tp for tp in range(2, _MAX_TP_CHECKED + 1) if _splits_at(module, inputs, sharding, whole.outputs, tp)),
     )
+
+
+def _splits_at(module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding], outputs, tp: int) -> bool:
+    """Whether one of ``tp`` ranks runs the split layer to the unsplit output shapes
+    (features and heads divide by ``tp``); a dry run on the meta device."""
+    try:
+        with torch.no_grad():
+            # An Interpreter, not a call: a failing GraphModule call prints its traceback.
+            return check_sharded_shapes(outputs, fx.Interpreter(shard_on_meta(module, sharding, tp)).run(*inputs))
+    except (RuntimeError, ValueError):
+        return False
 
 
 def _owned_params(module: fx.GraphModule, held: set[int]) -> tuple[int, int, int]:

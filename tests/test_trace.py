@@ -63,3 +63,16 @@ def test_saved_activations_match_a_real_cpu_run():
         block(x)
     real = sum(saved.values())
     assert graph.layers[1].saved_activation_bytes == pytest.approx(real, rel=0.05)
+
+
+@pytest.mark.parametrize("heads", [4, 6])
+def test_blocks_split_only_where_the_heads_divide(heads):
+    # examples/gpt.py views q, k, v as (batch, seq, heads, head_dim): a rank must hold
+    # whole heads, and the mlp's 4 * hidden features and the residual must divide too.
+    hidden = 16 * heads
+    graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 1, "hidden": hidden, "heads": heads}))
+    block = graph.layers[1]
+    expected = tuple(tp for tp in range(2, 17) if heads % tp == 0)
+    assert block.tp_degrees == expected
+    assert block.tp_sharded_modules == len(graph.tp_sharding[1])
+    assert graph.layers[0].tp_degrees == ()  # the embedding is not split
