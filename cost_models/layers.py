@@ -33,7 +33,9 @@ class LayerProfile:
     tp_split_saved_bytes: float = 0.0
     tp_allreduce_bytes: float = 0.0  # forward all-reduce payload (rowwise outputs); backward repeats it
     param_tensors: int = 0  # parameter tensors this layer holds (an optimizer step pays per tensor)
-    tp_degrees: tuple[int, ...] = ()  # tensor-parallel degrees > 1 the layer's split runs at (heads divide, ...)
+    # Tensor-parallel degrees > 1 the layer's split runs at (heads divide, ...), as the
+    # tracer's dry runs found; None: not checked (any degree).
+    tp_degrees: tuple[int, ...] | None = None
     tp_sharded_modules: int = 0  # modules split under tensor parallelism ([Note: tensor-parallel dispatch])
     # Measured alongside (planner.measure, [Note: what a kernel costs]): work that is
     # bound by memory traffic rather than by matmul throughput.
@@ -59,3 +61,12 @@ class LayerProfile:
     @property
     def tp_capable(self) -> bool:
         return self.tp_split_params > 0
+
+    def splits_at(self, tp: int) -> bool:
+        """Whether tensor parallelism of degree ``tp`` can run this layer."""
+        return tp == 1 or not self.tp_capable or self.tp_degrees is None or tp in self.tp_degrees
+
+
+def tp_misfit(layers, tp: int) -> LayerProfile | None:
+    """The first layer that cannot be split ``tp`` ways, or None when all can."""
+    return next((l for l in layers if not l.splits_at(tp)), None)

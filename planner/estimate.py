@@ -44,7 +44,7 @@ from cost_models.compute import (
     training_efficiency,
 )
 from cost_models.devices import DeviceProfile
-from cost_models.layers import LayerProfile
+from cost_models.layers import LayerProfile, tp_misfit
 from cost_models.memory import (
     OPTIMIZER_BYTES_PER_PARAM,
     OPTIMIZERS,
@@ -296,6 +296,14 @@ def check_against(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -
         raise EstimateError(f"{chunks} pipeline stages but the model has only {num_layers} layers")
     if c.tp > 1 and not any(l.tp_capable for l in model.layers):
         raise EstimateError(f"--tp {c.tp}: the model has no layer that tensor parallelism can split")
+    misfit = tp_misfit(model.layers, c.tp)
+    if misfit is not None:
+        raise EstimateError(f"--tp {c.tp}: layer {misfit.name} splits only {_degrees(misfit)} ways (heads or features "
+                            f"do not divide by {c.tp}); pick one of those")
+
+
+def _degrees(layer: LayerProfile) -> str:
+    return ", ".join(map(str, layer.tp_degrees or ())) or "no"
 
 
 def stage_layout(cluster: Cluster, config: EstimateConfig) -> list[StageLayout]:

@@ -197,7 +197,7 @@ class _Measured:
     split_params: int = 0
     split_saved: float = 0.0
     allreduce_bytes: float = 0.0
-    tp_degrees: tuple[int, ...] = ()
+    tp_degrees: tuple[int, ...] | None = None
 
     @property
     def node_counts(self) -> list[NodeCounts]:
