@@ -75,4 +75,4 @@ def test_blocks_split_only_where_the_heads_divide(heads):
     expected = tuple(tp for tp in range(2, 17) if heads % tp == 0)
     assert block.tp_degrees == expected
     assert block.tp_sharded_modules == len(graph.tp_sharding[1])
-    assert graph.layers[0].tp_degrees == ()  # the embedding is not split
+    assert graph.layers[0].tp_degrees is None and not graph.layers[0].tp_capable  # the embedding is not split
