@@ -44,8 +44,10 @@ from planner.costs import (
 from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
 from planner.trace import ModelGraph
 
-# Solver resolution: the objective's scale divided into this many ticks.
+# Solver resolution: the objective's scale divided into this many ticks, the largest
+# device memory into this many units.
 _TICKS_PER_OBJECTIVE = 1_000_000
+_MEMORY_UNITS = 10_000_000
 
 
 class PlanningError(Exception):
@@ -379,6 +381,9 @@ class _SplitModel:
         self.weights = linear_step_weights(cand.schedule, num_stages=P, num_microbatches=cand.num_microbatches,
                                            virtual_stages=cand.virtual_stages)
         self.horizon = self._horizon()
+        # Memory in units of this many bytes, rounded up per layer: CP-SAT's presolve
+        # misjudged models with 1e11-byte coefficients (tests/test_search_space.py).
+        self.byte_unit = max(1.0, float(tables.capacity_bytes.max()) / _MEMORY_UNITS)
         self._memo: dict = {}
         model = self.model = cp_model.CpModel()
 
@@ -405,7 +410,7 @@ class _SplitModel:
             epilogue.append(e)
             memory.append(mem)
         for r in range(P):
-            model.add(sum(memory[r::P]) <= int(tables.capacity_bytes[r]))
+            model.add(sum(memory[r::P]) <= int(tables.capacity_bytes[r] // self.byte_unit))
         # round_time[j] >= t_c of every chunk of round j (chunks j P .. j P + P - 1): the slowest
         round_time = [model.new_int_var(0, self.horizon, f"round_time_{j}") for j in range(cand.virtual_stages)]
         for c in range(C):
@@ -470,7 +475,7 @@ class _SplitModel:
         )
         for name, values, members in families:
             if members:
-                levels = sorted({int(math.ceil(v)) for v in values}, reverse=True)
+                levels = sorted({int(math.ceil(v / self.byte_unit)) for v in values}, reverse=True)
                 steps = [(level, self._want(c, self._next_at(values, level))) for level in levels[:-1]]
                 spec["buffers"].append((name, members, levels, steps))
         return spec
@@ -488,8 +493,8 @@ class _SplitModel:
     def _range_tables(self, values: np.ndarray, end_extra: np.ndarray | None, bytes_: bool) -> tuple[list, list]:
         """The integer prefix tables of ``_range_spec``, not yet tied to positions."""
         K, L = values.shape
-        per_layer = (np.ceil(values) if bytes_ else np.rint(values / self.tick_s)).astype(np.int64)
-        extra = np.zeros((K, L + 1), dtype=np.int64) if end_extra is None else (np.ceil(end_extra) if bytes_ else np.rint(end_extra / self.tick_s)).astype(np.int64)
+        per_layer = (np.ceil(values / self.byte_unit) if bytes_ else np.rint(values / self.tick_s)).astype(np.int64)
+        extra = np.zeros((K, L + 1), dtype=np.int64) if end_extra is None else (np.ceil(end_extra / self.byte_unit) if bytes_ else np.rint(end_extra / self.tick_s)).astype(np.int64)
 
         def prefix(rows: np.ndarray) -> np.ndarray:
             return np.concatenate([np.zeros((rows.shape[0], 1), dtype=np.int64), np.cumsum(rows, axis=1)], axis=1)
@@ -516,7 +521,7 @@ class _SplitModel:
         L = len(values)
         out, nxt = [L] * (L + 1), L
         for i in range(L - 1, -1, -1):
-            if math.ceil(values[i]) >= level:
+            if math.ceil(values[i] / self.byte_unit) >= level:
                 nxt = i
             out[i] = nxt
         return tuple(out)
