@@ -427,6 +427,11 @@ class _SplitModel:
             objective += wt.weight_max * largest_weight - wt.weight_sum * sum(chunk_weight)
         if cutoff_s is not None:  # only a plan better than one found already is of interest
             model.add(objective <= to_ticks(cutoff_s * wt.scale, tick_s))
+        # Of equally fast plans, the plainest: one objective unit (1 / scale of a tick) per
+        # stage that shards (ZeRO) or recomputes.
+        plainness = [k for k, mode in enumerate(cand.modes) if mode.zero_stage or mode.recompute != "none"]
+        if K > 1 and plainness:
+            objective += sum(self.uses[c][k] for c in range(C) for k in plainness)
 
         # Objective
         model.minimize(objective)
