@@ -137,3 +137,38 @@ def test_activation_multipliers_match_the_action_lists(schedule, v):
             if schedule == "interleaved" and m % p:
                 continue
             assert activation_multipliers(schedule, p, m, v) == pytest.approx(_counted_multipliers(schedule, p, m, v))
+
+
+# --- Pins on hetpar plan -------------------------------------------------------------------
+
+GPT_ARGS = ("examples/gpt.py", "-c", "1x2xcpu", "-b", "8", "-a", "n_layers=4", "-a", "hidden=64", "-a", "seq_len=16", "--time-limit", "5")
+
+
+def _planned(*pins):
+    import json
+
+    result = hetpar("plan", *GPT_ARGS, *pins, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_plan_pins_virtual_stages():
+    plan = _planned("--virtual-stages", "2")
+    assert (plan["schedule"], plan["virtual_stages"]) == ("interleaved", 2)
+    pp = len(plan["stages"]) // 2
+    assert [s["ranks"] for s in plan["stages"][pp:]] == [s["ranks"] for s in plan["stages"][:pp]]
+
+
+def test_plan_pins_zero_on_every_stage():
+    plan = _planned("--zero", "2", "--dp", "2")
+    assert plan["data_parallel"] == 2 and {s["zero_stage"] for s in plan["stages"]} == {2}
+
+
+@pytest.mark.parametrize("pins,fragments", [
+    (["--zero", "1", "--dp", "1"], ["--zero 1", "--dp 1"]),
+    (["--zero", "2", "--schedule", "zb"], ["--zero 2", "1f1b or gpipe"]),
+    (["--virtual-stages", "2", "--schedule", "1f1b"], ["--virtual-stages 2 needs --schedule interleaved"]),
+    (["--virtual-stages", "4", "--pp", "2"], ["--pp 2 * --virtual-stages 4 = 8 stages", "6 layers"]),
+])
+def test_impossible_plan_pins_are_one_line_errors(pins, fragments):
+    assert_one_line_error(hetpar("plan", *GPT_ARGS, *pins), *fragments)

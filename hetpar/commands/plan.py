@@ -24,6 +24,8 @@ from runtime.model_file import parse_model_args
 class ScheduleChoice(str, Enum):
     one_f_one_b = "1f1b"
     gpipe = "gpipe"
+    interleaved = "interleaved"
+    zb = "zb"
 
 
 class ObjectiveChoice(str, Enum):
@@ -50,8 +52,10 @@ def plan(
     tp: Annotated[Optional[int], typer.Option(help="Pin the tensor-parallel degree.")] = None,
     pp: Annotated[Optional[int], typer.Option(help="Pin the number of pipeline stages.")] = None,
     micro_batch_size: Annotated[Optional[int], typer.Option(help="Pin the micro-batch size.")] = None,
-    schedule: Annotated[Optional[ScheduleChoice], typer.Option(help="Pin the pipeline schedule.")] = None,
-    recompute: Annotated[Optional[Recompute], typer.Option(help="Pin activation recomputation [default: none and full are searched].")] = None,
+    schedule: Annotated[Optional[ScheduleChoice], typer.Option(help="Pin the pipeline schedule (zb is ZB-H1) [default: 1f1b, zb and interleaved are searched; gpipe only when pinned].")] = None,
+    virtual_stages: Annotated[Optional[int], typer.Option(help="Pin model chunks per pipeline rank; > 1 means --schedule interleaved (tp 1, pp * N <= layers) [default: 2..4 searched].")] = None,
+    recompute: Annotated[Optional[Recompute], typer.Option(help="Pin activation recomputation of every stage [default: none or full, chosen per stage].")] = None,
+    zero: Annotated[Optional[int], typer.Option(help="Pin the ZeRO stage (0-3) of every stage; > 0 needs dp > 1 and schedule 1f1b or gpipe [default: 0, 2 or 3 per stage].")] = None,
     stage_layers: Annotated[Optional[str], typer.Option(help="Pin layers per stage, e.g. 7,9,9,9 (see hetpar trace for the layers).")] = None,
     stage_devices: Annotated[Optional[str], typer.Option(help="Pin the device type of each stage, e.g. A100-80GB,A100-80GB,V100-32GB.")] = None,
     dtype: Annotated[Optional[DType], typer.Option(help="Training precision the costs assume [default: fp32 on cpu, bf16 else].")] = None,
@@ -72,6 +76,7 @@ def plan(
         micro_batch_size=micro_batch_size,
         schedule=schedule.value if schedule else None,
         recompute=recompute.value if recompute else None,
+        virtual_stages=virtual_stages, zero=zero,
         stage_layers=_int_list("--stage-layers", stage_layers),
         stage_devices=tuple(get_device(name.strip()).name for name in stage_devices.split(",")) if stage_devices else None,
         max_tp=max_tp,
@@ -129,17 +134,19 @@ def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[d
     """The plan as a rich table on stderr."""
     names = plan.model.layer_names
     table = Table(title=f"hetpar plan: {Path(plan.model.file).name} on {plan.cluster.spec}", title_justify="left")
-    for column in ("stage", "layers", "device", "tp", "ranks", "memory/device"):
+    for column in ("stage", "layers", "device", "tp", "ranks", "recompute", "zero", "memory/device"):
         table.add_column(column)
     for s in plan.stages:
         layers = names[s.layers[0]] if len(s.layers) == 1 else f"{names[s.layers[0]]} .. {names[s.layers[-1]]} ({len(s.layers)})"
         ranks = ", ".join(str(r) for rep in s.ranks for r in rep)
-        table.add_row(str(s.index), layers, s.device_type, str(s.tensor_parallel), ranks, gib(plan.predicted.peak_memory_bytes[s.index]))
+        memory = plan.predicted.peak_memory_bytes[s.index % plan.pipeline_parallel]
+        table.add_row(str(s.index), layers, s.device_type, str(s.tensor_parallel), ranks, s.recompute, str(s.zero_stage), gib(memory))
     console.print(table)
     p = plan.predicted
     console.print(
         f"dp={plan.data_parallel} tp={plan.stages[0].tensor_parallel} pp={plan.pipeline_parallel}  "
-        f"micro-batch {plan.micro_batch_size} x {plan.num_microbatches}  schedule {plan.schedule.value}  dtype {plan.dtype}"
+        f"micro-batch {plan.micro_batch_size} x {plan.num_microbatches}  schedule {plan.schedule.value}"
+        f"{f' v={plan.virtual_stages}' if plan.virtual_stages > 1 else ''}  dtype {plan.dtype}"
     )
     console.print(
         f"predicted step {seconds(p.step_time_s)}  ({p.throughput_samples_per_s:.1f} samples/s; "
