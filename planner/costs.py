@@ -408,7 +408,7 @@ def build_tables(
         cols = _layer_columns(model, cluster, slot.device_type, cand.tp, cand.micro_batch_size, dtype, cache)
         tp_ar = _tp_all_reduce(cluster, slot, cols, cand, cache)
         tp_time[:, c] = 2 * tp_ar
-        if c + 1 < C:
+        if c + 1 < C and P > 1:  # chunks on one rank hand over in place
             cut[:, c] = _cut_seconds(cluster, cand, slot, cut_to[r], cols, cache)
         comm = _data_parallel_linear(cluster, cand, slot, cache)
         device = cluster.profile(slot.device_type)

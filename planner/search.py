@@ -837,8 +837,8 @@ def _least_epilogue(cluster, cand: Candidate, slot: StageSlot, cols, dtype: str,
 
 def _cut_floor(model: ModelGraph, cluster, cand: Candidate, dtype: str, slot: StageSlot) -> float:
     """The cheapest p2p of a stage boundary, forward and backward, from ``slot``."""
-    if cand.num_chunks == 1:
-        return 0.0
+    if cand.pp == 1:
+        return 0.0  # chunks on one rank hand over in place
     payload = min(l.boundary_bytes for l in model.layers[:-1]) * cand.micro_batch_size * dtype_bytes(dtype) / 4
     if cand.tp > 1:
         payload /= cand.tp

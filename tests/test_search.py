@@ -53,8 +53,9 @@ def test_ticks_round_to_nearest():
     assert to_ticks(1.0, 1e-6) == 1_000_000
 
 
-@pytest.mark.parametrize("cluster_spec,dtype", [("1x4xcpu", "fp32"), ("1x2xA100-80GB+1x2xV100-32GB", "fp16")])
-def test_pruned_search_finds_the_best_candidate(cluster_spec, dtype):
+@pytest.mark.parametrize("cluster_spec,dtype,schedule", [("1x4xcpu", "fp32", None), ("1x2xA100-80GB+1x2xV100-32GB", "fp16", None),
+                                                          ("1x4xcpu", "fp32", "gpipe"), ("1x4xcpu", "fp32", "interleaved")])
+def test_pruned_search_finds_the_best_candidate(cluster_spec, dtype, schedule):
     """The bound-pruned search returns the best plan over every candidate solved exhaustively."""
     from cost_models.cluster import parse_cluster
     from planner.search import enumerate_candidates, lower_bound_s, search, solve_candidate
@@ -63,7 +64,7 @@ def test_pruned_search_finds_the_best_candidate(cluster_spec, dtype):
 
     graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 4, "hidden": 64, "seq_len": 16}))
     cluster = parse_cluster(cluster_spec)
-    options = SearchOptions(global_batch_size=8, dtype=dtype, workers=1)
+    options = SearchOptions(global_batch_size=8, dtype=dtype, workers=1, schedule=schedule)
     plan = search(graph, cluster, options)
     exhaustive = []
     for cand in enumerate_candidates(graph, cluster, options):

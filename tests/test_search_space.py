@@ -172,3 +172,26 @@ def test_plan_pins_zero_on_every_stage():
 ])
 def test_impossible_plan_pins_are_one_line_errors(pins, fragments):
     assert_one_line_error(hetpar("plan", *GPT_ARGS, *pins), *fragments)
+
+
+def test_zero_on_a_real_model_when_memory_forces_it_and_only_then():
+    """A 1B-parameter GPT does not fit four T4s as plain data parallelism; a small one does, and
+    takes ZeRO only where the cost model says it makes the step faster."""
+    from cost_models.cluster import parse_cluster
+    from planner.search import PlanningError, search
+    from planner.trace import trace_model
+    from runtime.model_file import load_model_file
+
+    cluster = parse_cluster("1x4xT4-16GB")
+    options = dict(global_batch_size=8, dtype="fp16", pp=1, tp=1, workers=1)
+    big = trace_model(load_model_file("examples/gpt.py", {"n_layers": 4, "hidden": 4096, "heads": 32, "seq_len": 128, "vocab": 32000}))
+    with pytest.raises(PlanningError, match="no plan fits in memory"):
+        search(big, cluster, SearchOptions(zero=0, **options))
+    assert any(s.zero_stage for s in search(big, cluster, SearchOptions(**options)).stages)
+    small = trace_model(load_model_file("examples/gpt.py", {"n_layers": 2, "hidden": 256, "heads": 4, "seq_len": 64}))
+    chosen = search(small, cluster, SearchOptions(**options))
+    plain = search(small, cluster, SearchOptions(zero=0, **options))
+    if any(s.zero_stage for s in chosen.stages):
+        assert chosen.solver.objective_s < plain.solver.objective_s
+    else:
+        assert chosen.solver.objective_s == pytest.approx(plain.solver.objective_s)
