@@ -277,9 +277,9 @@ def to_ticks(seconds: float, tick_s: float) -> int:
     return int(round(seconds / tick_s))
 
 
-def _ticks(seconds: np.ndarray, tick_s: float) -> list[int]:
+def _ticks(seconds: np.ndarray, tick_s: float) -> np.ndarray:
     """``to_ticks`` over an array."""
-    return np.rint(seconds / tick_s).astype(np.int64).tolist()
+    return np.rint(np.asarray(seconds) / tick_s).astype(np.int64)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -498,8 +498,8 @@ class _SplitModel:
     def _range_tables(self, values: np.ndarray, end_extra: np.ndarray | None, bytes_: bool) -> tuple[list, list]:
         """The integer prefix tables of ``_range_spec``, not yet tied to positions."""
         K, L = values.shape
-        per_layer = (np.ceil(values / self.byte_unit) if bytes_ else np.rint(values / self.tick_s)).astype(np.int64)
-        extra = np.zeros((K, L + 1), dtype=np.int64) if end_extra is None else (np.ceil(end_extra / self.byte_unit) if bytes_ else np.rint(end_extra / self.tick_s)).astype(np.int64)
+        per_layer = np.ceil(values / self.byte_unit).astype(np.int64) if bytes_ else _ticks(values, self.tick_s)
+        extra = np.zeros((K, L + 1), dtype=np.int64) if end_extra is None else (np.ceil(end_extra / self.byte_unit).astype(np.int64) if bytes_ else _ticks(end_extra, self.tick_s))
 
         def prefix(rows: np.ndarray) -> np.ndarray:
             return np.concatenate([np.zeros((rows.shape[0], 1), dtype=np.int64), np.cumsum(rows, axis=1)], axis=1)

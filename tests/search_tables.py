@@ -25,7 +25,7 @@ def random_tables(rng, num_layers, pp, num_microbatches, *, modes=PLAIN, schedul
     Args:
         memory: capacity per rank over the average no-recompute, no-ZeRO need (100: ample).
     """
-    C, K, L = pp * virtual_stages, len(modes), num_layers
+    C, L = pp * virtual_stages, num_layers
     speed = np.array([1 + (c % pp) % 2 for c in range(C)], dtype=float)  # odd ranks twice as slow
     fwd = rng.uniform(1e-3, 3e-3, size=(L, 1)) * speed
     b_input, weight = fwd * rng.uniform(0.8, 1.2, size=(L, 1)), fwd * rng.uniform(0.7, 1.0, size=(L, 1))

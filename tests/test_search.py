@@ -1,7 +1,6 @@
 """The CP-SAT split search against brute force on every instance small enough to enumerate."""
 
 import itertools
-import random
 
 import numpy as np
 import pytest
