@@ -19,6 +19,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from cost_models.collectives import p2p_time_s
+from cost_models.layers import tp_misfit
 from cost_models.compute import dtype_bytes
 from cost_models.memory import FRAGMENTATION_MARGIN, OPTIMIZER_BYTES_PER_PARAM, sharded_state_bytes_per_param
 from cost_models.pipeline import SCHEDULES, linear_step_weights
@@ -113,7 +114,7 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
     out = []
     for tp in divisors(world):
         # Tensor parallelism stays inside a node: tp divides every node's device count.
-        if tp > 1 and (not tp_ok or tp > options.max_tp or any(w % tp for w in widths)):
+        if tp > 1 and (not tp_ok or tp > options.max_tp or any(w % tp for w in widths) or tp_misfit(model.layers, tp)):
             continue
         for pp in divisors(world // tp):
             dp = world // (tp * pp)
@@ -196,6 +197,10 @@ def _check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
         raise PlanningError(f"--pp {pp} exceeds the model's {len(model.layers)} layers")
     if tp and tp > 1 and not any(l.tp_capable for l in model.layers):
         raise PlanningError(f"--tp {tp}: the model has no layer that tensor parallelism can split")
+    misfit = tp_misfit(model.layers, tp) if tp else None
+    if misfit is not None:
+        degrees = ", ".join(map(str, misfit.tp_degrees or ())) or "no"
+        raise PlanningError(f"--tp {tp}: layer {misfit.name} splits only {degrees} ways (heads or features do not divide by {tp}); pick one of those")
     if dp and gbs % dp:
         raise PlanningError(f"--global-batch {gbs} is not divisible by dp({dp})")
     mbs = options.micro_batch_size
