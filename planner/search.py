@@ -314,6 +314,8 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
     fixed_sizes = fixed_sizes or options.stage_layers
     if not np.isfinite(tables.time_s).all():
         return None  # a device lacks the training dtype
+    if cutoff_s is not None and not fixed_sizes and not may_beat(tables, cutoff_s):
+        return None
     hint_bounds = bounds_from_sizes(fixed_sizes) if fixed_sizes else equal_split(tables.num_layers, tables.num_chunks)
     hint_modes = greedy_modes(tables, hint_bounds)
     tick_s = (evaluate_split(tables, hint_bounds, hint_modes).objective_s or 1.0) / _TICKS_PER_OBJECTIVE
@@ -340,6 +342,56 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
     optimal = status == cp_model.OPTIMAL
     bound_s = cost.objective_s if optimal else solver.best_objective_bound * tick_s / split.weights.scale
     return SplitResult(bounds=bounds, cost=cost, status="optimal" if optimal else "feasible", bound_s=bound_s)
+
+
+# [Note: pace bound]
+# Before a candidate's CP-SAT model is built under a cutoff (the best plan so far), a
+# bound on its tables alone may rule it out: the terms of [Note: candidate bound], each
+# layer at its cheapest mode and column, but the pace (the slowest chunk's t_c, or round)
+# raised to the least that any split can reach when each chunk must fit its rank's
+# memory on its own in some one mode (cuts, ZeRO-3 exposure, one-layer buffers and the
+# other chunks of an interleaved rank left out: a relaxation). Whether a pace T is
+# reachable is decided greedily: each chunk in turn takes the longest run of layers
+# that some mode holds within T and the memory; a run that fits stays fitting when it
+# shrinks, so if any split reaches T, the greedy one ends each chunk no earlier and
+# covers every layer.
+def may_beat(tables: CostTables, cutoff_s: float) -> bool:
+    """False when no split of ``tables`` can have an objective below ``cutoff_s``; see [Note: pace bound]."""
+    cand = tables.candidate
+    wt = linear_step_weights(cand.schedule, num_stages=cand.pp, num_microbatches=cand.num_microbatches,
+                             virtual_stages=cand.virtual_stages)
+    C, P = tables.num_chunks, cand.pp
+    sums = float((wt.chunk_sum * tables.time_s - wt.weight_sum * tables.weight_s).min(axis=(0, 2)).sum())
+    cuts = wt.chunk_sum * (C - 1) * float(tables.cut_s[:, : C - 1].min()) if C > 1 else 0.0
+    weight = wt.weight_max * float(tables.weight_s.min(axis=(0, 2)).max())
+    epilogue = wt.epilogue_max * (float(tables.epilogue_latency_s[:, :P].min()) + float(tables.epilogue_s.min(axis=(0, 2)).sum()) / P)
+    rest = sums + cuts + weight + epilogue
+    if wt.round_max == 0:
+        return rest < cutoff_s * wt.scale
+    pace = (cutoff_s * wt.scale - rest) / wt.round_max
+    return pace > 0 and _pace_reachable(tables, pace * (1 + 1e-9))
+
+
+def _pace_reachable(tables: CostTables, pace_s: float) -> bool:
+    """Whether some split has every chunk within ``pace_s`` and its rank's memory in some one mode."""
+    K, L, C = tables.time_s.shape
+    zeros = np.zeros((K, 1, C))
+    time = np.concatenate([zeros, np.cumsum(tables.time_s, axis=1)], axis=1)
+    memory = np.concatenate([zeros, np.cumsum(tables.memory_bytes, axis=1)], axis=1)
+    position = 0
+    for c in range(C):
+        capacity = tables.capacity_bytes[c % tables.candidate.pp]
+        reach = position
+        for k in range(K):
+            by_time = np.searchsorted(time[k, :, c], time[k, position, c] + pace_s, side="right") - 1
+            by_memory = np.searchsorted(memory[k, :, c], memory[k, position, c] + capacity, side="right") - 1
+            reach = max(reach, min(by_time, by_memory))
+        if reach == position:
+            return False
+        position = int(reach)
+        if position >= L:
+            return True
+    return False
 
 
 def greedy_modes(tables: CostTables, bounds: list[tuple[int, int]]) -> list[int]:

@@ -194,3 +194,15 @@ def test_zero_on_a_real_model_when_memory_forces_it_and_only_then():
         assert chosen.solver.objective_s < plain.solver.objective_s
     else:
         assert chosen.solver.objective_s == pytest.approx(plain.solver.objective_s)
+
+
+@pytest.mark.parametrize("num_layers,pp,v,m,schedule,modes,memory", SPACE[::3])
+def test_pace_bound_never_rules_out_a_better_split(num_layers, pp, v, m, schedule, modes, memory):
+    """[Note: pace bound]: a cutoff just above the brute-force optimum keeps the candidate."""
+    from planner.search import may_beat
+
+    rng = np.random.default_rng(zlib.crc32(repr((num_layers, pp, v, m, schedule, len(modes), memory)).encode()))
+    tables = random_tables(rng, num_layers, pp, m, modes=modes, schedule=schedule, virtual_stages=v, memory=memory)
+    best = brute_force(tables)
+    if best is not None:
+        assert may_beat(tables, best[0] * (1 + 1e-6))
