@@ -43,12 +43,18 @@ from planner.costs import (
     type_slots,
 )
 from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
+from planner.split_model import (
+    _TICKS_PER_OBJECTIVE,
+    SplitModel,
+    Unresolved,
+    bounds_from_sizes,
+    equal_split,
+    greedy_modes,
+    may_beat,
+    to_ticks,
+)
 from planner.trace import ModelGraph
 
-# Solver resolution: the objective's scale divided into this many ticks, the largest
-# device memory into this many units.
-_TICKS_PER_OBJECTIVE = 1_000_000
-_MEMORY_UNITS = 10_000_000
 
 
 class PlanningError(Exception):
@@ -277,16 +283,6 @@ def pinned_pp(options: SearchOptions) -> int | None:
     return len(options.stage_devices) if options.stage_devices else None
 
 
-def to_ticks(seconds: float, tick_s: float) -> int:
-    """The one place where seconds become integer solver ticks."""
-    return int(round(seconds / tick_s))
-
-
-def _ticks(seconds: np.ndarray, tick_s: float) -> np.ndarray:
-    """``to_ticks`` over an array."""
-    return np.rint(np.asarray(seconds) / tick_s).astype(np.int64)
-
-
 @dataclass(frozen=True, kw_only=True)
 class SplitResult:
     bounds: list[tuple[int, int]]
@@ -319,7 +315,7 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
     hint_bounds = bounds_from_sizes(fixed_sizes) if fixed_sizes else equal_split(tables.num_layers, tables.num_chunks)
     hint_modes = greedy_modes(tables, hint_bounds)
     tick_s = (evaluate_split(tables, hint_bounds, hint_modes).objective_s or 1.0) / _TICKS_PER_OBJECTIVE
-    split = _SplitModel(tables, tick_s, cutoff_s)
+    split = SplitModel(tables, tick_s, cutoff_s)
     if fixed_sizes:
         for c, (first, _) in enumerate(hint_bounds):
             split.model.add(split.start[c] == first)
@@ -332,7 +328,7 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
     solver.parameters.linearization_level = 2  # the envelopes of [Note: cut formulation] give the LP its bound
     status = solver.solve(split.model)
     if status == cp_model.UNKNOWN:
-        raise _Unresolved(max(0.0, solver.best_objective_bound * tick_s / split.weights.scale))
+        raise Unresolved(max(0.0, solver.best_objective_bound * tick_s / split.weights.scale))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     starts = [solver.value(v) for v in split.start]
@@ -342,352 +338,6 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
     optimal = status == cp_model.OPTIMAL
     bound_s = cost.objective_s if optimal else solver.best_objective_bound * tick_s / split.weights.scale
     return SplitResult(bounds=bounds, cost=cost, status="optimal" if optimal else "feasible", bound_s=bound_s)
-
-
-# [Note: pace bound]
-# Before a candidate's CP-SAT model is built under a cutoff (the best plan so far), a
-# bound on its tables alone may rule it out: the terms of [Note: candidate bound], each
-# layer at its cheapest mode and column, but the pace (the slowest chunk's t_c, or round)
-# raised to the least that any split can reach when each chunk must fit its rank's
-# memory on its own in some one mode (cuts, ZeRO-3 exposure, one-layer buffers and the
-# other chunks of an interleaved rank left out: a relaxation). Whether a pace T is
-# reachable is decided greedily: each chunk in turn takes the longest run of layers
-# that some mode holds within T and the memory; a run that fits stays fitting when it
-# shrinks, so if any split reaches T, the greedy one ends each chunk no earlier and
-# covers every layer.
-def may_beat(tables: CostTables, cutoff_s: float) -> bool:
-    """False when no split of ``tables`` can have an objective below ``cutoff_s``; see [Note: pace bound]."""
-    cand = tables.candidate
-    wt = linear_step_weights(cand.schedule, num_stages=cand.pp, num_microbatches=cand.num_microbatches,
-                             virtual_stages=cand.virtual_stages)
-    C, P = tables.num_chunks, cand.pp
-    sums = float((wt.chunk_sum * tables.time_s - wt.weight_sum * tables.weight_s).min(axis=(0, 2)).sum())
-    cuts = wt.chunk_sum * (C - 1) * float(tables.cut_s[:, : C - 1].min()) if C > 1 else 0.0
-    weight = wt.weight_max * float(tables.weight_s.min(axis=(0, 2)).max())
-    epilogue = wt.epilogue_max * (float(tables.epilogue_latency_s[:, :P].min()) + float(tables.epilogue_s.min(axis=(0, 2)).sum()) / P)
-    rest = sums + cuts + weight + epilogue
-    if wt.round_max == 0:
-        return rest < cutoff_s * wt.scale
-    pace = (cutoff_s * wt.scale - rest) / wt.round_max
-    return pace > 0 and _pace_reachable(tables, pace * (1 + 1e-9))
-
-
-def _pace_reachable(tables: CostTables, pace_s: float) -> bool:
-    """Whether some split has every chunk within ``pace_s`` and its rank's memory in some one mode."""
-    K, L, C = tables.time_s.shape
-    zeros = np.zeros((K, 1, C))
-    time = np.concatenate([zeros, np.cumsum(tables.time_s, axis=1)], axis=1)
-    memory = np.concatenate([zeros, np.cumsum(tables.memory_bytes, axis=1)], axis=1)
-    position = 0
-    for c in range(C):
-        capacity = tables.capacity_bytes[c % tables.candidate.pp]
-        reach = position
-        for k in range(K):
-            by_time = np.searchsorted(time[k, :, c], time[k, position, c] + pace_s, side="right") - 1
-            by_memory = np.searchsorted(memory[k, :, c], memory[k, position, c] + capacity, side="right") - 1
-            reach = max(reach, min(by_time, by_memory))
-        if reach == position:
-            return False
-        position = int(reach)
-        if position >= L:
-            return True
-    return False
-
-
-def greedy_modes(tables: CostTables, bounds: list[tuple[int, int]]) -> list[int]:
-    """A mode per chunk for the solver's hint: per rank, the fastest mode all its chunks can share that fits."""
-    from planner.costs import chunk_terms
-
-    K, P = len(tables.candidate.modes), tables.candidate.pp
-    modes = [0] * len(bounds)
-    for r in range(P):
-        chunks = list(range(r, len(bounds), P))
-        scored = []
-        for k in range(K):
-            terms = [chunk_terms(tables, c, *bounds[c], k) for c in chunks]
-            scored.append((sum(t[3] for t in terms) > tables.capacity_bytes[r], sum(t[0] for t in terms) + max(t[2] for t in terms),
-                           sum(t[3] for t in terms), k))
-        best = min(scored)
-        if best[0]:  # nothing fits: the smallest
-            best = min(scored, key=lambda x: x[2])
-        for c in chunks:
-            modes[c] = best[3]
-    return modes
-
-
-class _Unresolved(Exception):
-    """The solver ran out of time before it found a split or proved there is none (under the cutoff)."""
-
-    def __init__(self, bound_s: float):
-        super().__init__(bound_s)
-        self.bound_s = bound_s
-
-
-class _SplitModel:
-    """The CP-SAT model of [Note: split objective]; sections as in the OR-Tools samples.
-
-    Built in two passes: each chunk first names the prefix tables it reads at its two
-    cut positions, then every position is split into the few ranges where all tables
-    read there are affine, and each read becomes affine per range ([Note: cut formulation]).
-    """
-
-    def __init__(self, tables: CostTables, tick_s: float, cutoff_s: float | None = None):
-        self.tables, self.tick_s = tables, tick_s
-        cand = tables.candidate
-        L, C, P, K = tables.num_layers, tables.num_chunks, cand.pp, len(cand.modes)
-        self.weights = linear_step_weights(cand.schedule, num_stages=P, num_microbatches=cand.num_microbatches,
-                                           virtual_stages=cand.virtual_stages)
-        self.horizon = self._horizon()
-        # Memory in units of this many bytes, rounded up per layer: CP-SAT's presolve
-        # misjudged models with 1e11-byte coefficients (tests/test_search_space.py).
-        self.byte_unit = max(1.0, float(tables.capacity_bytes.max()) / _MEMORY_UNITS)
-        self._memo: dict = {}
-        model = self.model = cp_model.CpModel()
-
-        # Variables
-        # start[c] is the first layer of chunk c; start[C] = L closes the last chunk
-        self.domains = [(0, 0)] + [(c, L - C + c) for c in range(1, C)] + [(L, L)]
-        self.start = [model.new_int_var(lo, hi, f"start_{c}") for c, (lo, hi) in enumerate(self.domains)]
-        # uses[c][k] is 1 iff chunk c runs in mode k (cand.modes[k]: its recompute and ZeRO stage)
-        self.uses = [[model.new_bool_var(f"mode_{c}_{k}") for k in range(K)] if K > 1 else [model.new_constant(1)] for c in range(C)]
-        # segment[i][j] is 1 iff start[i] lies in the j-th range where every table read at it is affine
-        specs = [self._chunk_spec(c) for c in range(C)]
-        self._segments = [self._segment(i) for i in range(C + 1)]
-
-        # Constraints
-        # chunk_time[c], chunk_weight[c], epilogue[c], memory[c]: the chunk's t_c, w_c, share of e_r, bytes
-        chunk_time, chunk_weight, epilogue, memory = [], [], [], []
-        for c in range(C):
-            model.add(self.start[c + 1] >= self.start[c] + 1)  # every chunk holds at least one layer
-            if K > 1:
-                model.add_exactly_one(self.uses[c])
-            t, w, e, mem = self._chunk_terms(c, specs[c])
-            chunk_time.append(t)
-            chunk_weight.append(w)
-            epilogue.append(e)
-            memory.append(mem)
-        for r in range(P):
-            model.add(sum(memory[r::P]) <= int(tables.capacity_bytes[r] // self.byte_unit))
-        # round_time[j] >= t_c of every chunk of round j (chunks j P .. j P + P - 1): the slowest
-        round_time = [model.new_int_var(0, self.horizon, f"round_time_{j}") for j in range(cand.virtual_stages)]
-        for c in range(C):
-            model.add(round_time[c // P] >= chunk_time[c])
-        slowest_epilogue = model.new_int_var(0, self.horizon, "slowest_epilogue")
-        for r in range(P):
-            model.add(slowest_epilogue >= sum(epilogue[r::P]))
-        wt = self.weights
-        objective = wt.chunk_sum * sum(chunk_time) + wt.round_max * sum(round_time) + wt.epilogue_max * slowest_epilogue
-        if wt.weight_sum or wt.weight_max:
-            largest_weight = model.new_int_var(0, self.horizon, "largest_weight")
-            for w in chunk_weight:
-                model.add(largest_weight >= w)
-            objective += wt.weight_max * largest_weight - wt.weight_sum * sum(chunk_weight)
-        if cutoff_s is not None:  # only a plan better than one found already is of interest
-            model.add(objective <= to_ticks(cutoff_s * wt.scale, tick_s))
-        # Of equally fast plans, the plainest: one objective unit (1 / scale of a tick) per
-        # stage that shards (ZeRO) or recomputes.
-        plainness = [k for k, mode in enumerate(cand.modes) if mode.zero_stage or mode.recompute != "none"]
-        if K > 1 and plainness:
-            objective += sum(self.uses[c][k] for c in range(C) for k in plainness)
-
-        # Objective
-        model.minimize(objective)
-
-    def modes(self, solver: cp_model.CpSolver) -> list[int]:
-        return [next(k for k, u in enumerate(uses) if solver.boolean_value(u)) if len(uses) > 1 else 0 for uses in self.uses]
-
-    def hint(self, bounds: list[tuple[int, int]], modes: list[int]) -> None:
-        for c in range(1, self.tables.num_chunks):
-            self.model.add_hint(self.start[c], bounds[c][0])
-        if len(self.tables.candidate.modes) > 1:
-            for c, k in enumerate(modes):
-                for j, u in enumerate(self.uses[c]):
-                    self.model.add_hint(u, j == k)
-
-    def _horizon(self) -> int:
-        t = self.tables
-        per_layer = t.time_s.max(axis=(0, 2)) + t.gather_bwd_s.max(axis=(0, 2)) + t.gather_fwd_s.max(axis=(0, 2)) + t.epilogue_s.max(axis=(0, 2))
-        extra = t.cut_s.max() + t.gather_fwd_latency_s.max() + t.gather_bwd_latency_s.max() + t.epilogue_latency_s.max()
-        return to_ticks(float(per_layer.sum() + extra * t.num_chunks), self.tick_s) + 2 * t.num_layers + t.num_chunks + 1
-
-    # --- Pass 1: what each chunk reads ----------------------------------------------------
-
-    def _chunk_spec(self, c: int) -> dict:
-        """The prefix tables chunk c reads, by term; see [Note: split objective]."""
-        t, cand = self.tables, self.tables.candidate
-        K, L = len(cand.modes), t.num_layers
-        last_cut = np.concatenate([[0.0], t.cut_s[:, c]]) if c + 1 < t.num_chunks else np.zeros(L + 1)
-        spec = {"time": self._range_spec(c, t.time_s[:, :, c], np.broadcast_to(last_cut, (K, L + 1)))}
-        zero3 = np.array([m.zero_stage == 3 and cand.dp > 1 for m in cand.modes])
-        if zero3.any():
-            for name, gather, part, latency in (
-                ("gather_fwd", t.gather_fwd_s, t.fwd_s, t.gather_fwd_latency_s),
-                ("gather_bwd", t.gather_bwd_s, t.time_s - t.fwd_s, t.gather_bwd_latency_s),
-            ):
-                excess = np.where(zero3[:, None], gather[:, :, c] - part[:, :, c], 0.0)
-                spec[name] = self._range_spec(c, excess, np.where(zero3, latency[:, c], 0.0)[:, None] * np.ones(L + 1))
-        if self.weights.weight_sum:
-            spec["weight"] = self._range_spec(c, t.weight_s[:, :, c])
-        spec["epilogue"] = self._range_spec(c, t.epilogue_s[:, :, c], t.epilogue_latency_s[:, c][:, None] * np.ones(L + 1))
-        spec["memory"] = self._range_spec(c, t.memory_bytes[:, :, c], bytes_=True)
-        spec["buffers"] = []
-        families = (
-            ("workspace", t.workspace_bytes, [k for k, m in enumerate(cand.modes) if m.recompute == "full"]),
-            ("zero3", t.zero3_buffer_bytes, [k for k, m in enumerate(cand.modes) if m.zero_stage == 3 and cand.dp > 1]),
-        )
-        for name, values, members in families:
-            if members:
-                levels = sorted({int(math.ceil(v / self.byte_unit)) for v in values}, reverse=True)
-                steps = [(level, self._want(c, self._next_at(values, level))) for level in levels[:-1]]
-                spec["buffers"].append((name, members, levels, steps))
-        return spec
-
-    def _range_spec(self, c: int, values: np.ndarray, end_extra: np.ndarray | None = None, bytes_: bool = False) -> tuple[list, list]:
-        """([(modes, table read at start[c], table read at start[c + 1])], envelopes): the modes whose rows
-        agree share one pair; the envelopes bound every mode's sum from below and above (for the LP relaxation)."""
-        key = ("spec", values.tobytes(), None if end_extra is None else np.ascontiguousarray(end_extra).tobytes(), bytes_)
-        if key not in self._memo:
-            self._memo[key] = self._range_tables(values, end_extra, bytes_)
-        groups, envelopes = self._memo[key]
-        return ([(members, self._want(c, lo), self._want(c + 1, hi)) for members, lo, hi in groups],
-                [(self._want(c, lo), self._want(c + 1, hi)) for lo, hi in envelopes])
-
-    def _range_tables(self, values: np.ndarray, end_extra: np.ndarray | None, bytes_: bool) -> tuple[list, list]:
-        """The integer prefix tables of ``_range_spec``, not yet tied to positions."""
-        K, L = values.shape
-        per_layer = np.ceil(values / self.byte_unit).astype(np.int64) if bytes_ else _ticks(values, self.tick_s)
-        extra = np.zeros((K, L + 1), dtype=np.int64) if end_extra is None else (np.ceil(end_extra / self.byte_unit).astype(np.int64) if bytes_ else _ticks(end_extra, self.tick_s))
-
-        def prefix(rows: np.ndarray) -> np.ndarray:
-            return np.concatenate([np.zeros((rows.shape[0], 1), dtype=np.int64), np.cumsum(rows, axis=1)], axis=1)
-
-        starts = prefix(per_layer)
-        ends = starts + extra
-        groups: dict = {}
-        for k in range(K):
-            groups.setdefault((tuple(starts[k].tolist()), tuple(ends[k].tolist())), []).append(k)
-        out = [(members, lo, hi) for (lo, hi), members in groups.items()]
-        envelopes = []
-        if len(out) > 1:
-            for pick in (np.min, np.max):
-                rows = prefix(pick(per_layer, axis=0, keepdims=True))[0]
-                envelopes.append((tuple(rows.tolist()), tuple((rows + pick(extra, axis=0)).tolist())))
-        return out, envelopes
-
-    def _want(self, i: int, table: tuple[int, ...]) -> tuple[int, ...]:
-        self._memo.setdefault(("tables", i), set()).add(table)
-        return table
-
-    def _next_at(self, values: np.ndarray, level: int) -> tuple[int, ...]:
-        """next_at[i]: the first layer at or after i whose value reaches ``level`` (L if none)."""
-        L = len(values)
-        out, nxt = [L] * (L + 1), L
-        for i in range(L - 1, -1, -1):
-            if math.ceil(values[i] / self.byte_unit) >= level:
-                nxt = i
-            out[i] = nxt
-        return tuple(out)
-
-    def _segment(self, i: int) -> list[tuple[int, int, object]]:
-        """Ranges [a, b] of start[i] on which every table read there is affine, with their literals."""
-        lo, hi = self.domains[i]
-        tables = self._memo.get(("tables", i))
-        cuts = []
-        if tables and hi - lo > 1:
-            window = np.array(list(tables), dtype=np.int64)[:, lo : hi + 1]
-            bends = (np.diff(window, n=2, axis=1) != 0).any(axis=0)  # bends[j]: a kink at position lo + 1 + j
-            cuts = [lo + 1 + int(j) for j in np.flatnonzero(bends)]
-        ranges = [(a, b) for a, b in zip([lo] + [k + 1 for k in cuts], cuts + [hi]) if a <= b]
-        if len(ranges) == 1:
-            return [(lo, hi, None)]
-        out = []
-        for a, b in ranges:
-            lit = self.model.new_bool_var("")
-            self.model.add_linear_constraint(self.start[i], a, b).only_enforce_if(lit)
-            out.append((a, b, lit))
-        self.model.add_exactly_one(lit for _, _, lit in out)
-        return out
-
-    # --- Pass 2: the reads as expressions -------------------------------------------------
-
-    def _read(self, i: int, table: tuple[int, ...]):
-        """An expression equal to table[start[i]]: affine on each range of start[i]."""
-        key = ("read", i, table)
-        if key in self._memo:
-            return self._memo[key]
-        pieces = []
-        for a, b, lit in self._segments[i]:
-            slope = table[a + 1] - table[a] if b > a else 0
-            pieces.append((table[a] - slope * a, slope, lit))
-        if len(pieces) == 1:
-            offset, slope, _ = pieces[0]
-            expr = offset + slope * self.start[i] if slope else offset
-        else:
-            lo, hi = self.domains[i]
-            expr = self.model.new_int_var(min(table[lo : hi + 1]), max(table[lo : hi + 1]), "")
-            for offset, slope, lit in pieces:
-                self.model.add(expr == offset + slope * self.start[i]).only_enforce_if(lit)
-        self._memo[key] = expr
-        return expr
-
-    def _chunk_terms(self, c: int, spec: dict):
-        """(t_c, w_c, epilogue share, memory) of chunk c as linear expressions."""
-        chunk_time = self._range_sum(c, "time", spec["time"])
-        for name in ("gather_fwd", "gather_bwd"):
-            if name in spec:
-                # exposed >= the gathers' excess over the compute they overlap (none outside ZeRO-3), and >= 0
-                exposed = self.model.new_int_var(0, self.horizon, f"{name}_exposed_{c}")
-                self.model.add(exposed >= self._range_sum(c, name, spec[name]))
-                chunk_time = chunk_time + exposed
-        weight = self._range_sum(c, "weight", spec["weight"]) if "weight" in spec else 0
-        epilogue = self._range_sum(c, "epilogue", spec["epilogue"])
-        memory = self._range_sum(c, "memory", spec["memory"])
-        for name, members, levels, steps in spec["buffers"]:
-            memory = memory + self._range_max(c, name, members, levels, steps)
-        return chunk_time, weight, epilogue, memory
-
-    def _range_sum(self, c: int, name: str, spec: tuple[list, list]):
-        """Chunk c's sum over its layers in its mode: one group's difference of reads, chosen by the mode."""
-        groups, envelopes = spec
-        diffs = [(self._read(c + 1, hi) - self._read(c, lo) if any(lo) or any(hi) else 0, members) for members, lo, hi in groups]
-        if len(diffs) == 1:
-            return diffs[0][0]
-        low = min(min(lo) for _, lo, _ in groups) - max(max(hi) for _, _, hi in groups)
-        high = max(max(hi) for _, _, hi in groups) - min(min(lo) for _, lo, _ in groups)
-        value = self.model.new_int_var(min(low, 0), max(high, 0), f"{name}_{c}")
-        for diff, members in diffs:
-            self.model.add(value == diff).only_enforce_if(self._in_modes(c, members))
-        (low_lo, low_hi), (high_lo, high_hi) = envelopes
-        self.model.add(value >= self._read(c + 1, low_hi) - self._read(c, low_lo))
-        self.model.add(value <= self._read(c + 1, high_hi) - self._read(c, high_lo))
-        return value
-
-    def _in_modes(self, c: int, members: list[int]):
-        """A literal that is 1 iff chunk c's mode is one of ``members``."""
-        uses = self.uses[c]
-        if len(members) == len(uses):
-            return self.model.new_constant(1)
-        if len(members) == 1:
-            return uses[members[0]]
-        key = ("modes", c, tuple(members))
-        if key not in self._memo:
-            lit = self.model.new_bool_var("")
-            self.model.add(lit == sum(uses[k] for k in members))
-            self._memo[key] = lit
-        return self._memo[key]
-
-    def _range_max(self, c: int, name: str, members: list[int], levels: list[int], steps: list):
-        """A variable >= the largest level among chunk c's layers when its mode is one of ``members``, else >= 0:
-        a level counts when its next layer at or after start[c] comes before start[c + 1]."""
-        model = self.model
-        in_mode = self._in_modes(c, members)
-        buffer = model.new_int_var(0, levels[0], f"{name}_{c}")
-        model.add(buffer >= levels[-1]).only_enforce_if(in_mode)
-        for level, next_at in steps:
-            holds = model.new_bool_var("")
-            model.add(self._read(c, next_at) >= self.start[c + 1]).only_enforce_if(~holds)
-            model.add(buffer >= level).only_enforce_if([holds, in_mode])
-        return buffer
 
 
 def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, int], options: SearchOptions,
@@ -711,7 +361,7 @@ def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, 
         try:
             split = solve_split(compose_tables(tables, types), options,
                                 cutoff_s=cutoff_s if best is None else min(cutoff_s or math.inf, best.cost.objective_s))
-        except _Unresolved as exc:
+        except Unresolved as exc:
             unresolved.append(exc.bound_s)
             continue
         if split is not None and (best is None or split.cost.objective_s < best.cost.objective_s):
@@ -719,7 +369,7 @@ def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, 
         elif split is not None and best is not None and split.status != "optimal":
             best = SplitResult(bounds=best.bounds, cost=best.cost, status="feasible", types=best.types, bound_s=min(best.bound_s, split.bound_s))
     if unresolved and best is None:
-        raise _Unresolved(min(unresolved))
+        raise Unresolved(min(unresolved))
     if unresolved:
         best = SplitResult(bounds=best.bounds, cost=best.cost, status="feasible", types=best.types, bound_s=min([best.bound_s, *unresolved]))
     return best
@@ -728,33 +378,6 @@ def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, 
 def type_sequence(order: list[str], stages_per_type: dict[str, int]) -> list[str]:
     """Stage device types: each type's stages in one block, blocks in ``order``."""
     return [k for k in order for _ in range(stages_per_type[k])]
-
-
-# [Note: cut formulation]
-# A split is C + 1 increasing layer indices start[0] = 0 < start[1] < ... < start[C] = L.
-# Every per-layer quantity of [Note: split objective] is additive, so chunk c's share
-# is prefix[start[c + 1]] - prefix[start[c]] of a prefix-sum table of that chunk's
-# column, read with element constraints; per-chunk constants (the cut after the last
-# layer, collective latencies) ride on the table read at start[c + 1]. The mode joins
-# the index: the tables of all modes are laid end to end, and the read is at
-# mode[c] * (L + 1) + position. A range maximum (the one-layer buffers) is >= each of
-# its few levels whose next layer at or after start[c] comes before start[c + 1]. The
-# model has O(C) integer variables whatever the number of layers, which keeps CP-SAT
-# fast on 100-layer, 64-stage instances where a layer x stage boolean model does not
-# finish in seconds.
-def equal_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Layers dealt out as evenly as possible, earlier stages taking the remainder."""
-    base, extra = divmod(num_layers, num_stages)
-    return bounds_from_sizes([base + (1 if s < extra else 0) for s in range(num_stages)])
-
-
-def bounds_from_sizes(sizes) -> list[tuple[int, int]]:
-    """Inclusive (first, last) layer of each stage from the number of layers per stage."""
-    bounds, first = [], 0
-    for size in sizes:
-        bounds.append((first, first + size - 1))
-        first += size
-    return bounds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -794,7 +417,7 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
         cutoff = best if len(solved) > options.top_k else None
         try:
             tables, split = solve_candidate(model, cluster, cand, options, cache, cutoff)
-        except _Unresolved as exc:  # no answer in time: its bound stays open
+        except Unresolved as exc:  # no answer in time: its bound stays open
             unresolved.append(max(bounds[cand], exc.bound_s))
             continue
         if split is None and cutoff is None:
