@@ -11,16 +11,17 @@ first_c..last_c in mode k_c, with every sum over those layers and read from the
 tables' column c and row k_c:
 
     t_c = sum time[l] + cut[last_c]                     (no cut after the last chunk)
-          + max(0, gather_fwd_latency + sum (gather_fwd[l] - fwd[l]))
-          + max(0, gather_bwd_latency + sum (gather_bwd[l] - (time[l] - fwd[l])))
+          + gather_fwd_latency + sum gather_fwd[l]
+          + gather_bwd_latency + sum gather_bwd[l]
     w_c = sum weight[l]
     e_r = sum over rank r's chunks of (epilogue_latency + sum epilogue[l])
 
 and the objective is [Note: linear step time] (cost_models/pipeline.py) of t, w and e.
 ``time`` is one micro-batch's forward and backward with the tensor-parallel all-reduces
-and, under full recompute, the forward again; the two ``max(0, ...)`` are ZeRO-3's
-per-micro-batch parameter gathers (and gradient reduce-scatter) where they outlast the
-compute they overlap, as planner.estimate counts them; ``epilogue`` is the end-of-step
+and, under full recompute, the forward again; the ``gather`` terms are ZeRO-3's
+per-micro-batch parameter gathers (and gradient reduce-scatter), all exposed, as
+planner.estimate counts them (a stage is one FSDP unit in the generated program, so
+they run before and after its compute, not under it); ``epilogue`` is the end-of-step
 gradient synchronisation (all-reduce, or ZeRO-1/2's reduce-scatter and all-gather, none
 under ZeRO-3) plus the optimizer step over the rank's share of the parameters.
 Collective times are read off the collective model as latency + bytes * per-byte cost.
@@ -526,10 +527,9 @@ def chunk_terms(tables: CostTables, c: int, first: int, last: int, k: int) -> tu
     """(t_c, w_c, epilogue, memory) of chunk c holding layers first..last in mode k; see [Note: split objective]."""
     rows = slice(first, last + 1)
     time = tables.time_s[k, rows, c].sum()
-    fwd = tables.fwd_s[k, rows, c].sum()
     t = time + (tables.cut_s[last, c] if c + 1 < tables.num_chunks else 0.0)
-    t += max(0.0, tables.gather_fwd_latency_s[k, c] + tables.gather_fwd_s[k, rows, c].sum() - fwd)
-    t += max(0.0, tables.gather_bwd_latency_s[k, c] + tables.gather_bwd_s[k, rows, c].sum() - (time - fwd))
+    t += tables.gather_fwd_latency_s[k, c] + tables.gather_fwd_s[k, rows, c].sum()
+    t += tables.gather_bwd_latency_s[k, c] + tables.gather_bwd_s[k, rows, c].sum()
     epilogue = tables.epilogue_latency_s[k, c] + tables.epilogue_s[k, rows, c].sum()
     memory = tables.memory_bytes[k, rows, c].sum()
     mode = tables.candidate.modes[k]

@@ -18,8 +18,9 @@ its actions, run between kernels as Megatron does), pipeline communication (how 
 later it finishes with transfers than without), bubble (the rest of the makespan: its
 warm-up, cool-down and waits), data-parallel communication (the gradient all-reduce,
 or ZeRO's reduce-scatter and all-gather; with ``overlap_grad_reduce`` the last backward
-hides up to its own length of it; ZeRO-3's per-micro-batch gathers overlap the layers'
-compute and count only where they are longer) and the optimizer step.
+hides up to its own length of it; ZeRO-3's per-micro-batch gathers and reduce-scatters
+count in full, as the generated program runs them around a stage's compute, not under
+it) and the optimizer step.
 
 [Note: estimate rank layout]
 Without stage devices, ranks follow Megatron's order: rank = s * dp * tp + d * tp + t
@@ -376,14 +377,16 @@ class _ChunkCost:
     b_compute_s: float  # input gradient, plus the recomputed forward under full recompute
     b_tp_s: float
     w_compute_s: float
-    zero3_fwd_s: float  # ZeRO-3 gathers and reduce-scatters, prefetched under the compute
+    zero3_fwd_s: float  # ZeRO-3 gathers and reduce-scatters, before and after the compute
     zero3_bwd_s: float
 
     def seconds(self, kind: Kind, split_weights: bool) -> tuple[float, float, float]:
         """(compute, tensor-parallel, exposed ZeRO-3) seconds of one action.
 
-        ZeRO-3's collectives run on the network while the layers compute (prefetching, as
-        DeepSpeed and FSDP do), so an action takes the longer of the two.
+        ZeRO-3's collectives are all exposed: the generated program makes each stage one
+        FSDP unit ([Note: ZeRO through FSDP2] in runtime/data_parallel.py), so the stage's
+        parameters are gathered before its compute starts and its gradients
+        reduce-scattered after it ends; nothing is left to prefetch under.
         """
         if kind is Kind.FORWARD:
             compute, tp, gather = self.fwd_compute_s, self.fwd_tp_s, self.zero3_fwd_s
@@ -392,7 +395,7 @@ class _ChunkCost:
         else:
             compute = self.b_compute_s + (0.0 if split_weights else self.w_compute_s)
             tp, gather = self.b_tp_s, self.zero3_bwd_s
-        return compute, tp, max(0.0, gather - compute - tp)
+        return compute, tp, gather
 
 
 def _chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bounds, layout: StageLayout, chunk: int) -> _ChunkCost:

@@ -39,19 +39,20 @@ def explain_plan(plan: ParallelPlan) -> Explanation:
     graph = trace_model(load_model_file(path, plan.model.args), tuple(plan.model.leaf_modules))
     cluster = parse_cluster(plan.cluster.spec)
     mixed = len(set(plan.cluster.device_types)) > 1
-    first = plan.stages[0]
+    ranks = plan.stages[: plan.pipeline_parallel]  # with virtual stages, stages[s] runs on ranks[s % pp]
     config = EstimateConfig(
         global_batch_size=plan.global_batch_size,
         dp=plan.data_parallel,
-        tp=first.tensor_parallel,
+        tp=ranks[0].tensor_parallel,
         pp=plan.pipeline_parallel,
         micro_batch_size=plan.micro_batch_size,
         dtype=plan.dtype,
         schedule=plan.schedule.value,
-        recompute=first.recompute,
-        zero_stage=first.zero_stage,
+        virtual_stages=plan.virtual_stages,
         stage_layers=tuple(len(s.layers) for s in plan.stages),
-        stage_devices=tuple(s.device_type for s in plan.stages) if mixed else None,
+        stage_devices=tuple(s.device_type for s in ranks) if mixed else None,
+        stage_recompute=tuple(s.recompute for s in plan.stages),
+        stage_zero=tuple(s.zero_stage for s in ranks),
     )
     return Explanation(plan=plan, estimate=estimate(graph, cluster, config))
 

@@ -237,11 +237,12 @@ class SplitModel:
         spec = {"time": self._range_spec(c, t.time_s[:, :, c], np.broadcast_to(last_cut, (K, L + 1)))}
         zero3 = np.array([m.zero_stage == 3 and cand.dp > 1 for m in cand.modes])
         if zero3.any():
-            for name, gather, part, latency in (
-                ("gather_fwd", t.gather_fwd_s, t.fwd_s, t.gather_fwd_latency_s),
-                ("gather_bwd", t.gather_bwd_s, t.time_s - t.fwd_s, t.gather_bwd_latency_s),
+            # All exposed ([Note: split objective]): nothing of the compute hides them.
+            for name, gather, latency in (
+                ("gather_fwd", t.gather_fwd_s, t.gather_fwd_latency_s),
+                ("gather_bwd", t.gather_bwd_s, t.gather_bwd_latency_s),
             ):
-                excess = np.where(zero3[:, None], gather[:, :, c] - part[:, :, c], 0.0)
+                excess = np.where(zero3[:, None], gather[:, :, c], 0.0)
                 spec[name] = self._range_spec(c, excess, np.where(zero3, latency[:, c], 0.0)[:, None] * np.ones(L + 1))
         if self.weights.weight_sum:
             spec["weight"] = self._range_spec(c, t.weight_s[:, :, c])

@@ -54,3 +54,11 @@ def test_a_device_without_the_dtype_is_one_line():
     result = hetpar("estimate", GPT, *SMALL_GPT, "--cluster", "1x8xV100-32GB", "--global-batch", "16", "--micro-batch-size", "2",
                     "--dp", "8", "--tp", "1", "--pp", "1", "--dtype", "bf16")
     assert_one_line_error(result, "V100-32GB has no bf16", "--dtype fp16")
+
+
+def test_a_tp_degree_the_heads_do_not_divide_is_refused_in_one_line():
+    six_heads = [GPT, "-a", "n_layers=1", "-a", "hidden=96", "-a", "heads=6", "-c", "1x4xcpu", "-b", "4"]
+    refused = hetpar("estimate", *six_heads, "--dp", "1", "--tp", "4", "--pp", "1", "--micro-batch-size", "4")
+    assert_one_line_error(refused, "--tp 4", "blocks.0", "2, 3, 6")
+    plan_refused = hetpar("plan", *six_heads, "--tp", "4")
+    assert_one_line_error(plan_refused, "--tp 4", "blocks.0")
