@@ -29,9 +29,14 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   cost anything (data, zero_grad, the loss all-reduce, the optimizer's calls), less
   the optimizer's per-tensor cost of its four tensors, which the estimator charges
   per tensor;
-- ``kernel_efficiency`` is 1: the rates above are the rates kernels reach on this host
-  (the global 0.75 of cost_models/compute.py stands for what GPU training kernels lose
-  against microbenchmarks, fitted on published runs, not for this host);
+- ``kernel_efficiency`` and ``backward_kernel_efficiency``: what the kernels of a
+  small training workload reach of the fitted rates, forward and backward apart (on a
+  CPU the backward's autograd and elementwise kernels fall further short). The
+  workload is runtime/reference_model.py, a fixed model unlike any example, timed in
+  every worker at once; the efficiency is the layer cost model's FLOP and byte seconds
+  at efficiency 1 over the measured seconds less the per-op overheads it charges.
+  Without that timing both are 1 (the rates above are what kernels reach here; the
+  global 0.75 of cost_models/compute.py stands for GPU runs, not for this host);
 - ``optimizer_tensor_overhead_s`` and ``optimizer_bytes_per_s``: an AdamW step's
   seconds per parameter tensor and its memory traffic (OPTIMIZER_BYTES_PER_PARAM per
   parameter) per second, from two steps (runtime/profiler.py ``optimizer_times``);
@@ -47,9 +52,11 @@ from __future__ import annotations
 import itertools
 import statistics
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
+from cost_models.compute import layer_timing
 from cost_models.devices import DeviceProfile, MeasuredCollective, ProfileError
+from cost_models.layers import LayerProfile
 from cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
 
 # The cost model charges each op three launches per micro-batch; see [Note: calibrated fits].
@@ -58,6 +65,8 @@ LAUNCHES_PER_OP = 3
 _STEP_PROBE_TENSORS = 4
 # Sharded modules of runtime/profiler.py's tensor-parallel block (one colwise, one rowwise).
 _TP_PROBE_SHARDED_MODULES = 2
+# Bounds on a fitted kernel efficiency: a fit outside them is noise, not a machine.
+_MIN_EFFICIENCY, _MAX_EFFICIENCY = 0.05, 2.0
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -93,13 +102,15 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, statistics.median(y - slope * x for x, y in points)), 1.0 / slope
 
 
-def fit_profile(measurements: dict[str, Any], base: DeviceProfile) -> DeviceProfile:
+def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_layers: Sequence[LayerProfile] = ()) -> DeviceProfile:
     """A device profile for the measured host: fitted numbers over ``base``'s unmeasured ones.
 
     Args:
         measurements: the record described in the module docstring.
         base: the profile whose unmeasured fields (memory, NICs, inter-node) are kept,
             e.g. the built-in "cpu" profile.
+        reference_layers: the traced layers of runtime/reference_model.py; with the
+            record's ``reference`` timing they set the kernel efficiencies (else 1).
 
     Returns:
         The profile, named as ``base``, with the fingerprint and a source
@@ -160,4 +171,28 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile) -> DeviceProf
             sources[key] = f"{stamp}: {note}"
     sources.update({f"peak_flops_per_s.{d}": f"{stamp}: matmul FLOPs/s (slope of time vs FLOPs)" for d in peaks})
     sources.update({f"collectives.{c}": f"{stamp}: alpha-beta fit over {len(collectives[c])} sizes" for c in measured})
-    return replace(base, **fields, sources=sources)
+    fitted = replace(base, **fields, sources=sources)
+    reference = measurements.get("reference")
+    if not (reference and reference_layers):
+        return fitted
+    fwd_eff, bwd_eff = _reference_efficiencies(fitted, reference, reference_layers)
+    sources["kernel_efficiency"] = f"{stamp}: forward of runtime/reference_model.py against the layer cost model"
+    sources["backward_kernel_efficiency"] = f"{stamp}: backward of runtime/reference_model.py against the layer cost model"
+    return replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, sources=sources)
+
+
+def _reference_efficiencies(profile: DeviceProfile, reference: dict[str, Any], layers: Sequence[LayerProfile]) -> tuple[float, float]:
+    """(forward, backward) fractions of the fitted rates that the reference model's
+    kernels reach: the layer cost model's FLOP and byte seconds at efficiency 1 over the
+    measured seconds less the per-op overheads it charges; see [Note: calibrated fits]."""
+    batch = int(reference["batch_size"])
+    times = [layer_timing(l, profile, tp=1, micro_batch_size=batch, dtype="fp32", kernel_efficiency=1.0) for l in layers]
+    launch = sum(l.num_ops for l in layers) * (profile.op_overhead_s or 0.0)
+    fwd_work = sum(t.fwd_s for t in times) - launch
+    bwd_work = sum(t.bwd_s for t in times) - 2 * launch
+    fwd_left = float(reference["fwd_s"]) - launch
+    bwd_left = float(reference["fwd_bwd_s"]) - float(reference["fwd_s"]) - 2 * launch
+    if fwd_left <= 0 or bwd_left <= 0 or fwd_work <= 0 or bwd_work <= 0:
+        raise ProfileError("the reference model ran faster than its per-op overheads; the machine is too noisy, run hetpar profile again")
+    clamp = lambda e: min(_MAX_EFFICIENCY, max(_MIN_EFFICIENCY, e))
+    return clamp(fwd_work / fwd_left), clamp(bwd_work / bwd_left)

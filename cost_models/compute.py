@@ -104,12 +104,18 @@ def layer_timing(
     Raises:
         ValueError: unknown dtype, or a non-positive efficiency.
     """
+    explicit = kernel_efficiency is not None
     if kernel_efficiency is None:
         kernel_efficiency = training_efficiency(device)
     if not kernel_efficiency > 0:
         raise ValueError(f"kernel_efficiency must be positive, got {kernel_efficiency}")
     flop_rate = device.peak_flops(dtype) * device.matmul_efficiency * kernel_efficiency
     byte_rate = device.mem_bw_bytes_per_s * HBM_STREAM_EFFICIENCY * kernel_efficiency
+    # A measured profile may know its backward apart ([Note: calibrated fits]); an
+    # explicit kernel_efficiency (hetpar estimate --kernel-efficiency) sets both.
+    own_bwd = getattr(device, "backward_kernel_efficiency", None)
+    bwd_scale = own_bwd / training_efficiency(device) if own_bwd is not None and not explicit else 1.0
+    bwd_flop_rate, bwd_byte_rate = flop_rate * bwd_scale, byte_rate * bwd_scale
     fwd_flops, bwd_flops = (f * micro_batch_size for f in layer.flops_at(tp))
     saved = layer.saved_bytes_at(tp) * micro_batch_size * dtype_bytes(dtype) / 4
     launch = (getattr(device, "op_overhead_s", None) or DEFAULT_OP_OVERHEAD_S) * layer.num_ops
@@ -118,8 +124,8 @@ def layer_timing(
     sharded = (getattr(device, "tp_module_overhead_s", None) or 0.0) * layer.tp_sharded_modules if tp > 1 else 0.0
     return LayerTime(
         fwd_s=fwd_flops / flop_rate + saved / byte_rate + launch + sharded / 3,
-        bwd_input_s=(bwd_flops - weight_flops) / flop_rate + 2 * saved / byte_rate + launch + 2 * sharded / 3,
-        bwd_weight_s=weight_flops / flop_rate + launch,
+        bwd_input_s=(bwd_flops - weight_flops) / bwd_flop_rate + 2 * saved / bwd_byte_rate + launch + 2 * sharded / 3,
+        bwd_weight_s=weight_flops / bwd_flop_rate + launch,
     )
 
 

@@ -48,7 +48,8 @@ _NUMERIC_FIELDS = (
     "inter_node_latency_s",
 )
 # Measured by ``hetpar profile`` (docs/profiling.md); absent from datasheet profiles.
-_CALIBRATED_FIELDS = ("op_overhead_s", "step_overhead_s", "kernel_efficiency", "tp_module_overhead_s", "optimizer_bytes_per_s",
+_CALIBRATED_FIELDS = ("op_overhead_s", "step_overhead_s", "kernel_efficiency", "backward_kernel_efficiency",
+                      "tp_module_overhead_s", "optimizer_bytes_per_s",
                       "optimizer_tensor_overhead_s")
 _OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",) + _CALIBRATED_FIELDS
 _STRING_FIELDS = ("name", "vendor", "intra_node_link")
@@ -120,6 +121,7 @@ class DeviceProfile:
     # global TRAINING_KERNEL_EFFICIENCY (fitted on published GPU runs). A measured
     # profile's rates are the rates reached here, so it sets 1.0.
     kernel_efficiency: float | None = None
+    backward_kernel_efficiency: float | None = None  # the backward's, where measured apart; else kernel_efficiency
     tp_module_overhead_s: float | None = None  # per tensor-parallel module and micro-batch, fwd + bwd
     optimizer_bytes_per_s: float | None = None  # optimizer step, memory traffic per second
     optimizer_tensor_overhead_s: float | None = None  # optimizer step, per parameter tensor
@@ -227,8 +229,10 @@ def _check_profile(p: DeviceProfile) -> None:
         value = getattr(p, key)
         if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise ProfileError(f"{who}: {key} must be >= 0 when given, got {value!r}")
-    if p.kernel_efficiency is not None and not p.kernel_efficiency > 0:
-        raise ProfileError(f"{who}: kernel_efficiency must be positive when given, got {p.kernel_efficiency}")
+    for key in ("kernel_efficiency", "backward_kernel_efficiency"):
+        value = getattr(p, key)
+        if value is not None and not value > 0:
+            raise ProfileError(f"{who}: {key} must be positive when given, got {value}")
     for dtype in _REQUIRED_DTYPES:
         if dtype not in p.peak_flops_per_s:
             raise ProfileError(f"{who}: peak_flops_per_s needs a '{dtype}' entry")

@@ -143,6 +143,24 @@ def optimizer_times(*, repeats: int) -> dict[str, float]:
             "optimizer": "adamw"}
 
 
+def reference_times(*, repeats: int) -> dict[str, float]:
+    """Forward and forward-plus-backward seconds of runtime/reference_model.py at its
+    ``BATCH``: a small training workload with a known layer profile, so that
+    cost_models/calibrate.py can fit what training kernels reach of the rates above."""
+    from runtime import reference_model
+
+    torch.manual_seed(0)
+    model = reference_model.build_model()
+    (x,) = reference_model.example_inputs(reference_model.BATCH)
+
+    def train_step() -> None:
+        model(x).sum().backward()
+
+    fwd = median_time_s(lambda: model(x), repeats=repeats)
+    both = median_time_s(train_step, repeats=repeats)
+    return {"batch_size": reference_model.BATCH, "fwd_s": fwd, "fwd_bwd_s": both}
+
+
 # --- Collectives between local workers --------------------------------------------------
 
 
@@ -226,6 +244,8 @@ def _compute_benchmarks(plan: dict, progress: Callable[[str], None]) -> dict:
     out["op_overhead"] = op_overhead_times(blocks=50, repeats=3 * repeats)
     progress("optimizer step")
     out["optimizer"] = optimizer_times(repeats=repeats)
+    progress("reference training workload")
+    out["reference"] = reference_times(repeats=repeats)
     return out
 
 

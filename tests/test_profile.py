@@ -97,6 +97,27 @@ def test_fit_profile_recovers_the_optimizer_and_tensor_parallel_costs():
         assert p.sources[key].startswith("fitted from hetpar profile")
 
 
+def test_the_reference_workload_sets_forward_and_backward_efficiencies():
+    from cost_models.compute import layer_timing
+    layers = [LayerProfile(name=f"l{i}", fwd_flops=4e6 * (i + 1), bwd_flops=8e6 * (i + 1), params=1000,
+                           saved_activation_bytes=2e4, boundary_bytes=1e3, num_ops=12) for i in range(3)]
+    plain = fit_profile(record(), get_device("cpu"))
+    batch, fwd_eff, bwd_eff = 4, 0.6, 0.35
+    # What the reference run would measure on a machine that reaches those fractions.
+    at = lambda eff: [layer_timing(l, plain, tp=1, micro_batch_size=batch, dtype="fp32", kernel_efficiency=eff) for l in layers]
+    fwd_s = sum(t.fwd_s for t in at(fwd_eff))
+    bwd_s = sum(t.bwd_s for t in at(bwd_eff))
+    data = record()
+    data["reference"] = {"batch_size": batch, "fwd_s": fwd_s, "fwd_bwd_s": fwd_s + bwd_s}
+    p = fit_profile(data, get_device("cpu"), layers)
+    assert p.kernel_efficiency == pytest.approx(fwd_eff)
+    assert p.backward_kernel_efficiency == pytest.approx(bwd_eff)
+    timed = [layer_timing(l, p, tp=1, micro_batch_size=batch, dtype="fp32") for l in layers]
+    assert sum(t.fwd_s for t in timed) == pytest.approx(fwd_s)
+    assert sum(t.bwd_s for t in timed) == pytest.approx(bwd_s)
+    assert fit_profile(data, get_device("cpu")).kernel_efficiency == 1.0  # no layers: no fit
+
+
 def test_a_measured_profile_uses_its_own_kernel_efficiency_unless_one_is_given():
     from cost_models.compute import TRAINING_KERNEL_EFFICIENCY, layer_timing
     measured = fit_profile(record(), get_device("cpu"))

@@ -16,7 +16,8 @@ from rich.table import Table
 from cost_models.calibrate import fit_profile
 from cost_models.devices import DeviceProfile, ProfileError, dump_profile, get_device, load_profile, profile_to_dict
 from hetpar.commands.common import console, domain_errors, seconds
-from runtime import profiler
+from planner.trace import trace_model
+from runtime import profiler, reference_model
 from runtime.model_file import load_model_file, parse_model_args
 
 # (matmul sizes, collective sizes in bytes, repeats): the default stays under 3 minutes
@@ -87,7 +88,7 @@ def profile(
     for attempt in (1, 2):
         record = _measure_with_progress(nproc, quick, model, model_arg, batch_size)
         try:
-            fitted = fit_profile(record, base_profile)
+            fitted = fit_profile(record, base_profile, _reference_layers())
             break
         except ProfileError as exc:
             if attempt == 2 or "noisy" not in str(exc):
@@ -103,9 +104,14 @@ def profile(
     typer.echo(str(output))
 
 
+def _reference_layers() -> list:
+    """The traced layers of the model the profile times as its reference workload."""
+    return trace_model(load_model_file(Path(reference_model.__file__), {})).layers
+
+
 def _measure_with_progress(nproc: int, quick: bool, model: Optional[Path], model_arg: Optional[list[str]],
                            batch_size: int) -> dict[str, Any]:
-    total = 9 + (1 if model else 0)
+    total = 10 + (1 if model else 0)
     with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.description}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("", total=total)
