@@ -15,4 +15,7 @@ Modules, in the order a program uses them:
 - ``executor``: runs a stage's action list with point-to-point sends and receives.
 - ``checkpoint``: atomic torch.distributed.checkpoint checkpoints and resume.
 - ``training``: optimizer, reported loss, metrics, final state_dict.
+
+Used by ``hetpar profile`` rather than by a program: ``profiler`` (this host's
+microbenchmarks) and ``reference_model`` (the fixed training workload it times).
 """
