@@ -118,17 +118,80 @@ class AllReduce(GradientSync):
         self.params = list(params)
         self.group = group
         self.data_parallel = data_parallel
+        # [Note: all-reduce under the last backward]
+        self._backwards = 0  # backward passes of this step so far
+        self._expected: int | None = None  # accumulations per parameter this step, once the last backward starts
+        self._counts: dict[int, int] = {}
+        self._launched: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []
+        self._launched_ids: set[int] = set()
+        overlap = all(p.requires_grad and not isinstance(p, DTensor) for p in self.params)
+        self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params] if overlap else []
+        self._pending = _planned_buckets(self.params) if overlap else []
 
     def __str__(self) -> str:
         return f"all-reduce over {self.data_parallel} replicas"
 
+    def before_backward(self, last: bool) -> None:
+        self._backwards += 1
+        if last and self._handles:
+            self._expected = self._backwards
+            for p in self.params:
+                self._accumulated(p, count=False)  # a bucket may be complete already (weights accumulated earlier)
+
+    def _accumulated(self, param: nn.Parameter, count: bool = True) -> None:
+        if count:
+            self._counts[id(param)] = self._counts.get(id(param), 0) + 1
+        if self._expected is None:
+            return
+        while self._pending and all(self._counts.get(id(p), 0) >= self._expected for p in self._pending[0]):
+            self._launch(self._pending.pop(0))
+
+    def _launch(self, bucket: list[nn.Parameter]) -> None:
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        self._launched.append((bucket, flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)))
+        self._launched_ids.update(id(p) for p in bucket)
+
     def reduce(self) -> None:
-        for bucket in _buckets(self.params):
+        for bucket, flat, work in self._launched:
+            work.wait()
+            flat /= self.data_parallel
+            _unflatten(flat, [p.grad for p in bucket])
+        rest = [p for p in self.params if id(p) not in self._launched_ids]
+        for bucket in _buckets(rest):
             grads = [_local(p.grad) for p in bucket]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             flat /= self.data_parallel
             _unflatten(flat, grads)
+        self._backwards, self._expected, self._counts = 0, None, {}
+        self._launched, self._launched_ids = [], set()
+        self._pending = _planned_buckets(self.params) if self._handles else []
+
+
+# [Note: all-reduce under the last backward]
+# As DDP does, the gradient all-reduce of a data-parallel stage starts while its last
+# backward still runs: buckets of parameters in reverse order (the order backward
+# finishes them), each launched asynchronously once every parameter in it has
+# accumulated its gradient as many times as the step has backward passes (one per
+# micro-batch; under zero-bubble schedules the weight passes accumulate, so the count
+# still ends at the last one). ``reduce`` waits for them and all-reduces whatever
+# never completed a bucket (parameters without gradients are skipped, as before), in
+# a fixed order: every replica runs the same graph, so the launches come in the same
+# order on every rank. Stages holding DTensor parameters (tensor parallelism) keep the
+# plain all-reduce after the schedule.
+def _planned_buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Buckets of at most ``BUCKET_CAP_BYTES`` over the parameters in reverse order, by dtype."""
+    buckets: list[list[nn.Parameter]] = []
+    open_bucket: dict[torch.dtype, tuple[list[nn.Parameter], int]] = {}
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        bucket, size = open_bucket.get(p.dtype, (None, 0))
+        if bucket is None or size + nbytes > BUCKET_CAP_BYTES:
+            bucket, size = [], 0
+            buckets.append(bucket)
+        bucket.append(p)
+        open_bucket[p.dtype] = (bucket, size + nbytes)
+    return buckets
 
 
 def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:

@@ -238,6 +238,15 @@ def test_pipeline_2_zero_bubble_4_microbatches(tmp_path, gpt_path):
 
 
 @pytest.mark.slow
+def test_data_parallel_2_by_zero_bubble_pipeline_2(tmp_path, gpt_path):
+    # The gradient all-reduce starts under the last backward; with zero-bubble the
+    # weight gradients accumulate in later W actions, which the all-reduce must wait for.
+    # SGD: AdamW's division by sqrt(v) blows a 1e-7 difference of summation order up past atol.
+    plan = build_plan(gpt_path, GPT_ARGS, splits=[[0, 1], [2, 3]], data_parallel=2, num_microbatches=4, schedule="zb")
+    assert_trains_like_one_process(plan, tmp_path)
+
+
+@pytest.mark.slow
 def test_pipeline_2_interleaved_2_chunks_per_rank(tmp_path, gpt_path):
     # layers: embedding, blocks.0, blocks.1, head; rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
     plan = interleaved_plan(gpt_path, GPT_ARGS, chunks=[[0], [1], [2], [3]], pipeline_ranks=2, num_microbatches=4)
