@@ -10,7 +10,7 @@ import random
 import pytest
 
 from conftest import ROOT
-from cost_models.cluster import Cluster, NodeGroup, parse_cluster
+from cost_models.cluster import Cluster, parse_cluster
 from cost_models.devices import get_device
 from planner.api import fastest_plan, plan_graph
 from planner.estimate import EstimateConfig, estimate
