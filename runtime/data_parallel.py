@@ -91,19 +91,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _buckets(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
     """Parameters with gradients, grouped by gradient dtype into buckets of at most
     ``BUCKET_CAP_BYTES`` (a larger parameter gets a bucket of its own), in order."""
+    grads = ((p, _local(p.grad)) for p in params if p.grad is not None)
+    return _pack((p, g.dtype, g.numel() * g.element_size()) for p, g in grads)
+
+
+def _pack(entries: Iterable[tuple[nn.Parameter, torch.dtype, int]]) -> list[list[nn.Parameter]]:
+    """(parameter, dtype, bytes) in order, packed per dtype into buckets of at most
+    ``BUCKET_CAP_BYTES`` (a larger parameter gets a bucket of its own)."""
     buckets: list[list[nn.Parameter]] = []
     open_bucket: dict[torch.dtype, tuple[list[nn.Parameter], int]] = {}
-    for p in params:
-        if p.grad is None:
-            continue
-        grad = _local(p.grad)
-        nbytes = grad.numel() * grad.element_size()
-        bucket, size = open_bucket.get(grad.dtype, (None, 0))
+    for p, dtype, nbytes in entries:
+        bucket, size = open_bucket.get(dtype, (None, 0))
         if bucket is None or size + nbytes > BUCKET_CAP_BYTES:
             bucket, size = [], 0
             buckets.append(bucket)
         bucket.append(p)
-        open_bucket[grad.dtype] = (bucket, size + nbytes)
+        open_bucket[dtype] = (bucket, size + nbytes)
     return buckets
 
 
@@ -181,17 +184,7 @@ class AllReduce(GradientSync):
 # plain all-reduce after the schedule.
 def _planned_buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     """Buckets of at most ``BUCKET_CAP_BYTES`` over the parameters in reverse order, by dtype."""
-    buckets: list[list[nn.Parameter]] = []
-    open_bucket: dict[torch.dtype, tuple[list[nn.Parameter], int]] = {}
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        bucket, size = open_bucket.get(p.dtype, (None, 0))
-        if bucket is None or size + nbytes > BUCKET_CAP_BYTES:
-            bucket, size = [], 0
-            buckets.append(bucket)
-        bucket.append(p)
-        open_bucket[p.dtype] = (bucket, size + nbytes)
-    return buckets
+    return _pack((p, p.dtype, p.numel() * p.element_size()) for p in reversed(params))
 
 
 def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
