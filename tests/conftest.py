@@ -8,6 +8,7 @@ free rendezvous port.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -126,6 +127,15 @@ def run_torchrun(program: Path, nproc: int, args: list[str], *, timeout_s: float
 @pytest.fixture
 def gpt_path() -> Path:
     return ROOT / "examples" / "gpt.py"
+
+
+@pytest.fixture
+def model_copy(tmp_path, gpt_path) -> Path:
+    """A private copy of examples/gpt.py that a test may change."""
+    path = tmp_path / "src" / "gpt.py"
+    path.parent.mkdir()
+    shutil.copyfile(gpt_path, path)
+    return path
 
 
 @pytest.fixture

@@ -22,15 +22,6 @@ STDLIB_IMPORTS = {"time", "pathlib", "dataclasses"}
 
 
 @pytest.fixture
-def model_copy(tmp_path, gpt_path) -> Path:
-    """A private copy of examples/gpt.py that a test may change."""
-    path = tmp_path / "src" / "gpt.py"
-    path.parent.mkdir()
-    shutil.copyfile(gpt_path, path)
-    return path
-
-
-@pytest.fixture
 def pp_tp_plan(model_copy):
     return build_plan(model_copy, GPT_ARGS, splits=[[0, 1], [2, 3]], tensor_parallel=2, tp_blocks=True,
                       num_microbatches=4)

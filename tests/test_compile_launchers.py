@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,14 +17,6 @@ from conftest import build_plan
 from rewriters import compile_plan
 
 GPT_ARGS = {"n_layers": 2, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64}
-
-
-@pytest.fixture
-def model_copy(tmp_path, gpt_path) -> Path:
-    path = tmp_path / "src" / "gpt.py"
-    path.parent.mkdir()
-    shutil.copyfile(gpt_path, path)
-    return path
 
 
 def on_cluster(plan, spec: str, device_types: list[str]):
