@@ -119,7 +119,8 @@ class DeviceProfile:
     step_overhead_s: float | None = None  # fixed per training step: data, loss all-reduce, optimizer calls
     # Fraction of the microbenchmark rates training kernels reach; None: the estimator's
     # global TRAINING_KERNEL_EFFICIENCY (fitted on published GPU runs). A measured
-    # profile's rates are the rates reached here, so it sets 1.0.
+    # profile fits it on a reference training workload ([Note: calibrated fits] in
+    # cost_models/calibrate.py), 1.0 without that timing.
     kernel_efficiency: float | None = None
     backward_kernel_efficiency: float | None = None  # the backward's, where measured apart; else kernel_efficiency
     tp_module_overhead_s: float | None = None  # per tensor-parallel module and micro-batch, fwd + bwd

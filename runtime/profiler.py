@@ -266,8 +266,8 @@ class _TinyTPBlock(nn.Module):
 def _tp_op_overhead(world: int, *, blocks: int, repeats: int) -> dict[str, float]:
     """Seconds per op, forward plus backward, of tiny blocks sharded with DTensor over all workers.
 
-    Recorded in the measurements, not yet fitted: DTensor's cost is per sharded module
-    (redistribution, dispatch), and the layer profiles do not count sharded modules.
+    cost_models/calibrate.py fits ``tp_module_overhead_s`` from it: DTensor's cost per
+    sharded module (redistribution, dispatch), beyond the ops and all-reduces.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
