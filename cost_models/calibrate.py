@@ -6,6 +6,7 @@ runtime/profiler.py's benchmarks produce (docs/profiling.md lists its keys):
 
     {"fingerprint": str, "date": "YYYY-MM-DD", "workers": int,
      "matmul": {"fp32": [[flops, seconds], ...], "bf16": [...]},
+     "matmul_rows": {"forward": [[rows, flops, seconds], ...], "backward": [...]},  (optional)
      "copy": [bytes_moved, seconds],
      "op_overhead": {"fwd_s_per_op": s, "fwd_bwd_s_per_op": s},
      "optimizer": {"optimizer": "adamw", "tensor_s": s, "param_s": s},        (optional)
@@ -22,6 +23,8 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   intercept is the per-call cost that makes small matmuls slow;
 - collectives: size = bytes; ``fixed`` is alpha (latency_s), ``rate`` is beta
   (bw_bytes_per_s), as nccl-tests reports them;
+- ``weight_stream_bytes_per_s``: the copy bandwidth, at which every pass of a layer
+  reads its weights ([Note: weight traffic] in cost_models/compute.py);
 - ``op_overhead_s``: the cost model charges each op of a layer three times per
   micro-batch (forward, input gradient, weight gradient; cost_models/compute.py), so
   it is a third of the measured forward-plus-backward seconds per tiny op;
@@ -29,12 +32,17 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   cost anything (data, zero_grad, the loss all-reduce, the optimizer's calls), less
   the optimizer's per-tensor cost of its four tensors, which the estimator charges
   per tensor;
+- ``matmul_rows_efficiency``: matmuls of a mid-sized Linear (K = N = 512) at row
+  counts 1 to 512, forward and backward apart, each rate over the fitted fp32 peak:
+  the curve by which a layer's small matmuls fall short ([Note: matmul rows] in
+  planner.measure). Not a fit: the measured points, interpolated in log rows;
 - ``kernel_efficiency`` and ``backward_kernel_efficiency``: what the kernels of a
   small training workload reach of the fitted rates, forward and backward apart (on a
   CPU the backward's autograd and elementwise kernels fall further short). The
   workload is runtime/reference_model.py, a fixed model unlike any example, timed in
   every worker at once; the efficiency is the layer cost model's FLOP and byte seconds
-  at efficiency 1 over the measured seconds less the per-op overheads it charges.
+  at efficiency 1 (the row curve applied) over the measured seconds less the per-op
+  overheads it charges.
   Without that timing both are 1 (the rates above are what kernels reach here; the
   global 0.75 of cost_models/compute.py stands for GPU runs, not for this host);
 - ``optimizer_tensor_overhead_s`` and ``optimizer_bytes_per_s``: an AdamW step's
@@ -135,11 +143,15 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
         "peak_flops_per_s": peaks,
         "matmul_efficiency": 1.0,
         "mem_bw_bytes_per_s": copy[0] / copy[1],
+        "weight_stream_bytes_per_s": copy[0] / copy[1],
         "op_overhead_s": per_op / LAUNCHES_PER_OP,
         "step_overhead_s": float(step_s),
         "collectives": measured,
         "fingerprint": str(measurements["fingerprint"]),
     }
+    rows = measurements.get("matmul_rows")
+    if rows and "fp32" in peaks:
+        fields["matmul_rows_efficiency"] = rows_curves(rows, peaks["fp32"])
     if "p2p" in fits:
         fields["intra_node_latency_s"], fields["intra_node_bw_bytes_per_s"] = fits["p2p"]
     fields["kernel_efficiency"] = 1.0
@@ -157,6 +169,7 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
     notes = {
         "matmul_efficiency": "1.0: the fitted peak is the rate matmuls reach here",
         "mem_bw_bytes_per_s": "copy bandwidth, bytes read plus written",
+        "weight_stream_bytes_per_s": "copy bandwidth: a layer's weights leave the cache between micro-batches",
         "op_overhead_s": "a third of forward+backward seconds per tiny op",
         "step_overhead_s": "a training step of a negligible model",
         "intra_node_latency_s": "send/recv alpha",
@@ -165,6 +178,7 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
         "optimizer_tensor_overhead_s": "AdamW step seconds per tiny parameter tensor",
         "optimizer_bytes_per_s": "AdamW step over large tensors, bytes moved per second",
         "tp_module_overhead_s": "DTensor colwise/rowwise block less its ops and all-reduces, per sharded module",
+        "matmul_rows_efficiency": "fp32 matmuls of M x 512 by 512 x 512 (forward; backward: both gradients) over the fitted fp32 peak",
     }
     for key, note in notes.items():
         if key in fields:
@@ -179,6 +193,19 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
     sources["kernel_efficiency"] = f"{stamp}: forward of runtime/reference_model.py against the layer cost model"
     sources["backward_kernel_efficiency"] = f"{stamp}: backward of runtime/reference_model.py against the layer cost model"
     return replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, sources=sources)
+
+
+def rows_curves(rows: dict[str, list], peak_flops_per_s: float) -> dict[str, dict[int, float]]:
+    """Efficiency by row count, forward and backward: each measured rate over the fitted
+    peak, clamped to (0, 1] (a large-row rate above the peak slope is noise); see
+    [Note: calibrated fits]."""
+    def efficiency(flops: float, seconds: float) -> float:
+        return min(1.0, max(_MIN_EFFICIENCY, flops / seconds / peak_flops_per_s)) if seconds > 0 else 1.0
+
+    try:
+        return {curve: {int(m): efficiency(flops, s) for m, flops, s in rows[curve]} for curve in ("forward", "backward")}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProfileError(f"profile measurements: matmul_rows is malformed ({exc})") from None
 
 
 def _reference_efficiencies(profile: DeviceProfile, reference: dict[str, Any], layers: Sequence[LayerProfile]) -> tuple[float, float]:

@@ -50,11 +50,12 @@ _NUMERIC_FIELDS = (
 # Measured by ``hetpar profile`` (docs/profiling.md); absent from datasheet profiles.
 _CALIBRATED_FIELDS = ("op_overhead_s", "step_overhead_s", "kernel_efficiency", "backward_kernel_efficiency",
                       "tp_module_overhead_s", "optimizer_bytes_per_s",
-                      "optimizer_tensor_overhead_s")
+                      "optimizer_tensor_overhead_s", "weight_stream_bytes_per_s")
 _OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",) + _CALIBRATED_FIELDS
 _STRING_FIELDS = ("name", "vendor", "intra_node_link")
 _OPTIONAL_STRING_FIELDS = ("fingerprint",)
-_TABLE_FIELDS = ("peak_flops_per_s", "collectives", "sources")
+_TABLE_FIELDS = ("peak_flops_per_s", "collectives", "sources", "matmul_rows_efficiency")
+_ROWS_CURVES = ("forward", "backward")
 
 
 class UnknownDeviceError(ValueError):
@@ -126,7 +127,14 @@ class DeviceProfile:
     tp_module_overhead_s: float | None = None  # per tensor-parallel module and micro-batch, fwd + bwd
     optimizer_bytes_per_s: float | None = None  # optimizer step, memory traffic per second
     optimizer_tensor_overhead_s: float | None = None  # optimizer step, per parameter tensor
+    # Rate at which a layer's weights stream from memory each pass; None: they hide under
+    # the FLOPs ([Note: weight traffic] in cost_models/compute.py).
+    weight_stream_bytes_per_s: float | None = None
     fingerprint: str | None = None  # the host a measured profile was fitted on
+    # Matmul throughput by row count, as fractions of peak_flops_per_s: {"forward": {rows:
+    # efficiency}, "backward": {...}} ([Note: matmul rows] in planner.measure); measured
+    # by `hetpar profile`, empty in datasheet profiles (every matmul at matmul_efficiency).
+    matmul_rows_efficiency: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_profile(self)
@@ -181,6 +189,7 @@ class DeviceProfile:
         keys += [k for k in _OPTIONAL_NUMERIC_FIELDS if getattr(self, k) is not None]
         keys += [f"peak_flops_per_s.{d}" for d in self.peak_flops_per_s]
         keys += [f"collectives.{c}" for c in self.collectives]
+        keys += ["matmul_rows_efficiency"] if self.matmul_rows_efficiency else []
         return keys
 
 
@@ -234,6 +243,11 @@ def _check_profile(p: DeviceProfile) -> None:
         value = getattr(p, key)
         if value is not None and not value > 0:
             raise ProfileError(f"{who}: {key} must be positive when given, got {value}")
+    for curve, points in p.matmul_rows_efficiency.items():
+        if curve not in _ROWS_CURVES:
+            raise ProfileError(f"{who}: unknown matmul_rows_efficiency curve '{curve}'; known: {', '.join(_ROWS_CURVES)}")
+        if not points or any(not (isinstance(r, int) and r >= 1 and 0 < e <= 1) for r, e in points.items()):
+            raise ProfileError(f"{who}: matmul_rows_efficiency.{curve} needs rows >= 1 mapped to efficiencies in (0, 1]")
     for dtype in _REQUIRED_DTYPES:
         if dtype not in p.peak_flops_per_s:
             raise ProfileError(f"{who}: peak_flops_per_s needs a '{dtype}' entry")
@@ -305,6 +319,7 @@ def profile_from_dict(data: dict[str, Any]) -> DeviceProfile:
     kwargs = {k: data[k] for k in _NUMERIC_FIELDS + _OPTIONAL_NUMERIC_FIELDS + _STRING_FIELDS + _OPTIONAL_STRING_FIELDS if k in data}
     kwargs["peak_flops_per_s"] = {k: float(v) for k, v in data["peak_flops_per_s"].items()}
     kwargs["collectives"] = {name: _measured_collective(name, fit) for name, fit in data.get("collectives", {}).items()}
+    kwargs["matmul_rows_efficiency"] = _rows_curves(data.get("matmul_rows_efficiency", {}))
     kwargs["sources"] = _flatten_sources(data["sources"])
     for key in ("mem_bw_bytes_per_s", "intra_node_bw_bytes_per_s", "default_nic_bw_bytes_per_s"):
         kwargs[key] = float(kwargs[key])
@@ -318,6 +333,16 @@ def _measured_collective(name: str, fit: Any) -> MeasuredCollective:
     return MeasuredCollective(
         latency_s=float(fit["latency_s"]), bw_bytes_per_s=float(fit["bw_bytes_per_s"]), ranks=int(fit["ranks"])
     )
+
+
+def _rows_curves(table: Any) -> dict[str, dict[int, float]]:
+    """``{"forward": {"4": 0.3, ...}}`` (TOML keys are strings) -> ``{"forward": {4: 0.3, ...}}``."""
+    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
+        raise ProfileError("[matmul_rows_efficiency] needs sub-tables forward and backward of rows = efficiency")
+    try:
+        return {curve: {int(rows): float(e) for rows, e in points.items()} for curve, points in table.items()}
+    except (TypeError, ValueError):
+        raise ProfileError("[matmul_rows_efficiency] keys must be row counts and values efficiencies") from None
 
 
 def _flatten_sources(table: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -344,6 +369,9 @@ def dump_profile(profile: DeviceProfile) -> str:
     lines = [f"{k} = {_toml_value(getattr(profile, k))}" for k in keys if getattr(profile, k) is not None]
     lines += ["", "[peak_flops_per_s]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in profile.peak_flops_per_s.items()]
+    for curve, points in profile.matmul_rows_efficiency.items():
+        lines += ["", f"[matmul_rows_efficiency.{curve}]"]
+        lines += [f'"{rows}" = {_toml_value(e)}' for rows, e in sorted(points.items())]
     for name, fit in profile.collectives.items():
         lines += ["", f"[collectives.{name}]"]
         lines += [f"{k} = {_toml_value(getattr(fit, k))}" for k in ("latency_s", "bw_bytes_per_s", "ranks")]

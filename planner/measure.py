@@ -76,6 +76,8 @@ class NodeCounts:
     saved_bytes: float = 0.0
     output_bytes: float = 0.0
     param_bytes: float = 0.0
+    # Forward matmul FLOPs by (rows, rows grow with the batch); see [Note: matmul rows].
+    matmul_rows: dict[tuple[int, bool], float] = field(default_factory=dict)
 
 
 @dataclass
@@ -171,6 +173,9 @@ class _KernelCounter(TorchDispatchMode):
             counts.fwd_flops += flops
             counts.fwd_elementwise_flops += elementwise
             counts.fwd_bytes += moved
+            rows = matmul_rows(packet.__name__, args, out) if flops > 0 else None
+            if rows is not None:
+                counts.matmul_rows[rows] = counts.matmul_rows.get(rows, 0.0) + flops
 
     def _node(self) -> str:
         if not self.backward:
@@ -191,6 +196,36 @@ class _KernelCounter(TorchDispatchMode):
             self.owner[id(fn)] = node.name
             self.keep.append(fn)
             stack.extend(next_fn for next_fn, _ in fn.next_functions)
+
+
+# [Note: matmul rows]
+# A matmul's throughput on a CPU (and, less so, on a GPU) falls with its row count M:
+# a 4-row matmul reaches a third of what a 256-row one does here (docs/profiling.md).
+# The layer cost model therefore needs each forward matmul's M, not only its FLOPs:
+# the rows of the left operand of mm/addmm (a Linear's batch and sequence positions
+# flattened, so they grow with the micro-batch), the rows of each matrix of bmm/baddbmm
+# and of attention (the query length: the batch goes into the batch dimension, so
+# they do not grow), and a convolution's output positions per image (they grow). Other
+# FLOP-counted kernels record none. The backward's matmuls of a forward matmul run
+# with the same M (the input gradient has M rows; the weight gradient sums over M).
+def matmul_rows(op: str, args: tuple, out: Any) -> tuple[int, bool] | None:
+    """(rows M at the traced batch, whether M grows with the batch) of a FLOP-counted kernel; see [Note: matmul rows]."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if op == "mm" and tensors:
+        return int(tensors[0].shape[0]), True
+    if op == "addmm" and len(tensors) >= 2:
+        return int(tensors[1].shape[0]), True
+    if op == "bmm" and tensors:
+        return int(tensors[0].shape[-2]), False
+    if op == "baddbmm" and len(tensors) >= 2:
+        return int(tensors[1].shape[-2]), False
+    if op.startswith("_scaled_dot_product") and tensors:
+        return int(tensors[0].shape[-2]), False
+    if op == "convolution":
+        result = _tensors(out)
+        if result and result[0].dim() > 2:
+            return int(result[0][0, 0].numel()), True
+    return None
 
 
 def _count_kernels(module: fx.GraphModule, inputs: list[torch.Tensor], result: Measurement) -> None:
@@ -339,4 +374,4 @@ def node_module(node: fx.Node) -> str:
     return module_path(node)
 
 
-__all__ = ["Measurement", "NodeCounts", "UNATTRIBUTED", "measure", "node_label", "node_module"]
+__all__ = ["Measurement", "NodeCounts", "UNATTRIBUTED", "matmul_rows", "measure", "node_label", "node_module"]

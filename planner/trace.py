@@ -225,7 +225,18 @@ class _Measured:
             fwd_bytes_accessed=w.total("fwd_bytes"),
             bwd_bytes_accessed=w.total("bwd_bytes"),
             tied_params=tied_params,
+            matmul_rows=_matmul_rows(w),
         )
+
+
+def _matmul_rows(measured: Measurement) -> tuple[tuple[int, bool, float], ...]:
+    """The layer's forward matmul FLOPs by (rows, grows with batch), as shares of its forward FLOPs."""
+    total = measured.total("fwd_flops")
+    merged: dict[tuple[int, bool], float] = {}
+    for counts in measured.nodes.values():
+        for key, flops in counts.matmul_rows.items():
+            merged[key] = merged.get(key, 0.0) + flops
+    return tuple((rows, grows, flops / total) for (rows, grows), flops in sorted(merged.items())) if total > 0 else ()
 
 
 def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str) -> _Measured:

@@ -73,6 +73,33 @@ def matmul_times(sizes: list[int], dtype: str, *, repeats: int) -> list[tuple[fl
     return out
 
 
+MATMUL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # the row counts of ``matmul_row_times``
+_ROWS_WIDTH = 512  # K = N of those matmuls: a mid-sized Linear's
+
+
+def matmul_row_times(rows: tuple[int, ...] = MATMUL_ROWS, *, repeats: int) -> dict[str, list[list[float]]]:
+    """Seconds of a Linear's matmuls at each row count M, fp32, K = N = ``_ROWS_WIDTH``.
+
+    ``forward``: ``x @ w`` (M x K times K x N). ``backward``: the input gradient
+    ``g @ w.T`` and the weight gradient ``g.T @ x`` together. cost_models/calibrate.py
+    divides the rates by the fitted peak ([Note: matmul rows] in planner.measure).
+
+    Returns:
+        ``{"forward": [[M, flops, s], ...], "backward": [[M, flops, s], ...]}``.
+    """
+    k = n = _ROWS_WIDTH
+    w = torch.randn(k, n)
+    out: dict[str, list[list[float]]] = {"forward": [], "backward": []}
+    for m in rows:
+        x, g = torch.randn(m, k), torch.randn(m, n)
+        inner = max(1, int(4e6 // (m * k * n)))
+        fwd = median_time_s(lambda: torch.mm(x, w), repeats=repeats, inner=inner)
+        bwd = median_time_s(lambda: (torch.mm(g, w.t()), torch.mm(g.t(), x)), repeats=repeats, inner=inner)
+        out["forward"].append([float(m), 2.0 * m * k * n, fwd])
+        out["backward"].append([float(m), 4.0 * m * k * n, bwd])
+    return out
+
+
 def copy_bandwidth(nbytes: int, *, repeats: int) -> tuple[float, float]:
     """(bytes moved, seconds) of copying an ``nbytes`` buffer: it is read once and written once."""
     src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
@@ -236,6 +263,8 @@ def _compute_benchmarks(plan: dict, progress: Callable[[str], None]) -> dict:
     for dtype in plan["dtypes"]:
         progress(f"{dtype} matmul")
         out["matmul"][dtype] = [list(p) for p in matmul_times(plan["matmul_sizes"], dtype, repeats=repeats)]
+    progress("matmul by rows")
+    out["matmul_rows"] = matmul_row_times(repeats=repeats)
     progress("memory bandwidth")
     out["copy"] = list(copy_bandwidth(64 << 20, repeats=repeats))
     progress("elementwise")

@@ -45,3 +45,42 @@ def test_a_layer_without_parameters_has_no_weight_gradient():
 def test_efficiency_must_be_positive():
     with pytest.raises(ValueError, match="kernel_efficiency must be positive"):
         layer_timing(block(), A100, tp=1, micro_batch_size=1, dtype="bf16", kernel_efficiency=0)
+
+
+def test_small_matmuls_run_at_the_measured_row_efficiency():
+    from dataclasses import replace
+    from cost_models.compute import matmul_rows_slowdown, rows_efficiency
+    curve = {1: 0.25, 16: 0.5, 256: 1.0}
+    # Linear in log rows between measured points, flat beyond them.
+    assert rows_efficiency(curve, 4) == pytest.approx(0.375)
+    assert rows_efficiency(curve, 64) == pytest.approx(0.75)
+    assert rows_efficiency(curve, 1024) == 1.0 and rows_efficiency(curve, 0.5) == 0.25
+    cpu = replace(get_device("cpu"), matmul_rows_efficiency={"forward": curve, "backward": {1: 0.5, 256: 0.5}},
+                  sources={**get_device("cpu").sources, "matmul_rows_efficiency": "test"})
+    # Half the FLOPs in matmuls of one row per sample (4 rows at micro-batch 4), a quarter
+    # in attention-like matmuls of 64 rows whatever the batch, a quarter in no matmul.
+    layer = replace(block(num_ops=0, saved=0.0), matmul_rows=((1, True, 0.5), (64, False, 0.25)))
+    assert matmul_rows_slowdown(layer, cpu, 4, "forward") == pytest.approx(0.25 + 0.5 / 0.375 + 0.25 / 0.75)
+    assert matmul_rows_slowdown(layer, cpu, 4, "backward") == pytest.approx(0.25 + 0.75 / 0.5)
+    plain = replace(cpu, matmul_rows_efficiency={})
+    slow = layer_timing(layer, cpu, tp=1, micro_batch_size=4, dtype="fp32", kernel_efficiency=1.0)
+    fast = layer_timing(layer, plain, tp=1, micro_batch_size=4, dtype="fp32", kernel_efficiency=1.0)
+    assert slow.fwd_s == pytest.approx(fast.fwd_s * (0.25 + 0.5 / 0.375 + 0.25 / 0.75))
+    assert slow.bwd_s == pytest.approx(fast.bwd_s * 1.75)
+    assert matmul_rows_slowdown(block(), cpu, 4, "forward") == 1.0  # no rows recorded: the large-matmul rate
+
+
+def test_a_measured_host_pays_each_pass_its_weight_traffic():
+    from dataclasses import replace
+    cpu = get_device("cpu")
+    streaming = replace(cpu, weight_stream_bytes_per_s=cpu.mem_bw_bytes_per_s / 2,
+                        sources={**cpu.sources, "weight_stream_bytes_per_s": "test"})
+    layer = block(params=1_000_000, num_ops=0)
+    base = layer_timing(layer, cpu, tp=1, micro_batch_size=1, dtype="fp32", kernel_efficiency=0.5)
+    paid = layer_timing(layer, streaming, tp=1, micro_batch_size=1, dtype="fp32", kernel_efficiency=0.5)
+    read = 4e6 / (cpu.mem_bw_bytes_per_s / 2 * HBM_STREAM_EFFICIENCY * 0.5)  # fp32 weights, at the stream rate
+    assert paid.fwd_s - base.fwd_s == pytest.approx(read)
+    assert paid.bwd_input_s - base.bwd_input_s == pytest.approx(read)
+    assert paid.bwd_weight_s - base.bwd_weight_s == pytest.approx(2 * read)
+    half = layer_timing(layer, streaming, tp=2, micro_batch_size=1, dtype="fp32", kernel_efficiency=0.5)
+    assert half.fwd_s - layer_timing(layer, cpu, tp=2, micro_batch_size=1, dtype="fp32", kernel_efficiency=0.5).fwd_s == pytest.approx(read / 2)
