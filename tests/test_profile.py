@@ -233,3 +233,28 @@ def test_quick_profile_writes_a_loadable_profile(tmp_path):
     p = load_profile(out)
     assert p.fingerprint and p.op_overhead_s > 0 and "all_reduce" in p.collectives
     assert (tmp_path / "host.measurements.json").is_file()
+
+
+def test_matmul_rows_are_measured_rates_over_the_fitted_peak(tmp_path):
+    data = record()  # fp32 peak 100 GFLOP/s
+    rates = {1: 20e9, 16: 60e9, 256: 120e9}  # the last above the peak slope: noise, clamped to 1
+    data["matmul_rows"] = {
+        "forward": [[m, 2.0 * m * 512 * 512, 2.0 * m * 512 * 512 / r] for m, r in rates.items()],
+        "backward": [[m, 4.0 * m * 512 * 512, 4.0 * m * 512 * 512 / (r / 2)] for m, r in rates.items()],
+    }
+    p = fit_profile(data, get_device("cpu"))
+    assert p.matmul_rows_efficiency["forward"] == pytest.approx({1: 0.2, 16: 0.6, 256: 1.0})
+    assert p.matmul_rows_efficiency["backward"] == pytest.approx({1: 0.1, 16: 0.3, 256: 0.6})
+    assert "matmul_rows_efficiency" in p.sources and p.weight_stream_bytes_per_s == pytest.approx(8e9)
+    for path, text in ((tmp_path / "host.toml", dump_profile(p)), (tmp_path / "host.json", json.dumps(profile_to_dict(p)))):
+        path.write_text(text)
+        assert load_profile(path) == p
+    assert fit_profile(record(), get_device("cpu")).matmul_rows_efficiency == {}  # not measured: none
+
+
+def test_a_row_curve_outside_zero_to_one_is_refused(tmp_path):
+    p = fit_profile(record(), get_device("cpu"))
+    text = dump_profile(p) + '\n[matmul_rows_efficiency.forward]\n"4" = 1.5\n'
+    (tmp_path / "bad.toml").write_text(text.replace("[sources]", '[sources]\nmatmul_rows_efficiency = "test"', 1))
+    with pytest.raises(ProfileError, match="matmul_rows_efficiency.forward"):
+        load_profile(tmp_path / "bad.toml")

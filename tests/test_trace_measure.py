@@ -152,3 +152,27 @@ def test_transformers_flops_match_closed_form(kind, expected):
     graph = trace_model(load_model_file(HF_ZOO, {"kind": kind}))
     assert sum(l.fwd_flops for l in graph.layers) == pytest.approx(expected, rel=0.02)
     assert sum(l.bwd_flops for l in graph.layers) == pytest.approx(2 * expected, rel=0.02)
+
+
+def test_matmul_rows_of_a_gpt_block_separate_linears_from_attention():
+    # [Note: matmul rows]: Linears run T rows per sample (growing with the batch), the
+    # attention matmuls T rows per head whatever the batch. Per block at batch 1 the
+    # Linears cost 24 T H^2 FLOPs (q, k, v, o and a 4H MLP) and attention 4 T^2 H.
+    seq, hidden = 16, 64
+    graph = trace_model(load_model_file(GPT, {"n_layers": 1, "hidden": hidden, "seq_len": seq}))
+    block = graph.layers[1]
+    rows = {(r, grows): share for r, grows, share in block.matmul_rows}
+    assert set(rows) == {(seq, True), (seq, False)}
+    assert rows[(seq, False)] == pytest.approx(seq / (6 * hidden + seq))
+    assert sum(rows.values()) == pytest.approx(1.0)
+    assert graph.layers[0].matmul_rows == ()  # embeddings: gathers, no matmul
+
+
+def test_matmul_rows_of_each_kernel_kind():
+    from planner.measure import matmul_rows
+    meta = lambda *shape: torch.empty(shape, device="meta")
+    assert matmul_rows("mm", (meta(12, 8), meta(8, 4)), meta(12, 4)) == (12, True)
+    assert matmul_rows("addmm", (meta(4), meta(12, 8), meta(8, 4)), meta(12, 4)) == (12, True)
+    assert matmul_rows("bmm", (meta(6, 12, 8), meta(6, 8, 12)), meta(6, 12, 12)) == (12, False)
+    assert matmul_rows("convolution", (meta(1, 3, 9, 9), meta(16, 3, 3, 3)), meta(1, 16, 7, 7)) == (49, True)
+    assert matmul_rows("add", (meta(3), meta(3)), meta(3)) is None
