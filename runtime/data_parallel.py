@@ -127,6 +127,7 @@ class AllReduce(GradientSync):
         self._counts: dict[int, int] = {}
         self._launched: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []
         self._launched_ids: set[int] = set()
+        self._flat: dict[tuple[int, ...], torch.Tensor] = {}  # ids of a bucket's parameters -> its buffer
         overlap = all(p.requires_grad and not isinstance(p, DTensor) for p in self.params)
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params] if overlap else []
         self._pending = _planned_buckets(self.params) if overlap else []
@@ -149,23 +150,32 @@ class AllReduce(GradientSync):
         while self._pending and all(self._counts.get(id(p), 0) >= self._expected for p in self._pending[0]):
             self._launch(self._pending.pop(0))
 
+    def _packed(self, bucket: list[nn.Parameter], grads: list[torch.Tensor]) -> torch.Tensor:
+        """``grads`` (of ``bucket``'s parameters) concatenated into the bucket's buffer,
+        which lives as long as the stage, as DDP's do: a fresh tensor of tens of MiB each
+        step costs page faults on a CPU."""
+        key = tuple(id(p) for p in bucket)
+        numel = sum(g.numel() for g in grads)
+        flat = self._flat.get(key)
+        if flat is None or flat.numel() != numel or flat.dtype != grads[0].dtype:
+            flat = self._flat[key] = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
+        return torch.cat([g.reshape(-1) for g in grads], out=flat)
+
     def _launch(self, bucket: list[nn.Parameter]) -> None:
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        flat = self._packed(bucket, [p.grad for p in bucket])
         self._launched.append((bucket, flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)))
         self._launched_ids.update(id(p) for p in bucket)
 
     def reduce(self) -> None:
         for bucket, flat, work in self._launched:
             work.wait()
-            flat /= self.data_parallel
-            _unflatten(flat, [p.grad for p in bucket])
+            _unflatten(flat, [p.grad for p in bucket], divisor=self.data_parallel)
         rest = [p for p in self.params if id(p) not in self._launched_ids]
         for bucket in _buckets(rest):
             grads = [_local(p.grad) for p in bucket]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = self._packed(bucket, grads)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            flat /= self.data_parallel
-            _unflatten(flat, grads)
+            _unflatten(flat, grads, divisor=self.data_parallel)
         self._backwards, self._expected, self._counts = 0, None, {}
         self._launched, self._launched_ids = [], set()
         self._pending = _planned_buckets(self.params) if self._handles else []
@@ -187,10 +197,15 @@ def _planned_buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     return _pack((p, p.dtype, p.numel() * p.element_size()) for p in reversed(params))
 
 
-def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor], divisor: int = 1) -> None:
+    """Copy ``flat`` back into ``grads``, divided by ``divisor`` on the way (one pass)."""
     offset = 0
     for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        part = flat[offset : offset + g.numel()].view_as(g)
+        if divisor == 1:
+            g.copy_(part)
+        else:
+            torch.div(part, divisor, out=g)
         offset += g.numel()
 
 

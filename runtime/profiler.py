@@ -198,11 +198,23 @@ def _free_port() -> int:
 
 
 def _bench_collective(name: str, numel: int, rank: int, world: int, repeats: int) -> float:
-    """Median seconds of one collective of ``numel`` fp32 elements (the full tensor), rank-0's view."""
+    """Median seconds of one collective of ``numel`` fp32 elements (the full tensor), rank-0's view.
+
+    The all-reduce is timed as the generated program averages gradients
+    (runtime.data_parallel.AllReduce: packed into a bucket, reduced, divided back into
+    the gradients), so its fit carries those copies.
+    """
     full = torch.ones(numel)
     if name == "all_reduce":
+        from runtime.data_parallel import AllReduce
+
+        params = [nn.Parameter(torch.ones(part)) for part in _parts(numel, 4)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        averaging = AllReduce(params, dist.group.WORLD, world)
+
         def op() -> None:
-            dist.all_reduce(full)
+            averaging.reduce()
     elif name == "all_gather":
         shard = torch.ones(numel // world)
         def op() -> None:
@@ -228,6 +240,12 @@ def _bench_collective(name: str, numel: int, rank: int, world: int, repeats: int
         if i >= 2:
             samples.append(elapsed / 2 if name == "p2p" else elapsed)
     return statistics.median(samples)
+
+
+def _parts(numel: int, count: int) -> list[int]:
+    """``numel`` split into ``count`` near-equal positive sizes (fewer when it is smaller)."""
+    count = max(1, min(count, numel))
+    return [numel // count + (1 if i < numel % count else 0) for i in range(count)]
 
 
 def _step_overhead_s(rank: int, repeats: int) -> float:
