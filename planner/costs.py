@@ -6,17 +6,19 @@ solver and brute force optimise exactly the same function; see [Note: split obje
 [Note: split objective]
 The layers are split into C = pp * v chunks in layer order (v virtual stages per
 pipeline rank, 1 unless interleaved; chunk c runs on rank c mod pp), and each chunk
-picks one stage mode k, a (recompute, ZeRO stage) pair. For chunk c holding layers
-first_c..last_c in mode k_c, with every sum over those layers and read from the
-tables' column c and row k_c:
+picks one stage mode k, a (recompute, ZeRO stage, tensor-parallel degree) triple. For
+chunk c holding layers first_c..last_c in mode k_c, with every sum over those layers
+and read from the tables' column c and row k_c:
 
-    t_c = sum time[l] + cut[last_c]                     (no cut after the last chunk)
+    t_c = sum time[l] + cut[a, b][last_c]               (no cut after the last chunk)
           + gather_fwd_latency + sum gather_fwd[l]
           + gather_bwd_latency + sum gather_bwd[l]
     w_c = sum weight[l]
     e_r = sum over rank r's chunks of (epilogue_latency + sum epilogue[l])
 
 and the objective is [Note: linear step time] (cost_models/pipeline.py) of t, w and e.
+The cut is the hand-off of the boundary tensor from chunk c's tensor-parallel degree a
+to the next chunk's b ([Note: per-stage tensor parallelism]).
 ``time`` is one micro-batch's forward and backward with the tensor-parallel all-reduces
 and, under full recompute, the forward again; the ``gather`` terms are ZeRO-3's
 per-micro-batch parameter gathers (and gradient reduce-scatter), all exposed, as
@@ -28,7 +30,7 @@ Collective times are read off the collective model as latency + bytes * per-byte
 
 Memory of rank r, which must fit its devices:
 
-    sum over its chunks of (sum memory[l] + [full recompute] max workspace[l] + [ZeRO-3] max zero3_buffer[l])
+    sum over its chunks of (sum memory[l] + [full recompute] max workspace[a, l] + [ZeRO-3] max zero3_buffer[a, l])
 
 ``memory`` is the layer's training state under the mode's ZeRO stage plus its
 activations times the micro-batches the schedule keeps in flight on the chunk
@@ -82,33 +84,68 @@ class StageMode:
 
     recompute: str = "none"  # "none" | "selective" | "full"
     zero_stage: int = 0
+    tp: int = 1  # tensor-parallel degree of the stage
 
     def describe(self) -> str:
         parts = ([f"recompute {self.recompute}"] if self.recompute != "none" else []) + ([f"zero {self.zero_stage}"] if self.zero_stage else [])
         return ", ".join(parts) or "plain"
 
 
+# [Note: per-stage tensor parallelism]
+# Each stage chooses its tensor-parallel degree inside the CP-SAT model, as part of its
+# mode. A candidate fixes dp, pp, the micro-batch, the schedule and, on a cluster whose
+# device types host whole stages, how many stages each type hosts; the stages on type t
+# then have tensor-parallel degrees that sum to n_t / dp (n_t: the type's devices), so
+# every device runs exactly one stage replica. The degrees offered are the divisors of
+# the node width up to --max-tp that form a chain (each divides the next: powers of
+# two), so the stages' blocks pack every node exactly (largest first, each block
+# aligned to its size; ``pack_stage_ranks``) and a tensor-parallel group never leaves
+# its node. A layer that does not split a stage's degree forbids that degree to any
+# chunk that holds it (its time is infinite; the CP-SAT model excludes the pair). A
+# stage's degree changes its layers' time, memory and all-reduces, its data-parallel
+# collectives and the hand-off to the next stage: between equal degrees Megatron's
+# scatter/gather (p2p of 1/a of the tensor, then an all-gather), between different
+# degrees what the runtime runs (receiver t reads the whole tensor from sender t mod a,
+# so a sender sends ceil(b / a) whole tensors, one after another). The tables are
+# costed on representative ranks per (type, degree); the plan's exact ranks are costed
+# again after the solve ([Note: stage device types]).
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
     """The choices the search enumerates outside the CP-SAT model, and the stage modes it offers inside."""
 
     dp: int
-    tp: int
     pp: int
     micro_batch_size: int
     num_microbatches: int
     schedule: str
     virtual_stages: int = 1
     modes: tuple[StageMode, ...] = (StageMode(),)
+    # Device type -> the sum of its stages' tensor-parallel degrees (n_t / dp), on
+    # clusters whose types host whole stages; empty when the layout is Megatron's over
+    # mixed devices (one degree for all). See [Note: per-stage tensor parallelism].
+    tp_sum: tuple[tuple[str, int], ...] = ()
+    stages_per_type: tuple[tuple[str, int], ...] = ()  # device type -> pipeline ranks it hosts (when typed)
 
     @property
     def num_chunks(self) -> int:
         """Stages of the plan: pp * virtual_stages."""
         return self.pp * self.virtual_stages
 
+    @property
+    def tp_degrees(self) -> tuple[int, ...]:
+        """The tensor-parallel degrees the modes offer, ascending."""
+        return tuple(sorted({m.tp for m in self.modes}))
+
+    @property
+    def tp(self) -> int | None:
+        """The one tensor-parallel degree of every stage, or None when stages choose among several."""
+        degrees = self.tp_degrees
+        return degrees[0] if len(degrees) == 1 else None
+
     def describe(self) -> str:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} micro-batch {self.micro_batch_size}x{self.num_microbatches} {self.schedule}{v}"
+        tp = f"tp={self.tp}" if self.tp is not None else "tp=" + "|".join(map(str, self.tp_degrees))
+        return f"dp={self.dp} {tp} pp={self.pp} micro-batch {self.micro_batch_size}x{self.num_microbatches} {self.schedule}{v}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,11 +161,13 @@ class StageSlot:
 class CostTables:
     """Coefficients of [Note: split objective]; seconds and bytes.
 
-    Shapes: K modes (``candidate.modes``), L layers, C chunks (pp * v), P pipeline ranks.
+    Shapes: K modes (``candidate.modes``), L layers, C chunks (pp * v), P pipeline ranks,
+    T tensor-parallel degrees (``candidate.tp_degrees``). A layer that a mode's degree
+    cannot split has infinite time and memory in that mode.
     """
 
     candidate: Candidate
-    slots: list[StageSlot]  # per pipeline rank
+    slots: list[RankSlots]  # per pipeline rank: tensor-parallel degree -> where it runs
     time_s: np.ndarray  # [K, L, C]
     fwd_s: np.ndarray  # [K, L, C] the forward part of time_s
     weight_s: np.ndarray  # [K, L, C] the weight-gradient (W) part of time_s
@@ -136,14 +175,15 @@ class CostTables:
     gather_bwd_s: np.ndarray  # [K, L, C] ... and gathers and reduce-scatters in the backward
     gather_fwd_latency_s: np.ndarray  # [K, C]
     gather_bwd_latency_s: np.ndarray  # [K, C]
-    cut_s: np.ndarray  # [L, C] p2p of the boundary after layer l from chunk c, forward and backward
+    cut_s: np.ndarray  # [T, T, L, C] hand-off of the boundary after layer l from chunk c at degree a to the next at b, both ways
     epilogue_s: np.ndarray  # [K, L, C]
     epilogue_latency_s: np.ndarray  # [K, C] once per rank: nonzero on its first chunk only
     memory_bytes: np.ndarray  # [K, L, C]
-    workspace_bytes: np.ndarray  # [L] one layer rebuilt under full recompute
-    zero3_buffer_bytes: np.ndarray  # [L] gathered weights and gradient under ZeRO-3
+    workspace_bytes: np.ndarray  # [T, L] one layer rebuilt under full recompute
+    zero3_buffer_bytes: np.ndarray  # [T, L] gathered weights and gradient under ZeRO-3
     capacity_bytes: np.ndarray  # [P]
-    tp_time_s: np.ndarray = field(default=None)  # [L, C] the tensor-parallel part of time_s (mode 0), for reporting
+    tp_time_s: np.ndarray  # [K, L, C] the tensor-parallel part of time_s, for reporting
+    device_types: list[str]  # per pipeline rank
 
     @property
     def num_layers(self) -> int:
@@ -153,6 +193,19 @@ class CostTables:
     def num_chunks(self) -> int:
         return self.time_s.shape[2]
 
+    def tp_index(self, k: int) -> int:
+        """Index in ``candidate.tp_degrees`` of mode k's degree."""
+        return self.candidate.tp_degrees.index(self.candidate.modes[k].tp)
+
+    def tp_sum_ok(self, modes: list[int]) -> bool:
+        """Whether the pipeline ranks' degrees sum to each type's ``candidate.tp_sum``."""
+        cand = self.candidate
+        for device_type, total in cand.tp_sum:
+            used = sum(cand.modes[modes[r]].tp for r in range(cand.pp) if self.device_types[r] == device_type)
+            if used != total:
+                return False
+        return True
+
 
 def _slot(ranks: list[list[int]], device_types: list[str], cluster) -> StageSlot:
     types = sorted({device_types[r] for rep in ranks for r in rep})
@@ -161,71 +214,118 @@ def _slot(ranks: list[list[int]], device_types: list[str], cluster) -> StageSlot
     return StageSlot(ranks=ranks, device_type=slowest.name, memory_bytes=min(p.memory_bytes for p in profiles))
 
 
-def stage_slots(cluster, cand: Candidate) -> list[StageSlot]:
-    """Megatron's rank layout: rank = s * dp * tp + d * tp + t; see [Note: split objective]."""
+# Per pipeline rank: tensor-parallel degree -> where a stage of that degree is costed.
+RankSlots = dict[int, StageSlot]
+
+
+def _block(first: int, dp: int, tp: int) -> list[list[int]]:
+    """Ranks of a stage block starting at ``first``: replica d, tensor-parallel index t at first + d tp + t."""
+    return [[first + d * tp + t for t in range(tp)] for d in range(dp)]
+
+
+def stage_slots(cluster, cand: Candidate) -> list[RankSlots]:
+    """Megatron's rank layout, rank = s * dp * tp + d * tp + t, per offered degree; see [Note: split objective].
+
+    With several degrees, rank s of degree tp is costed on the s-th block of dp * tp
+    devices (cyclically): exact when every stage has that degree, representative
+    otherwise ([Note: per-stage tensor parallelism]).
+    """
     types = cluster.device_types()
-    return [
-        _slot([[s * cand.dp * cand.tp + d * cand.tp + t for t in range(cand.tp)] for d in range(cand.dp)], types, cluster)
-        for s in range(cand.pp)
-    ]
+    out: list[RankSlots] = [{} for _ in range(cand.pp)]
+    for tp in cand.tp_degrees:
+        size = cand.dp * tp
+        blocks = cluster.world_size // size
+        for s in range(cand.pp):
+            if blocks:
+                out[s][tp] = _slot(_block((s % blocks) * size, cand.dp, tp), types, cluster)
+    return out
 
 
-def type_slots(cluster, cand: Candidate) -> dict[str, list[StageSlot]] | None:
-    """The stage-sized blocks each device type offers; see [Note: stage device types].
+def type_slots(cluster, dp: int, tp: int) -> dict[str, list[StageSlot]]:
+    """The stage-sized blocks of ``dp * tp`` devices each device type offers; see [Note: stage device types].
 
     Returns:
-        Device type -> its slots in listed order, or None when some type's devices do
-        not split into whole slots (the stages then follow Megatron's layout).
+        Device type -> its blocks in listed order: as many whole blocks as fit, none
+        where ``tp`` does not divide the type's node width.
     """
-    return _type_slots(cluster, cand.dp, cand.tp)
+    return _type_slots(cluster, dp, tp)
 
 
 @functools.lru_cache(maxsize=256)
-def _type_slots(cluster, dp: int, tp: int) -> dict[str, list[StageSlot]] | None:
+def _type_slots(cluster, dp: int, tp: int) -> dict[str, list[StageSlot]]:
     size = dp * tp
-    by_type: dict[str, list[int]] = {}
-    for rank, device_type in enumerate(cluster.device_types()):
-        by_type.setdefault(device_type, []).append(rank)
-    if any(len(ranks) % size for ranks in by_type.values()):
-        return None
-    if any(cluster.devices_per_node_of(ranks[0]) % tp for ranks in by_type.values()):
-        return None
     out = {}
-    for device_type, ranks in by_type.items():
+    for device_type, ranks in ranks_by_type(cluster).items():
+        if cluster.devices_per_node_of(ranks[0]) % tp:
+            out[device_type] = []
+            continue
         memory = cluster.profile(device_type).memory_bytes
         out[device_type] = [
             StageSlot(ranks=[ranks[i + d * tp : i + (d + 1) * tp] for d in range(dp)], device_type=device_type, memory_bytes=memory)
-            for i in range(0, len(ranks), size)
+            for i in range(0, len(ranks) - size + 1, size)
         ]
     return out
 
 
+def ranks_by_type(cluster) -> dict[str, list[int]]:
+    """Device type -> its global ranks, in the order the cluster lists them."""
+    out: dict[str, list[int]] = {}
+    for rank, device_type in enumerate(cluster.device_types()):
+        out.setdefault(device_type, []).append(rank)
+    return out
+
+
+def pack_stage_ranks(ranks: list[int], dp: int, tps: list[int]) -> list[list[list[int]]]:
+    """The ranks of stages of tensor-parallel degrees ``tps`` on the devices ``ranks`` of one type.
+
+    Blocks of dp * tp devices are laid out largest degree first (ties in stage order),
+    each starting where the last ended: with degrees that form a divisor chain every
+    block starts at a multiple of its size, so a tensor-parallel group never crosses a
+    node; see [Note: per-stage tensor parallelism]. One degree gives Megatron's layout.
+
+    Returns:
+        Per stage, in the order of ``tps``: ranks[d][t].
+    """
+    out: list[list[list[int]] | None] = [None] * len(tps)
+    first = 0
+    for s in sorted(range(len(tps)), key=lambda s: -tps[s]):
+        out[s] = [ranks[first + d * tps[s] : first + (d + 1) * tps[s]] for d in range(dp)]
+        first += dp * tps[s]
+    return out
+
+
 # [Note: stage device types]
-# On a cluster whose device types each split into whole stage-sized blocks of
-# dp * tp devices, every block hosts one stage, and the search chooses the order of
-# the device types along the pipeline jointly with the layer split. A type's stages
-# are consecutive, so the pipeline crosses each type boundary once (one slow
-# inter-type link instead of several); every order of the types (at most 3! = 6 for
-# three types) is solved exactly, which keeps the search exact within that space
-# and fast. (A CP-SAT model over every stage-by-stage type sequence was tried: its
-# bounds were weak and 12-stage instances did not close in 10 s.) Each type
-# gets its own cost columns, built as if every stage ran on that type's first blocks;
-# a stage that chooses a type reads that type's column. The p2p cost of a cut is the
-# one between the sending type's own blocks, an approximation when neighbouring
-# stages are of different types. After solving, each stage takes the next unused
-# block of its type, and the plan's prediction is recomputed on those exact ranks.
-def tables_by_type(model: ModelGraph, cluster, cand: Candidate, dtype: str, available: dict[str, list[StageSlot]],
-                   optimizer: str = "adamw", cache: dict | None = None) -> dict[str, "CostTables"]:
-    """One set of cost columns per device type, each as if every stage ran on that type."""
+# On a cluster whose device types each host whole stages (every type's device count a
+# multiple of dp), the search chooses the order of the device types along the pipeline
+# jointly with the layer split; how many stages each type hosts is part of the outer
+# candidate. A type's stages are consecutive, so the pipeline crosses each type
+# boundary once (one slow inter-type link instead of several); every order of the types
+# (at most 3! = 6 for three types) is solved exactly, which keeps the search exact
+# within that space and fast. (A CP-SAT model over every stage-by-stage type sequence
+# was tried: its bounds were weak and 12-stage instances did not close in 10 s.) Each
+# type gets its own cost columns, built as if every stage ran on that type's first
+# blocks of its degree; a stage that chooses a type reads that type's column. The p2p
+# cost of a cut is the one between the sending type's own blocks, an approximation
+# when neighbouring stages are of different types. After solving, each stage takes its
+# block of its type (``pack_stage_ranks``), and the plan's prediction is recomputed on
+# those exact ranks.
+def tables_by_type(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimizer: str = "adamw",
+                   cache: dict | None = None) -> dict[str, "CostTables"]:
+    """One set of cost columns per device type of ``cand.stages_per_type``, each as if every stage ran on that type."""
     out = {}
-    for device_type, blocks in available.items():
-        same = blocks[: min(len(blocks), 2)]
-        slots = [same[s % len(same)] for s in range(cand.pp)]
-        if len(blocks) > 1:
-            cut_to = [blocks[1 - s % 2] for s in range(cand.pp)]
-        else:  # a single block hosts one stage at most: its cuts go to another type
-            peers = [b[0] for t, b in available.items() if t != device_type]
-            cut_to = [peers[0] if peers else blocks[0] for _ in range(cand.pp)]
+    blocks = {tp: type_slots(cluster, cand.dp, tp) for tp in cand.tp_degrees}
+    for device_type, _ in cand.stages_per_type:
+        slots: list[RankSlots] = [{} for _ in range(cand.pp)]
+        cut_to: list[RankSlots] = [{} for _ in range(cand.pp)]
+        for tp, available in blocks.items():
+            mine = available.get(device_type, [])
+            if not mine:
+                continue
+            peers = [b[0] for t, b in available.items() if t != device_type and b]
+            for s in range(cand.pp):
+                slots[s][tp] = mine[s % min(len(mine), 2)]
+                # a single block hosts one stage of this degree at most: its cuts go to another type
+                cut_to[s][tp] = mine[1 - s % 2] if len(mine) > 1 else (peers[0] if peers else mine[0])
         out[device_type] = build_tables(model, cluster, cand, dtype, optimizer, slots=slots, cut_to=cut_to, cache=cache)
     return out
 
@@ -240,17 +340,18 @@ def compose_tables(tables_by_type: dict[str, "CostTables"], types: list[str]) ->
         cols = [np.take(getattr(tables_by_type[t], name), [c], axis=axis) for c, t in enumerate(chunk_types)]
         return np.concatenate(cols, axis=axis)
 
-    per_chunk3 = ("time_s", "fwd_s", "weight_s", "gather_fwd_s", "gather_bwd_s", "epilogue_s", "memory_bytes")
+    per_chunk3 = ("time_s", "fwd_s", "weight_s", "gather_fwd_s", "gather_bwd_s", "epilogue_s", "memory_bytes", "tp_time_s")
     return CostTables(
         candidate=first.candidate,
         slots=[tables_by_type[t].slots[r] for r, t in enumerate(types)],
         **{name: pick(name, 2) for name in per_chunk3},
-        **{name: pick(name, 1) for name in ("gather_fwd_latency_s", "gather_bwd_latency_s", "cut_s", "epilogue_latency_s", "tp_time_s")},
+        **{name: pick(name, 1) for name in ("gather_fwd_latency_s", "gather_bwd_latency_s", "epilogue_latency_s")},
+        cut_s=pick("cut_s", 3),
         workspace_bytes=first.workspace_bytes,
         zero3_buffer_bytes=first.zero3_buffer_bytes,
         capacity_bytes=np.array([tables_by_type[t].capacity_bytes[r] for r, t in enumerate(types)], dtype=float),
+        device_types=list(types),
     )
-
 
 def _peak(profile) -> float:
     for dtype in ("bf16", "fp16", "fp32"):
@@ -334,6 +435,7 @@ class _LayerColumns:
     tp_bytes: np.ndarray  # forward all-reduce payload per micro-batch
     boundary: np.ndarray  # per micro-batch
     tensors: np.ndarray  # parameter tensors (an optimizer step pays per tensor)
+    splits: np.ndarray  # bool: the layer splits this many ways (LayerProfile.splits_at)
 
 
 def _layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: int, dtype: str, cache: dict) -> _LayerColumns:
@@ -360,6 +462,7 @@ def _layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: i
             tp_bytes=np.array([l.tp_allreduce_bytes for l in model.layers]) * scale,
             boundary=boundary,
             tensors=np.array([float(l.param_tensors) for l in model.layers]),
+            splits=np.array([l.splits_at(tp) for l in model.layers]),
         )
     return cache[key]
 
@@ -382,75 +485,96 @@ def build_tables(
     cand: Candidate,
     dtype: str,
     optimizer: str = "adamw",
-    slots: list[StageSlot] | None = None,
-    cut_to: list[StageSlot] | None = None,
+    slots: list[RankSlots] | None = None,
+    cut_to: list[RankSlots] | None = None,
     cache: dict | None = None,
 ) -> CostTables:
     """Fill the coefficient tables of [Note: split objective] for one candidate.
 
     Args:
-        slots: where each pipeline rank runs; Megatron's layout (``stage_slots``) by default.
+        slots: where each pipeline rank runs at each offered degree; Megatron's layout
+            (``stage_slots``) by default. A degree a rank lacks is infinite there.
         cut_to: the slot each rank sends its chunks' outputs to; the next rank's by default.
         cache: reused across candidates (per-layer timings, collective fits).
     """
     cache = {} if cache is None else cache
     slots = slots or stage_slots(cluster, cand)
     P, C, K, L = cand.pp, cand.num_chunks, len(cand.modes), len(model.layers)
+    degrees = cand.tp_degrees
     cut_to = cut_to or [slots[(r + 1) % P] for r in range(P)]
     in_flight = activation_multipliers(cand.schedule, P, cand.num_microbatches, cand.virtual_stages)
     shape = (K, L, C)
-    tables = {name: np.zeros(shape) for name in ("time_s", "fwd_s", "weight_s", "gather_fwd_s", "gather_bwd_s", "epilogue_s", "memory_bytes")}
+    tables = {name: np.zeros(shape) for name in ("time_s", "fwd_s", "weight_s", "gather_fwd_s", "gather_bwd_s", "epilogue_s",
+                                                  "memory_bytes", "tp_time_s")}
     lat = {name: np.zeros((K, C)) for name in ("gather_fwd_latency_s", "gather_bwd_latency_s", "epilogue_latency_s")}
-    cut, tp_time = np.zeros((L, C)), np.zeros((L, C))
+    cut = np.zeros((len(degrees), len(degrees), L, C))
     elem = dtype_bytes(dtype)
     for c in range(C):
         r = c % P
-        slot = slots[r]
-        cols = _layer_columns(model, cluster, slot.device_type, cand.tp, cand.micro_batch_size, dtype, cache)
-        tp_ar = _tp_all_reduce(cluster, slot, cols, cand, cache)
-        tp_time[:, c] = 2 * tp_ar
-        if c + 1 < C and P > 1:  # chunks on one rank hand over in place
-            cut[:, c] = _cut_seconds(cluster, cand, slot, cut_to[r], cols, cache)
-        comm = _data_parallel_linear(cluster, cand, slot, cache)
-        device = cluster.profile(slot.device_type)
-        optimizer_rate, per_tensor_s, overhead_s = optimizer_rates(device)
-        params = cols.params + (cols.tied if r != 0 else 0.0)  # a tied copy lives on every rank but the first
+        for i, tp in enumerate(degrees):
+            if tp not in slots[r]:
+                continue
+            for j, to_tp in enumerate(degrees):
+                if c + 1 < C and P > 1 and to_tp in cut_to[r]:  # chunks on one rank hand over in place
+                    cut[i, j, :, c] = _cut_seconds(model, cluster, cand, dtype, slots[r][tp], cut_to[r][to_tp], cache)
         for k, mode in enumerate(cand.modes):
-            full = mode.recompute == "full"
-            fwd = cols.fwd + tp_ar
-            bwd = cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_ar * (2 if full else 1)
-            tables["time_s"][k, :, c] = fwd + bwd
-            tables["fwd_s"][k, :, c] = fwd
-            tables["weight_s"][k, :, c] = cols.weight
-            sharded = cand.dp > 1 and mode.zero_stage > 0
-            if sharded and mode.zero_stage == 3:
-                (ag_lat, ag_pb), (rs_lat, rs_pb) = comm["all_gather"], comm["reduce_scatter"]
-                tables["gather_fwd_s"][k, :, c] = ag_pb * cols.params * elem
-                tables["gather_bwd_s"][k, :, c] = (ag_pb + rs_pb) * cols.params * elem
-                lat["gather_fwd_latency_s"][k, c] = ag_lat
-                lat["gather_bwd_latency_s"][k, c] = ag_lat + rs_lat
-            sync_lat, sync_pb = _sync_linear(comm, cand.dp, mode.zero_stage)
-            share = params / cand.dp if sharded else params
-            tables["epilogue_s"][k, :, c] = (sync_pb * params * elem + share * OPTIMIZER_BYTES_PER_PARAM[optimizer] / optimizer_rate
-                                             + cols.tensors * per_tensor_s)
-            if c < P:
-                lat["epilogue_latency_s"][k, c] = sync_lat + overhead_s
-            state = sum(sharded_state_bytes_per_param(dtype, optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
-            activations = cols.inputs if full else cols.saved
-            tables["memory_bytes"][k, :, c] = FRAGMENTATION_MARGIN * (params * state + in_flight[c] * activations)
-    any_cols = _layer_columns(model, cluster, slots[0].device_type, cand.tp, cand.micro_batch_size, dtype, cache)
+            if mode.tp not in slots[r]:
+                tables["time_s"][k, :, c] = tables["memory_bytes"][k, :, c] = np.inf
+                continue
+            _fill_mode(model, cluster, cand, dtype, optimizer, slots[r][mode.tp], c, k, in_flight[c], tables, lat, cache)
+    workspace, zero3 = [], []
     w, g, _ = state_bytes_per_param(dtype, optimizer)
+    for tp in degrees:
+        any_cols = _layer_columns(model, cluster, next(iter(slots[0].values())).device_type, tp, cand.micro_batch_size, dtype, cache)
+        workspace.append(_levels(FRAGMENTATION_MARGIN * any_cols.saved))
+        zero3.append(_levels(FRAGMENTATION_MARGIN * any_cols.params * (2 * w + g)))
     return CostTables(
         candidate=cand,
         slots=list(slots),
         **tables,
         **lat,
         cut_s=cut,
-        workspace_bytes=_levels(FRAGMENTATION_MARGIN * any_cols.saved),
-        zero3_buffer_bytes=_levels(FRAGMENTATION_MARGIN * any_cols.params * (2 * w + g)),
-        capacity_bytes=np.array([float(s.memory_bytes) for s in slots]),
-        tp_time_s=tp_time,
+        workspace_bytes=np.array(workspace),
+        zero3_buffer_bytes=np.array(zero3),
+        capacity_bytes=np.array([float(next(iter(s.values())).memory_bytes) if s else 0.0 for s in slots]),
+        device_types=[next(iter(s.values())).device_type if s else "" for s in slots],
     )
+
+
+def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimizer: str, slot: StageSlot, c: int, k: int,
+               in_flight: float, tables: dict, lat: dict, cache: dict) -> None:
+    """Column c, row k of every per-mode table: chunk c on ``slot`` in mode ``cand.modes[k]``."""
+    mode, P, elem = cand.modes[k], cand.pp, dtype_bytes(dtype)
+    r = c % P
+    cols = _layer_columns(model, cluster, slot.device_type, mode.tp, cand.micro_batch_size, dtype, cache)
+    tp_ar = _tp_all_reduce(cluster, slot, cols, mode.tp, cache)
+    comm = _data_parallel_linear(cluster, cand.dp, mode.tp, slot, cache)
+    optimizer_rate, per_tensor_s, overhead_s = optimizer_rates(cluster.profile(slot.device_type))
+    params = cols.params + (cols.tied if r != 0 else 0.0)  # a tied copy lives on every rank but the first
+    full = mode.recompute == "full"
+    fwd = cols.fwd + tp_ar
+    bwd = cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_ar * (2 if full else 1)
+    unsplit = np.where(cols.splits, 0.0, np.inf)  # a layer this degree cannot split: [Note: per-stage tensor parallelism]
+    tables["time_s"][k, :, c] = fwd + bwd + unsplit
+    tables["fwd_s"][k, :, c] = fwd
+    tables["weight_s"][k, :, c] = cols.weight
+    tables["tp_time_s"][k, :, c] = tp_ar * (3 if full else 2)
+    sharded = cand.dp > 1 and mode.zero_stage > 0
+    if sharded and mode.zero_stage == 3:
+        (ag_lat, ag_pb), (rs_lat, rs_pb) = comm["all_gather"], comm["reduce_scatter"]
+        tables["gather_fwd_s"][k, :, c] = ag_pb * cols.params * elem
+        tables["gather_bwd_s"][k, :, c] = (ag_pb + rs_pb) * cols.params * elem
+        lat["gather_fwd_latency_s"][k, c] = ag_lat
+        lat["gather_bwd_latency_s"][k, c] = ag_lat + rs_lat
+    sync_lat, sync_pb = _sync_linear(comm, cand.dp, mode.zero_stage)
+    share = params / cand.dp if sharded else params
+    tables["epilogue_s"][k, :, c] = (sync_pb * params * elem + share * OPTIMIZER_BYTES_PER_PARAM[optimizer] / optimizer_rate
+                                     + cols.tensors * per_tensor_s)
+    if c < P:
+        lat["epilogue_latency_s"][k, c] = sync_lat + overhead_s
+    state = sum(sharded_state_bytes_per_param(dtype, optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
+    activations = cols.inputs if full else cols.saved
+    tables["memory_bytes"][k, :, c] = FRAGMENTATION_MARGIN * (params * state + in_flight * activations) + unsplit
 
 
 def _levels(values: np.ndarray) -> np.ndarray:
@@ -462,9 +586,9 @@ def _levels(values: np.ndarray) -> np.ndarray:
     return kept[np.searchsorted(kept, values)]
 
 
-def _tp_all_reduce(cluster, slot: StageSlot, cols: _LayerColumns, cand: Candidate, cache: dict) -> np.ndarray:
+def _tp_all_reduce(cluster, slot: StageSlot, cols: _LayerColumns, tp: int, cache: dict) -> np.ndarray:
     """Seconds of one pass (forward or backward) of each layer's tensor-parallel all-reduces."""
-    if cand.tp == 1:
+    if tp == 1:
         return np.zeros_like(cols.tp_bytes)
     place = _place(cluster, slot.ranks[0])
     return np.array([
@@ -473,28 +597,32 @@ def _tp_all_reduce(cluster, slot: StageSlot, cols: _LayerColumns, cand: Candidat
     ])
 
 
-def _cut_seconds(cluster, cand: Candidate, src: StageSlot, dst: StageSlot, cols: _LayerColumns, cache: dict) -> np.ndarray:
-    """Forward and backward hand-off of each layer's boundary tensor, as planner.estimate sends it
-    (Megatron's scatter/gather over the tensor-parallel ranks when tp > 1)."""
-    a, b = src.ranks[0][0], dst.ranks[0][0]
-    key_place = (cluster.node_of(a) == cluster.node_of(b), id(cluster.group_of(a)), id(cluster.group_of(b)), _place(cluster, dst.ranks[0]))
-
-    def one(nbytes: float) -> float:
-        if cand.tp > 1:
-            return 2 * (p2p_time_s(nbytes / cand.tp, a, b, cluster) + all_gather_time_s(nbytes, dst.ranks[0], cluster))
-        return 2 * p2p_time_s(nbytes, a, b, cluster)
-
-    return np.array([_memo(cache, ("cut", cand.tp, n, key_place), lambda n=n: one(n)) for n in cols.boundary])
+def boundary_seconds(nbytes: float, src: list[int], dst: list[int], cluster, scatter_gather: bool = True) -> float:
+    """One hand-off of a ``nbytes`` boundary tensor from the tensor-parallel group ``src`` to ``dst``, one way;
+    see [Note: per-stage tensor parallelism]."""
+    a, b = len(src), len(dst)
+    if a == b and a > 1 and scatter_gather:
+        return p2p_time_s(nbytes / a, src[0], dst[0], cluster) + all_gather_time_s(nbytes, dst, cluster)
+    return -(-b // a) * p2p_time_s(nbytes, src[0], dst[0], cluster)
 
 
-def _data_parallel_linear(cluster, cand: Candidate, slot: StageSlot, cache: dict) -> dict[str, tuple[float, float]]:
+def _cut_seconds(model: ModelGraph, cluster, cand: Candidate, dtype: str, src: StageSlot, dst: StageSlot, cache: dict) -> np.ndarray:
+    """Forward and backward hand-off of each layer's boundary tensor from ``src`` to ``dst``, as planner.estimate sends it."""
+    a, b = src.ranks[0], dst.ranks[0]
+    key_place = (cluster.node_of(a[0]) == cluster.node_of(b[0]), id(cluster.group_of(a[0])), id(cluster.group_of(b[0])),
+                 len(a), _place(cluster, b))
+    boundary = np.array([l.boundary_bytes for l in model.layers]) * dtype_bytes(dtype) / 4 * cand.micro_batch_size
+    return np.array([_memo(cache, ("cut", n, key_place), lambda n=n: 2 * boundary_seconds(n, a, b, cluster)) for n in boundary])
+
+
+def _data_parallel_linear(cluster, dp: int, tp: int, slot: StageSlot, cache: dict) -> dict[str, tuple[float, float]]:
     """(latency, per byte) of all-reduce, reduce-scatter and all-gather over the stage's replicas."""
     group = [rep[0] for rep in slot.ranks]
-    key = ("dp", cand.tp, _place(cluster, group))
+    key = ("dp", tp, _place(cluster, group))
 
     def fit() -> dict[str, tuple[float, float]]:
         fns = {"all_reduce": all_reduce_time_s, "reduce_scatter": reduce_scatter_time_s, "all_gather": all_gather_time_s}
-        return {name: collective_linear(fn, group, cluster, cand.tp) for name, fn in fns.items()}
+        return {name: collective_linear(fn, group, cluster, tp) for name, fn in fns.items()}
 
     return _memo(cache, key, fit)
 
@@ -520,23 +648,27 @@ class SplitCost:
     modes: list[int]  # the mode index of each chunk
 
     def fits(self, tables: CostTables) -> bool:
-        return all(m <= c for m, c in zip(self.stage_memory_bytes, tables.capacity_bytes))
+        """Every rank within its memory, and the degrees summing to each type's devices."""
+        return all(m <= c for m, c in zip(self.stage_memory_bytes, tables.capacity_bytes)) and tables.tp_sum_ok(self.modes)
 
 
-def chunk_terms(tables: CostTables, c: int, first: int, last: int, k: int) -> tuple[float, float, float, float]:
-    """(t_c, w_c, epilogue, memory) of chunk c holding layers first..last in mode k; see [Note: split objective]."""
+def chunk_terms(tables: CostTables, c: int, first: int, last: int, k: int, next_k: int | None = None) -> tuple[float, float, float, float]:
+    """(t_c, w_c, epilogue, memory) of chunk c holding layers first..last in mode k, the next chunk in mode
+    ``next_k`` (k's degree when None); see [Note: split objective]."""
     rows = slice(first, last + 1)
     time = tables.time_s[k, rows, c].sum()
-    t = time + (tables.cut_s[last, c] if c + 1 < tables.num_chunks else 0.0)
+    a = tables.tp_index(k)
+    b = a if next_k is None else tables.tp_index(next_k)
+    t = time + (tables.cut_s[a, b, last, c] if c + 1 < tables.num_chunks else 0.0)
     t += tables.gather_fwd_latency_s[k, c] + tables.gather_fwd_s[k, rows, c].sum()
     t += tables.gather_bwd_latency_s[k, c] + tables.gather_bwd_s[k, rows, c].sum()
     epilogue = tables.epilogue_latency_s[k, c] + tables.epilogue_s[k, rows, c].sum()
     memory = tables.memory_bytes[k, rows, c].sum()
     mode = tables.candidate.modes[k]
     if mode.recompute == "full":
-        memory += tables.workspace_bytes[rows].max()
+        memory += tables.workspace_bytes[a, rows].max()
     if mode.zero_stage == 3 and tables.candidate.dp > 1:
-        memory += tables.zero3_buffer_bytes[rows].max()
+        memory += tables.zero3_buffer_bytes[a, rows].max()
     return float(t), float(tables.weight_s[k, rows, c].sum()), float(epilogue), float(memory)
 
 
@@ -548,7 +680,7 @@ def evaluate_split(tables: CostTables, bounds: list[tuple[int, int]], modes: lis
     times, weights = [], []
     epilogue, memory = [0.0] * P, [0.0] * P
     for c, ((first, last), k) in enumerate(zip(bounds, modes)):
-        t, w, e, mem = chunk_terms(tables, c, first, last, k)
+        t, w, e, mem = chunk_terms(tables, c, first, last, k, modes[c + 1] if c + 1 < len(modes) else None)
         times.append(t)
         weights.append(w)
         epilogue[c % P] += e
@@ -565,8 +697,8 @@ def stage_memory_breakdown(model: ModelGraph, tables: CostTables, s: int, first:
     mode = mode or cand.modes[0]
     in_flight = activation_multipliers(cand.schedule, cand.pp, cand.num_microbatches, cand.virtual_stages)[s]
     layers = model.layers[first : last + 1]
-    c = dict(tp=cand.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
-    weights, grads, opt = training_state_bytes(layers, tp=cand.tp, dtype=dtype, optimizer=optimizer, dp=cand.dp, zero_stage=mode.zero_stage)
+    c = dict(tp=mode.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
+    weights, grads, opt = training_state_bytes(layers, tp=mode.tp, dtype=dtype, optimizer=optimizer, dp=cand.dp, zero_stage=mode.zero_stage)
     inputs = model.layers[first - 1].boundary_bytes if first > 0 else model.input_bytes
     per_mb = activation_bytes_per_microbatch(layers, recompute=mode.recompute, input_bytes=inputs, **c)
     workspace = recompute_workspace_bytes(layers, recompute=mode.recompute, **c)

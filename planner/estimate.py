@@ -58,6 +58,7 @@ from cost_models.memory import (
 )
 from cost_models.pipeline import ALL_SCHEDULES
 from planner.plan import Predicted
+from planner.costs import boundary_seconds, pack_stage_ranks
 from planner.search import PlanningError, bounds_from_sizes, equal_split
 from planner.trace import ModelGraph
 from runtime.schedule import Action, Kind, ScheduleError, TimedRun, build_schedule, simulate_timed
@@ -87,6 +88,7 @@ class EstimateConfig:
     stage_devices: tuple[str, ...] | None = None  # device type per pipeline rank, p entries
     stage_recompute: tuple[str, ...] | None = None  # recompute per virtual stage, p * v entries; ``recompute`` for all when None
     stage_zero: tuple[int, ...] | None = None  # ZeRO stage per pipeline rank, p entries; ``zero_stage`` for all when None
+    stage_tp: tuple[int, ...] | None = None  # tensor-parallel degree per pipeline rank, p entries; ``tp`` for all when None
     scatter_gather: bool = True  # Megatron's p2p optimisation (Narayanan et al. 2021, section 4.1)
     overlap_grad_reduce: bool = False
     kernel_efficiency: float | None = None  # None: each device's own (cost_models.compute.training_efficiency)
@@ -141,6 +143,13 @@ class EstimateConfig:
             for value in self.stage_recompute:
                 if value not in RECOMPUTE_CHOICES:
                     raise EstimateError(f"unknown recompute {value!r}; use one of {', '.join(RECOMPUTE_CHOICES)}")
+        if self.stage_tp is not None:
+            if len(self.stage_tp) != self.pp:
+                raise EstimateError(f"stage_tp has {len(self.stage_tp)} entries, pp({self.pp}) needed")
+            if any(not isinstance(t, int) or t < 1 for t in self.stage_tp):
+                raise EstimateError(f"stage_tp {list(self.stage_tp)}: every degree must be a positive integer")
+            if self.virtual_stages > 1 and set(self.stage_tp) != {1}:
+                raise EstimateError(f"virtual stages ({self.virtual_stages}) run with tp 1 on every stage, not {list(self.stage_tp)}")
         if self.stage_zero is not None:
             if len(self.stage_zero) != self.pp:
                 raise EstimateError(f"stage_zero has {len(self.stage_zero)} entries, pp({self.pp}) needed")
@@ -151,6 +160,15 @@ class EstimateConfig:
     def recompute_of(self, chunk: int) -> str:
         """The recompute mode of virtual stage ``chunk``."""
         return self.stage_recompute[chunk] if self.stage_recompute is not None else self.recompute
+
+    def tp_of(self, rank: int) -> int:
+        """The tensor-parallel degree of pipeline rank ``rank``."""
+        return self.stage_tp[rank] if self.stage_tp is not None else self.tp
+
+    @property
+    def devices_per_replica(self) -> int:
+        """The devices one data-parallel replica spans: the sum of the stages' degrees."""
+        return sum(self.tp_of(r) for r in range(self.pp))
 
     def zero_of(self, rank: int) -> int:
         """The ZeRO stage of pipeline rank ``rank``."""
@@ -286,7 +304,9 @@ def check_against(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -
             no layer that tensor parallelism splits.
     """
     world, c = cluster.world_size, config
-    if c.dp * c.tp * c.pp != world:
+    if c.stage_tp is not None and c.dp * c.devices_per_replica != world:
+        raise EstimateError(f"dp({c.dp}) * sum of stage tp({c.devices_per_replica}) = {c.dp * c.devices_per_replica} != world_size({world})")
+    if c.stage_tp is None and c.dp * c.tp * c.pp != world:
         raise EstimateError(f"dp({c.dp}) * tp({c.tp}) * pp({c.pp}) = {c.dp * c.tp * c.pp} != world_size({world})")
     num_layers, chunks = len(model.layers), c.pp * c.virtual_stages
     if c.stage_layers is not None and sum(c.stage_layers) != num_layers:
@@ -295,12 +315,15 @@ def check_against(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -
         )
     if chunks > num_layers:
         raise EstimateError(f"{chunks} pipeline stages but the model has only {num_layers} layers")
-    if c.tp > 1 and not any(l.tp_capable for l in model.layers):
+    if max(c.tp_of(r) for r in range(c.pp)) > 1 and not any(l.tp_capable for l in model.layers):
         raise EstimateError(f"--tp {c.tp}: the model has no layer that tensor parallelism can split")
-    misfit = tp_misfit(model.layers, c.tp)
-    if misfit is not None:
-        raise EstimateError(f"--tp {c.tp}: layer {misfit.name} splits only {_degrees(misfit)} ways (heads or features "
-                            f"do not divide by {c.tp}); pick one of those")
+    for k, (first, last) in enumerate(chunk_bounds(model, c)):
+        tp = c.tp_of(k % c.pp)
+        misfit = tp_misfit(model.layers[first : last + 1], tp)
+        if misfit is not None:
+            where = f"--tp {c.tp}" if c.stage_tp is None else f"stage {k} (tp {tp})"
+            raise EstimateError(f"{where}: layer {misfit.name} splits only {_degrees(misfit)} ways (heads or features "
+                                f"do not divide by {tp}); pick one of those")
 
 
 def _degrees(layer: LayerProfile) -> str:
@@ -315,7 +338,7 @@ def stage_layout(cluster: Cluster, config: EstimateConfig) -> list[StageLayout]:
     """
     c = config
     if c.stage_devices is None:
-        groups = [[[s * c.dp * c.tp + d * c.tp + t for t in range(c.tp)] for d in range(c.dp)] for s in range(c.pp)]
+        groups = pack_stage_ranks(list(range(cluster.world_size)), c.dp, [c.tp_of(s) for s in range(c.pp)])
     else:
         groups = _ranks_by_device(cluster, config)
     types = cluster.device_types()
@@ -326,18 +349,18 @@ def _ranks_by_device(cluster: Cluster, config: EstimateConfig) -> list[list[list
     types = cluster.device_types()
     wanted = [_canonical(name, cluster) for name in config.stage_devices]
     for name in dict.fromkeys(wanted):
-        need = wanted.count(name) * config.dp * config.tp
+        mine = [s for s, n in enumerate(wanted) if n == name]
+        need = sum(config.dp * config.tp_of(s) for s in mine)
         have = types.count(name)
         if need > have:
-            raise EstimateError(
-                f"--stage-devices puts {wanted.count(name)} stages on {name}: {need} devices "
-                f"(dp({config.dp}) * tp({config.tp}) each), the cluster has {have}"
-            )
-    free = {name: [r for r, t in enumerate(types) if t == name] for name in set(wanted)}
-    groups = []
-    for name in wanted:
-        taken, free[name] = free[name][: config.dp * config.tp], free[name][config.dp * config.tp :]
-        groups.append([taken[d * config.tp : (d + 1) * config.tp] for d in range(config.dp)])
+            each = f"dp({config.dp}) * tp({config.tp}) each" if config.stage_tp is None else f"dp({config.dp}) * their tp"
+            raise EstimateError(f"--stage-devices puts {len(mine)} stages on {name}: {need} devices ({each}), the cluster has {have}")
+    groups: list = [None] * len(wanted)
+    for name in dict.fromkeys(wanted):
+        mine = [s for s, n in enumerate(wanted) if n == name]
+        free = [r for r, t in enumerate(types) if t == name]
+        for s, ranks in zip(mine, pack_stage_ranks(free, config.dp, [config.tp_of(s) for s in mine])):
+            groups[s] = ranks
     return groups
 
 
@@ -402,7 +425,8 @@ def _chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bou
     first, last = bounds
     layers = model.layers[first : last + 1]
     device = cluster.profile(layout.device_type)
-    times = [layer_timing(l, device, tp=config.tp, micro_batch_size=config.micro_batch_size, dtype=config.dtype,
+    tp = config.tp_of(chunk % config.pp)
+    times = [layer_timing(l, device, tp=tp, micro_batch_size=config.micro_batch_size, dtype=config.dtype,
                           kernel_efficiency=config.kernel_efficiency) for l in layers]
     tp_s = sum(_tp_all_reduce_s(l, cluster, config, layout) for l in layers)
     fwd = sum(t.fwd_s for t in times)
@@ -421,7 +445,7 @@ def _chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bou
 
 def _tp_all_reduce_s(layer: LayerProfile, cluster: Cluster, config: EstimateConfig, layout: StageLayout) -> float:
     """One pass (forward or backward) of Megatron's all-reduces of ``layer`` over its TP group."""
-    if config.tp == 1 or not layer.tp_allreduce_bytes:
+    if len(layout.ranks[0]) == 1 or not layer.tp_allreduce_bytes:
         return 0.0
     payload = layer.tp_allreduce_bytes * config.micro_batch_size * dtype_bytes(config.dtype) / 4
     return all_reduce_time_s(payload, layout.ranks[0], cluster)
@@ -431,20 +455,18 @@ def _zero3_comm_s(layers, cluster: Cluster, config: EstimateConfig, layout: Stag
     """ZeRO-3, per micro-batch: gather the weights for forward; gather again and reduce-scatter the gradients in backward."""
     if zero_stage < 3 or config.dp == 1:
         return 0.0, 0.0
-    nbytes = sum(l.params_at(config.tp) for l in layers) * dtype_bytes(config.dtype)
+    tp = len(layout.ranks[0])
+    nbytes = sum(l.params_at(tp) for l in layers) * dtype_bytes(config.dtype)
     group = [replica[0] for replica in layout.ranks]
-    gather = all_gather_time_s(nbytes, group, cluster, concurrent=config.tp)
-    return gather, gather + reduce_scatter_time_s(nbytes, group, cluster, concurrent=config.tp)
+    gather = all_gather_time_s(nbytes, group, cluster, concurrent=tp)
+    return gather, gather + reduce_scatter_time_s(nbytes, group, cluster, concurrent=tp)
 
 
 def _boundary_s(model: ModelGraph, cluster: Cluster, config: EstimateConfig, last_layer: int,
                 src: StageLayout, dst: StageLayout) -> float:
     """Seconds to hand one micro-batch's boundary tensor from ``src`` to ``dst`` (either direction)."""
     nbytes = model.layers[last_layer].boundary_bytes * config.micro_batch_size * dtype_bytes(config.dtype) / 4
-    a, b = src.ranks[0][0], dst.ranks[0][0]
-    if config.tp > 1 and config.scatter_gather:
-        return p2p_time_s(nbytes / config.tp, a, b, cluster) + all_gather_time_s(nbytes, dst.ranks[0], cluster)
-    return p2p_time_s(nbytes, a, b, cluster)
+    return boundary_seconds(nbytes, src.ranks[0], dst.ranks[0], cluster, config.scatter_gather)
 
 
 # --- The schedule, played ----------------------------------------------------------------
@@ -492,7 +514,7 @@ def _dp_sync_s(params: float, cluster: Cluster, config: EstimateConfig, layout: 
     if config.dp == 1 or zero_stage == 3:
         return 0.0
     nbytes = params * dtype_bytes(config.dtype)
-    group, kw = [replica[0] for replica in layout.ranks], {"concurrent": config.tp}
+    group, kw = [replica[0] for replica in layout.ranks], {"concurrent": len(layout.ranks[0])}
     if zero_stage == 0:
         return all_reduce_time_s(nbytes, group, cluster, **kw)
     return reduce_scatter_time_s(nbytes, group, cluster, **kw) + all_gather_time_s(nbytes, group, cluster, **kw)
@@ -534,18 +556,19 @@ def _peak_activations(actions: list[Action], per_mb: dict[int, float], split_wei
 
 def _rank_memory(model: ModelGraph, config: EstimateConfig, bounds, chunks: list[int], actions: list[Action]) -> MemoryBreakdown:
     c = config
+    tp = c.tp_of(chunks[0] % c.pp)
     layers = [model.layers[l] for k in chunks for l in range(bounds[k][0], bounds[k][1] + 1)]
-    tied = _stage_params(model, c.tp, [bounds[k] for k in chunks]) - sum(l.params_at(c.tp) for l in layers)
-    weights, grads, opt = training_state_bytes(layers, tp=c.tp, dtype=c.dtype, optimizer=c.optimizer, dp=c.dp,
+    tied = _stage_params(model, tp, [bounds[k] for k in chunks]) - sum(l.params_at(tp) for l in layers)
+    weights, grads, opt = training_state_bytes(layers, tp=tp, dtype=c.dtype, optimizer=c.optimizer, dp=c.dp,
                                                zero_stage=c.zero_of(chunks[0] % c.pp), extra_params=tied)
     per_mb, workspace = {}, 0.0
     for k in chunks:
         first, last = bounds[k]
         inputs = model.layers[first - 1].boundary_bytes if first > 0 else model.input_bytes
         mine = model.layers[first : last + 1]
-        per_mb[k] = activation_bytes_per_microbatch(mine, tp=c.tp, micro_batch_size=c.micro_batch_size,
+        per_mb[k] = activation_bytes_per_microbatch(mine, tp=tp, micro_batch_size=c.micro_batch_size,
                                                     dtype=c.dtype, recompute=c.recompute_of(k), input_bytes=inputs)
-        workspace = max(workspace, recompute_workspace_bytes(mine, tp=c.tp, micro_batch_size=c.micro_batch_size, dtype=c.dtype,
+        workspace = max(workspace, recompute_workspace_bytes(mine, tp=tp, micro_batch_size=c.micro_batch_size, dtype=c.dtype,
                                                              recompute=c.recompute_of(k)))
     activations = _peak_activations(actions, per_mb, c.schedule == "zb") + workspace
     return MemoryBreakdown(weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=opt, activations_bytes=activations)
@@ -599,7 +622,7 @@ def _stage_estimate(model, config, layouts, bounds, played: _Played, r: int) -> 
 
 def _assemble(model, cluster, config, layouts, bounds, played: _Played, stages: list[StageEstimate]) -> Estimate:
     c, run = config, played.run
-    params = [_stage_params(model, c.tp, s.chunks) for s in stages]
+    params = [_stage_params(model, c.tp_of(s.index), s.chunks) for s in stages]
     dp_s = [_exposed_dp_s(_dp_sync_s(params[r], cluster, c, layouts[r], c.zero_of(r)), played, r, c) for r in range(c.pp)]
     pipeline_end = max(run.end_s(r) for r in range(c.pp))
     dp = max(run.end_s(r) + dp_s[r] for r in range(c.pp)) - pipeline_end

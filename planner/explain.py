@@ -53,6 +53,7 @@ def explain_plan(plan: ParallelPlan) -> Explanation:
         stage_devices=tuple(s.device_type for s in ranks) if mixed else None,
         stage_recompute=tuple(s.recompute for s in plan.stages),
         stage_zero=tuple(s.zero_stage for s in ranks),
+        stage_tp=tuple(s.tensor_parallel for s in ranks) if len({s.tensor_parallel for s in ranks}) > 1 else None,
     )
     return Explanation(plan=plan, estimate=estimate(graph, cluster, config))
 

@@ -1,11 +1,12 @@
 """The search: the fastest plan under the cost model, with proof of optimality.
 
-Outer enumeration covers what the CP-SAT model keeps fixed (data-, tensor- and
-pipeline-parallel degrees, micro-batch size, schedule and its virtual stages); for
-each such candidate one CP-SAT model chooses the cut points of the layer sequence
-into stages, which may be uneven and which see each stage's own device type, and
-each stage's mode: its activation recomputation and ZeRO stage. The objective is
-[Note: split objective] in planner.costs.
+Outer enumeration covers what the CP-SAT model keeps fixed (data- and
+pipeline-parallel degrees, micro-batch size, schedule and its virtual stages, and how
+many stages each device type hosts); for each such candidate one CP-SAT model chooses
+the cut points of the layer sequence into stages, which may be uneven and which see
+each stage's own device type, and each stage's mode: its tensor-parallel degree
+([Note: per-stage tensor parallelism] in planner.costs), activation recomputation and
+ZeRO stage. The objective is [Note: split objective] in planner.costs.
 """
 
 from __future__ import annotations
@@ -27,16 +28,20 @@ from planner.costs import (
     Candidate,
     CostTables,
     SplitCost,
+    RankSlots,
     StageMode,
     StageSlot,
     _data_parallel_linear,
     _layer_columns,
+    _place,
     _sync_linear,
     _tp_all_reduce,
     build_tables,
     compose_tables,
     evaluate_split,
     optimizer_rates,
+    pack_stage_ranks,
+    ranks_by_type,
     stage_memory_breakdown,
     stage_slots,
     tables_by_type,
@@ -48,6 +53,7 @@ from planner.split_model import (
     SplitModel,
     Unresolved,
     bounds_from_sizes,
+    degree_split,
     equal_split,
     greedy_modes,
     may_beat,
@@ -93,54 +99,95 @@ def divisors(n: int) -> list[int]:
 
 
 # [Note: search space]
-# Outside the CP-SAT model: tp (dividing every node's device count, and 1 unless a
-# layer splits), pp, dp = world / (tp pp), the micro-batch size, and the schedule:
-# 1F1B, ZB-H1 ("zb", when pp > 1) and interleaved 1F1B with v = 2..max_virtual_stages
-# chunks per rank (pp > 1, tp = 1, m a multiple of pp, pp v <= layers). GPipe has
-# 1F1B's step time and never less memory ([Note: linear step time]), so it is searched
-# only when pinned. Inside, every stage (every chunk, when interleaved) picks a mode:
-# recompute none or full (selective costs what none costs under this cost model: the
-# tracer measures attention as a fused kernel keeps it) times a ZeRO stage, 0, 2 or 3
-# when dp > 1 under 1F1B and GPipe (the runtime shards with FSDP, which neither ZB-H1's
-# split backward nor interleaved chunks support), 0 otherwise. ZeRO-1 costs exactly
-# what ZeRO-2 costs here (one reduce-scatter and all-gather per step, the same
-# optimizer share) and holds more, so it is searched only when pinned.
+# Outside the CP-SAT model: dp, pp, the micro-batch size, the schedule and, on a
+# cluster with several device types, how many stages each type hosts. When every
+# type's device count is a multiple of dp, stages sit on one type each ([Note: stage
+# device types]) and choose their tensor-parallel degree inside the model among the
+# powers of two that divide their type's node width, up to --max-tp (1 unless a layer
+# splits), summing per type to its devices per replica ([Note: per-stage tensor
+# parallelism]); a node width's other divisors are offered as one degree for every
+# stage. Otherwise (and for --uniform-split's baseline) the layout is Megatron's over
+# the mixed devices with one degree tp dividing every node's device count and
+# dp = world / (tp pp). Schedules: 1F1B, ZB-H1 ("zb", when pp > 1) and interleaved
+# 1F1B with v = 2..max_virtual_stages chunks per rank (pp > 1, tp 1 on every stage,
+# m a multiple of pp, pp v <= layers). GPipe has 1F1B's step time and never less
+# memory ([Note: linear step time]), so it is searched only when pinned. Inside, every
+# stage (every chunk, when interleaved) picks a mode: its degree times recompute none
+# or full (selective costs what none costs under this cost model: the tracer measures
+# attention as a fused kernel keeps it) times a ZeRO stage, 0, 2 or 3 when dp > 1 under
+# 1F1B and GPipe (the runtime shards with FSDP, which neither ZB-H1's split backward
+# nor interleaved chunks support), 0 otherwise. ZeRO-1 costs exactly what ZeRO-2 costs
+# here (one reduce-scatter and all-gather per step, the same optimizer share) and holds
+# more, so it is searched only when pinned.
 def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> list[Candidate]:
-    """Every (dp, tp, pp, micro-batch size, schedule, virtual stages) the pins allow; see [Note: search space].
+    """Every (dp, pp, micro-batch size, schedule, virtual stages, stages per type) the pins allow,
+    with the degrees each stage may take; see [Note: search space].
 
     Raises:
         PlanningError: the pins or the batch size rule out every candidate; says why.
     """
-    world = cluster.world_size
     num_layers = len(model.layers)
     gbs = options.global_batch_size
     _check_pins(model, cluster, options)
     tp_ok = any(l.tp_capable for l in model.layers)
-    widths = {g.devices_per_node for g in cluster.groups}
     out = []
-    for tp in divisors(world):
-        # Tensor parallelism stays inside a node: tp divides every node's device count.
-        if tp > 1 and (not tp_ok or tp > options.max_tp or any(w % tp for w in widths) or tp_misfit(model.layers, tp)):
+    for dp in divisors(cluster.world_size):
+        if gbs % dp or (options.dp is not None and options.dp != dp):
             continue
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            if pp > num_layers or gbs % dp:
-                continue
-            pins = ((options.dp, dp), (options.tp, tp), (pinned_pp(options), pp))
-            if any(pin is not None and pin != value for pin, value in pins):
+        for degrees, tp_sum, per_type in _layouts(model, cluster, options, dp, tp_ok):
+            pp = sum(n for _, n in per_type) if per_type else cluster.world_size // (dp * degrees[0])
+            if pp > num_layers or (pinned_pp(options) or pp) != pp:
                 continue
             for mbs in divisors(gbs // dp):
                 if options.micro_batch_size and mbs != options.micro_batch_size:
                     continue
                 m = gbs // (dp * mbs)
-                for schedule, v in schedules_for(options, tp=tp, pp=pp, num_microbatches=m, num_layers=num_layers):
-                    modes = stage_modes(options, dp=dp, schedule=schedule)
+                for schedule, v in schedules_for(options, tp=degrees[-1], pp=pp, num_microbatches=m, num_layers=num_layers):
+                    modes = stage_modes(options, dp=dp, schedule=schedule, degrees=degrees)
                     if modes:
-                        out.append(Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule=schedule,
-                                             virtual_stages=v, modes=modes))
+                        out.append(Candidate(dp=dp, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule=schedule,
+                                             virtual_stages=v, modes=modes, tp_sum=tp_sum, stages_per_type=per_type))
     if not out:
         raise PlanningError(_no_candidate_reason(model, cluster, options, tp_ok))
     return out
+
+
+def _layouts(model: ModelGraph, cluster, options: SearchOptions, dp: int, tp_ok: bool):
+    """(degrees, tp_sum, stages_per_type) of every layout with ``dp`` replicas; see [Note: search space]."""
+    by_type = ranks_by_type(cluster)
+    if options.uniform_split or any(len(r) % dp for r in by_type.values()):
+        world = cluster.world_size
+        widths = {g.devices_per_node for g in cluster.groups}
+        for tp in divisors(world // dp):
+            if _degree_ok(model, options, tp, tp_ok) and not any(w % tp for w in widths) and not tp_misfit(model.layers, tp):
+                yield (tp,), (), ()
+        return
+    share = {t: len(r) // dp for t, r in by_type.items()}
+    width = {t: cluster.devices_per_node_of(r[0]) for t, r in by_type.items()}
+    chain = tuple(d for d in (2**i for i in range(12)) if _degree_ok(model, options, d, tp_ok) and any(w % d == 0 for w in width.values()))
+    others = [(d,) for d in sorted({d for w in width.values() for d in divisors(w)} - set(chain))
+              if _degree_ok(model, options, d, tp_ok) and all(w % d == 0 for w in width.values()) and not tp_misfit(model.layers, d)]
+    if options.tp is not None:
+        chain = tuple(d for d in chain if d == options.tp and not tp_misfit(model.layers, d))
+    for degrees in ([chain] if chain else []) + others:
+        counts = {}
+        for t in by_type:
+            mine = tuple(d for d in degrees if width[t] % d == 0 and d <= share[t])
+            counts[t] = [p for p in range(1, min(share[t], len(model.layers)) + 1) if mine and degree_split(share[t], p, mine)]
+        for picks in itertools.product(*counts.values()):
+            # the degrees some stage can take: the type's other stages can still sum to the rest
+            used = tuple(d for d in degrees if any(
+                width[t] % d == 0 and degree_split(share[t] - d, p - 1, tuple(e for e in degrees if width[t] % e == 0)) is not None
+                for t, p in zip(counts, picks)))
+            if options.stage_devices is None or all(options.stage_devices.count(t) == p for t, p in zip(counts, picks)):
+                yield used, tuple(sorted(share.items())), tuple(zip(counts, picks))
+
+
+def _degree_ok(model: ModelGraph, options: SearchOptions, tp: int, tp_ok: bool) -> bool:
+    """Whether ``tp`` may be offered: 1, or a layer splits and --max-tp and --tp allow it."""
+    if options.tp is not None and tp != options.tp:
+        return False
+    return tp == 1 or (tp_ok and tp <= options.max_tp)
 
 
 def schedules_for(options: SearchOptions, *, tp: int, pp: int, num_microbatches: int, num_layers: int) -> list[tuple[str, int]]:
@@ -162,7 +209,7 @@ def schedules_for(options: SearchOptions, *, tp: int, pp: int, num_microbatches:
     return out
 
 
-def stage_modes(options: SearchOptions, *, dp: int, schedule: str) -> tuple[StageMode, ...]:
+def stage_modes(options: SearchOptions, *, dp: int, schedule: str, degrees: tuple[int, ...] = (1,)) -> tuple[StageMode, ...]:
     """The modes each stage may take; empty when the pins leave none; see [Note: search space]."""
     recomputes = [options.recompute] if options.recompute else ["none", "full"]
     shardable = dp > 1 and schedule in ("1f1b", "gpipe")
@@ -170,7 +217,7 @@ def stage_modes(options: SearchOptions, *, dp: int, schedule: str) -> tuple[Stag
         zeros = [options.zero] if options.zero == 0 or shardable else []
     else:
         zeros = [0, 2, 3] if shardable else [0]
-    return tuple(StageMode(recompute=r, zero_stage=z) for z in zeros for r in recomputes)
+    return tuple(StageMode(recompute=r, zero_stage=z, tp=tp) for tp in degrees for z in zeros for r in recomputes)
 
 
 def _no_candidate_reason(model: ModelGraph, cluster, options: SearchOptions, tp_ok: bool) -> str:
@@ -308,13 +355,16 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
         cutoff_s: only splits faster than this are of interest (None also when none is).
     """
     fixed_sizes = fixed_sizes or options.stage_layers
-    if not np.isfinite(tables.time_s).all():
-        return None  # a device lacks the training dtype
+    if not np.isfinite(tables.time_s).any(axis=0).all():
+        return None  # a device lacks the training dtype, or no offered degree splits a layer
     if cutoff_s is not None and not fixed_sizes and not may_beat(tables, cutoff_s):
         return None
     hint_bounds = bounds_from_sizes(fixed_sizes) if fixed_sizes else equal_split(tables.num_layers, tables.num_chunks)
     hint_modes = greedy_modes(tables, hint_bounds)
-    tick_s = (evaluate_split(tables, hint_bounds, hint_modes).objective_s or 1.0) / _TICKS_PER_OBJECTIVE
+    scale_s = evaluate_split(tables, hint_bounds, hint_modes).objective_s
+    if not math.isfinite(scale_s):  # the hint holds a layer its degree cannot split: the least micro-batch time, m times
+        scale_s = float(np.where(np.isfinite(tables.time_s), tables.time_s, np.inf).min(axis=(0, 2)).sum()) * tables.candidate.num_microbatches
+    tick_s = (scale_s or 1.0) / _TICKS_PER_OBJECTIVE
     split = SplitModel(tables, tick_s, cutoff_s)
     if fixed_sizes:
         for c, (first, _) in enumerate(hint_bounds):
@@ -453,21 +503,26 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
 
 # [Note: candidate bound]
 # Whatever the split and the stage modes, [Note: linear step time] is at least
-#     (A sum_l min_k (t_l(k) - (B/A) w_l(k)) + A (C - 1) cut + G max(W / R, max_l t_l) + H max_l min_k w_l(k)
+#     (A sum_l min_k (t_l(k) - (B/A) w_l(k)) + A (C - 1) cut + G pace + H max_l min_k w_l(k)
 #      + E (min latency + sum_l min e_l / pp)) / scale
 # with A, B, G, H, E, scale the schedule's weights (cost_models.pipeline.linear_step_weights),
-# where t_l(k) is layer l's micro-batch time (tensor-parallel all-reduces included,
-# recomputation only if every offered mode recomputes) on device type k, t_l = min_k
-# t_l(k), W = sum_l t_l, w_l(k) its weight-gradient part, e_l the least epilogue (gradient
-# sync and optimizer step) of the layer over the offered modes and types, and
-# R = sum over pipeline ranks of the rank type's relative speed r_k = max_l t_l / t_l(k)
-# (1 for the fastest type): the ranks together do all the work once, and in the time of
-# the slowest (the slowest round, interleaved) M a type-k rank does at most M * r_k of it.
-# The slowest epilogue is at least the average one, and each of the C - 1 cuts costs at
-# least the cheapest p2p of any boundary to any other device. ZeRO-3's exposed gathers
-# and the one-layer buffers are left out (they only add). Candidates are solved in
-# order of this bound, and the search stops at the first whose bound is no better than
-# the best plan found, so the plan it returns is optimal over all of them.
+# where k runs over device types and offered degrees, t_l(k) is layer l's micro-batch
+# time (tensor-parallel all-reduces included, recomputation only if every offered mode
+# recomputes), t_l = min_k t_l(k), w_l(k) its weight-gradient part, e_l the least epilogue
+# (gradient sync and optimizer step) of the layer over the offered modes and types. The
+# pace (the slowest chunk, or round) is at least max_l t_l and two averages: W / R, with
+# W = sum_l t_l and R = sum over pipeline ranks of the rank type's relative speed
+# r = max_l t_l / min over degrees t_l(type) (the ranks together do all the work once,
+# and in the time M of the slowest a rank does at most M r of it); and the same in
+# device-seconds, D / S, with d_l = min over types and degrees of tp t_l, D = sum_l d_l and
+# S = sum over types of (devices per replica) * max_l d_l / min over degrees tp t_l(type)
+# (a stage of degree tp runs its layers on tp devices: it is what bounds a plan whose
+# stages must take small degrees; [Note: per-stage tensor parallelism]). The slowest
+# epilogue is at least the average one, and each of the C - 1 cuts costs at least the
+# cheapest p2p of any boundary, split the most ways, to any other device. ZeRO-3's
+# exposed gathers and the one-layer buffers are left out (they only add). Candidates
+# are solved in order of this bound, and the search stops at the first whose bound is
+# no better than the best plan found, so the plan it returns is optimal over all of them.
 def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache: dict | None = None, optimizer: str = "adamw") -> float:
     """A lower bound on the objective of any split of ``cand``; see [Note: candidate bound].
 
@@ -476,38 +531,70 @@ def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache
             size, device type, the tensor-parallel group's placement).
     """
     cache = {} if cache is None else cache
-    slots = _representative_slots(cluster, cand)
+    shares = _type_shares(cluster, cand)
     wt = linear_step_weights(cand.schedule, num_stages=cand.pp, num_microbatches=cand.num_microbatches, virtual_stages=cand.virtual_stages)
-    full_only = all(m.recompute == "full" for m in cand.modes)
-    times, weights, epilogues, latencies = [], [], [], []
-    for k, (slot, _) in slots.items():
-        cols = _layer_columns(model, cluster, k, cand.tp, cand.micro_batch_size, dtype, cache)
-        tp_ar = _tp_all_reduce(cluster, slot, cols, cand, cache)
-        times.append(cols.fwd + cols.b_input + cols.weight + tp_ar * (3 if full_only else 2) + (cols.fwd if full_only else 0.0))
-        weights.append(cols.weight)
-        e, lat = _least_epilogue(cluster, cand, slot, cols, dtype, optimizer, cache)
-        epilogues.append(e)
-        latencies.append(lat)
-    times, weights = np.array(times), np.array(weights)
+    layers = {t: _bound_layers(model, cluster, cand, t, slots, dtype, optimizer, cache) for t, (slots, _, _) in shares.items()}
+    times = np.concatenate([b.times for b in layers.values()])
+    weights = np.concatenate([b.weights for b in layers.values()])
     fastest = times.min(axis=0)
-    work = float(fastest.sum())
+    device_s = np.concatenate([b.device_s for b in layers.values()]).min(axis=0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        speed = sum(n * float(np.nanmax(np.where(t > 0, fastest / t, np.nan))) for t, (_, n) in zip(times, slots.values()))
-    pace = max(work / speed, float(fastest.max())) if speed > 0 else float(fastest.max())
+        speed = sum(n * float(np.nanmax(fastest / b.times.min(axis=0))) for b, (_, n, _) in zip(layers.values(), shares.values()))
+        device_speed = sum(d * float(np.nanmax(device_s / b.device_s.min(axis=0))) for b, (_, _, d) in zip(layers.values(), shares.values()))
+    pace = max(float(fastest.max()), float(fastest.sum()) / speed if speed > 0 else 0.0,
+               float(device_s.sum()) / device_speed if device_speed > 0 else 0.0)
     sums = float((wt.chunk_sum * times - wt.weight_sum * weights).min(axis=0).sum())
-    cuts = (cand.num_chunks - 1) * min(_cut_floor(model, cluster, cand, dtype, slot) for slot, _ in slots.values())
-    epilogue = min(latencies) + float(np.min(epilogues, axis=0).sum()) / cand.pp
+    cuts = (cand.num_chunks - 1) * min(_cut_floor(model, cluster, cand, dtype, next(iter(slots.values()))) for slots, _, _ in shares.values())
+    epilogues = np.min([b.epilogue for b in layers.values()], axis=0)
+    epilogue = min(b.latency for b in layers.values()) + float(epilogues.sum()) / cand.pp
     total = (sums + wt.chunk_sum * cuts + wt.round_max * pace + wt.weight_max * float(weights.min(axis=0).max())
              + wt.epilogue_max * epilogue)
     return total / wt.scale
 
 
-def _least_epilogue(cluster, cand: Candidate, slot: StageSlot, cols, dtype: str, optimizer: str, cache: dict) -> tuple[np.ndarray, float]:
-    """Per layer, the least epilogue seconds over the offered modes, and the least latency."""
-    comm = _data_parallel_linear(cluster, cand, slot, cache)
+@dataclass(frozen=True)
+class _BoundLayers:
+    """Per-layer numbers of one device type for [Note: candidate bound]; rows are the offered degrees."""
+
+    times: np.ndarray  # [T, L] micro-batch seconds (infinite where the degree does not split the layer)
+    weights: np.ndarray  # [T, L] weight-gradient seconds
+    device_s: np.ndarray  # [T, L] times * degree
+    epilogue: np.ndarray  # [L] least over the offered modes and degrees
+    latency: float  # least epilogue latency
+
+
+def _bound_layers(model: ModelGraph, cluster, cand: Candidate, device_type: str, slots: dict[int, StageSlot], dtype: str,
+                  optimizer: str, cache: dict) -> _BoundLayers:
+    full_only = all(m.recompute == "full" for m in cand.modes)
+    zeros = tuple(sorted({m.zero_stage for m in cand.modes}))
+    key = ("bound", device_type, cand.dp, cand.micro_batch_size, tuple(sorted((tp, _place(cluster, s.ranks[0]), _place(cluster, [r[0] for r in s.ranks]))
+                                                                           for tp, s in slots.items())), full_only, zeros, dtype, optimizer)
+    if key in cache:
+        return cache[key]
+    times, weights, device_s, epilogues, latencies = [], [], [], [], []
+    for tp, slot in sorted(slots.items()):
+        cols = _layer_columns(model, cluster, device_type, tp, cand.micro_batch_size, dtype, cache)
+        tp_ar = _tp_all_reduce(cluster, slot, cols, tp, cache)
+        t = cols.fwd + cols.b_input + cols.weight + tp_ar * (3 if full_only else 2) + (cols.fwd if full_only else 0.0)
+        t = np.where(cols.splits, t, np.inf)
+        times.append(t)
+        weights.append(cols.weight)
+        device_s.append(t * tp)
+        e, lat = _least_epilogue(cluster, cand, slot, cols, tp, zeros, dtype, optimizer, cache)
+        epilogues.append(e)
+        latencies.append(lat)
+    cache[key] = _BoundLayers(times=np.array(times), weights=np.array(weights), device_s=np.array(device_s),
+                              epilogue=np.min(epilogues, axis=0), latency=min(latencies))
+    return cache[key]
+
+
+def _least_epilogue(cluster, cand: Candidate, slot: StageSlot, cols, tp: int, zeros: tuple[int, ...], dtype: str, optimizer: str,
+                    cache: dict) -> tuple[np.ndarray, float]:
+    """Per layer, the least epilogue seconds over the offered ZeRO stages at degree ``tp``, and the least latency."""
+    comm = _data_parallel_linear(cluster, cand.dp, tp, slot, cache)
     rate, per_tensor, overhead = optimizer_rates(cluster.profile(slot.device_type))
     per_layer, latency = [], []
-    for zero in {m.zero_stage for m in cand.modes}:
+    for zero in zeros:
         lat, pb = _sync_linear(comm, cand.dp, zero)
         share = cols.params / cand.dp if cand.dp > 1 and zero > 0 else cols.params
         per_layer.append(pb * cols.params * dtype_bytes(dtype) + share * OPTIMIZER_BYTES_PER_PARAM[optimizer] / rate + cols.tensors * per_tensor)
@@ -516,12 +603,11 @@ def _least_epilogue(cluster, cand: Candidate, slot: StageSlot, cols, dtype: str,
 
 
 def _cut_floor(model: ModelGraph, cluster, cand: Candidate, dtype: str, slot: StageSlot) -> float:
-    """The cheapest p2p of a stage boundary, forward and backward, from ``slot``."""
+    """The cheapest p2p of a stage boundary, forward and backward, from ``slot``, split the most ways offered."""
     if cand.pp == 1:
         return 0.0  # chunks on one rank hand over in place
     payload = min(l.boundary_bytes for l in model.layers[:-1]) * cand.micro_batch_size * dtype_bytes(dtype) / 4
-    if cand.tp > 1:
-        payload /= cand.tp
+    payload /= cand.tp_degrees[-1]
     src = slot.ranks[0][0]
     return 2 * min(p2p_time_s(payload, src, dst, cluster) for dst in _one_peer_per_place(cluster, src))
 
@@ -540,21 +626,31 @@ def _one_peer_per_place(cluster, src: int) -> list[int]:
     return peers or [src]
 
 
-def _representative_slots(cluster, cand: Candidate) -> dict[str, tuple[StageSlot, int]]:
-    """Device type -> (one stage slot of that type, how many pipeline ranks are costed as that type)."""
-    available = type_slots(cluster, cand)
-    if available is not None:
-        return {k: (v[0], len(v)) for k, v in available.items()}
-    out: dict[str, tuple[StageSlot, int]] = {}
-    for slot in stage_slots(cluster, cand):
-        first, n = out.get(slot.device_type, (slot, 0))
-        out[slot.device_type] = (first, n + 1)
+def _type_shares(cluster, cand: Candidate) -> dict[str, tuple[dict[int, StageSlot], int, int]]:
+    """Device type -> (one slot per offered degree, pipeline ranks costed as that type, its devices per replica)."""
+    if cand.stages_per_type:
+        out = {}
+        devices = dict(cand.tp_sum)
+        for device_type, ranks in cand.stages_per_type:
+            slots = {}
+            for tp in cand.tp_degrees:
+                blocks = type_slots(cluster, cand.dp, tp)[device_type]
+                if blocks:
+                    slots[tp] = blocks[0]
+            out[device_type] = (slots, ranks, devices[device_type])
+        return out
+    out = {}
+    tp = cand.tp_degrees[0]
+    for rank_slots in stage_slots(cluster, cand):
+        slot = rank_slots[tp]
+        first, n, d = out.get(slot.device_type, ({tp: slot}, 0, 0))
+        out[slot.device_type] = (first, n + 1, d + tp)
     return out
 
 
 def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, cache: dict | None = None,
                     cutoff_s: float | None = None) -> tuple[CostTables, SplitResult | None]:
-    """Solve one candidate: the split, the stage modes, and the device type of each stage where types can choose.
+    """Solve one candidate: the split, the stage modes (degrees included), and the device type of each stage where types can choose.
 
     Args:
         cutoff_s: only splits faster than this are of interest.
@@ -564,42 +660,57 @@ def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: Search
     """
     cache = {} if cache is None else cache
     fixed = tuple(b - a + 1 for a, b in equal_split(len(model.layers), cand.num_chunks)) if options.uniform_split else None
-    available = None if options.uniform_split else type_slots(cluster, cand)
-    if available is None or len(available) == 1:
+    if len(cand.stages_per_type) <= 1:
         tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, cache=cache)
-        pinned_ok = options.stage_devices is None or list(options.stage_devices) == [s.device_type for s in tables.slots]
-        return tables, (solve_split(tables, options, fixed, cutoff_s) if pinned_ok else None)
-    typed = tables_by_type(model, cluster, cand, options.dtype, available, options.optimizer, cache)
-    counts = {k: len(v) for k, v in available.items()}
-    if options.stage_devices is not None:
-        wanted = list(options.stage_devices)
-        if any(wanted.count(k) != n for k, n in counts.items()):
-            return compose_tables(typed, type_sequence(list(available), counts)), None
-        split = solve_split(compose_tables(typed, wanted), options, cutoff_s=cutoff_s)
-        split = split and SplitResult(bounds=split.bounds, cost=split.cost, status=split.status, types=wanted, bound_s=split.bound_s)
+        pinned_ok = options.stage_devices is None or list(options.stage_devices) == tables.device_types
+        split = solve_split(tables, options, fixed, cutoff_s) if pinned_ok else None
+        if split is None or not cand.tp_sum:
+            return tables, split
+        types = tables.device_types
     else:
-        split = solve_type_orders(typed, counts, options, cutoff_s)
-    if split is None:
-        return compose_tables(typed, type_sequence(list(available), counts)), None
-    unused = {k: list(v) for k, v in available.items()}
-    slots = [unused[k].pop(0) for k in split.types]
-    tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, slots=slots, cache=cache)
+        typed = tables_by_type(model, cluster, cand, options.dtype, options.optimizer, cache)
+        counts = dict(cand.stages_per_type)
+        if options.stage_devices is not None:
+            types = list(options.stage_devices)
+            split = solve_split(compose_tables(typed, types), options, cutoff_s=cutoff_s)
+        else:
+            split = solve_type_orders(typed, counts, options, cutoff_s)
+            types = split.types if split is not None else None
+        if split is None:
+            return compose_tables(typed, type_sequence(list(typed), counts)), None
+    degrees = [cand.modes[k].tp for k in split.modes[: cand.pp]]
+    tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, cache=cache,
+                          **exact_slots(cluster, cand, types, degrees))
     cost = evaluate_split(tables, split.bounds, split.modes)
-    return tables, SplitResult(bounds=split.bounds, cost=cost, status=split.status, types=split.types, bound_s=split.bound_s)
+    return tables, SplitResult(bounds=split.bounds, cost=cost, status=split.status, types=types, bound_s=split.bound_s)
+
+
+def exact_slots(cluster, cand: Candidate, types: list[str], degrees: list[int]) -> dict[str, list[RankSlots]]:
+    """``slots`` and ``cut_to`` of ``build_tables`` for pipeline ranks of these device types and degrees,
+    on the ranks ``pack_stage_ranks`` gives them."""
+    by_type = ranks_by_type(cluster)
+    slots: list[RankSlots] = [{} for _ in types]
+    for device_type in dict.fromkeys(types):
+        mine = [r for r, t in enumerate(types) if t == device_type]
+        memory = cluster.profile(device_type).memory_bytes
+        for r, ranks in zip(mine, pack_stage_ranks(by_type[device_type], cand.dp, [degrees[r] for r in mine])):
+            slots[r] = {degrees[r]: StageSlot(ranks=ranks, device_type=device_type, memory_bytes=memory)}
+    return {"slots": slots, "cut_to": [slots[(r + 1) % len(types)] for r in range(len(types))]}
 
 
 def memory_may_fit(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, cache: dict | None = None) -> bool:
-    """False when no split of ``cand`` can fit: the layers' memory, each at its smallest
-    (one micro-batch in flight, the most frugal mode), exceeds all ranks' memory together."""
+    """False when no split of ``cand`` can fit: the layers' memory, each at its smallest (one micro-batch
+    in flight, the most frugal mode, over the devices of its degree), exceeds all devices' memory together."""
     cache = {} if cache is None else cache
-    slots = _representative_slots(cluster, cand)
-    capacity = sum(slot.memory_bytes * n for slot, n in slots.values())
-    cols = _layer_columns(model, cluster, next(iter(slots)), cand.tp, cand.micro_batch_size, options.dtype, cache)
+    shares = _type_shares(cluster, cand)
+    capacity = sum(next(iter(slots.values())).memory_bytes * devices for slots, _, devices in shares.values() if slots)
+    device_type = next(iter(shares))
     need = np.full(len(model.layers), np.inf)
     for mode in cand.modes:
+        cols = _layer_columns(model, cluster, device_type, mode.tp, cand.micro_batch_size, options.dtype, cache)
         state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
         activations = cols.inputs if mode.recompute == "full" else cols.saved
-        need = np.minimum(need, cols.params * state + activations)
+        need = np.minimum(need, np.where(cols.splits, mode.tp * (cols.params * state + activations), np.inf))
     return FRAGMENTATION_MARGIN * float(need.sum()) <= capacity
 
 
@@ -610,7 +721,8 @@ def _candidate_dict(c: Candidate) -> dict:
 
 def _mode_lists(tables: CostTables, split: SplitResult) -> dict:
     modes = [tables.candidate.modes[k] for k in split.modes]
-    return {"recompute": [m.recompute for m in modes], "zero_stage": [m.zero_stage for m in modes]}
+    return {"recompute": [m.recompute for m in modes], "zero_stage": [m.zero_stage for m in modes],
+            "tensor_parallel": [m.tp for m in modes]}
 
 
 def _overflow(tables: CostTables) -> float:
@@ -628,9 +740,10 @@ def _explain_misfit(model: ModelGraph, options: SearchOptions, tables: CostTable
     mode = cand.modes[modes[r]]
     breakdown = stage_memory_breakdown(model, tables, r, *bounds[r], options.dtype, options.optimizer, mode=mode)
     gib = 2**30
+    what = mode.describe() + (f", tp {mode.tp}" if cand.tp is None else "")
     return (
-        f"no plan fits in memory: the closest ({cand.describe()}, {mode.describe()}) needs "
-        f"{cost.stage_memory_bytes[r] / gib:.1f} GiB on stage {r}, {tables.slots[r].device_type} has "
+        f"no plan fits in memory: the closest ({cand.describe()}, {what}) needs "
+        f"{breakdown.total_bytes / gib:.1f} GiB on stage {r}, {tables.device_types[r]} has "
         f"{tables.capacity_bytes[r] / gib:.1f} GiB (mostly {breakdown.dominant_term()}); "
         "add devices, lower --global-batch or use --dtype bf16"
     )
@@ -644,18 +757,18 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
     cost = evaluate_split(tables, bounds, modes)
     stages = []
     for c, (first, last) in enumerate(bounds):
+        mode = cand.modes[modes[c]]
         sharding = {}
-        if cand.tp > 1:
+        if mode.tp > 1:
             for l in range(first, last + 1):
                 sharding.update(model.tp_sharding[l])
-        slot = tables.slots[c % cand.pp]
-        mode = cand.modes[modes[c]]
+        slot = tables.slots[c % cand.pp][mode.tp]
         stages.append(
             StagePlan(
                 index=c,
                 layers=list(range(first, last + 1)),
                 device_type=slot.device_type,
-                tensor_parallel=cand.tp,
+                tensor_parallel=mode.tp,
                 ranks=slot.ranks,
                 tp_sharding=sharding,
                 zero_stage=mode.zero_stage if cand.dp > 1 else 0,
@@ -690,12 +803,14 @@ def _simulated_prediction(model: ModelGraph, cluster, options: SearchOptions, ca
     from planner.estimate import EstimateConfig, EstimateError, estimate
 
     ranks = stages[: cand.pp]
+    degrees = tuple(s.tensor_parallel for s in ranks)
     config = EstimateConfig(
-        global_batch_size=options.global_batch_size, dp=cand.dp, tp=cand.tp, pp=cand.pp,
+        global_batch_size=options.global_batch_size, dp=cand.dp, tp=degrees[0], pp=cand.pp,
         micro_batch_size=cand.micro_batch_size, dtype=options.dtype, schedule=cand.schedule, virtual_stages=cand.virtual_stages,
         optimizer=options.optimizer, stage_layers=tuple(b - a + 1 for a, b in bounds),
         stage_devices=tuple(s.device_type for s in ranks) if len(set(cluster.device_types())) > 1 else None,
         stage_recompute=tuple(s.recompute for s in stages), stage_zero=tuple(s.zero_stage for s in ranks),
+        stage_tp=degrees if len(set(degrees)) > 1 else None,
     )
     try:
         result = estimate(model, cluster, config)
@@ -711,7 +826,9 @@ def _linear_prediction(options: SearchOptions, tables: CostTables, bounds, cost:
     step = cost.objective_s
     slowest = max(cost.stage_time_s)
     m = cand.num_microbatches
-    tp_comm = max(float(tables.tp_time_s[first : last + 1, c].sum()) for c, (first, last) in enumerate(bounds)) * m
+    k = cost.modes
+    tp_comm = max(float(tables.tp_time_s[k[c], first : last + 1, c].sum()) for c, (first, last) in enumerate(bounds)) * m
+    cuts = sum(float(tables.cut_s[tables.tp_index(k[c]), tables.tp_index(k[c + 1]), last, c]) for c, (_, last) in enumerate(bounds[:-1]))
     return Predicted(
         step_time_s=step,
         throughput_samples_per_s=options.global_batch_size / step if step > 0 else 0.0,
@@ -719,7 +836,7 @@ def _linear_prediction(options: SearchOptions, tables: CostTables, bounds, cost:
         compute_time_s=m * slowest,
         bubble_time_s=sum(cost.stage_time_s) - slowest,
         dp_comm_time_s=max(cost.dp_sync_s),
-        pp_comm_time_s=sum(float(tables.cut_s[last, c]) for c, (_, last) in enumerate(bounds[:-1])) * m,
+        pp_comm_time_s=cuts * m,
         tp_comm_time_s=tp_comm,
     )
 

@@ -81,7 +81,7 @@ def may_beat(tables: CostTables, cutoff_s: float) -> bool:
                              virtual_stages=cand.virtual_stages)
     C, P = tables.num_chunks, cand.pp
     sums = float((wt.chunk_sum * tables.time_s - wt.weight_sum * tables.weight_s).min(axis=(0, 2)).sum())
-    cuts = wt.chunk_sum * (C - 1) * float(tables.cut_s[:, : C - 1].min()) if C > 1 else 0.0
+    cuts = wt.chunk_sum * (C - 1) * float(tables.cut_s[..., : C - 1].min()) if C > 1 else 0.0
     weight = wt.weight_max * float(tables.weight_s.min(axis=(0, 2)).max())
     epilogue = wt.epilogue_max * (float(tables.epilogue_latency_s[:, :P].min()) + float(tables.epilogue_s.min(axis=(0, 2)).sum()) / P)
     rest = sums + cuts + weight + epilogue
@@ -95,16 +95,19 @@ def _pace_reachable(tables: CostTables, pace_s: float) -> bool:
     """Whether some split has every chunk within ``pace_s`` and its rank's memory in some one mode."""
     K, L, C = tables.time_s.shape
     zeros = np.zeros((K, 1, C))
-    time = np.concatenate([zeros, np.cumsum(tables.time_s, axis=1)], axis=1)
-    memory = np.concatenate([zeros, np.cumsum(tables.memory_bytes, axis=1)], axis=1)
+    allowed = np.isfinite(tables.time_s) & np.isfinite(tables.memory_bytes)
+    time = np.concatenate([zeros, np.cumsum(np.where(allowed, tables.time_s, 0.0), axis=1)], axis=1)
+    memory = np.concatenate([zeros, np.cumsum(np.where(allowed, tables.memory_bytes, 0.0), axis=1)], axis=1)
     position = 0
     for c in range(C):
         capacity = tables.capacity_bytes[c % tables.candidate.pp]
         reach = position
         for k in range(K):
+            bad = np.flatnonzero(~allowed[k, position:, c])
+            by_layers = position + int(bad[0]) if len(bad) else L  # a layer mode k cannot hold ends the run
             by_time = np.searchsorted(time[k, :, c], time[k, position, c] + pace_s, side="right") - 1
             by_memory = np.searchsorted(memory[k, :, c], memory[k, position, c] + capacity, side="right") - 1
-            reach = max(reach, min(by_time, by_memory))
+            reach = max(reach, min(by_time, by_memory, by_layers))
         if reach == position:
             return False
         position = int(reach)
@@ -113,14 +116,59 @@ def _pace_reachable(tables: CostTables, pace_s: float) -> bool:
     return False
 
 
+def hint_degrees(tables: CostTables, bounds: list[tuple[int, int]]) -> list[int]:
+    """A tensor-parallel degree per pipeline rank whose sums match ``candidate.tp_sum``: per type as even
+    as the degrees allow, the larger degrees to the ranks with the most work; see [Note: per-stage tensor parallelism]."""
+    cand = tables.candidate
+    P, degrees = cand.pp, cand.tp_degrees
+    out = [degrees[-1]] * P
+    if len(degrees) == 1:
+        return out
+    work = [sum(float(np.nanmin(np.where(np.isfinite(tables.time_s[:, a : b + 1, c]), tables.time_s[:, a : b + 1, c], np.nan), axis=0).sum())
+                for c, (a, b) in enumerate(bounds) if c % P == r) for r in range(P)]
+    for device_type, total in cand.tp_sum:
+        ranks = sorted((r for r in range(P) if tables.device_types[r] == device_type), key=lambda r: -work[r])
+        picks = degree_split(total, len(ranks), degrees)
+        for r, d in zip(ranks, picks or [degrees[0]] * len(ranks)):
+            out[r] = d
+    return out
+
+
+def degree_split(total: int, count: int, degrees: tuple[int, ...]) -> list[int] | None:
+    """``count`` degrees (descending) summing to ``total``: two neighbouring degrees when they can, else
+    the first split found largest first; None when none does."""
+    ordered = sorted(degrees)
+    for a, b in zip(ordered, ordered[1:] + ordered[-1:]):
+        larger = (total - count * a) // (b - a) if b > a else 0
+        if 0 <= larger <= count and larger * b + (count - larger) * a == total:
+            return [b] * larger + [a] * (count - larger)
+    return next(_splits(total, count, tuple(ordered[::-1])), None)
+
+
+def _splits(total: int, count: int, degrees: tuple[int, ...]):
+    """Every multiset of ``count`` of ``degrees`` (descending) summing to ``total``, each listed descending."""
+    if count == 0:
+        if total == 0:
+            yield []
+        return
+    for i, d in enumerate(degrees):
+        if d * count >= total >= d + degrees[-1] * (count - 1):
+            for rest in _splits(total - d, count - 1, degrees[i:]):
+                yield [d, *rest]
+
+
 def greedy_modes(tables: CostTables, bounds: list[tuple[int, int]]) -> list[int]:
-    """A mode per chunk for the solver's hint: per rank, the fastest mode all its chunks can share that fits."""
+    """A mode per chunk for the solver's hint: per rank a degree (``hint_degrees``), then the fastest mode
+    of that degree all its chunks can share that fits."""
     K, P = len(tables.candidate.modes), tables.candidate.pp
+    degrees = hint_degrees(tables, bounds)
     modes = [0] * len(bounds)
     for r in range(P):
         chunks = list(range(r, len(bounds), P))
         scored = []
         for k in range(K):
+            if tables.candidate.modes[k].tp != degrees[r]:
+                continue
             terms = [chunk_terms(tables, c, *bounds[c], k) for c in chunks]
             scored.append((sum(t[3] for t in terms) > tables.capacity_bytes[r], sum(t[0] for t in terms) + max(t[2] for t in terms),
                            sum(t[3] for t in terms), k))
@@ -178,13 +226,20 @@ class SplitModel:
             model.add(self.start[c + 1] >= self.start[c] + 1)  # every chunk holds at least one layer
             if K > 1:
                 model.add_exactly_one(self.uses[c])
+            self._forbid_unsplit(c, specs[c])
             t, w, e, mem = self._chunk_terms(c, specs[c])
+            if "reshard" in specs[c]:
+                t = t + self._reshard(c, specs[c]["reshard"])
             chunk_time.append(t)
             chunk_weight.append(w)
             epilogue.append(e)
             memory.append(mem)
         for r in range(P):
             model.add(sum(memory[r::P]) <= int(tables.capacity_bytes[r] // self.byte_unit))
+        # The degrees of a type's stages sum to its devices per replica ([Note: per-stage tensor parallelism])
+        for device_type, total in cand.tp_sum:
+            ranks = [r for r in range(P) if tables.device_types[r] == device_type]
+            model.add(sum(mode.tp * self.uses[r][k] for r in ranks for k, mode in enumerate(cand.modes)) == total)
         # round_time[j] >= t_c of every chunk of round j (chunks j P .. j P + P - 1): the slowest
         round_time = [model.new_int_var(0, self.horizon, f"round_time_{j}") for j in range(cand.virtual_stages)]
         for c in range(C):
@@ -223,7 +278,8 @@ class SplitModel:
 
     def _horizon(self) -> int:
         t = self.tables
-        per_layer = t.time_s.max(axis=(0, 2)) + t.gather_bwd_s.max(axis=(0, 2)) + t.gather_fwd_s.max(axis=(0, 2)) + t.epilogue_s.max(axis=(0, 2))
+        time = np.where(np.isfinite(t.time_s), t.time_s, 0.0)
+        per_layer = time.max(axis=(0, 2)) + t.gather_bwd_s.max(axis=(0, 2)) + t.gather_fwd_s.max(axis=(0, 2)) + t.epilogue_s.max(axis=(0, 2))
         extra = t.cut_s.max() + t.gather_fwd_latency_s.max() + t.gather_bwd_latency_s.max() + t.epilogue_latency_s.max()
         return to_ticks(float(per_layer.sum() + extra * t.num_chunks), self.tick_s) + 2 * t.num_layers + t.num_chunks + 1
 
@@ -233,8 +289,16 @@ class SplitModel:
         """The prefix tables chunk c reads, by term; see [Note: split objective]."""
         t, cand = self.tables, self.tables.candidate
         K, L = len(cand.modes), t.num_layers
-        last_cut = np.concatenate([[0.0], t.cut_s[:, c]]) if c + 1 < t.num_chunks else np.zeros(L + 1)
-        spec = {"time": self._range_spec(c, t.time_s[:, :, c], np.broadcast_to(last_cut, (K, L + 1)))}
+        own = [t.tp_index(k) for k in range(K)]
+        if c + 1 < t.num_chunks:
+            last_cut = np.stack([np.concatenate([[0.0], t.cut_s[a, a, :, c]]) for a in own])
+        else:
+            last_cut = np.zeros((K, L + 1))
+        allowed = np.isfinite(t.time_s[:, :, c]) & np.isfinite(t.memory_bytes[:, :, c])
+        spec = {"time": self._range_spec(c, np.where(allowed, t.time_s[:, :, c], 0.0), last_cut)}
+        spec["unsplit"] = self._unsplit_spec(c, allowed)
+        if c + 1 < t.num_chunks and len(cand.tp_degrees) > 1:
+            spec["reshard"] = self._reshard_spec(c)
         zero3 = np.array([m.zero_stage == 3 and cand.dp > 1 for m in cand.modes])
         if zero3.any():
             # All exposed ([Note: split objective]): nothing of the compute hides them.
@@ -247,18 +311,53 @@ class SplitModel:
         if self.weights.weight_sum:
             spec["weight"] = self._range_spec(c, t.weight_s[:, :, c])
         spec["epilogue"] = self._range_spec(c, t.epilogue_s[:, :, c], t.epilogue_latency_s[:, c][:, None] * np.ones(L + 1))
-        spec["memory"] = self._range_spec(c, t.memory_bytes[:, :, c], bytes_=True)
+        spec["memory"] = self._range_spec(c, np.where(allowed, t.memory_bytes[:, :, c], 0.0), bytes_=True)
         spec["buffers"] = []
-        families = (
-            ("workspace", t.workspace_bytes, [k for k, m in enumerate(cand.modes) if m.recompute == "full"]),
-            ("zero3", t.zero3_buffer_bytes, [k for k, m in enumerate(cand.modes) if m.zero_stage == 3 and cand.dp > 1]),
-        )
+        families = [
+            family
+            for a, tp in enumerate(cand.tp_degrees)
+            for family in (
+                (f"workspace_tp{tp}", t.workspace_bytes[a], [k for k, m in enumerate(cand.modes) if m.recompute == "full" and m.tp == tp]),
+                (f"zero3_tp{tp}", t.zero3_buffer_bytes[a], [k for k, m in enumerate(cand.modes) if m.zero_stage == 3 and cand.dp > 1 and m.tp == tp]),
+            )
+        ]
         for name, values, members in families:
             if members:
                 levels = sorted({int(math.ceil(v / self.byte_unit)) for v in values}, reverse=True)
                 steps = [(level, self._want(c, self._next_at(values, level))) for level in levels[:-1]]
                 spec["buffers"].append((name, members, levels, steps))
         return spec
+
+    def _unsplit_spec(self, c: int, allowed: np.ndarray) -> list[tuple[list[int], tuple[int, ...] | None]]:
+        """[(modes, next_bad)]: modes that cannot hold some layer of column c, with next_bad[i] the first such
+        layer at or after i (None: none at all may be held)."""
+        groups: dict = {}
+        for k in range(allowed.shape[0]):
+            if not allowed[k].all():
+                groups.setdefault(allowed[k].tobytes(), []).append(k)
+        out = []
+        for members in groups.values():
+            row = allowed[members[0]]
+            if not row.any():
+                out.append((members, None))
+                continue
+            L, nxt, next_bad = len(row), len(row), [len(row)] * (len(row) + 1)
+            for i in range(L - 1, -1, -1):
+                nxt = i if not row[i] else nxt
+                next_bad[i] = nxt
+            out.append((members, self._want(c, tuple(next_bad))))
+        return out
+
+    def _reshard_spec(self, c: int) -> dict:
+        """(a, b) -> the table read at start[c + 1] of the cut's extra seconds when chunk c at degree a
+        hands over to chunk c + 1 at degree b, over what it costs between equal degrees."""
+        t = self.tables
+        out = {}
+        for a in range(len(t.candidate.tp_degrees)):
+            for b in range(len(t.candidate.tp_degrees)):
+                extra = _ticks(np.concatenate([[0.0], t.cut_s[a, b, :, c] - t.cut_s[a, a, :, c]]), self.tick_s)
+                out[a, b] = self._want(c + 1, tuple(extra.tolist()))
+        return out
 
     def _range_spec(self, c: int, values: np.ndarray, end_extra: np.ndarray | None = None, bytes_: bool = False) -> tuple[list, list]:
         """([(modes, table read at start[c], table read at start[c + 1])], envelopes): the modes whose rows
@@ -363,6 +462,30 @@ class SplitModel:
         for name, members, levels, steps in spec["buffers"]:
             memory = memory + self._range_max(c, name, members, levels, steps)
         return chunk_time, weight, epilogue, memory
+
+    def _forbid_unsplit(self, c: int, spec: dict) -> None:
+        """Chunk c takes no mode whose degree one of its layers cannot split."""
+        for members, next_bad in spec["unsplit"]:
+            if next_bad is None:
+                for k in members:
+                    self.model.add(self.uses[c][k] == 0)
+            else:
+                self.model.add(self._read(c, next_bad) >= self.start[c + 1]).only_enforce_if(self._in_modes(c, members))
+
+    def _reshard(self, c: int, spec: dict):
+        """The extra seconds of chunk c's cut when the next chunk's degree differs from its own."""
+        degrees = self.tables.candidate.tp_degrees
+        low = min(min(v) for v in spec.values())
+        high = max(max(v) for v in spec.values())
+        extra = self.model.new_int_var(min(low, 0), max(high, 0), f"reshard_{c}")
+        for (a, b), table in spec.items():
+            here, there = self._degree_literal(c, degrees[a]), self._degree_literal(c + 1, degrees[b])
+            self.model.add(extra == (self._read(c + 1, table) if any(table) else 0)).only_enforce_if([here, there])
+        return extra
+
+    def _degree_literal(self, c: int, tp: int):
+        """A literal that is 1 iff chunk c's degree is ``tp``."""
+        return self._in_modes(c, [k for k, m in enumerate(self.tables.candidate.modes) if m.tp == tp])
 
     def _range_sum(self, c: int, name: str, spec: tuple[list, list]):
         """Chunk c's sum over its layers in its mode: one group's difference of reads, chosen by the mode."""

@@ -18,12 +18,19 @@ def compositions(num_layers, num_chunks):
         yield [(edges[i], edges[i + 1] - 1) for i in range(num_chunks)]
 
 
-def random_tables(rng, num_layers, pp, num_microbatches, *, modes=PLAIN, schedule="1f1b", virtual_stages=1, memory=1.3, dp=2):
+def random_tables(rng, num_layers, pp, num_microbatches, *, modes=PLAIN, schedule="1f1b", virtual_stages=1, memory=1.3, dp=2,
+                  degrees=(1,), devices=None, unsplit=()):
     """Tables shaped like real ones: full recompute costs a forward and keeps less, ZeRO keeps
-    less state and moves the gradient sync, ZeRO-3 adds per-micro-batch gathers and buffers.
+    less state and moves the gradient sync, ZeRO-3 adds per-micro-batch gathers and buffers;
+    a stage of degree tp runs each layer in t (1/tp + s_l (1 - 1/tp)) (s_l: the layer's
+    unsplittable share, drawn per layer), holds 1/tp of it, and hands over to a stage of
+    another degree with ceil(b / a) whole-tensor sends.
 
     Args:
         memory: capacity per rank over the average no-recompute, no-ZeRO need (100: ample).
+        degrees: the tensor-parallel degrees each stage may take (each ``modes`` entry at each).
+        devices: the sum of the ranks' degrees (their devices per replica); unconstrained when None.
+        unsplit: (layer, degree) pairs the layer cannot take.
     """
     C, L = pp * virtual_stages, num_layers
     speed = np.array([1 + (c % pp) % 2 for c in range(C)], dtype=float)  # odd ranks twice as slow
@@ -34,37 +41,49 @@ def random_tables(rng, num_layers, pp, num_microbatches, *, modes=PLAIN, schedul
     inputs = saved * 0.1
     in_flight = np.array([float(min(num_microbatches, pp - c % pp)) for c in range(C)])
     sync_pb, rsag_pb, gather_pb = rng.uniform(1e-12, 4e-12), rng.uniform(1e-12, 4e-12), rng.uniform(1e-12, 6e-12)
+    serial = rng.uniform(0.05, 0.6, size=(L, 1)) if len(degrees) > 1 else np.zeros((L, 1))
+    modes = tuple(StageMode(recompute=m.recompute, zero_stage=m.zero_stage, tp=tp) for tp in degrees for m in modes)
 
     def per_mode(f):
         return np.stack([f(m) for m in modes])
 
+    def slower(m):  # time of a stage of degree m.tp over degree 1
+        return 1 / m.tp + serial * (1 - 1 / m.tp)
+
+    bad = np.array([[(l, m.tp) in set(unsplit) for l in range(L)] for m in modes])[:, :, None] * np.ones(C)
+    inf = np.where(bad, np.inf, 0.0)
     full = lambda m: m.recompute == "full"  # noqa: E731
     tables = dict(
-        time_s=per_mode(lambda m: (2 * fwd if full(m) else fwd) + b_input + weight + 0 * speed),
-        fwd_s=per_mode(lambda m: fwd + 0 * speed),
-        weight_s=per_mode(lambda m: weight + 0 * speed),
-        gather_fwd_s=per_mode(lambda m: np.outer(params * gather_pb * (m.zero_stage == 3), np.ones(C))),
-        gather_bwd_s=per_mode(lambda m: np.outer(params * 2 * gather_pb * (m.zero_stage == 3), np.ones(C))),
-        epilogue_s=per_mode(lambda m: np.outer(params * ({0: sync_pb, 2: rsag_pb, 3: 0.0}[m.zero_stage] + 1e-12 / (dp if m.zero_stage else 1)), np.ones(C))),
-        memory_bytes=per_mode(lambda m: np.outer(params * (16 if m.zero_stage == 0 else 4 + 12 / dp if m.zero_stage == 2 else 16 / dp), np.ones(C))
-                              + np.outer(inputs if full(m) else saved, in_flight)),
+        time_s=per_mode(lambda m: ((2 * fwd if full(m) else fwd) + b_input + weight) * slower(m) + 0 * speed) + inf,
+        fwd_s=per_mode(lambda m: fwd * slower(m) + 0 * speed),
+        weight_s=per_mode(lambda m: weight * slower(m) + 0 * speed),
+        gather_fwd_s=per_mode(lambda m: np.outer(params / m.tp * gather_pb * (m.zero_stage == 3), np.ones(C))),
+        gather_bwd_s=per_mode(lambda m: np.outer(params / m.tp * 2 * gather_pb * (m.zero_stage == 3), np.ones(C))),
+        epilogue_s=per_mode(lambda m: np.outer(params / m.tp * ({0: sync_pb, 2: rsag_pb, 3: 0.0}[m.zero_stage] + 1e-12 / (dp if m.zero_stage else 1)), np.ones(C))),
+        memory_bytes=per_mode(lambda m: np.outer(params / m.tp * (16 if m.zero_stage == 0 else 4 + 12 / dp if m.zero_stage == 2 else 16 / dp), np.ones(C))
+                              + np.outer((inputs if full(m) else saved) / m.tp, in_flight)) + inf,
+        tp_time_s=per_mode(lambda m: np.zeros((L, C))),
     )
     latency = lambda value: np.array([[value * (m.zero_stage == 3) if c < C else 0 for c in range(C)] for m in modes])  # noqa: E731
     need = (16 * params + saved * in_flight.mean()).sum() / pp
     capacity = need * memory
+    base_cut = np.concatenate([rng.uniform(0, 1e-3, size=(L, C - 1)), np.zeros((L, 1))], axis=1)
+    cut = np.array([[base_cut * (1 / a if a == b else -(-b // a)) for b in degrees] for a in degrees])
+    workspace = np.array([2**30 if i % 3 == 0 else 2**29 for i in range(L)], dtype=float)
+    zero3 = 3 * params.max() * np.array([1.0 if i == 0 else 0.5 for i in range(L)])
     return CostTables(
-        candidate=Candidate(dp=dp, tp=1, pp=pp, micro_batch_size=1, num_microbatches=num_microbatches, schedule=schedule,
-                            virtual_stages=virtual_stages, modes=tuple(modes)),
-        slots=[StageSlot(ranks=[[r]], device_type="cpu", memory_bytes=int(capacity)) for r in range(pp)],
+        candidate=Candidate(dp=dp, pp=pp, micro_batch_size=1, num_microbatches=num_microbatches, schedule=schedule,
+                            virtual_stages=virtual_stages, modes=modes, tp_sum=() if devices is None else (("cpu", devices),)),
+        slots=[{tp: StageSlot(ranks=[list(range(tp))], device_type="cpu", memory_bytes=int(capacity)) for tp in degrees} for r in range(pp)],
         **tables,
         gather_fwd_latency_s=latency(rng.uniform(0, 2e-4)),
         gather_bwd_latency_s=latency(rng.uniform(0, 4e-4)),
-        cut_s=np.concatenate([rng.uniform(0, 1e-3, size=(L, C - 1)), np.zeros((L, 1))], axis=1),
+        cut_s=cut,
         epilogue_latency_s=np.array([[rng.uniform(0, 1e-4) if c < pp else 0.0 for c in range(C)] for _ in modes]),
-        workspace_bytes=np.array([2**30 if i % 3 == 0 else 2**29 for i in range(L)], dtype=float),
-        zero3_buffer_bytes=3 * params.max() * np.array([1.0 if i == 0 else 0.5 for i in range(L)]),
+        workspace_bytes=np.array([workspace / tp for tp in degrees]),
+        zero3_buffer_bytes=np.array([zero3 / tp for tp in degrees]),
         capacity_bytes=np.full(pp, capacity),
-        tp_time_s=np.zeros((L, C)),
+        device_types=["cpu"] * pp,
     )
 
 
