@@ -13,7 +13,10 @@ runtime/profiler.py's benchmarks produce (docs/profiling.md lists its keys):
      "tp_op_overhead": {"fwd_bwd_s_per_op": s, "ops_per_block": n,
                         "all_reduces_per_block": n},                          (optional)
      "collectives": {"all_reduce": [[nbytes, seconds], ...], ...},
-     "step_overhead_s": s}
+     "step_overhead_s": s,
+     "reference": {"batch_size": n, "fwd_s": s, "fwd_bwd_s": s},              (optional)
+     "reference_step": {"step_s": s, "microbatches": m, "batch_size": n,
+                        "workers": w}}                                         (optional)
 
 [Note: calibrated fits]
 Every fitted quantity is a straight line through (size, seconds) points by least
@@ -42,7 +45,12 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   workload is runtime/reference_model.py, a fixed model unlike any example, timed in
   every worker at once; the efficiency is the layer cost model's FLOP and byte seconds
   at efficiency 1 (the row curve applied) over the measured seconds less the per-op
-  overheads it charges.
+  overheads it charges. Both are then scaled by one factor from the same model's
+  whole training step as the generated program runs it (runtime/profiler.py
+  ``reference_step_time``: hetpar's executor, the gradient all-reduce, AdamW, the
+  loss report, in every worker at once): the factor that makes the estimator's charge
+  for that step (layers, one all-reduce, optimizer, step overhead) equal the measured
+  step, so the efficiencies carry what the program adds around the kernels.
   Without that timing both are 1 (the rates above are what kernels reach here; the
   global 0.75 of cost_models/compute.py stands for GPU runs, not for this host);
 - ``optimizer_tensor_overhead_s`` and ``optimizer_bytes_per_s``: an AdamW step's
@@ -192,7 +200,40 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
     fwd_eff, bwd_eff = _reference_efficiencies(fitted, reference, reference_layers)
     sources["kernel_efficiency"] = f"{stamp}: forward of runtime/reference_model.py against the layer cost model"
     sources["backward_kernel_efficiency"] = f"{stamp}: backward of runtime/reference_model.py against the layer cost model"
+    step = measurements.get("reference_step")
+    if step:
+        scale = _runtime_scale(replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff), step, reference_layers)
+        fwd_eff, bwd_eff = _clamp(fwd_eff * scale), _clamp(bwd_eff * scale)
+        for key in ("kernel_efficiency", "backward_kernel_efficiency"):
+            sources[key] += f", times {scale:.3f}: its training step through the program's runtime against the estimator's charge"
     return replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, sources=sources)
+
+
+def _clamp(efficiency: float) -> float:
+    return min(_MAX_EFFICIENCY, max(_MIN_EFFICIENCY, efficiency))
+
+
+def _runtime_scale(profile: DeviceProfile, step: dict[str, Any], layers: Sequence[LayerProfile]) -> float:
+    """The factor on both kernel efficiencies that makes the estimator's charge for the
+    reference model's data-parallel training step equal the measured one; see
+    [Note: calibrated fits]. The charge is what planner.estimate adds up for such a
+    step: the micro-batches' forward and backward, one all-reduce of the gradients at
+    the fitted alpha and beta, the optimizer (per tensor and per byte) and the step
+    overhead; only the layers' FLOP and byte seconds scale."""
+    m, batch = int(step["microbatches"]), int(step["batch_size"])
+    times = [layer_timing(l, profile, tp=1, micro_batch_size=batch, dtype="fp32") for l in layers]
+    launch = sum(l.num_ops for l in layers) * (profile.op_overhead_s or 0.0) * LAUNCHES_PER_OP
+    work = sum(t.fwd_s + t.bwd_s for t in times) - launch
+    params = sum(l.params for l in layers)
+    reduce = profile.collectives.get("all_reduce")
+    sync_s = reduce.latency_s + 4.0 * params / reduce.bw_bytes_per_s if reduce and int(step["workers"]) > 1 else 0.0
+    optimizer_s = sum(l.param_tensors for l in layers) * (profile.optimizer_tensor_overhead_s or 0.0)
+    if profile.optimizer_bytes_per_s:
+        optimizer_s += params * OPTIMIZER_BYTES_PER_PARAM["adamw"] / profile.optimizer_bytes_per_s
+    left = float(step["step_s"]) - sync_s - optimizer_s - (profile.step_overhead_s or 0.0)
+    if work <= 0 or left / m - launch <= 0:
+        raise ProfileError("the reference training step ran faster than its overheads; the machine is too noisy, run hetpar profile again")
+    return work / (left / m - launch)
 
 
 def rows_curves(rows: dict[str, list], peak_flops_per_s: float) -> dict[str, dict[int, float]]:
@@ -221,5 +262,4 @@ def _reference_efficiencies(profile: DeviceProfile, reference: dict[str, Any], l
     bwd_left = float(reference["fwd_bwd_s"]) - float(reference["fwd_s"]) - 2 * launch
     if fwd_left <= 0 or bwd_left <= 0 or fwd_work <= 0 or bwd_work <= 0:
         raise ProfileError("the reference model ran faster than its per-op overheads; the machine is too noisy, run hetpar profile again")
-    clamp = lambda e: min(_MAX_EFFICIENCY, max(_MIN_EFFICIENCY, e))
-    return clamp(fwd_work / fwd_left), clamp(bwd_work / bwd_left)
+    return _clamp(fwd_work / fwd_left), _clamp(bwd_work / bwd_left)

@@ -188,6 +188,50 @@ def reference_times(*, repeats: int) -> dict[str, float]:
     return {"batch_size": reference_model.BATCH, "fwd_s": fwd, "fwd_bwd_s": both}
 
 
+REFERENCE_MICROBATCHES = 2  # micro-batches per step of ``reference_step_time``
+
+
+def reference_step_time(world: int, *, repeats: int) -> dict[str, float]:
+    """Seconds of a whole training step of runtime/reference_model.py as the generated
+    program runs one, data-parallel over all ``world`` workers (collective): the model
+    as one fx stage through hetpar's executor, ``REFERENCE_MICROBATCHES`` micro-batches
+    of ``BATCH`` samples, the gradient all-reduce under the last backward, AdamW, the
+    reported loss's all-reduce. cost_models/calibrate.py compares it with what the
+    estimator charges for such a step ([Note: calibrated fits])."""
+    from runtime import executor, reference_model, schedule, shard
+    from runtime.data_parallel import AllReduce
+    from runtime.distributed import Peers
+    from runtime.graph import trace_layers
+    from runtime.model_file import load_model_file
+
+    torch.manual_seed(0)
+    model_file = load_model_file(Path(reference_model.__file__), {})
+    model = model_file.build_model()
+    names = list(trace_layers(model, example_inputs=model_file.example_inputs(1)).layer_names)
+    stage = shard.cut_stage(model, model_file, reference_model.BATCH, (0, len(names) - 1), names)
+    sync = AllReduce(list(stage.module.parameters()), dist.group.WORLD, world)
+    none = Peers(recv_activations_from=None, send_activations_to=(), recv_grads_from=None, send_grads_to=())
+    m = REFERENCE_MICROBATCHES
+    pipeline = {0: executor.StageExecutor(stage=stage, peers=none, loss_fn=lambda out, _: out.square().mean(),
+                                          num_microbatches=m, device=torch.device("cpu"), before_backward=sync.before_backward)}
+    actions = schedule.make_schedule("1f1b", 1, m, 1)[0]
+    optimizer = torch.optim.AdamW(stage.module.parameters(), lr=1e-6)
+    data = [(model_file.example_inputs(reference_model.BATCH), torch.zeros(())) for _ in range(m)]
+
+    def train_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss = executor.run_actions(pipeline, actions, data, torch.device("cpu"))
+        sync.reduce()
+        optimizer.step()
+        reported = loss.reshape(1).clone()
+        dist.all_reduce(reported)
+        float(reported)
+
+    dist.barrier()
+    return {"step_s": median_time_s(train_step, repeats=repeats), "microbatches": m, "batch_size": reference_model.BATCH,
+            "workers": world}
+
+
 # --- Collectives between local workers --------------------------------------------------
 
 
@@ -365,6 +409,8 @@ def _worker(rank: int, world: int, port: int, plan: dict, out_dir: str) -> None:
             results["tp_op_overhead"] = _tp_op_overhead(world, blocks=10, repeats=plan["repeats"])
         progress("per-step overhead")
         results["step_overhead_s"] = _step_overhead_s(rank, plan["repeats"] * 2)
+        progress("reference training step through the program's runtime")
+        results["reference_step"] = reference_step_time(world, repeats=plan["repeats"])
         if rank == 0:
             (Path(out_dir) / "results.json").write_text(json.dumps(results))
         dist.barrier()
