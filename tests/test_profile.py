@@ -258,3 +258,30 @@ def test_a_row_curve_outside_zero_to_one_is_refused(tmp_path):
     (tmp_path / "bad.toml").write_text(text.replace("[sources]", '[sources]\nmatmul_rows_efficiency = "test"', 1))
     with pytest.raises(ProfileError, match="matmul_rows_efficiency.forward"):
         load_profile(tmp_path / "bad.toml")
+
+
+def test_the_reference_step_through_the_runtime_scales_both_efficiencies():
+    from cost_models.compute import layer_timing
+    from cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
+    layers = [LayerProfile(name=f"l{i}", fwd_flops=4e6 * (i + 1), bwd_flops=8e6 * (i + 1), params=1000,
+                           saved_activation_bytes=2e4, boundary_bytes=1e3, num_ops=12, param_tensors=2) for i in range(3)]
+    data = record()
+    data["optimizer"] = {"optimizer": "adamw", "tensor_s": 2e-5, "param_s": 1e-9}
+    plain = fit_profile(data, get_device("cpu"))
+    batch, m, fwd_eff, bwd_eff, scale = 4, 2, 0.6, 0.35, 0.8
+    at = lambda eff: [layer_timing(l, plain, tp=1, micro_batch_size=batch, dtype="fp32", kernel_efficiency=eff) for l in layers]
+    fwd_s = sum(t.fwd_s for t in at(fwd_eff))
+    bwd_s = sum(t.bwd_s for t in at(bwd_eff))
+    data["reference"] = {"batch_size": batch, "fwd_s": fwd_s, "fwd_bwd_s": fwd_s + bwd_s}
+    # The runtime's step: each micro-batch's layers at the efficiencies times `scale`,
+    # plus what the estimator charges besides the layers.
+    layer_s = sum(t.fwd_s for t in at(fwd_eff * scale)) + sum(t.bwd_s for t in at(bwd_eff * scale))
+    params, tensors = 3000, 6
+    reduce = plain.collectives["all_reduce"]
+    others = (reduce.latency_s + 4.0 * params / reduce.bw_bytes_per_s + tensors * 2e-5
+              + params * OPTIMIZER_BYTES_PER_PARAM["adamw"] / plain.optimizer_bytes_per_s + plain.step_overhead_s)
+    data["reference_step"] = {"step_s": m * layer_s + others, "microbatches": m, "batch_size": batch, "workers": 2}
+    p = fit_profile(data, get_device("cpu"), layers)
+    assert p.kernel_efficiency == pytest.approx(fwd_eff * scale)
+    assert p.backward_kernel_efficiency == pytest.approx(bwd_eff * scale)
+    assert "training step through the program's runtime" in p.sources["kernel_efficiency"]
