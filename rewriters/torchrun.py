@@ -309,6 +309,7 @@ start_step = checkpoints.restore(module, optimizer, scaler)  # 0: a fresh start
 # training loop: one optimizer step per global batch
 logger = training.StepLogger(enabled=me.rank == 0, total_steps=args.steps, global_batch_size=GLOBAL_BATCH_SIZE,
                              metrics=args.metrics, start_step=start_step)
+losses = training.LossReport(me, logger, last_stage=PIPELINE_RANKS - 1, data_parallel=DATA_PARALLEL)  # the global mean loss
 rows = shard.replica_rows(REPLICA_MICRO_BATCH_SIZES, NUM_MICROBATCHES, me.replica)  # this replica's share
 data = shard.replica_batches(model_file, GLOBAL_BATCH_SIZE, args.seed, rows=rows, start_step=start_step)
 for step in range(start_step + 1, args.steps + 1):
@@ -320,9 +321,11 @@ for step in range(start_step + 1, args.steps + 1):
     grad_sync.reduce()  # average over the replicas (FSDP2 already has)
     if scaler.unscale_and_check(module.parameters()):  # False only when fp16 overflowed on some rank
         optimizer.step()
-    loss = training.global_mean_loss(local_loss, me, last_stage=PIPELINE_RANKS - 1, data_parallel=DATA_PARALLEL)
-    logger.log(step, loss, time.perf_counter() - t0)
+    losses.submit(step, local_loss, time.perf_counter() - t0)  # logs the step before; see [Note: loss report]
+    if checkpoints.due(step, last=step == args.steps):
+        losses.flush()  # the metrics reach this step before its checkpoint does
     checkpoints.maybe_save(step, module, optimizer, scaler, last=step == args.steps)
+losses.flush()
 logger.close()
 
 # -----------------------------------------------------------------------------

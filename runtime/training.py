@@ -43,18 +43,43 @@ def announce(me: Placement, stage: StageSpec, grad_sync: object) -> None:
               f"recompute {stage.recompute}", file=sys.stderr, flush=True)
 
 
-def global_mean_loss(local_loss: torch.Tensor, me: Placement, *, last_stage: int, data_parallel: int) -> float:
-    """The mean loss of the global batch, known on every rank.
+class LossReport:
+    """The mean loss of each step's global batch, reduced without holding up the next step.
 
+    [Note: loss report]
     ``local_loss`` is a replica's mean over its micro-batches on the last stage. The
     tensor-parallel index 0 of each replica of the last stage contributes
     ``local_loss / dp``, every other rank zero, and one all-reduce over the world sums.
+    The all-reduce is asynchronous and a step's line is logged once the next step's
+    report starts (or at ``flush``): a blocking one would hold every rank at the end of
+    each step until the last stage finished, where a pipeline's first stages would
+    otherwise start the next step's forwards while the last ones finish the step (as a
+    hand-written ``torch.distributed.pipelining`` loop does). By the time step k + 1
+    ends, every rank has passed step k's report, so waiting for it stalls nothing.
+    ``flush`` before a checkpoint keeps the metrics file complete up to the checkpoint.
     """
-    reports = me.stage == last_stage and me.tp_index == 0
-    value = (local_loss.detach().float() / data_parallel) if reports else torch.zeros((), device=local_loss.device)
-    value = value.reshape(1).clone()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return float(value.item())
+
+    def __init__(self, me: Placement, logger: "StepLogger", *, last_stage: int, data_parallel: int):
+        self.me, self.logger = me, logger
+        self.last_stage, self.data_parallel = last_stage, data_parallel
+        self._pending: tuple[int, float, torch.Tensor, dist.Work] | None = None
+
+    def submit(self, step: int, local_loss: torch.Tensor, step_time_s: float) -> None:
+        """Start step ``step``'s all-reduce (collective) and log the step before it."""
+        reports = self.me.stage == self.last_stage and self.me.tp_index == 0
+        value = (local_loss.detach().float() / self.data_parallel) if reports else torch.zeros((), device=local_loss.device)
+        value = value.reshape(1).clone()
+        work = dist.all_reduce(value, op=dist.ReduceOp.SUM, async_op=True)
+        self.flush()
+        self._pending = (step, step_time_s, value, work)
+
+    def flush(self) -> None:
+        """Wait for the pending report, if any, and log it."""
+        if self._pending is not None:
+            step, step_time_s, value, work = self._pending
+            self._pending = None
+            work.wait()
+            self.logger.log(step, float(value.item()), step_time_s)
 
 
 class StepLogger:
@@ -155,4 +180,4 @@ def save_atomic(obj: object, path: Path) -> None:
         raise
 
 
-__all__ = ["StepLogger", "announce", "global_mean_loss", "make_optimizer", "save_atomic", "save_full_state"]
+__all__ = ["LossReport", "StepLogger", "announce", "make_optimizer", "save_atomic", "save_full_state"]
