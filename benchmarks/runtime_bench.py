@@ -53,7 +53,7 @@ gen = torch.Generator().manual_seed(0)
 times = []
 if mode == "dp":
     ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     for step in range(steps):
         x, y = torch.randn(m * mbs, 32, generator=gen), torch.randn(m * mbs, 8, generator=gen)
         t0 = time.perf_counter()
@@ -73,7 +73,7 @@ else:
     part = nn.Sequential(*list(model)[:cut]) if rank == 0 else nn.Sequential(*list(model)[cut:])
     stage = PipelineStage(part, rank, 2, torch.device("cpu"))
     schedule = Schedule1F1B(stage, m, loss_fn=loss_fn)
-    opt = torch.optim.SGD(part.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(part.parameters(), lr=1e-3)
     for step in range(steps):
         x, y = torch.randn(m * mbs, 32, generator=gen), torch.randn(m * mbs, 8, generator=gen)
         t0 = time.perf_counter()
@@ -145,7 +145,8 @@ def bench(kind: str, work: Path, opts: argparse.Namespace) -> dict:
     generated, hand = [], []
     for run in range(opts.repeats):
         metrics = build / f"m{run}.jsonl"
-        _torchrun(build / "train.py", ["--steps", str(opts.steps), "--lr", "1e-3", "--metrics", metrics.name],
+        _torchrun(build / "train.py", ["--steps", str(opts.steps), "--optimizer", "adamw", "--lr", "1e-3",
+                                                 "--metrics", metrics.name],
                   opts.timeout_s)
         times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()]
         generated.append(_median_after_warmup(times, opts.warmup))
