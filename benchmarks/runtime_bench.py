@@ -7,7 +7,7 @@ each rank, 4 micro-batches accumulated per step) and PP=2 (1F1B, 4 micro-batches
 blocks split in half). Each runs as the program ``hetpar compile`` writes and as a
 hand-written torch program for the same plan: ``DistributedDataParallel`` with
 ``no_sync`` for DP, ``torch.distributed.pipelining`` (``PipelineStage`` +
-``Schedule1F1B``) for PP. Both time each step with ``time.perf_counter`` from taking
+``Schedule1F1B``) for PP. Both step AdamW (torch's defaults, lr 1e-3). Both time each step with ``time.perf_counter`` from taking
 the batch to after the optimizer step; the first ``--warmup`` steps are dropped and the
 median of the rest is one run's step time. Runs alternate (generated, hand-written)
 ``--repeats`` times; the reported number is the median over runs, and the ratio is
