@@ -508,7 +508,7 @@ def build_tables(
                                                   "memory_bytes", "tp_time_s")}
     lat = {name: np.zeros((K, C)) for name in ("gather_fwd_latency_s", "gather_bwd_latency_s", "epilogue_latency_s")}
     cut = np.zeros((len(degrees), len(degrees), L, C))
-    elem = dtype_bytes(dtype)
+    per_slot: dict = {}
     for c in range(C):
         r = c % P
         for i, tp in enumerate(degrees):
@@ -521,7 +521,7 @@ def build_tables(
             if mode.tp not in slots[r]:
                 tables["time_s"][k, :, c] = tables["memory_bytes"][k, :, c] = np.inf
                 continue
-            _fill_mode(model, cluster, cand, dtype, optimizer, slots[r][mode.tp], c, k, in_flight[c], tables, lat, cache)
+            _fill_mode(model, cluster, cand, dtype, optimizer, slots[r][mode.tp], c, k, in_flight[c], tables, lat, cache, per_slot)
     workspace, zero3 = [], []
     w, g, _ = state_bytes_per_param(dtype, optimizer)
     for tp in degrees:
@@ -542,14 +542,20 @@ def build_tables(
 
 
 def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimizer: str, slot: StageSlot, c: int, k: int,
-               in_flight: float, tables: dict, lat: dict, cache: dict) -> None:
-    """Column c, row k of every per-mode table: chunk c on ``slot`` in mode ``cand.modes[k]``."""
+               in_flight: float, tables: dict, lat: dict, cache: dict, per_slot: dict) -> None:
+    """Column c, row k of every per-mode table: chunk c on ``slot`` in mode ``cand.modes[k]``.
+
+    Args:
+        per_slot: (rank, degree) -> what the slot's modes share, filled by the first.
+    """
     mode, P, elem = cand.modes[k], cand.pp, dtype_bytes(dtype)
     r = c % P
-    cols = _layer_columns(model, cluster, slot.device_type, mode.tp, cand.micro_batch_size, dtype, cache)
-    tp_ar = _tp_all_reduce(cluster, slot, cols, mode.tp, cache)
-    comm = _data_parallel_linear(cluster, cand.dp, mode.tp, slot, cache)
-    optimizer_rate, per_tensor_s, overhead_s = optimizer_rates(cluster.profile(slot.device_type))
+    cols, tp_ar, comm, (optimizer_rate, per_tensor_s, overhead_s) = _memo(per_slot, (r, mode.tp), lambda: (
+        cols := _layer_columns(model, cluster, slot.device_type, mode.tp, cand.micro_batch_size, dtype, cache),
+        _tp_all_reduce(cluster, slot, cols, mode.tp, cache),
+        _data_parallel_linear(cluster, cand.dp, mode.tp, slot, cache),
+        optimizer_rates(cluster.profile(slot.device_type)),
+    ))
     params = cols.params + (cols.tied if r != 0 else 0.0)  # a tied copy lives on every rank but the first
     full = mode.recompute == "full"
     fwd = cols.fwd + tp_ar

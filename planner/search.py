@@ -33,9 +33,10 @@ from planner.costs import (
     StageSlot,
     _data_parallel_linear,
     _layer_columns,
-    _place,
+    _memo,
     _sync_linear,
     _tp_all_reduce,
+    activation_multipliers,
     build_tables,
     compose_tables,
     evaluate_split,
@@ -170,17 +171,46 @@ def _layouts(model: ModelGraph, cluster, options: SearchOptions, dp: int, tp_ok:
     if options.tp is not None:
         chain = tuple(d for d in chain if d == options.tp and not tp_misfit(model.layers, d))
     for degrees in ([chain] if chain else []) + others:
-        counts = {}
-        for t in by_type:
-            mine = tuple(d for d in degrees if width[t] % d == 0 and d <= share[t])
-            counts[t] = [p for p in range(1, min(share[t], len(model.layers)) + 1) if mine and degree_split(share[t], p, mine)]
-        for picks in itertools.product(*counts.values()):
-            # the degrees some stage can take: the type's other stages can still sum to the rest
-            used = tuple(d for d in degrees if any(
-                width[t] % d == 0 and degree_split(share[t] - d, p - 1, tuple(e for e in degrees if width[t] % e == 0)) is not None
-                for t, p in zip(counts, picks)))
-            if options.stage_devices is None or all(options.stage_devices.count(t) == p for t, p in zip(counts, picks)):
-                yield used, tuple(sorted(share.items())), tuple(zip(counts, picks))
+        mine = {t: tuple(d for d in degrees if width[t] % d == 0 and d <= share[t]) for t in by_type}
+        if not all(mine.values()):
+            continue
+        for per_type in _stage_counts(share, mine, width, len(model.layers)):
+            used = tuple(sorted({d for t, p in per_type for d in degree_split(share[t], p, mine[t])}))
+            if options.stage_devices is None or all(options.stage_devices.count(t) == p for t, p in per_type):
+                yield used, tuple(sorted(share.items())), per_type
+
+
+# [Note: stage counts]
+# How many stages each type hosts is enumerated outside the model; every count whose
+# degrees can sum to the type's share would make the outer loop grow with the share
+# (a 192-device share has 24..130 possible counts for a 130-layer model, and three
+# types multiply theirs). The search takes, for each offered degree d, the count of the
+# uniform layout, ceil(share / d) stages, and, where the share fits in one node, that
+# count plus one on one type at a time: the uniform layouts, a remainder stage where d
+# does not divide the share, and within a node one stage's devices split between two
+# stages (or a heavy stage given a larger degree than the rest). On larger shares the
+# plus-one layouts were near-ties of the uniform ones (the 1T benchmark's 25 stages of
+# degrees 8 and 4 against 24 of 8, within 1%) that CP-SAT could not settle in its time
+# limit, and the search took a minute. The degrees offered are the two neighbours in the chain around the
+# type's average share / stages (``degree_split``; the stages' degrees as even as the
+# sum allows, so that their counts are fixed and the CP-SAT model only chooses which
+# stages take the larger), or where no two neighbours sum right, the degrees of the
+# first split found largest first. Offering every degree that could sum right was
+# tried: with 24 modes per stage CP-SAT's relaxation was weak (a bound of a third of
+# the optimum after 2 s on the 1T benchmark's candidates), and the search took minutes.
+def _stage_counts(share: dict[str, int], degrees: dict[str, tuple[int, ...]], width: dict[str, int], num_layers: int):
+    """The (device type, stages) tuples of [Note: stage counts]."""
+    seen = set()
+    for d in sorted({d for mine in degrees.values() for d in mine}):
+        base = {t: -(-share[t] // max((e for e in mine if e <= d), default=min(mine))) for t, mine in degrees.items()}
+        for extra in [None, *(t for t in share if share[t] <= width[t])]:
+            counts = {t: n + (t == extra) for t, n in base.items()}
+            key = tuple(sorted(counts.items()))
+            if key in seen or sum(counts.values()) > num_layers:
+                continue
+            seen.add(key)
+            if all(degree_split(share[t], n, degrees[t]) is not None for t, n in counts.items()):
+                yield key
 
 
 def _degree_ok(model: ModelGraph, options: SearchOptions, tp: int, tp_ok: bool) -> bool:
@@ -449,7 +479,9 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
     candidates = enumerate_candidates(model, cluster, options)
     cache: dict = {}
     bounds = {cand: lower_bound_s(model, cluster, cand, options.dtype, cache, options.optimizer) for cand in candidates}
-    candidates.sort(key=bounds.get)
+    # One degree for every stage first: those candidates solve fast and give a cutoff that
+    # spares the rest ([Note: stage counts]); each pass in order of its bounds.
+    candidates.sort(key=lambda c: (c.tp is None, bounds[c]))
     solved: list[Solved] = []
     misfits: list[tuple[float, CostTables]] = []
     skipped: list[Candidate] = []  # cannot fit in memory whatever the split
@@ -459,12 +491,14 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
         if progress:
             progress(i, len(candidates), cand.describe())
         if bounds[cand] >= best and len(solved) > options.top_k:
-            break  # [Note: candidate bound]: no later candidate can win
+            continue  # [Note: candidate bound]: no later candidate of this pass can win
         if not memory_may_fit(model, cluster, cand, options, cache):
             skipped.append(cand)
             continue
         # Once the runners-up are known, only a candidate that beats the best is of interest.
         cutoff = best if len(solved) > options.top_k else None
+        if cutoff is not None and not budget_may_beat(model, cluster, cand, options, cache, cutoff):
+            continue
         try:
             tables, split = solve_candidate(model, cluster, cand, options, cache, cutoff)
         except Unresolved as exc:  # no answer in time: its bound stays open
@@ -530,8 +564,13 @@ def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache
         cache: reused across candidates: per-layer times depend only on (tp, micro-batch
             size, device type, the tensor-parallel group's placement).
     """
-    cache = {} if cache is None else cache
-    shares = _type_shares(cluster, cand)
+    rest, pace, wt = _bound_terms(model, cluster, cand, dtype, {} if cache is None else cache, optimizer)
+    return (rest + wt.round_max * pace) / wt.scale
+
+
+def _bound_terms(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache: dict, optimizer: str):
+    """(every term of [Note: candidate bound] but the pace's, weighted; the pace bound; the schedule's weights)."""
+    shares = _memo(cache, ("shares", cand.dp, cand.tp_degrees, cand.stages_per_type, cand.tp_sum), lambda: _type_shares(cluster, cand))
     wt = linear_step_weights(cand.schedule, num_stages=cand.pp, num_microbatches=cand.num_microbatches, virtual_stages=cand.virtual_stages)
     layers = {t: _bound_layers(model, cluster, cand, t, slots, dtype, optimizer, cache) for t, (slots, _, _) in shares.items()}
     times = np.concatenate([b.times for b in layers.values()])
@@ -547,9 +586,73 @@ def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache
     cuts = (cand.num_chunks - 1) * min(_cut_floor(model, cluster, cand, dtype, next(iter(slots.values()))) for slots, _, _ in shares.values())
     epilogues = np.min([b.epilogue for b in layers.values()], axis=0)
     epilogue = min(b.latency for b in layers.values()) + float(epilogues.sum()) / cand.pp
-    total = (sums + wt.chunk_sum * cuts + wt.round_max * pace + wt.weight_max * float(weights.min(axis=0).max())
-             + wt.epilogue_max * epilogue)
-    return total / wt.scale
+    rest = sums + wt.chunk_sum * cuts + wt.weight_max * float(weights.min(axis=0).max()) + wt.epilogue_max * epilogue
+    return rest, pace, wt
+
+
+# [Note: degree budget bound]
+# Before a candidate with several offered degrees is solved under a cutoff, the pace
+# its other bound terms leave (cutoff * scale - rest) / G must be reachable by pp
+# chunks whose degrees sum to the type's share: each chunk holds a run of layers
+# whose times at its degree (the cheapest offered mode, no cut) stay within the pace
+# and whose memory (its rank's micro-batches in flight, each layer in its most frugal
+# mode, no one-layer buffers) fits one device.
+# A dynamic programme over the chunks keeps, per number of devices used, the furthest
+# layer reached; a chunk starting later reaches no less far, so this is exact for
+# the relaxation. It sees what the averages of [Note: candidate bound] do not: a
+# pipeline with more stages than devices in big degrees must put some layers on small
+# ones.
+def budget_may_beat(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, cache: dict, cutoff_s: float) -> bool:
+    """False when no split of ``cand`` can beat ``cutoff_s``; see [Note: degree budget bound]. True when it does not apply."""
+    if len(cand.tp_degrees) == 1 or len(cand.stages_per_type) != 1 or cand.virtual_stages > 1:
+        return True
+    rest, _, wt = _bound_terms(model, cluster, cand, options.dtype, cache, options.optimizer)
+    if wt.round_max == 0:
+        return True
+    pace = (cutoff_s * wt.scale - rest) / wt.round_max * (1 + 1e-9)
+    if pace <= 0:
+        return False
+    (device_type, _), (_, share) = cand.stages_per_type[0], cand.tp_sum[0]
+    slots = _type_shares(cluster, cand)[device_type][0]
+    in_flight = activation_multipliers(cand.schedule, cand.pp, cand.num_microbatches, cand.virtual_stages)
+    L = len(model.layers)
+    best = np.full(share + 1, -1)  # best[u]: the furthest layer the chunks so far reach using u devices per replica
+    best[0] = 0
+    for c in range(cand.pp):
+        nxt = np.full(share + 1, -1)
+        for tp, slot in slots.items():
+            ahead = _reach(model, cluster, cand, options, device_type, tp, slot, pace, in_flight[c], cache)
+            start = best[: share + 1 - tp]
+            far = np.where(start >= 0, ahead[np.maximum(start, 0)], -1)
+            far = np.where((far > start) | (start == L), far, -1)  # every chunk holds a layer (or could take one, once all are held)
+            nxt[tp:] = np.maximum(nxt[tp:], far)
+        best = nxt
+    return bool(best[share] >= L)
+
+
+def _reach(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, device_type: str, tp: int, slot: StageSlot,
+           pace_s: float, in_flight: float, cache: dict) -> np.ndarray:
+    """ahead[i]: the end of the longest run of layers from i within ``pace_s`` and one device's memory at degree ``tp``,
+    ``in_flight`` micro-batches' activations kept."""
+    cols = _layer_columns(model, cluster, device_type, tp, cand.micro_batch_size, options.dtype, cache)
+    tp_ar = _tp_all_reduce(cluster, slot, cols, tp, cache)
+    time_s = np.full(len(model.layers), np.inf)
+    memory = np.full(len(model.layers), np.inf)
+    for mode in cand.modes:
+        if mode.tp != tp:
+            continue
+        full = mode.recompute == "full"
+        time_s = np.minimum(time_s, cols.fwd * (2 if full else 1) + cols.b_input + cols.weight + tp_ar * (3 if full else 2))
+        state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
+        memory = np.minimum(memory, FRAGMENTATION_MARGIN * (cols.params * state + in_flight * (cols.inputs if full else cols.saved)))
+    ok = cols.splits & np.isfinite(time_s)
+    time = np.concatenate([[0.0], np.cumsum(np.where(ok, time_s, 0.0))])
+    mem = np.concatenate([[0.0], np.cumsum(np.where(ok, memory, 0.0))])
+    bad = np.append(np.flatnonzero(~ok), len(model.layers))
+    by_layers = bad[np.searchsorted(bad, np.arange(len(model.layers) + 1))]  # the first layer at or after i it cannot hold
+    by_time = np.searchsorted(time, time + pace_s, side="right") - 1
+    by_memory = np.searchsorted(mem, mem + slot.memory_bytes, side="right") - 1
+    return np.minimum(np.minimum(by_time, by_memory), by_layers)
 
 
 @dataclass(frozen=True)
@@ -567,8 +670,8 @@ def _bound_layers(model: ModelGraph, cluster, cand: Candidate, device_type: str,
                   optimizer: str, cache: dict) -> _BoundLayers:
     full_only = all(m.recompute == "full" for m in cand.modes)
     zeros = tuple(sorted({m.zero_stage for m in cand.modes}))
-    key = ("bound", device_type, cand.dp, cand.micro_batch_size, tuple(sorted((tp, _place(cluster, s.ranks[0]), _place(cluster, [r[0] for r in s.ranks]))
-                                                                           for tp, s in slots.items())), full_only, zeros, dtype, optimizer)
+    key = ("bound", device_type, cand.dp, cand.micro_batch_size, tuple(sorted((tp, id(s)) for tp, s in slots.items())), full_only, zeros,
+           dtype, optimizer)
     if key in cache:
         return cache[key]
     times, weights, device_s, epilogues, latencies = [], [], [], [], []
@@ -664,7 +767,7 @@ def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: Search
         tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, cache=cache)
         pinned_ok = options.stage_devices is None or list(options.stage_devices) == tables.device_types
         split = solve_split(tables, options, fixed, cutoff_s) if pinned_ok else None
-        if split is None or not cand.tp_sum:
+        if split is None or cand.tp is not None:  # one degree: the tables' ranks are Megatron's, the plan's
             return tables, split
         types = tables.device_types
     else:

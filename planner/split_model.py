@@ -92,28 +92,38 @@ def may_beat(tables: CostTables, cutoff_s: float) -> bool:
 
 
 def _pace_reachable(tables: CostTables, pace_s: float) -> bool:
-    """Whether some split has every chunk within ``pace_s`` and its rank's memory in some one mode."""
+    """Whether some split has every chunk within ``pace_s`` and its rank's memory in some one mode
+    (with several degrees, the degrees summing as ``candidate.tp_sum`` says: [Note: degree budget bound] in planner.search)."""
     K, L, C = tables.time_s.shape
+    cand = tables.candidate
     zeros = np.zeros((K, 1, C))
     allowed = np.isfinite(tables.time_s) & np.isfinite(tables.memory_bytes)
     time = np.concatenate([zeros, np.cumsum(np.where(allowed, tables.time_s, 0.0), axis=1)], axis=1)
     memory = np.concatenate([zeros, np.cumsum(np.where(allowed, tables.memory_bytes, 0.0), axis=1)], axis=1)
-    position = 0
+    positions = np.arange(L + 1)
+    bad = [[np.append(np.flatnonzero(~allowed[k, :, c]), L) for c in range(C)] for k in range(K)]
+
+    def ahead(k: int, c: int) -> np.ndarray:
+        """From each position, the end of the longest run chunk c holds in mode k."""
+        by_layers = bad[k][c][np.searchsorted(bad[k][c], positions)]  # a layer mode k cannot hold ends the run
+        by_time = np.searchsorted(time[k, :, c], time[k, :, c] + pace_s, side="right") - 1
+        by_memory = np.searchsorted(memory[k, :, c], memory[k, :, c] + tables.capacity_bytes[c % cand.pp], side="right") - 1
+        return np.minimum(np.minimum(by_time, by_memory), by_layers)
+
+    budget = len(cand.tp_degrees) > 1 and len(cand.tp_sum) == 1 and cand.virtual_stages == 1
+    share = cand.tp_sum[0][1] if budget else 0
+    best = np.full(share + 1, -1)  # best[u]: the furthest layer reached with u devices per replica (u = 0 without a budget)
+    best[0] = 0
     for c in range(C):
-        capacity = tables.capacity_bytes[c % tables.candidate.pp]
-        reach = position
+        nxt = np.full(share + 1, -1)
         for k in range(K):
-            bad = np.flatnonzero(~allowed[k, position:, c])
-            by_layers = position + int(bad[0]) if len(bad) else L  # a layer mode k cannot hold ends the run
-            by_time = np.searchsorted(time[k, :, c], time[k, position, c] + pace_s, side="right") - 1
-            by_memory = np.searchsorted(memory[k, :, c], memory[k, position, c] + capacity, side="right") - 1
-            reach = max(reach, min(by_time, by_memory, by_layers))
-        if reach == position:
-            return False
-        position = int(reach)
-        if position >= L:
-            return True
-    return False
+            tp = cand.modes[k].tp if budget else 0
+            start = best[: share + 1 - tp]
+            far = np.where(start >= 0, ahead(k, c)[np.maximum(start, 0)], -1)
+            # every chunk holds a layer; once all are held, later chunks could take some from earlier ones
+            nxt[tp:] = np.maximum(nxt[tp:], np.where((far > start) | (start == L), far, -1))
+        best = nxt
+    return bool(best[share] >= L)
 
 
 def hint_degrees(tables: CostTables, bounds: list[tuple[int, int]]) -> list[int]:
@@ -237,7 +247,7 @@ class SplitModel:
         for r in range(P):
             model.add(sum(memory[r::P]) <= int(tables.capacity_bytes[r] // self.byte_unit))
         # The degrees of a type's stages sum to its devices per replica ([Note: per-stage tensor parallelism])
-        for device_type, total in cand.tp_sum:
+        for device_type, total in cand.tp_sum if len(cand.tp_degrees) > 1 else ():  # one degree: the enumeration made it sum
             ranks = [r for r in range(P) if tables.device_types[r] == device_type]
             model.add(sum(mode.tp * self.uses[r][k] for r in ranks for k, mode in enumerate(cand.modes)) == total)
         # round_time[j] >= t_c of every chunk of round j (chunks j P .. j P + P - 1): the slowest
