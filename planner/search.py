@@ -54,6 +54,7 @@ from planner.split_model import (
     SplitModel,
     Unresolved,
     bounds_from_sizes,
+    budget_reaches,
     degree_split,
     equal_split,
     greedy_modes,
@@ -185,13 +186,14 @@ def _layouts(model: ModelGraph, cluster, options: SearchOptions, dp: int, tp_ok:
 # degrees can sum to the type's share would make the outer loop grow with the share
 # (a 192-device share has 24..130 possible counts for a 130-layer model, and three
 # types multiply theirs). The search takes, for each offered degree d, the count of the
-# uniform layout, ceil(share / d) stages, and, where the share fits in one node, that
-# count plus one on one type at a time: the uniform layouts, a remainder stage where d
-# does not divide the share, and within a node one stage's devices split between two
-# stages (or a heavy stage given a larger degree than the rest). On larger shares the
-# plus-one layouts were near-ties of the uniform ones (the 1T benchmark's 25 stages of
-# degrees 8 and 4 against 24 of 8, within 1%) that CP-SAT could not settle in its time
-# limit, and the search took a minute. The degrees offered are the two neighbours in the chain around the
+# uniform layout, ceil(share / d) stages, and, on one device type whose share fits in
+# one node, that count plus one: the uniform layouts, a remainder stage where d does
+# not divide the share, and within a node one stage's devices split between two stages
+# (or a heavy stage given a larger degree than the rest). On larger shares the plus-one
+# layouts were near-ties of the uniform ones (the 1T benchmark's 25 stages of degrees 8
+# and 4 against 24 of 8, within 1%) that CP-SAT could not settle in its time limit, and
+# the search took a minute; on mixed clusters each is solved once per order of the
+# types, and they tripled the 512-device benchmark's time. The degrees offered are the two neighbours in the chain around the
 # type's average share / stages (``degree_split``; the stages' degrees as even as the
 # sum allows, so that their counts are fixed and the CP-SAT model only chooses which
 # stages take the larger), or where no two neighbours sum right, the degrees of the
@@ -203,7 +205,7 @@ def _stage_counts(share: dict[str, int], degrees: dict[str, tuple[int, ...]], wi
     seen = set()
     for d in sorted({d for mine in degrees.values() for d in mine}):
         base = {t: -(-share[t] // max((e for e in mine if e <= d), default=min(mine))) for t, mine in degrees.items()}
-        for extra in [None, *(t for t in share if share[t] <= width[t])]:
+        for extra in [None, *(t for t in share if share[t] <= width[t] and len(share) == 1)]:
             counts = {t: n + (t == extra) for t, n in base.items()}
             key = tuple(sorted(counts.items()))
             if key in seen or sum(counts.values()) > num_layers:
@@ -604,7 +606,7 @@ def _bound_terms(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache:
 # ones.
 def budget_may_beat(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, cache: dict, cutoff_s: float) -> bool:
     """False when no split of ``cand`` can beat ``cutoff_s``; see [Note: degree budget bound]. True when it does not apply."""
-    if len(cand.tp_degrees) == 1 or len(cand.stages_per_type) != 1 or cand.virtual_stages > 1:
+    if len(cand.tp_degrees) == 1 or not cand.tp_sum or cand.virtual_stages > 1:
         return True
     rest, _, wt = _bound_terms(model, cluster, cand, options.dtype, cache, options.optimizer)
     if wt.round_max == 0:
@@ -612,22 +614,17 @@ def budget_may_beat(model: ModelGraph, cluster, cand: Candidate, options: Search
     pace = (cutoff_s * wt.scale - rest) / wt.round_max * (1 + 1e-9)
     if pace <= 0:
         return False
-    (device_type, _), (_, share) = cand.stages_per_type[0], cand.tp_sum[0]
-    slots = _type_shares(cluster, cand)[device_type][0]
     in_flight = activation_multipliers(cand.schedule, cand.pp, cand.num_microbatches, cand.virtual_stages)
-    L = len(model.layers)
-    best = np.full(share + 1, -1)  # best[u]: the furthest layer the chunks so far reach using u devices per replica
-    best[0] = 0
-    for c in range(cand.pp):
-        nxt = np.full(share + 1, -1)
-        for tp, slot in slots.items():
-            ahead = _reach(model, cluster, cand, options, device_type, tp, slot, pace, in_flight[c], cache)
-            start = best[: share + 1 - tp]
-            far = np.where(start >= 0, ahead[np.maximum(start, 0)], -1)
-            far = np.where((far > start) | (start == L), far, -1)  # every chunk holds a layer (or could take one, once all are held)
-            nxt[tp:] = np.maximum(nxt[tp:], far)
-        best = nxt
-    return bool(best[share] >= L)
+    shares = _type_shares(cluster, cand)
+    counts = dict(cand.stages_per_type)
+    orders = [list(order) for order in itertools.permutations(counts)] if options.stage_devices is None else [None]
+    for order in orders:
+        types = type_sequence(order, counts) if order else list(options.stage_devices)
+        steps = [[(tp, _reach(model, cluster, cand, options, types[c], tp, slot, pace, in_flight[c], cache))
+                  for tp, slot in shares[types[c]][0].items()] for c in range(cand.pp)]
+        if budget_reaches(steps, types, dict(cand.tp_sum), len(model.layers)):
+            return True
+    return False
 
 
 def _reach(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, device_type: str, tp: int, slot: StageSlot,

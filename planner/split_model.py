@@ -110,20 +110,33 @@ def _pace_reachable(tables: CostTables, pace_s: float) -> bool:
         by_memory = np.searchsorted(memory[k, :, c], memory[k, :, c] + tables.capacity_bytes[c % cand.pp], side="right") - 1
         return np.minimum(np.minimum(by_time, by_memory), by_layers)
 
-    budget = len(cand.tp_degrees) > 1 and len(cand.tp_sum) == 1 and cand.virtual_stages == 1
-    share = cand.tp_sum[0][1] if budget else 0
-    best = np.full(share + 1, -1)  # best[u]: the furthest layer reached with u devices per replica (u = 0 without a budget)
+    if len(cand.tp_degrees) > 1 and cand.tp_sum and cand.virtual_stages == 1:
+        steps = [[(cand.modes[k].tp, ahead(k, c)) for k in range(K)] for c in range(C)]
+        return budget_reaches(steps, tables.device_types, dict(cand.tp_sum), L)
+    return budget_reaches([[(0, ahead(k, c)) for k in range(K)] for c in range(C)], [""] * C, {"": 0}, L)
+
+
+def budget_reaches(steps: list[list[tuple[int, np.ndarray]]], types: list[str], shares: dict[str, int], num_layers: int) -> bool:
+    """Whether chunks in order, chunk c on device type ``types[c]`` taking one of ``steps[c]`` = [(devices,
+    ahead)] (ahead[i]: where its run from layer i may end), hold every layer, each chunk at least one, with
+    the devices of each type's (consecutive) chunks summing to its share; see [Note: degree budget bound]
+    in planner.search. A chunk starting later ends no earlier, so the furthest layer per devices used decides."""
+    L = num_layers
+    best = np.full(shares[types[0]] + 1, -1)  # best[u]: the furthest layer reached with u of the current type's devices
     best[0] = 0
-    for c in range(C):
+    for c, options in enumerate(steps):
+        share = shares[types[c]]
+        if c and types[c] != types[c - 1]:  # the previous type's devices all used
+            reached, best = best[shares[types[c - 1]]], np.full(share + 1, -1)
+            best[0] = reached
         nxt = np.full(share + 1, -1)
-        for k in range(K):
-            tp = cand.modes[k].tp if budget else 0
-            start = best[: share + 1 - tp]
-            far = np.where(start >= 0, ahead(k, c)[np.maximum(start, 0)], -1)
+        for devices, ahead in options:
+            start = best[: share + 1 - devices]
+            far = np.where(start >= 0, ahead[np.maximum(start, 0)], -1)
             # every chunk holds a layer; once all are held, later chunks could take some from earlier ones
-            nxt[tp:] = np.maximum(nxt[tp:], np.where((far > start) | (start == L), far, -1))
+            nxt[devices:] = np.maximum(nxt[devices:], np.where((far > start) | (start == L), far, -1))
         best = nxt
-    return bool(best[share] >= L)
+    return bool(best[shares[types[-1]]] >= L)
 
 
 def hint_degrees(tables: CostTables, bounds: list[tuple[int, int]]) -> list[int]:
