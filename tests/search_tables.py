@@ -87,12 +87,15 @@ def random_tables(rng, num_layers, pp, num_microbatches, *, modes=PLAIN, schedul
     )
 
 
-def brute_force(tables):
-    """The best fitting (objective, bounds, modes) over every split and every mode of every chunk, or None."""
+def brute_force(tables, accept=lambda modes: True):
+    """The best fitting (objective, bounds, modes) over every split and every mode of every chunk whose
+    mode list ``accept`` takes, or None."""
     best = None
     C, K = tables.num_chunks, len(tables.candidate.modes)
     for bounds in compositions(tables.num_layers, C):
         for modes in itertools.product(range(K), repeat=C):
+            if not accept(modes):
+                continue
             cost = evaluate_split(tables, bounds, list(modes))
             if cost.fits(tables) and (best is None or cost.objective_s < best[0]):
                 best = (cost.objective_s, bounds, list(modes))

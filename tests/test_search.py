@@ -160,3 +160,85 @@ def test_bad_stage_pins_are_explained(pins, message):
 
     with pytest.raises(PlanningError, match=message):
         search(_gpt_graph(), parse_cluster("1x4xV100-32GB+1x4xA100-80GB"), SearchOptions(global_batch_size=16, dtype="fp16", **pins))
+
+
+def _solver_and_brute_force(graph, cluster, options):
+    """Per candidate of the search: the solver's objective and brute force's over every type order, split
+    and mode (degrees included), and brute force's over plans whose stages share one degree."""
+    from planner.costs import build_tables, compose_tables, tables_by_type
+    from planner.search import enumerate_candidates, solve_split, solve_type_orders, type_sequence
+    from tests.search_tables import brute_force
+
+    out = []
+    for cand in enumerate_candidates(graph, cluster, options):
+        counts = dict(cand.stages_per_type)
+        if len(counts) > 1:
+            typed = tables_by_type(graph, cluster, cand, options.dtype)
+            every = [compose_tables(typed, type_sequence(list(order), counts)) for order in itertools.permutations(typed)]
+            split = solve_type_orders(typed, counts, options)
+        else:
+            every = [build_tables(graph, cluster, cand, options.dtype)]
+            split = solve_split(every[0], options)
+        one_degree = lambda modes, c=cand: len({c.modes[k].tp for k in modes}) == 1  # noqa: E731
+        best = [b[0] for t in every if (b := brute_force(t)) is not None]
+        uniform = [b[0] for t in every if (b := brute_force(t, one_degree)) is not None]
+        out.append((cand, split and split.cost.objective_s, min(best, default=None), min(uniform, default=None)))
+    return out
+
+
+def test_stages_of_different_degrees_beat_every_one_degree_plan():
+    """A100 nodes of two devices and a V100 node of one: one degree for all stages can only be 1 (three
+    stages); a stage of degree 2 on the A100s and one of 1 on the V100 is faster. Brute force over every
+    candidate, type order, split and mode agrees with the solver, and finds no one-degree plan as fast."""
+    from cost_models.cluster import parse_cluster
+    from planner.search import search
+    from planner.trace import trace_model
+    from runtime.model_file import load_model_file
+
+    graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 4, "hidden": 2048, "heads": 16, "seq_len": 512, "vocab": 32000}))
+    cluster = parse_cluster("1x2xA100-80GB+1x1xV100-32GB")
+    options = SearchOptions(global_batch_size=16, dtype="fp16", workers=1, micro_batch_size=4)
+    rows = _solver_and_brute_force(graph, cluster, options)
+    for cand, solved, best, _ in rows:
+        assert (solved is None) == (best is None), cand.describe()
+        if best is not None:
+            assert solved == pytest.approx(best, rel=1e-4), cand.describe()
+    best_mixed = min(best for _, _, best, _ in rows if best is not None)
+    best_uniform = min(uniform for _, _, _, uniform in rows if uniform is not None)
+    assert best_mixed < best_uniform * 0.99
+    plan = search(graph, cluster, options)
+    assert sorted((s.device_type, s.tensor_parallel) for s in plan.stages) == [("A100-80GB", 2), ("V100-32GB", 1)]
+    types = cluster.device_types()
+    assert all(types[r] == s.device_type for s in plan.stages for rep in s.ranks for r in rep)
+
+
+def test_a_plan_of_mixed_degrees_is_estimated_as_the_search_predicted():
+    """The plan's prediction comes from planner.estimate on the plan's own ranks ([Note: plan prediction]);
+    explaining the plan estimates it again from the plan file's fields and must agree."""
+    from cost_models.cluster import parse_cluster
+    from planner.explain import explain_plan
+    from planner.search import search
+    from planner.trace import trace_model
+    from runtime.model_file import load_model_file
+
+    args = {"n_layers": 4, "hidden": 2048, "heads": 16, "seq_len": 512, "vocab": 32000}
+    graph = trace_model(load_model_file("examples/gpt.py", args))
+    cluster = parse_cluster("1x2xA100-80GB+1x1xV100-32GB")
+    plan = search(graph, cluster, SearchOptions(global_batch_size=16, dtype="fp16", workers=1))
+    assert len({s.tensor_parallel for s in plan.stages}) > 1
+    again = explain_plan(plan).estimate
+    assert [s.ranks for s in again.stages] == [s.ranks for s in plan.stages[: plan.pipeline_parallel]]
+    assert again.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    assert again.predicted.peak_memory_bytes == plan.predicted.peak_memory_bytes
+
+
+@pytest.mark.parametrize("dp,degrees,width", [(1, [2, 4, 1, 1], 4), (2, [1, 2, 1], 4), (1, [8, 4, 2, 1, 1], 8), (3, [2, 2], 2)])
+def test_stage_blocks_keep_tensor_parallel_groups_inside_a_node(dp, degrees, width):
+    from planner.costs import pack_stage_ranks
+
+    world = dp * sum(degrees)
+    stages = pack_stage_ranks(list(range(world)), dp, degrees)
+    assert sorted(r for s in stages for rep in s for r in rep) == list(range(world))
+    for stage, tp in zip(stages, degrees):
+        assert len(stage) == dp and all(len(rep) == tp for rep in stage)
+        assert all(len({r // width for r in rep}) == 1 for rep in stage)

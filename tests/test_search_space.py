@@ -206,3 +206,73 @@ def test_pace_bound_never_rules_out_a_better_split(num_layers, pp, v, m, schedul
     best = brute_force(tables)
     if best is not None:
         assert may_beat(tables, best[0] * (1 + 1e-6))
+
+
+# --- Per-stage tensor-parallel degrees ([Note: per-stage tensor parallelism]) ----------------
+
+# (layers, pp, degrees, devices per replica, modes, memory, layers that cannot split 2 ways)
+DEGREE_SPACE = [
+    (L, pp, degrees, devices, modes, memory, unsplit)
+    for pp, degrees, devices in ((2, (1, 2), 3), (3, (1, 2), 4), (3, (1, 2), 5), (2, (2, 4), 6), (3, (1, 2, 4), 6), (2, (1, 2, 4), 5))
+    for modes in (RECOMPUTE, ZERO[::3])
+    for L in (pp + 1, 6)
+    for memory in (0.6, 100)
+    for unsplit in ((), ((1, 2), (2, 2)))
+]
+
+
+@pytest.mark.parametrize("num_layers,pp,degrees,devices,modes,memory,unsplit", DEGREE_SPACE)
+def test_solver_matches_brute_force_over_stage_degrees(num_layers, pp, degrees, devices, modes, memory, unsplit):
+    """Splits, modes and each stage's degree, the degrees summing to the devices per replica, layers that
+    a degree cannot split kept off it: the solver against every assignment."""
+    rng = np.random.default_rng(zlib.crc32(repr((num_layers, pp, degrees, devices, len(modes), memory, unsplit)).encode()))
+    tables = random_tables(rng, num_layers, pp, 4, modes=modes, memory=memory, degrees=degrees, devices=devices, unsplit=unsplit)
+    best = brute_force(tables)
+    result = solve_split(tables, OPTIONS)
+    if best is None:
+        assert result is None
+        return
+    assert result is not None and result.status == "optimal"
+    assert result.cost.fits(tables)
+    assert result.cost.objective_s == pytest.approx(best[0], rel=1e-4)
+    chosen = [tables.candidate.modes[k] for k in result.modes]
+    assert sum(m.tp for m in chosen) == devices
+    assert not any((l, m.tp) in set(unsplit) for (a, b), m in zip(result.bounds, chosen) for l in range(a, b + 1))
+
+
+@pytest.mark.parametrize("num_layers,pp,degrees,devices,modes,memory,unsplit", DEGREE_SPACE[::4])
+def test_pace_bound_with_degrees_never_rules_out_a_better_split(num_layers, pp, degrees, devices, modes, memory, unsplit):
+    """[Note: degree budget bound] inside may_beat: a cutoff just above the brute-force optimum keeps the candidate."""
+    from planner.search import may_beat
+
+    rng = np.random.default_rng(zlib.crc32(repr((num_layers, pp, degrees, devices, len(modes), memory, unsplit)).encode()))
+    tables = random_tables(rng, num_layers, pp, 4, modes=modes, memory=memory, degrees=degrees, devices=devices, unsplit=unsplit)
+    best = brute_force(tables)
+    if best is not None:
+        assert may_beat(tables, best[0] * (1 + 1e-6))
+
+
+def test_degree_sums_per_device_type_in_every_type_order():
+    """Two device types, each with its own share of devices: the type order, split, modes and degrees together."""
+    import itertools
+    from dataclasses import replace
+
+    from planner.costs import compose_tables
+    from planner.search import solve_type_orders, type_sequence
+
+    rng = np.random.default_rng(11)
+    shares = {"A100-80GB": 3, "V100-32GB": 2}
+    typed = {}
+    for device_type, slow in zip(shares, (1.0, 2.5)):
+        t = random_tables(rng, 6, 3, 4, modes=RECOMPUTE, memory=1.0, degrees=(1, 2), devices=None)
+        cand = replace(t.candidate, tp_sum=tuple(sorted(shares.items())))
+        typed[device_type] = CostTables(**{**t.__dict__, "candidate": cand, "time_s": slow * t.time_s, "device_types": [device_type] * 3})
+    counts = {"A100-80GB": 2, "V100-32GB": 1}
+    best = min((b for order in itertools.permutations(typed)
+                if (b := brute_force(compose_tables(typed, type_sequence(list(order), counts)))) is not None), default=None)
+    result = solve_type_orders(typed, counts, OPTIONS)
+    assert best is not None and result is not None and result.status == "optimal"
+    assert result.cost.objective_s == pytest.approx(best[0], rel=1e-4)
+    composed = compose_tables(typed, result.types)
+    for device_type, share in shares.items():
+        assert sum(composed.candidate.modes[result.modes[r]].tp for r in range(3) if result.types[r] == device_type) == share
