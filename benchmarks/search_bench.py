@@ -60,7 +60,9 @@ def describe(p) -> str:
     types = "/".join(s.device_type for s in p.stages)
     if len(set(s.device_type for s in p.stages)) == 1:
         types = p.stages[0].device_type
-    return f"dp{p.data_parallel} tp{s0.tensor_parallel} pp{p.pipeline_parallel} mb{p.micro_batch_size}x{p.num_microbatches} [{split}] {types}"
+    degrees = {s.tensor_parallel for s in p.stages}
+    tp = f"tp{s0.tensor_parallel}" if len(degrees) == 1 else "tp[" + "/".join(str(s.tensor_parallel) for s in p.stages) + "]"
+    return f"dp{p.data_parallel} {tp} pp{p.pipeline_parallel} mb{p.micro_batch_size}x{p.num_microbatches} [{split}] {types}"
 
 
 def main() -> None:
