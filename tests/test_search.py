@@ -242,3 +242,34 @@ def test_stage_blocks_keep_tensor_parallel_groups_inside_a_node(dp, degrees, wid
     for stage, tp in zip(stages, degrees):
         assert len(stage) == dp and all(len(rep) == tp for rep in stage)
         assert all(len({r // width for r in rep}) == 1 for rep in stage)
+
+
+def test_candidates_the_solver_does_not_settle_leave_the_search_feasible_with_its_gap(monkeypatch):
+    """Pipelined candidates get a time limit too short to settle them (Unresolved): the search keeps
+    their lower bounds open and reports status feasible with a gap that the true optimum respects."""
+    import dataclasses
+
+    import planner.search as search_module
+    from cost_models.cluster import parse_cluster
+    from planner.trace import trace_model
+    from runtime.model_file import load_model_file
+
+    graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 8, "hidden": 64, "seq_len": 16}))
+    cluster = parse_cluster("1x4xcpu")
+    options = SearchOptions(global_batch_size=8, dtype="fp32", workers=1)
+    full = search_module.search(graph, cluster, options)
+    solve_split = search_module.solve_split
+
+    def hurried(tables, opts, *args, **kw):
+        if tables.candidate.pp > 1:
+            opts = dataclasses.replace(opts, time_limit_s=1e-6)
+        return solve_split(tables, opts, *args, **kw)
+
+    monkeypatch.setattr(search_module, "solve_split", hurried)
+    hurried_plan = search_module.search(graph, cluster, options)
+    assert full.solver.status == "optimal" and full.solver.objective_gap == 0
+    assert hurried_plan.solver.status == "feasible" and hurried_plan.solver.objective_gap > 0
+    assert hurried_plan.pipeline_parallel == 1  # only unpipelined candidates were settled
+    proven = hurried_plan.solver.objective_s * (1 - hurried_plan.solver.objective_gap)
+    assert proven <= full.solver.objective_s * (1 + 1e-6) <= hurried_plan.solver.objective_s * (1 + 1e-6)
+    assert full.pipeline_parallel > 1 or full.solver.objective_s == pytest.approx(hurried_plan.solver.objective_s)
