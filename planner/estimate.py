@@ -89,6 +89,7 @@ class EstimateConfig:
     stage_recompute: tuple[str, ...] | None = None  # recompute per virtual stage, p * v entries; ``recompute`` for all when None
     stage_zero: tuple[int, ...] | None = None  # ZeRO stage per pipeline rank, p entries; ``zero_stage`` for all when None
     stage_tp: tuple[int, ...] | None = None  # tensor-parallel degree per pipeline rank, p entries; ``tp`` for all when None
+    replica_batch_shares: tuple[int, ...] | None = None  # micro-batch size per replica (dp entries); ``micro_batch_size`` each when None
     scatter_gather: bool = True  # Megatron's p2p optimisation (Narayanan et al. 2021, section 4.1)
     overlap_grad_reduce: bool = False
     kernel_efficiency: float | None = None  # None: each device's own (cost_models.compute.training_efficiency)
@@ -143,6 +144,13 @@ class EstimateConfig:
             for value in self.stage_recompute:
                 if value not in RECOMPUTE_CHOICES:
                     raise EstimateError(f"unknown recompute {value!r}; use one of {', '.join(RECOMPUTE_CHOICES)}")
+        shares = self.replica_batch_shares
+        if shares is not None:
+            if len(shares) != self.dp or any(not isinstance(b, int) or b < 1 for b in shares):
+                raise EstimateError(f"replica_batch_shares {list(shares)}: one positive micro-batch size per replica, dp({self.dp}) needed")
+            if sum(shares) != self.dp * self.micro_batch_size:
+                raise EstimateError(f"replica_batch_shares {list(shares)} sum to {sum(shares)}, not dp({self.dp}) * "
+                                    f"micro_batch_size({self.micro_batch_size}) = {self.dp * self.micro_batch_size}")
         if self.stage_tp is not None:
             if len(self.stage_tp) != self.pp:
                 raise EstimateError(f"stage_tp has {len(self.stage_tp)} entries, pp({self.pp}) needed")
@@ -593,6 +601,10 @@ def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -> Est
         cost_models.devices.ProfileError: a device lacks the training dtype.
     """
     check_against(model, cluster, config)
+    if config.replica_batch_shares is not None:
+        from planner.hetero_dp import estimate_shares  # hetero_dp builds on this module
+
+        return estimate_shares(model, cluster, config)
     layouts = stage_layout(cluster, config)
     bounds = chunk_bounds(model, config)
     costs = [_chunk_cost(model, cluster, config, b, layouts[k % config.pp], k) for k, b in enumerate(bounds)]

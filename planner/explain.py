@@ -54,6 +54,7 @@ def explain_plan(plan: ParallelPlan) -> Explanation:
         stage_recompute=tuple(s.recompute for s in plan.stages),
         stage_zero=tuple(s.zero_stage for s in ranks),
         stage_tp=tuple(s.tensor_parallel for s in ranks) if len({s.tensor_parallel for s in ranks}) > 1 else None,
+        replica_batch_shares=tuple(plan.replica_batch_shares) if plan.replica_batch_shares is not None else None,
     )
     return Explanation(plan=plan, estimate=estimate(graph, cluster, config))
 

@@ -49,7 +49,7 @@ from cost_models.compute import dtype_bytes
 from cost_models.devices import ProfileError
 from planner.estimate import Estimate, EstimateConfig, EstimateError, estimate
 from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
-from planner.search import PlanningError, SearchOptions, divisors, search
+from planner.search import PlanningError, SearchOptions, divisors, equal_split, search
 from planner.subcluster import shorthand
 from planner.trace import ModelGraph
 
@@ -234,8 +234,8 @@ def _layouts(model: ModelGraph, cluster: Cluster, classes: list[ReplicaClass], o
             plan = search(model, classes[k].replica_cluster, _replica_options(options, batch))
         except PlanningError:
             continue
-        if plan.virtual_stages != 1 or plan.replica_batch_shares is not None:
-            continue
+        if plan.virtual_stages != 1 or plan.replica_batch_shares is not None or len({s.tensor_parallel for s in plan.stages}) > 1:
+            continue  # replicas share one degree for every stage (Layout.tp)
         layout = Layout(tp=plan.stages[0].tensor_parallel, pp=plan.pipeline_parallel,
                         stage_layers=tuple(len(s.layers) for s in plan.stages), schedule=plan.schedule.value,
                         stage_recompute=tuple(s.recompute for s in plan.stages),
@@ -358,10 +358,46 @@ def _assemble(model: ModelGraph, cluster: Cluster, options: SearchOptions, choic
     )
 
 
+def estimate_shares(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -> Estimate:
+    """planner.estimate of a plan whose replicas take ``config.replica_batch_shares``: each replica's pipeline
+    estimated on its own devices, then step 4 of [Note: heterogeneous data parallelism], as the plan was predicted.
+
+    Raises:
+        EstimateError: the replicas do not tile the cluster as the Note lays them out, or one does not fit.
+    """
+    pp, tp, m = config.pp, config.tp, config.num_microbatches
+    layers = config.stage_layers or tuple(b - a + 1 for a, b in equal_split(len(model.layers), pp))
+    layout = Layout(tp=tp, pp=pp, stage_layers=layers, schedule=config.schedule,
+                    stage_recompute=tuple(config.recompute_of(s) for s in range(pp)), tp_sharding=({},) * pp)
+    classes = replica_classes(cluster, tp * pp)
+    if config.virtual_stages > 1 or config.stage_tp is not None or classes is None:
+        raise EstimateError(f"replica_batch_shares needs replicas of tp({tp}) * pp({pp}) devices of one type each, one "
+                            "chunk per rank and one degree for every stage")
+    replica_class = [k for k, c in enumerate(classes) for _ in range(c.count)]
+    options = SearchOptions(global_batch_size=config.global_batch_size, dtype=config.dtype, optimizer=config.optimizer)
+    runs: dict = {}
+    chosen = {}
+    for d, (k, b) in enumerate(zip(replica_class, config.replica_batch_shares)):
+        run = _replica_run(model, classes[k], layout, options, b, m, runs)
+        if run is None:
+            raise EstimateError(f"replica {d} ({classes[k].device_type}) does not fit micro-batches of {b}")
+        chosen[(k, b)] = run
+    predicted = _predicted(model, cluster, classes, layout, options, replica_class, list(config.replica_batch_shares), chosen)
+    slowest = max(chosen.values(), key=lambda r: r.predicted.step_time_s - r.time.optimizer_s)
+    ranks = _stage_ranks(classes, layout)
+    flops = slowest.model_flops_per_step / (slowest.config.global_batch_size or 1) * config.global_batch_size
+    peak = sum(cluster.profile(t).peak_flops(config.dtype) for t in cluster.device_types())
+    step = predicted.step_time_s
+    return replace(slowest, config=config, cluster_spec=cluster.spec, world_size=cluster.world_size, predicted=predicted,
+                   time=replace(slowest.time, dp_comm_s=predicted.dp_comm_time_s, optimizer_s=max(r.time.optimizer_s for r in chosen.values())),
+                   stages=[replace(st, ranks=ranks[st.index]) for st in slowest.stages], model_flops_per_step=flops,
+                   tflops_per_device=flops / step / cluster.world_size / 1e12, mfu=flops / step / peak)
+
+
 def _classes_of(cluster: Cluster, layout: Layout) -> list[ReplicaClass]:
     classes = replica_classes(cluster, layout.tp * layout.pp)
     assert classes is not None, "a chosen layout's replica size tiles the cluster"
     return classes
 
 
-__all__ = ["ReplicaClass", "Layout", "balance_shares", "hetero_dp_plan", "replica_classes", "replica_sizes", "sync_floor_s"]
+__all__ = ["ReplicaClass", "Layout", "balance_shares", "estimate_shares", "hetero_dp_plan", "replica_classes", "replica_sizes", "sync_floor_s"]

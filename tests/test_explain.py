@@ -54,3 +54,23 @@ def test_cli_writes_svg_and_json(plan, tmp_path):
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["kind"] == "hetpar.estimate"
     assert svg.read_text().startswith("<svg")
+
+
+def test_a_plan_with_unequal_replica_shares_is_explained_at_its_predicted_pace(tmp_path):
+    """Replicas of A100s take more samples than replicas of V100s (planner.hetero_dp); explaining the plan
+    estimates each replica at its own share, so it reports the plan's prediction, not the slowest type's pace."""
+    from planner.hetero_dp import hetero_dp_plan
+    from planner.trace import trace_model
+    from runtime.model_file import load_model_file
+
+    model = tmp_path / "gpt.py"
+    shutil.copy("examples/gpt.py", model)
+    args = {"n_layers": 4, "hidden": 256, "heads": 4, "seq_len": 128, "vocab": 512}
+    graph = trace_model(load_model_file(model, args))
+    plan = hetero_dp_plan(graph, parse_cluster("1x2xA100-80GB+1x2xV100-32GB"),
+                          SearchOptions(global_batch_size=64, dtype="fp16", workers=1, time_limit_s=5, pp=1))
+    assert len(set(plan.replica_batch_shares)) > 1
+    again = explain_plan(plan).estimate
+    assert again.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    assert again.time.step_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    assert [s.ranks for s in again.stages] == [s.ranks for s in plan.stages]
