@@ -843,7 +843,7 @@ def _explain_misfit(model: ModelGraph, options: SearchOptions, tables: CostTable
     what = mode.describe() + (f", tp {mode.tp}" if cand.tp is None else "")
     return (
         f"no plan fits in memory: the closest ({cand.describe()}, {what}) needs "
-        f"{breakdown.total_bytes / gib:.1f} GiB on stage {r}, {tables.device_types[r]} has "
+        f"{cost.stage_memory_bytes[r] / gib:.1f} GiB on stage {r}, {tables.device_types[r]} has "
         f"{tables.capacity_bytes[r] / gib:.1f} GiB (mostly {breakdown.dominant_term()}); "
         "add devices, lower --global-batch or use --dtype bf16"
     )
