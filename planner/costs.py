@@ -49,7 +49,7 @@ span device types is costed on the slowest of them and the smallest memory.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -352,6 +352,11 @@ def compose_tables(tables_by_type: dict[str, "CostTables"], types: list[str]) ->
         capacity_bytes=np.array([tables_by_type[t].capacity_bytes[r] for r, t in enumerate(types)], dtype=float),
         device_types=list(types),
     )
+
+def type_sequence(order: list[str], stages_per_type: dict[str, int]) -> list[str]:
+    """Stage device types: each type's stages in one block, blocks in ``order``."""
+    return [k for k in order for _ in range(stages_per_type[k])]
+
 
 def _peak(profile) -> float:
     for dtype in ("bf16", "fp16", "fp32"):

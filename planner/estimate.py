@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cost_models.cluster import Cluster
-from cost_models.collectives import all_gather_time_s, all_reduce_time_s, p2p_time_s, reduce_scatter_time_s
+from cost_models.collectives import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
 from cost_models.compute import (
     HBM_STREAM_EFFICIENCY,
     dtype_bytes,

@@ -93,7 +93,7 @@ def may_beat(tables: CostTables, cutoff_s: float) -> bool:
 
 def _pace_reachable(tables: CostTables, pace_s: float) -> bool:
     """Whether some split has every chunk within ``pace_s`` and its rank's memory in some one mode
-    (with several degrees, the degrees summing as ``candidate.tp_sum`` says: [Note: degree budget bound] in planner.search)."""
+    (with several degrees, the degrees summing as ``candidate.tp_sum`` says: [Note: degree budget bound] in planner.bounds)."""
     K, L, C = tables.time_s.shape
     cand = tables.candidate
     zeros = np.zeros((K, 1, C))
@@ -119,8 +119,8 @@ def _pace_reachable(tables: CostTables, pace_s: float) -> bool:
 def budget_reaches(steps: list[list[tuple[int, np.ndarray]]], types: list[str], shares: dict[str, int], num_layers: int) -> bool:
     """Whether chunks in order, chunk c on device type ``types[c]`` taking one of ``steps[c]`` = [(devices,
     ahead)] (ahead[i]: where its run from layer i may end), hold every layer, each chunk at least one, with
-    the devices of each type's (consecutive) chunks summing to its share; see [Note: degree budget bound]
-    in planner.search. A chunk starting later ends no earlier, so the furthest layer per devices used decides."""
+    the devices of each type's (consecutive) chunks summing to its share; see [Note: degree budget bound] in
+    planner.bounds. A chunk starting later ends no earlier, so the furthest layer per devices used decides."""
     L = num_layers
     best = np.full(shares[types[0]] + 1, -1)  # best[u]: the furthest layer reached with u of the current type's devices
     best[0] = 0
