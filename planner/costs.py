@@ -49,6 +49,7 @@ span device types is costed on the slowest of them and the smallest memory.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -256,7 +257,7 @@ def _type_slots(cluster, dp: int, tp: int) -> dict[str, list[StageSlot]]:
     size = dp * tp
     out = {}
     for device_type, ranks in ranks_by_type(cluster).items():
-        if cluster.devices_per_node_of(ranks[0]) % tp:
+        if type_width(cluster, ranks) % tp:
             out[device_type] = []
             continue
         memory = cluster.profile(device_type).memory_bytes
@@ -265,6 +266,11 @@ def _type_slots(cluster, dp: int, tp: int) -> dict[str, list[StageSlot]]:
             for i in range(0, len(ranks) - size + 1, size)
         ]
     return out
+
+
+def type_width(cluster, ranks: list[int]) -> int:
+    """The largest tensor-parallel degree that tiles every node of these ranks: the gcd of their nodes' widths."""
+    return math.gcd(*{cluster.devices_per_node_of(r) for r in ranks})
 
 
 def ranks_by_type(cluster) -> dict[str, list[int]]:

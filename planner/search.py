@@ -37,6 +37,7 @@ from planner.costs import (
     stage_memory_breakdown,
     tables_by_type,
     type_sequence,
+    type_width,
 )
 from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
 from planner.split_model import (
@@ -154,7 +155,7 @@ def _layouts(model: ModelGraph, cluster, options: SearchOptions, dp: int, tp_ok:
                 yield (tp,), (), ()
         return
     share = {t: len(r) // dp for t, r in by_type.items()}
-    width = {t: cluster.devices_per_node_of(r[0]) for t, r in by_type.items()}
+    width = {t: type_width(cluster, r) for t, r in by_type.items()}
     chain = tuple(d for d in (2**i for i in range(12)) if _degree_ok(model, options, d, tp_ok) and any(w % d == 0 for w in width.values()))
     others = [(d,) for d in sorted({d for w in width.values() for d in divisors(w)} - set(chain))
               if _degree_ok(model, options, d, tp_ok) and all(w % d == 0 for w in width.values()) and not tp_misfit(model.layers, d)]
