@@ -262,9 +262,11 @@ def _check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
     gbs = options.global_batch_size
     if gbs < 1:
         raise PlanningError(f"--global-batch must be positive, got {gbs}")
-    for name, value in (("dp", options.dp), ("tp", options.tp), ("pp", options.pp)):
+    for name, value in (("dp", options.dp), ("tp", options.tp)):
         if value is not None and (value < 1 or world % value):
             raise PlanningError(f"--{name} {value} does not divide the cluster's world size ({world})")
+    if options.pp is not None and not 1 <= options.pp <= world:
+        raise PlanningError(f"--pp {options.pp} must be between 1 and the cluster's world size ({world})")
     dp, tp, pp = options.dp, options.tp, options.pp
     if dp and tp and pp and dp * tp * pp != world:
         raise PlanningError(f"dp({dp}) * tp({tp}) * pp({pp}) = {dp * tp * pp} != world_size({world})")

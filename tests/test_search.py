@@ -273,3 +273,17 @@ def test_candidates_the_solver_does_not_settle_leave_the_search_feasible_with_it
     proven = hurried_plan.solver.objective_s * (1 - hurried_plan.solver.objective_gap)
     assert proven <= full.solver.objective_s * (1 + 1e-6) <= hurried_plan.solver.objective_s * (1 + 1e-6)
     assert full.pipeline_parallel > 1 or full.solver.objective_s == pytest.approx(hurried_plan.solver.objective_s)
+
+
+@pytest.mark.slow
+def test_a_searched_plan_of_mixed_degrees_trains_like_one_process(tmp_path, gpt_path):
+    """Three stages on four devices: the search gives one stage degree 2 and two degree 1 (their blocks
+    largest first), and the compiled program trains like one process."""
+    from cost_models.cluster import parse_cluster
+    from planner.api import plan_model
+    from tests.test_distributed import GPT_ARGS, assert_trains_like_one_process
+
+    options = SearchOptions(global_batch_size=8, dtype="fp32", schedule="1f1b", micro_batch_size=2, pp=3, dp=1)
+    plan = plan_model(gpt_path, parse_cluster("1x4xcpu"), options, model_args=GPT_ARGS)
+    assert sorted(s.tensor_parallel for s in plan.stages) == [1, 1, 2]
+    assert_trains_like_one_process(plan, tmp_path)
