@@ -32,14 +32,20 @@ SPACE = [
 def test_solver_matches_brute_force_over_splits_and_modes(num_layers, pp, v, m, schedule, modes, memory):
     rng = np.random.default_rng(zlib.crc32(repr((num_layers, pp, v, m, schedule, len(modes), memory)).encode()))
     tables = random_tables(rng, num_layers, pp, m, modes=modes, schedule=schedule, virtual_stages=v, memory=memory)
+    _solver_equals_brute_force(tables)
+
+
+def _solver_equals_brute_force(tables):
+    """The solver's split is optimal, fits, and costs what brute force's best does; None when nothing fits."""
     best = brute_force(tables)
     result = solve_split(tables, OPTIONS)
     if best is None:
         assert result is None
-        return
+        return None
     assert result is not None and result.status == "optimal"
     assert result.cost.fits(tables)
     assert result.cost.objective_s == pytest.approx(best[0], rel=1e-4)
+    return result
 
 
 def test_zero_is_chosen_when_memory_forces_it_and_not_when_it_only_costs_time():
@@ -227,14 +233,9 @@ def test_solver_matches_brute_force_over_stage_degrees(num_layers, pp, degrees, 
     a degree cannot split kept off it: the solver against every assignment."""
     rng = np.random.default_rng(zlib.crc32(repr((num_layers, pp, degrees, devices, len(modes), memory, unsplit)).encode()))
     tables = random_tables(rng, num_layers, pp, 4, modes=modes, memory=memory, degrees=degrees, devices=devices, unsplit=unsplit)
-    best = brute_force(tables)
-    result = solve_split(tables, OPTIONS)
-    if best is None:
-        assert result is None
+    result = _solver_equals_brute_force(tables)
+    if result is None:
         return
-    assert result is not None and result.status == "optimal"
-    assert result.cost.fits(tables)
-    assert result.cost.objective_s == pytest.approx(best[0], rel=1e-4)
     chosen = [tables.candidate.modes[k] for k in result.modes]
     assert sum(m.tp for m in chosen) == devices
     assert not any((l, m.tp) in set(unsplit) for (a, b), m in zip(result.bounds, chosen) for l in range(a, b + 1))
