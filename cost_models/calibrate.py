@@ -70,7 +70,7 @@ import statistics
 from dataclasses import replace
 from typing import Any, Sequence
 
-from cost_models.compute import layer_timing
+from cost_models.compute import layer_timing, optimizer_rates
 from cost_models.devices import DeviceProfile, MeasuredCollective, ProfileError
 from cost_models.layers import LayerProfile
 from cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
@@ -227,10 +227,9 @@ def _runtime_scale(profile: DeviceProfile, step: dict[str, Any], layers: Sequenc
     params = sum(l.params for l in layers)
     reduce = profile.collectives.get("all_reduce")
     sync_s = reduce.latency_s + 4.0 * params / reduce.bw_bytes_per_s if reduce and int(step["workers"]) > 1 else 0.0
-    optimizer_s = sum(l.param_tensors for l in layers) * (profile.optimizer_tensor_overhead_s or 0.0)
-    if profile.optimizer_bytes_per_s:
-        optimizer_s += params * OPTIMIZER_BYTES_PER_PARAM["adamw"] / profile.optimizer_bytes_per_s
-    left = float(step["step_s"]) - sync_s - optimizer_s - (profile.step_overhead_s or 0.0)
+    rate, per_tensor, fixed = optimizer_rates(profile)
+    optimizer_s = params * OPTIMIZER_BYTES_PER_PARAM["adamw"] / rate + sum(l.param_tensors for l in layers) * per_tensor + fixed
+    left = float(step["step_s"]) - sync_s - optimizer_s
     if work <= 0 or left / m - launch <= 0:
         raise ProfileError("the reference training step ran faster than its overheads; the machine is too noisy, run hetpar profile again")
     return work / (left / m - launch)

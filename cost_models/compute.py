@@ -174,12 +174,28 @@ def rows_efficiency(points: dict[int, float], rows: float) -> float:
 # to the next, that is memory traffic on top of the FLOPs, and at small micro-batches
 # it is most of a Linear's time. A measured profile sets ``weight_stream_bytes_per_s``
 # to its copy bandwidth and the layer pays the weights' fp32 bytes at that rate, less
-# the same kernel and stream efficiencies as its activation traffic. Measured on the
-# 2-core CPU host (docs/BENCHMARKS.md, "Predictions vs this machine"): with it the
-# reference fit rises from 0.64 to 0.78 and the layer errors of GPT blocks (512 rows)
-# and MLP blocks (16 rows) fall from +32% and -20% to within +-15%. Datasheet profiles
+# the same kernel and stream efficiencies as its activation traffic. On the 2-core CPU
+# host, with it and the row curves, the validation models' layers are predicted
+# within 13% forward and 6% backward (benchmarks/layer_bench.py, docs/BENCHMARKS.md
+# "The layer model against this machine"); without it, GPT blocks of 512 rows and MLP
+# blocks of 16 rows were off in opposite directions (+32%, -20%). Datasheet profiles
 # leave it unset: on a GPU at training sizes a matmul's weight reads hide under its
 # FLOPs, and TRAINING_KERNEL_EFFICIENCY was fitted without them.
+def optimizer_rates(device, kernel_efficiency: float | None = None) -> tuple[float, float, float]:
+    """(bytes/s an optimizer step streams, seconds per parameter tensor, fixed seconds per step) on ``device``.
+
+    A measured profile has the traffic rate an optimizer step reaches, its cost per
+    parameter tensor and its ``step_overhead_s`` (what a training step costs besides
+    the layers and the gradient sync; docs/profiling.md); a datasheet profile streams
+    at the HBM rate times the kernel efficiency (``kernel_efficiency``, else the
+    device's own) and has neither fixed cost. planner.estimate, planner.costs and
+    cost_models.calibrate all charge the optimizer step through this.
+    """
+    efficiency = kernel_efficiency if kernel_efficiency is not None else training_efficiency(device)
+    rate = getattr(device, "optimizer_bytes_per_s", None) or device.mem_bw_bytes_per_s * HBM_STREAM_EFFICIENCY * efficiency
+    return rate, getattr(device, "optimizer_tensor_overhead_s", None) or 0.0, getattr(device, "step_overhead_s", None) or 0.0
+
+
 def training_efficiency(device) -> float:
     """The fraction of ``device``'s microbenchmark rates training kernels reach.
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cost_models.collectives import p2p_time_s
-from cost_models.compute import dtype_bytes
+from cost_models.compute import dtype_bytes, optimizer_rates
 from cost_models.memory import FRAGMENTATION_MARGIN, OPTIMIZER_BYTES_PER_PARAM, sharded_state_bytes_per_param
 from cost_models.pipeline import linear_step_weights
 from planner.costs import (
@@ -27,7 +27,6 @@ from planner.costs import (
     _sync_linear,
     _tp_all_reduce,
     activation_multipliers,
-    optimizer_rates,
     stage_slots,
     type_sequence,
     type_slots,

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cost_models.collectives import all_gather_time_s, all_reduce_time_s, p2p_time_s, reduce_scatter_time_s
-from cost_models.compute import HBM_STREAM_EFFICIENCY, dtype_bytes, layer_timing, training_efficiency
+from cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
 from cost_models.memory import (
     FRAGMENTATION_MARGIN,
     OPTIMIZER_BYTES_PER_PARAM,
@@ -411,13 +411,6 @@ def _counted_multipliers(schedule: str, pp: int, num_microbatches: int, virtual_
             live[a.stage] = live.get(a.stage, 0.0) + step
             peak[a.stage] = max(peak[a.stage], live[a.stage])
     return tuple(peak)
-
-
-def optimizer_rates(device) -> tuple[float, float, float]:
-    """(bytes/s an optimizer step streams, seconds per parameter tensor, fixed seconds per step) on ``device``,
-    as planner.estimate charges the optimizer step."""
-    rate = getattr(device, "optimizer_bytes_per_s", None) or device.mem_bw_bytes_per_s * HBM_STREAM_EFFICIENCY * training_efficiency(device)
-    return rate, getattr(device, "optimizer_tensor_overhead_s", None) or 0.0, getattr(device, "step_overhead_s", None) or 0.0
 
 
 def collective_linear(time_s, ranks: list[int], cluster, concurrent: int = 1) -> tuple[float, float]:

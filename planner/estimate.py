@@ -38,12 +38,7 @@ from dataclasses import asdict, dataclass
 
 from cost_models.cluster import Cluster
 from cost_models.collectives import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
-from cost_models.compute import (
-    HBM_STREAM_EFFICIENCY,
-    dtype_bytes,
-    layer_timing,
-    training_efficiency,
-)
+from cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
 from cost_models.devices import DeviceProfile
 from cost_models.layers import LayerProfile, tp_misfit
 from cost_models.memory import (
@@ -537,11 +532,8 @@ def _optimizer_s(params: float, tensors: int, device: DeviceProfile, config: Est
     have none of these.
     """
     share = params / config.dp if zero_stage >= 1 else params
-    rate = getattr(device, "optimizer_bytes_per_s", None) or (
-        device.mem_bw_bytes_per_s * HBM_STREAM_EFFICIENCY
-        * (config.kernel_efficiency if config.kernel_efficiency is not None else training_efficiency(device)))
-    fixed = (getattr(device, "step_overhead_s", None) or 0.0) + tensors * (getattr(device, "optimizer_tensor_overhead_s", None) or 0.0)
-    return share * OPTIMIZER_BYTES_PER_PARAM[config.optimizer] / rate + fixed
+    rate, per_tensor, fixed = optimizer_rates(device, config.kernel_efficiency)
+    return share * OPTIMIZER_BYTES_PER_PARAM[config.optimizer] / rate + tensors * per_tensor + fixed
 
 
 # --- Memory --------------------------------------------------------------------------------
