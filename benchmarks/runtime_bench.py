@@ -7,9 +7,10 @@ each rank, 4 micro-batches accumulated per step) and PP=2 (1F1B, 4 micro-batches
 blocks split in half). Each runs as the program ``hetpar compile`` writes and as a
 hand-written torch program for the same plan: ``DistributedDataParallel`` with
 ``no_sync`` for DP, ``torch.distributed.pipelining`` (``PipelineStage`` +
-``Schedule1F1B``) for PP. Both step AdamW (torch's defaults, lr 1e-3). Both time each step with ``time.perf_counter`` from taking
-the batch to after the optimizer step; the first ``--warmup`` steps are dropped and the
-median of the rest is one run's step time. Runs alternate (generated, hand-written)
+``Schedule1F1B``) for PP. Both step AdamW (torch's defaults, lr 1e-3), and both time
+each step with ``time.perf_counter`` from taking the batch to after the optimizer
+step; the first ``--warmup`` steps are dropped and the median of the rest is one
+run's step time. Runs alternate (generated, hand-written)
 ``--repeats`` times; the reported number is the median over runs, and the ratio is
 generated / hand-written of those medians, all in this one invocation. Every
 subprocess is bounded by ``--timeout-s``.
@@ -145,9 +146,8 @@ def bench(kind: str, work: Path, opts: argparse.Namespace) -> dict:
     generated, hand = [], []
     for run in range(opts.repeats):
         metrics = build / f"m{run}.jsonl"
-        _torchrun(build / "train.py", ["--steps", str(opts.steps), "--optimizer", "adamw", "--lr", "1e-3",
-                                                 "--metrics", metrics.name],
-                  opts.timeout_s)
+        args = ["--steps", str(opts.steps), "--optimizer", "adamw", "--lr", "1e-3", "--metrics", metrics.name]
+        _torchrun(build / "train.py", args, opts.timeout_s)
         times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()]
         generated.append(_median_after_warmup(times, opts.warmup))
         out = build / f"h{run}.json"

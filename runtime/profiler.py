@@ -196,7 +196,8 @@ def reference_step_time(world: int, *, repeats: int) -> dict[str, float]:
     program runs one, data-parallel over all ``world`` workers (collective): the model
     as one fx stage through hetpar's executor, ``REFERENCE_MICROBATCHES`` micro-batches
     of ``BATCH`` samples, the gradient all-reduce under the last backward, AdamW, the
-    reported loss's all-reduce. cost_models/calibrate.py compares it with what the
+    reported loss's all-reduce (waited for at once, where the program waits a step
+    later). cost_models/calibrate.py compares it with what the
     estimator charges for such a step ([Note: calibrated fits])."""
     from runtime import executor, reference_model, schedule, shard
     from runtime.data_parallel import AllReduce
