@@ -177,9 +177,10 @@ def megatron_vocab_parallel(graph: ModelGraph, tp: int) -> ModelGraph:
     layers = list(graph.layers)
     emb, head = layers[0], layers[-1]
     vocab_hidden = graph.args["vocab"] * graph.args["hidden"]
-    layers[0] = replace(emb, tp_split_params=vocab_hidden, tp_allreduce_bytes=emb.boundary_bytes)
+    # The embedding all-reduces its output in forward; the output layer's input gradient is all-reduced in backward.
+    layers[0] = replace(emb, tp_split_params=vocab_hidden, tp_collectives=(("forward", "all_reduce", emb.boundary_bytes),))
     layers[-1] = replace(head, tp_split_flops_fraction=1.0, tied_params=head.tied_params // tp,
-                         tp_allreduce_bytes=layers[-2].boundary_bytes)
+                         tp_collectives=(("backward", "all_reduce", layers[-2].boundary_bytes),))
     return replace(graph, layers=layers)
 
 

@@ -341,6 +341,20 @@ def broadcast_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, c
     return min(chain, binomial)
 
 
+def tensor_parallel_pass_s(collectives, pass_: str, scale: float, ranks: Sequence[int], cluster: Cluster) -> float:
+    """Seconds of a layer's tensor-parallel collectives in one pass over the group ``ranks``.
+
+    Args:
+        collectives: ``LayerProfile.tp_collectives``, (pass, collective, bytes per sample).
+        pass_: "forward" or "backward".
+        scale: bytes per sample in fp32 to bytes per micro-batch in the training dtype.
+    """
+    if len(ranks) < 2:
+        return 0.0
+    time = {"all_reduce": all_reduce_time_s, "all_gather": all_gather_time_s}
+    return sum(time[kind](nbytes * scale, ranks, cluster) for p, kind, nbytes in collectives if p == pass_ and nbytes > 0)
+
+
 def p2p_time_s(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:
     """Seconds to send ``nbytes`` from global rank ``src`` to ``dst``: ``a + P / B``.
 

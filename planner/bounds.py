@@ -25,7 +25,7 @@ from planner.costs import (
     _layer_columns,
     _memo,
     _sync_linear,
-    _tp_all_reduce,
+    _tp_collectives,
     activation_multipliers,
     stage_slots,
     type_sequence,
@@ -133,14 +133,14 @@ def _reach(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, 
     """ahead[i]: the end of the longest run of layers from i within ``pace_s`` and one device's memory at degree ``tp``,
     ``in_flight`` micro-batches' activations kept."""
     cols = _layer_columns(model, cluster, device_type, tp, cand.micro_batch_size, options.dtype, cache)
-    tp_ar = _tp_all_reduce(cluster, slot, cols, tp, cache)
+    tp_fwd, tp_bwd = _tp_collectives(model, cluster, slot, cols, tp, cache)
     time_s = np.full(len(model.layers), np.inf)
     memory = np.full(len(model.layers), np.inf)
     for mode in cand.modes:
         if mode.tp != tp:
             continue
         full = mode.recompute == "full"
-        time_s = np.minimum(time_s, cols.fwd * (2 if full else 1) + cols.b_input + cols.weight + tp_ar * (3 if full else 2))
+        time_s = np.minimum(time_s, (cols.fwd + tp_fwd) * (2 if full else 1) + cols.b_input + cols.weight + tp_bwd)
         state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
         memory = np.minimum(memory, FRAGMENTATION_MARGIN * (cols.params * state + in_flight * (cols.inputs if full else cols.saved)))
     ok = cols.splits & np.isfinite(time_s)
@@ -175,8 +175,8 @@ def _bound_layers(model: ModelGraph, cluster, cand: Candidate, device_type: str,
     times, weights, device_s, epilogues, latencies = [], [], [], [], []
     for tp, slot in sorted(slots.items()):
         cols = _layer_columns(model, cluster, device_type, tp, cand.micro_batch_size, dtype, cache)
-        tp_ar = _tp_all_reduce(cluster, slot, cols, tp, cache)
-        t = cols.fwd + cols.b_input + cols.weight + tp_ar * (3 if full_only else 2) + (cols.fwd if full_only else 0.0)
+        tp_fwd, tp_bwd = _tp_collectives(model, cluster, slot, cols, tp, cache)
+        t = (cols.fwd + tp_fwd) * (2 if full_only else 1) + cols.b_input + cols.weight + tp_bwd
         t = np.where(cols.splits, t, np.inf)
         times.append(t)
         weights.append(cols.weight)

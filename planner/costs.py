@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cost_models.collectives import all_gather_time_s, all_reduce_time_s, p2p_time_s, reduce_scatter_time_s
+from cost_models.collectives import all_gather_time_s, all_reduce_time_s, p2p_time_s, reduce_scatter_time_s, tensor_parallel_pass_s
 from cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
 from cost_models.memory import (
     FRAGMENTATION_MARGIN,
@@ -438,7 +438,7 @@ class _LayerColumns:
     inputs: np.ndarray  # the layer's input bytes per micro-batch (what full recompute keeps)
     params: np.ndarray
     tied: np.ndarray
-    tp_bytes: np.ndarray  # forward all-reduce payload per micro-batch
+    scale: float  # bytes per sample in fp32 to bytes per micro-batch in the training dtype
     boundary: np.ndarray  # per micro-batch
     tensors: np.ndarray  # parameter tensors (an optimizer step pays per tensor)
     splits: np.ndarray  # bool: the layer splits this many ways (LayerProfile.splits_at)
@@ -465,7 +465,7 @@ def _layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: i
             inputs=np.concatenate([[model.input_bytes * scale], boundary[:-1]]),
             params=np.array([l.params_at(tp) for l in model.layers]),
             tied=np.array([float(l.tied_params) for l in model.layers]),
-            tp_bytes=np.array([l.tp_allreduce_bytes for l in model.layers]) * scale,
+            scale=scale,
             boundary=boundary,
             tensors=np.array([float(l.param_tensors) for l in model.layers]),
             splits=np.array([l.splits_at(tp) for l in model.layers]),
@@ -556,21 +556,21 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     """
     mode, P, elem = cand.modes[k], cand.pp, dtype_bytes(dtype)
     r = c % P
-    cols, tp_ar, comm, (optimizer_rate, per_tensor_s, overhead_s) = _memo(per_slot, (r, mode.tp), lambda: (
+    cols, (tp_fwd, tp_bwd), comm, (optimizer_rate, per_tensor_s, overhead_s) = _memo(per_slot, (r, mode.tp), lambda: (
         cols := _layer_columns(model, cluster, slot.device_type, mode.tp, cand.micro_batch_size, dtype, cache),
-        _tp_all_reduce(cluster, slot, cols, mode.tp, cache),
+        _tp_collectives(model, cluster, slot, cols, mode.tp, cache),
         _data_parallel_linear(cluster, cand.dp, mode.tp, slot, cache),
         optimizer_rates(cluster.profile(slot.device_type)),
     ))
     params = cols.params + (cols.tied if r != 0 else 0.0)  # a tied copy lives on every rank but the first
     full = mode.recompute == "full"
-    fwd = cols.fwd + tp_ar
-    bwd = cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_ar * (2 if full else 1)
+    fwd = cols.fwd + tp_fwd
+    bwd = cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_bwd + (tp_fwd if full else 0.0)
     unsplit = np.where(cols.splits, 0.0, np.inf)  # a layer this degree cannot split: [Note: per-stage tensor parallelism]
     tables["time_s"][k, :, c] = fwd + bwd + unsplit
     tables["fwd_s"][k, :, c] = fwd
     tables["weight_s"][k, :, c] = cols.weight
-    tables["tp_time_s"][k, :, c] = tp_ar * (3 if full else 2)
+    tables["tp_time_s"][k, :, c] = tp_fwd * (2 if full else 1) + tp_bwd
     sharded = cand.dp > 1 and mode.zero_stage > 0
     if sharded and mode.zero_stage == 3:
         (ag_lat, ag_pb), (rs_lat, rs_pb) = comm["all_gather"], comm["reduce_scatter"]
@@ -598,15 +598,17 @@ def _levels(values: np.ndarray) -> np.ndarray:
     return kept[np.searchsorted(kept, values)]
 
 
-def _tp_all_reduce(cluster, slot: StageSlot, cols: _LayerColumns, tp: int, cache: dict) -> np.ndarray:
-    """Seconds of one pass (forward or backward) of each layer's tensor-parallel all-reduces."""
+def _tp_collectives(model: ModelGraph, cluster, slot: StageSlot, cols: _LayerColumns, tp: int, cache: dict
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of each layer's tensor-parallel collectives in the forward and in the backward."""
     if tp == 1:
-        return np.zeros_like(cols.tp_bytes)
+        return np.zeros(len(model.layers)), np.zeros(len(model.layers))
     place = _place(cluster, slot.ranks[0])
-    return np.array([
-        _memo(cache, ("tp", b, place), lambda b=b: all_reduce_time_s(b, slot.ranks[0], cluster)) if b else 0.0
-        for b in cols.tp_bytes
-    ])
+    return tuple(np.array([
+        _memo(cache, ("tp", l.tp_collectives, p, cols.scale, place),
+              lambda l=l, p=p: tensor_parallel_pass_s(l.tp_collectives, p, cols.scale, slot.ranks[0], cluster))
+        for l in model.layers
+    ]) for p in ("forward", "backward"))
 
 
 def boundary_seconds(nbytes: float, src: list[int], dst: list[int], cluster, scatter_gather: bool = True) -> float:

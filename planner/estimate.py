@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cost_models.cluster import Cluster
-from cost_models.collectives import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
+from cost_models.collectives import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s, tensor_parallel_pass_s
 from cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
 from cost_models.devices import DeviceProfile
 from cost_models.layers import LayerProfile, tp_misfit
@@ -431,27 +431,21 @@ def _chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bou
     tp = config.tp_of(chunk % config.pp)
     times = [layer_timing(l, device, tp=tp, micro_batch_size=config.micro_batch_size, dtype=config.dtype,
                           kernel_efficiency=config.kernel_efficiency) for l in layers]
-    tp_s = sum(_tp_all_reduce_s(l, cluster, config, layout) for l in layers)
+    scale = config.micro_batch_size * dtype_bytes(config.dtype) / 4
+    tp_fwd, tp_bwd = (sum(tensor_parallel_pass_s(l.tp_collectives, p, scale, layout.ranks[0], cluster) for l in layers)
+                      for p in ("forward", "backward"))
     fwd = sum(t.fwd_s for t in times)
     full = config.recompute_of(chunk) == "full"
     gather_fwd, gather_bwd = _zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp))
     return _ChunkCost(
         fwd_compute_s=fwd,
-        fwd_tp_s=tp_s,
+        fwd_tp_s=tp_fwd,
         b_compute_s=sum(t.bwd_input_s for t in times) + (fwd if full else 0.0),
-        b_tp_s=tp_s * (2 if full else 1),
+        b_tp_s=tp_bwd + (tp_fwd if full else 0.0),
         w_compute_s=sum(t.bwd_weight_s for t in times),
         zero3_fwd_s=gather_fwd,
         zero3_bwd_s=gather_bwd,
     )
-
-
-def _tp_all_reduce_s(layer: LayerProfile, cluster: Cluster, config: EstimateConfig, layout: StageLayout) -> float:
-    """One pass (forward or backward) of Megatron's all-reduces of ``layer`` over its TP group."""
-    if len(layout.ranks[0]) == 1 or not layer.tp_allreduce_bytes:
-        return 0.0
-    payload = layer.tp_allreduce_bytes * config.micro_batch_size * dtype_bytes(config.dtype) / 4
-    return all_reduce_time_s(payload, layout.ranks[0], cluster)
 
 
 def _zero3_comm_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout, zero_stage: int) -> tuple[float, float]:

@@ -12,7 +12,9 @@ one of four ways, each a DTensor style the runtime applies (runtime.shard):
     rowwise_slice    replicated     replicated all-reduce(output)    all-gather(input)
 
 The backward collectives act on the input's gradient, so they vanish where the input
-needs none (data). "split" is a value of which each rank holds a slice of the
+needs none (data); the colwise ones are one per input value, however many colwise
+Linears read it (q, k and v share one: [Note: one all-reduce per shared input] in
+runtime/shard.py), so the model charges that all-reduce to the value. "split" is a value of which each rank holds a slice of the
 features (or heads).
 A split value passes through ops that treat features independently (activations,
 element-wise arithmetic, views, attention over whole heads: the _FEATURE_WISE_*
@@ -81,6 +83,7 @@ _DIM_ARGUMENT = {
 _MATMULS = {operator.matmul, torch.matmul, "matmul"}
 
 _SPLIT_CHOICES = (Sharding.COLWISE, Sharding.COLWISE_GATHER, Sharding.ROWWISE, Sharding.ROWWISE_SLICE)
+_COLWISE = (Sharding.COLWISE, Sharding.COLWISE_GATHER)  # input replicated, its gradient a partial sum
 _CHOICES: tuple[Sharding | None, ...] = (None, *_SPLIT_CHOICES)  # None: replicated
 _MAX_SOLVES = 32  # dry-run failures tolerated before the layer stays replicated
 
@@ -152,6 +155,9 @@ class _Site:
     full_ticks: int = 0  # one rank's compute when replicated
     split_ticks: int = 0  # ... when split
     choice_ticks: dict[Sharding | None, int] = field(default_factory=dict)  # LINEAR: compute + comm per choice
+    # The backward all-reduce of this value's gradient when colwise Linears read it:
+    # once however many do ([Note: one all-reduce per shared input] in runtime/shard.py).
+    grad_reduce_ticks: int = 0
     path: str = ""  # LINEAR: module path
 
 
@@ -198,6 +204,7 @@ def build_problem(gm: fx.GraphModule, inputs: list[torch.Tensor], cost: TpCostMo
     values = _run(gm, inputs, grad=True)
     seconds: dict[str, float] = {}
     linear_s: dict[str, dict[Sharding | None, float]] = {}
+    grad_reduce_s: dict[str, float] = {}
     raw: list[tuple[str, _Kind, tuple[str, ...], tuple[str, ...], str]] = []
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -213,6 +220,8 @@ def build_problem(gm: fx.GraphModule, inputs: list[torch.Tensor], cost: TpCostMo
             x = values[tensors[0]]
             linear_s[node.name] = _linear_seconds(gm.get_submodule(path), seconds[node.name], _nbytes(x),
                                                   _nbytes(values[node.name]), getattr(x, "requires_grad", False), cost)
+            if getattr(x, "requires_grad", False):
+                grad_reduce_s[tensors[0]] = cost.all_reduce_s(_nbytes(x))
         elif kind is _Kind.FEATURE:
             shape = getattr(values.get(node.name), "shape", None)
             same = tuple(a for a in tensors if shape is not None and getattr(values[a], "shape", None) == shape)
@@ -227,6 +236,7 @@ def build_problem(gm: fx.GraphModule, inputs: list[torch.Tensor], cost: TpCostMo
             name=name, kind=kind, inputs=tensors, same_shape=same, path=path, full_ticks=full,
             split_ticks=_ticks(seconds.get(name, 0.0) / cost.tp, tick_s),
             choice_ticks={k: _ticks(v, tick_s) for k, v in linear_s.get(name, {}).items()},
+            grad_reduce_ticks=_ticks(grad_reduce_s.get(name, 0.0), tick_s),
         ))
     return TpProblem(sites=tuple(sites), tick_s=tick_s, tp=cost.tp)
 
@@ -240,15 +250,15 @@ def _linear_seconds(linear: nn.Linear, compute_s: float, in_bytes: int, out_byte
                     cost: TpCostModel) -> dict[Sharding | None, float]:
     """One rank's time for each choice a Linear can take (left out where its features do
     not divide). The backward collectives on the input gradient run only if the input
-    needs one (not for data)."""
+    needs one (not for data); a colwise input's all-reduce is charged to the input
+    value instead, once for all the colwise Linears that read it (``grad_reduce_ticks``)."""
     tp = cost.tp
     split = compute_s / tp
-    grad_all_reduce = cost.all_reduce_s(in_bytes) if input_grad else 0.0
     grad_all_gather = cost.all_gather_s(in_bytes) if input_grad else 0.0
     options: dict[Sharding | None, float] = {None: compute_s}
     if linear.out_features % tp == 0:
-        options[Sharding.COLWISE] = split + grad_all_reduce
-        options[Sharding.COLWISE_GATHER] = split + grad_all_reduce + cost.all_gather_s(out_bytes)
+        options[Sharding.COLWISE] = split
+        options[Sharding.COLWISE_GATHER] = split + cost.all_gather_s(out_bytes)
     if linear.in_features % tp == 0:
         options[Sharding.ROWWISE] = split + cost.all_reduce_s(out_bytes)
         options[Sharding.ROWWISE_SLICE] = split + cost.all_reduce_s(out_bytes) + grad_all_gather
@@ -309,8 +319,18 @@ def solve(problem: TpProblem, *, forbidden_splits: frozenset[str] = frozenset(),
         model.AddBoolOr([split[v].Not() for v in group])
     for assignment in forbidden_assignments:
         model.AddBoolOr([choose[m, c].Not() for m, c in assignment.items() if (m, c) in choose])
+    # reduced[v] is 1 if some colwise Linear reads v: its gradient is all-reduced once
+    reduced = {}
+    for s in problem.linears:
+        v = s.inputs[0]
+        if sites[v].grad_reduce_ticks:
+            reduced.setdefault(v, model.NewBoolVar(f"reduced[{v}]"))
+            for c in _COLWISE:
+                if (s.name, c) in choose:
+                    model.AddImplication(choose[s.name, c], reduced[v])
     # Objective: one rank's time on the layer
     terms = [choose[key] * sites[key[0]].choice_ticks[key[1]] for key in choose]
+    terms += [var * sites[v].grad_reduce_ticks for v, var in reduced.items()]
     terms += [split[s.name] * (s.split_ticks - s.full_ticks) for s in problem.sites if s.kind is _Kind.FEATURE]
     constant = sum(s.full_ticks for s in problem.sites if s.kind is not _Kind.LINEAR)
     model.Minimize(sum(terms) + constant)
@@ -355,6 +375,8 @@ def evaluate(problem: TpProblem, choices: dict[str, Sharding | None]) -> int | N
     """
     split: dict[str, bool] = {}
     total = 0
+    sites = {s.name: s for s in problem.sites}
+    reduced: set[str] = set()
     for s in problem.sites:
         ins = [split[i] for i in s.inputs]
         if s.kind is _Kind.LINEAR:
@@ -363,6 +385,9 @@ def evaluate(problem: TpProblem, choices: dict[str, Sharding | None]) -> int | N
                 return None
             split[s.name] = c is Sharding.COLWISE
             total += s.choice_ticks[c]
+            if c in _COLWISE and s.inputs[0] not in reduced:
+                reduced.add(s.inputs[0])
+                total += sites[s.inputs[0]].grad_reduce_ticks
         elif s.kind is _Kind.FEATURE:
             split[s.name] = any(ins)
             if split[s.name] and not all(split[i] for i in s.same_shape):
@@ -610,19 +635,36 @@ def check_sharded_shapes(reference_out: Any, sharded_out: Any) -> bool:
     )
 
 
-def forward_all_reduce_bytes(module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding]) -> float:
-    """The forward communication of a sharding as all-reduce payload bytes: the outputs
-    of rowwise Linears, plus half the gathered outputs of colwise_gather ones (a ring
-    all-gather moves half what an all-reduce of the same buffer moves)."""
-    values = _run(module, inputs)
-    total = 0.0
+def layer_collectives(module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding]
+                      ) -> tuple[tuple[str, str, float], ...]:
+    """The collectives one micro-batch of the layer so sharded issues, as the runtime
+    issues them (runtime.shard; [Note: tensor-parallel ILP], the table): forward, one
+    per rowwise Linear's output and colwise_gather Linear's output; backward, one
+    all-reduce per tensor that colwise Linears read ([Note: one all-reduce per shared
+    input] in runtime/shard.py) and one all-gather per rowwise_slice input, where the
+    input needs a gradient. Each is (pass, collective, bytes per sample): pass
+    "forward" or "backward", collective "all_reduce" or "all_gather", bytes the whole
+    tensor's (the all-reduced buffer, the gathered result)."""
+    values = _run(module, inputs, grad=True)
+    out: list[tuple[str, str, float]] = []
+    colwise_inputs: dict[str, float] = {}
     for node in module.graph.nodes:
         how = sharding.get(str(node.target)) if node.op == "call_module" else None
+        if how is None:
+            continue
+        x = values[node.args[0].name]
+        input_grad = float(_nbytes(x)) if getattr(x, "requires_grad", False) else 0.0
+        output = float(_nbytes(values[node.name]))
         if how in (Sharding.ROWWISE, Sharding.ROWWISE_SLICE):
-            total += _nbytes(values[node.name])
-        elif how is Sharding.COLWISE_GATHER:
-            total += _nbytes(values[node.name]) / 2
-    return total
+            out.append(("forward", "all_reduce", output))
+        if how is Sharding.COLWISE_GATHER:
+            out.append(("forward", "all_gather", output))
+        if how in (Sharding.COLWISE, Sharding.COLWISE_GATHER) and input_grad:
+            colwise_inputs[node.args[0].name] = input_grad
+        if how is Sharding.ROWWISE_SLICE and input_grad:
+            out.append(("backward", "all_gather", input_grad))
+    out.extend(("backward", "all_reduce", nbytes) for nbytes in colwise_inputs.values())
+    return tuple(out)
 
 
 def forward_all_reduces(sharding: dict[str, Sharding]) -> int:

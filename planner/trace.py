@@ -29,7 +29,7 @@ import torch.fx as fx
 from cost_models.layers import LayerProfile
 from planner.measure import UNATTRIBUTED, Measurement, NodeCounts, measure, node_label, node_module
 from planner.plan import Sharding
-from planner.tensor_parallel import check_sharded_shapes, find_sharding, forward_all_reduce_bytes, shard_on_meta
+from planner.tensor_parallel import check_sharded_shapes, find_sharding, layer_collectives, shard_on_meta
 from runtime.graph import LayeredGraph, Stage, boundary_values, build_stage, meta_run_error, record_values, trace_layers
 from runtime.model_file import ModelFile, file_fingerprint
 
@@ -196,7 +196,7 @@ class _Measured:
     split_fraction: float = 0.0
     split_params: int = 0
     split_saved: float = 0.0
-    allreduce_bytes: float = 0.0
+    collectives: tuple[tuple[str, str, float], ...] = ()
     tp_degrees: tuple[int, ...] | None = None
 
     @property
@@ -216,7 +216,7 @@ class _Measured:
             tp_split_flops_fraction=self.split_fraction,
             tp_split_params=self.split_params,
             tp_split_saved_bytes=max(0.0, self.split_saved),
-            tp_allreduce_bytes=self.allreduce_bytes,
+            tp_collectives=self.collectives,
             tp_sharded_modules=len(self.relative_sharding),
             tp_degrees=self.tp_degrees,
             param_tensors=param_tensors,
@@ -265,7 +265,7 @@ def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str) -> _Meas
         split_fraction=min(1.0, scale * (1 - (half.total("fwd_flops") + half.total("bwd_flops")) / whole_flops)),
         split_params=round(scale * (params - sum(p.numel() for p in sharded.parameters()))),
         split_saved=scale * (whole.total("saved_bytes") - half.total("saved_bytes")),
-        allreduce_bytes=forward_all_reduce_bytes(module, inputs, sharding),
+        collectives=layer_collectives(module, inputs, sharding),
         tp_degrees=tuple(tp for tp in range(2, _MAX_TP_CHECKED + 1) if _splits_at(module, inputs, sharding, whole.outputs, tp)),
     )
 

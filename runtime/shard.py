@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from runtime.graph import Stage, build_stage, record_values, trace_layers
@@ -119,11 +120,78 @@ def chunk_modules(module: nn.Module) -> list[nn.Module]:
     return list(module) if isinstance(module, Chunks) else [module]
 
 
+# [Note: one all-reduce per shared input]
+# A colwise Linear's input gradient is a partial sum on each tensor-parallel rank (each
+# holds some of the output features). ColwiseParallel all-reduces it per module, so q,
+# k and v, which read one normed value, would all-reduce three gradients of the same
+# shape where Megatron all-reduces their sum once (its "f" operator; Shoeybi et al.
+# 2019, Figure 3). Here a colwise module keeps its input gradient local and partial
+# (``grad_placements`` Partial) and reads its input through ``_SharedInputs.wrap``,
+# which hands every colwise module of one forward the same wrapper of a given tensor:
+# autograd sums the partial gradients at the wrapper and its backward all-reduces the
+# sum once. Gradients that reach the tensor another way (a residual) are already
+# whole and never pass the wrapper. The wrappers are forgotten before and after each
+# forward of the stage (hooks on the modules the executor calls), so each lives no
+# longer than that forward's own references to it. planner.tensor_parallel's
+# ``layer_collectives`` counts one backward all-reduce per shared input accordingly.
+
+
+class _AllReduceGradient(torch.autograd.Function):
+    """The identity forward; the backward all-reduces the gradient over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SharedInputs:
+    """The all-reducing wrapper of each tensor that colwise modules read in the current forward."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self._wrapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def wrap(self, x: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return x
+        seen = self._wrapped.get(id(x))
+        if seen is not None and seen[0] is x:
+            return seen[1]
+        wrapped = _AllReduceGradient.apply(x, self.group)
+        self._wrapped[id(x)] = (x, wrapped)
+        return wrapped
+
+    def forget(self, *_) -> None:
+        self._wrapped.clear()
+
+
+class _Colwise(ColwiseParallel):
+    """ColwiseParallel whose input gradient is all-reduced once per shared input; see
+    [Note: one all-reduce per shared input]."""
+
+    def __init__(self, shared: _SharedInputs, *, output_layouts=None) -> None:
+        super().__init__(output_layouts=output_layouts)
+        self._shared = shared
+
+    def _prepare_input_fn(self, input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            return x
+        return DTensor.from_local(self._shared.wrap(x), device_mesh, input_layouts, run_check=False, grad_placements=(Partial(),))
+
+
 _STYLES = {
-    "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
-    "colwise_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "rowwise_slice": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "colwise": lambda shared: _Colwise(shared),
+    "rowwise": lambda shared: RowwiseParallel(),
+    "colwise_gather": lambda shared: _Colwise(shared, output_layouts=Replicate()),
+    "rowwise_slice": lambda shared: RowwiseParallel(input_layouts=Replicate()),
 }
 
 
@@ -136,11 +204,13 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
     the layer's output) sees every feature; ``rowwise_slice`` is rowwise on a
     replicated input, each rank taking its slice locally. Every rank already holds
     identical weights, so each takes its shard locally (``src_data_rank=None``)
-    instead of receiving it from rank 0.
+    instead of receiving it from rank 0. Colwise modules that read one tensor
+    all-reduce their input gradients once ([Note: one all-reduce per shared input]).
 
     Raises:
         ShardError: a path names no submodule of the stage, or an unknown sharding.
     """
+    shared = _SharedInputs(mesh.get_group())
     styles: dict[str, ParallelStyle] = {}
     for path, kind in tp_sharding.items():
         try:
@@ -149,8 +219,11 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
             raise ShardError(f"tp_sharding names {path!r}, which is not a module of this stage") from None
         if kind not in _STYLES:
             raise ShardError(f"tp_sharding of {path!r} is {kind!r}; expected one of {', '.join(_STYLES)}")
-        styles[path] = _STYLES[kind]()
+        styles[path] = _STYLES[kind](shared)
     parallelize_module(module, mesh, styles, src_data_rank=None)
+    for stage_module in chunk_modules(module):
+        stage_module.register_forward_pre_hook(shared.forget)
+        stage_module.register_forward_hook(shared.forget)
 
 
 Microbatch = tuple[tuple[torch.Tensor, ...], torch.Tensor]

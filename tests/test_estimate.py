@@ -57,7 +57,7 @@ def test_equal_stages_give_the_closed_form_bubble(schedule, v):
 def test_time_breakdown_sums_to_the_step_and_fills_the_predicted_block():
     model = graph(8, boundary=4e6, tp_split=True)
     model = ModelGraph(**{**model.__dict__, "layers": [
-        LayerProfile(**{**l.__dict__, "tp_allreduce_bytes": 8e6}) for l in model.layers]})
+        LayerProfile(**{**l.__dict__, "tp_collectives": (("forward", "all_reduce", 8e6), ("backward", "all_reduce", 8e6))}) for l in model.layers]})
     e = estimate(model, parse_cluster("2x8xA100-80GB"), config(global_batch_size=16, dp=2, tp=2, pp=4))
     t, p = e.time, e.predicted
     assert t.step_s == pytest.approx(p.step_time_s)
