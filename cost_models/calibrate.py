@@ -10,13 +10,15 @@ runtime/profiler.py's benchmarks produce (docs/profiling.md lists its keys):
      "copy": [bytes_moved, seconds],
      "op_overhead": {"fwd_s_per_op": s, "fwd_bwd_s_per_op": s},
      "optimizer": {"optimizer": "adamw", "tensor_s": s, "param_s": s},        (optional)
-     "tp_op_overhead": {"fwd_bwd_s_per_op": s, "ops_per_block": n,
-                        "all_reduces_per_block": n},                          (optional)
      "collectives": {"all_reduce": [[nbytes, seconds], ...], ...},
      "step_overhead_s": s,
      "reference": {"batch_size": n, "fwd_s": s, "fwd_bwd_s": s},              (optional)
      "reference_step": {"step_s": s, "microbatches": m, "batch_size": n,
-                        "workers": w}}                                         (optional)
+                        "workers": w},                                         (optional)
+     "tp_op_overhead": {"fwd_bwd_s_per_op": s, "ops_per_block": n,
+                        "all_reduces_per_block": n},                          (optional)
+     "reference_tp_step": {"steps": [[microbatches, s], ...], "batch_size": n,
+                           "tp": w}}                                           (optional)
 
 [Note: calibrated fits]
 Every fitted quantity is a straight line through (size, seconds) points by least
@@ -59,7 +61,20 @@ squares of the relative error, ``seconds = fixed + size / rate``:
 - ``tp_module_overhead_s`` ([Note: tensor-parallel dispatch] in cost_models/compute.py):
   a tiny colwise/rowwise block's forward plus backward, less what the estimator
   already charges for it (its ops' overhead and its all-reduces at the fitted alpha),
-  per sharded module.
+  per sharded module: DTensor's own work, with no kernels around it;
+- ``tp_collective_overhead_s`` and ``tp_optimizer_tensor_overhead_s``: the reference
+  model's whole training step with tensor parallelism over every worker, as the
+  generated program runs it (the planner's own sharding of it, hetpar's executor,
+  DTensor, AdamW), at several micro-batch counts (runtime/profiler.py
+  ``reference_tp_step_time``). A line through (micro-batches, seconds) splits the step
+  into what each micro-batch costs and what the step costs once. Per micro-batch, the
+  measured seconds less the estimator's charge (the layers at that degree with the
+  efficiencies above and ``tp_module_overhead_s``, each collective of
+  ``LayerProfile.tp_collectives`` at the fitted alpha and beta) is charged per
+  collective: what a collective costs between kernels, where the ranks arrive apart,
+  beyond what it costs in a tight loop. Per step, the seconds less the optimizer and
+  step overhead charged for plain tensors is what DTensor parameters add to the
+  optimizer, per sharded parameter tensor.
 A negative intercept (noise on a shared machine) is clamped to zero.
 """
 
@@ -197,12 +212,32 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
     reference = measurements.get("reference")
     if not (reference and reference_layers):
         return fitted
+    fitted = _with_kernel_efficiencies(fitted, measurements, reference_layers, stamp)
+    tp_step = measurements.get("reference_tp_step")
+    if tp_step and "all_reduce" in measured and any(l.tp_collectives for l in reference_layers):
+        collective_s, tensor_s = _tensor_parallel_costs(fitted, tp_step, reference_layers)
+        fitted = replace(fitted, tp_collective_overhead_s=collective_s, tp_optimizer_tensor_overhead_s=tensor_s, sources={
+            **fitted.sources,
+            "tp_collective_overhead_s": f"{stamp}: reference model's tensor-parallel step per micro-batch less its charge, "
+                                        "per collective",
+            "tp_optimizer_tensor_overhead_s": f"{stamp}: reference model's tensor-parallel step, once per step, less its "
+                                              "optimizer charge, per sharded parameter tensor",
+        })
+    return fitted
+
+
+def _with_kernel_efficiencies(fitted: DeviceProfile, measurements: dict[str, Any], reference_layers: Sequence[LayerProfile],
+                              stamp: str) -> DeviceProfile:
+    """``fitted`` with the kernel efficiencies of the reference workload; see [Note: calibrated fits]."""
+    sources = dict(fitted.sources)
+    reference = measurements["reference"]
     fwd_eff, bwd_eff = _reference_efficiencies(fitted, reference, reference_layers)
     sources["kernel_efficiency"] = f"{stamp}: forward of runtime/reference_model.py against the layer cost model"
     sources["backward_kernel_efficiency"] = f"{stamp}: backward of runtime/reference_model.py against the layer cost model"
     step = measurements.get("reference_step")
     if step:
-        scale = _runtime_scale(replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff), step, reference_layers)
+        scale = _runtime_scale(replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, sources=sources), step,
+                               reference_layers)
         fwd_eff, bwd_eff = _clamp(fwd_eff * scale), _clamp(bwd_eff * scale)
         for key in ("kernel_efficiency", "backward_kernel_efficiency"):
             sources[key] += f", times {scale:.3f}: its training step through the program's runtime against the estimator's charge"
@@ -227,9 +262,9 @@ def _runtime_scale(profile: DeviceProfile, step: dict[str, Any], layers: Sequenc
     params = sum(l.params for l in layers)
     reduce = profile.collectives.get("all_reduce")
     sync_s = reduce.latency_s + 4.0 * params / reduce.bw_bytes_per_s if reduce and int(step["workers"]) > 1 else 0.0
-    rate, per_tensor, fixed = optimizer_rates(profile)
-    optimizer_s = params * OPTIMIZER_BYTES_PER_PARAM["adamw"] / rate + sum(l.param_tensors for l in layers) * per_tensor + fixed
-    left = float(step["step_s"]) - sync_s - optimizer_s
+    rates = optimizer_rates(profile)
+    optimizer_s = rates.seconds(params * OPTIMIZER_BYTES_PER_PARAM["adamw"], sum(l.param_tensors for l in layers))
+    left = float(step["step_s"]) - sync_s - optimizer_s - rates.fixed_s
     if work <= 0 or left / m - launch <= 0:
         raise ProfileError("the reference training step ran faster than its overheads; the machine is too noisy, run hetpar profile again")
     return work / (left / m - launch)
@@ -262,3 +297,27 @@ def _reference_efficiencies(profile: DeviceProfile, reference: dict[str, Any], l
     if fwd_left <= 0 or bwd_left <= 0 or fwd_work <= 0 or bwd_work <= 0:
         raise ProfileError("the reference model ran faster than its per-op overheads; the machine is too noisy, run hetpar profile again")
     return _clamp(fwd_work / fwd_left), _clamp(bwd_work / bwd_left)
+
+
+def _tensor_parallel_costs(profile: DeviceProfile, step: dict[str, Any], layers: Sequence[LayerProfile]) -> tuple[float, float]:
+    """(seconds per tensor-parallel collective, seconds per sharded parameter tensor and
+    optimizer step) that the reference model's tensor-parallel training step takes
+    beyond its charge; see [Note: calibrated fits]."""
+    try:
+        tp, batch = int(step["tp"]), int(step["batch_size"])
+        fixed_s, microbatches_per_s = fit_line([(float(m), float(s)) for m, s in step["steps"]])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProfileError(f"profile measurements: reference_tp_step is malformed ({exc})") from None
+    layer_s = sum(t.fwd_s + t.bwd_s for t in (layer_timing(l, profile, tp=tp, micro_batch_size=batch, dtype="fp32") for l in layers))
+    collective_s, collectives = 0.0, 0
+    for layer in layers:
+        for _, kind, nbytes in layer.tp_collectives:
+            fit = profile.collectives.get(kind) or profile.collectives["all_reduce"]
+            collective_s += fit.latency_s + nbytes * batch / fit.bw_bytes_per_s
+            collectives += 1
+    per_collective = max(0.0, 1.0 / microbatches_per_s - layer_s - collective_s) / collectives
+    rates = optimizer_rates(profile)
+    plain_s = rates.seconds(sum(l.params_at(tp) for l in layers) * OPTIMIZER_BYTES_PER_PARAM["adamw"],
+                            sum(l.param_tensors for l in layers)) + rates.fixed_s
+    sharded = sum(l.tp_sharded_tensors for l in layers)
+    return per_collective, (max(0.0, fixed_s - plain_s) / sharded if sharded else 0.0)

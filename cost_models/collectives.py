@@ -344,6 +344,10 @@ def broadcast_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, c
 def tensor_parallel_pass_s(collectives, pass_: str, scale: float, ranks: Sequence[int], cluster: Cluster) -> float:
     """Seconds of a layer's tensor-parallel collectives in one pass over the group ``ranks``.
 
+    Each costs its algorithm's time and the device profile's ``tp_collective_overhead_s``
+    (measured by ``hetpar profile``: what a collective between kernels costs beyond a
+    tight loop of them, where the ranks arrive apart; zero for datasheet profiles).
+
     Args:
         collectives: ``LayerProfile.tp_collectives``, (pass, collective, bytes per sample).
         pass_: "forward" or "backward".
@@ -352,7 +356,8 @@ def tensor_parallel_pass_s(collectives, pass_: str, scale: float, ranks: Sequenc
     if len(ranks) < 2:
         return 0.0
     time = {"all_reduce": all_reduce_time_s, "all_gather": all_gather_time_s}
-    return sum(time[kind](nbytes * scale, ranks, cluster) for p, kind, nbytes in collectives if p == pass_ and nbytes > 0)
+    extra = getattr(cluster.group_of(ranks[0]).device, "tp_collective_overhead_s", None) or 0.0
+    return sum(time[kind](nbytes * scale, ranks, cluster) + extra for p, kind, nbytes in collectives if p == pass_ and nbytes > 0)
 
 
 def p2p_time_s(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:

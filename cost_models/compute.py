@@ -181,19 +181,38 @@ def rows_efficiency(points: dict[int, float], rows: float) -> float:
 # blocks of 16 rows were off in opposite directions (+32%, -20%). Datasheet profiles
 # leave it unset: on a GPU at training sizes a matmul's weight reads hide under its
 # FLOPs, and TRAINING_KERNEL_EFFICIENCY was fitted without them.
-def optimizer_rates(device, kernel_efficiency: float | None = None) -> tuple[float, float, float]:
-    """(bytes/s an optimizer step streams, seconds per parameter tensor, fixed seconds per step) on ``device``.
+@dataclass(frozen=True)
+class OptimizerRates:
+    """What an optimizer step costs on a device; see ``optimizer_rates``."""
+
+    bytes_per_s: float  # the traffic rate of the step (OPTIMIZER_BYTES_PER_PARAM per parameter)
+    per_tensor_s: float  # per parameter tensor
+    per_sharded_tensor_s: float  # more per tensor-parallel (DTensor) parameter tensor
+    fixed_s: float  # per step: data, zero_grad, the loss report, the optimizer's calls
+
+    def seconds(self, param_bytes: float, tensors: float, sharded_tensors: float = 0.0) -> float:
+        """One step over ``param_bytes`` of optimizer traffic and that many tensors, without ``fixed_s``."""
+        return param_bytes / self.bytes_per_s + tensors * self.per_tensor_s + sharded_tensors * self.per_sharded_tensor_s
+
+
+def optimizer_rates(device, kernel_efficiency: float | None = None) -> OptimizerRates:
+    """What an optimizer step costs on ``device``.
 
     A measured profile has the traffic rate an optimizer step reaches, its cost per
-    parameter tensor and its ``step_overhead_s`` (what a training step costs besides
-    the layers and the gradient sync; docs/profiling.md); a datasheet profile streams
-    at the HBM rate times the kernel efficiency (``kernel_efficiency``, else the
-    device's own) and has neither fixed cost. planner.estimate, planner.costs and
+    parameter tensor (and per DTensor one, under tensor parallelism) and its
+    ``step_overhead_s`` (what a training step costs besides the layers and the gradient
+    sync; docs/profiling.md); a datasheet profile streams at the HBM rate times the
+    kernel efficiency (``kernel_efficiency``, else the device's own) and has none of the
+    fixed costs. planner.estimate, planner.costs, planner.bounds and
     cost_models.calibrate all charge the optimizer step through this.
     """
     efficiency = kernel_efficiency if kernel_efficiency is not None else training_efficiency(device)
-    rate = getattr(device, "optimizer_bytes_per_s", None) or device.mem_bw_bytes_per_s * HBM_STREAM_EFFICIENCY * efficiency
-    return rate, getattr(device, "optimizer_tensor_overhead_s", None) or 0.0, getattr(device, "step_overhead_s", None) or 0.0
+    return OptimizerRates(
+        bytes_per_s=getattr(device, "optimizer_bytes_per_s", None) or device.mem_bw_bytes_per_s * HBM_STREAM_EFFICIENCY * efficiency,
+        per_tensor_s=getattr(device, "optimizer_tensor_overhead_s", None) or 0.0,
+        per_sharded_tensor_s=getattr(device, "tp_optimizer_tensor_overhead_s", None) or 0.0,
+        fixed_s=getattr(device, "step_overhead_s", None) or 0.0,
+    )
 
 
 def training_efficiency(device) -> float:

@@ -49,8 +49,8 @@ _NUMERIC_FIELDS = (
 )
 # Measured by ``hetpar profile`` (docs/profiling.md); absent from datasheet profiles.
 _CALIBRATED_FIELDS = ("op_overhead_s", "step_overhead_s", "kernel_efficiency", "backward_kernel_efficiency",
-                      "tp_module_overhead_s", "optimizer_bytes_per_s",
-                      "optimizer_tensor_overhead_s", "weight_stream_bytes_per_s")
+                      "tp_module_overhead_s", "tp_collective_overhead_s", "optimizer_bytes_per_s",
+                      "optimizer_tensor_overhead_s", "tp_optimizer_tensor_overhead_s", "weight_stream_bytes_per_s")
 _OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",) + _CALIBRATED_FIELDS
 _STRING_FIELDS = ("name", "vendor", "intra_node_link")
 _OPTIONAL_STRING_FIELDS = ("fingerprint",)
@@ -125,8 +125,10 @@ class DeviceProfile:
     kernel_efficiency: float | None = None
     backward_kernel_efficiency: float | None = None  # the backward's, where measured apart; else kernel_efficiency
     tp_module_overhead_s: float | None = None  # per tensor-parallel module and micro-batch, fwd + bwd
+    tp_collective_overhead_s: float | None = None  # per tensor-parallel collective, between kernels
     optimizer_bytes_per_s: float | None = None  # optimizer step, memory traffic per second
     optimizer_tensor_overhead_s: float | None = None  # optimizer step, per parameter tensor
+    tp_optimizer_tensor_overhead_s: float | None = None  # ... and more per tensor-parallel (DTensor) one
     # Rate at which a layer's weights stream from memory each pass; None: they hide under
     # the FLOPs ([Note: weight traffic] in cost_models/compute.py).
     weight_stream_bytes_per_s: float | None = None

@@ -40,6 +40,7 @@ class LayerProfile:
     # tracer's dry runs found; None: not checked (any degree).
     tp_degrees: tuple[int, ...] | None = None
     tp_sharded_modules: int = 0  # modules split under tensor parallelism ([Note: tensor-parallel dispatch])
+    tp_sharded_tensors: int = 0  # their parameter tensors, DTensors under tensor parallelism
     # Measured alongside (planner.measure, [Note: what a kernel costs]): work that is
     # bound by memory traffic rather than by matmul throughput.
     fwd_elementwise_flops: float = 0.0  # pointwise ops, reductions, norms: one per element

@@ -193,13 +193,14 @@ def _least_epilogue(cluster, cand: Candidate, slot: StageSlot, cols, tp: int, ze
                     cache: dict) -> tuple[np.ndarray, float]:
     """Per layer, the least epilogue seconds over the offered ZeRO stages at degree ``tp``, and the least latency."""
     comm = _data_parallel_linear(cluster, cand.dp, tp, slot, cache)
-    rate, per_tensor, overhead = optimizer_rates(cluster.profile(slot.device_type))
+    rates = optimizer_rates(cluster.profile(slot.device_type))
     per_layer, latency = [], []
     for zero in zeros:
         lat, pb = _sync_linear(comm, cand.dp, zero)
         share = cols.params / cand.dp if cand.dp > 1 and zero > 0 else cols.params
-        per_layer.append(pb * cols.params * dtype_bytes(dtype) + share * OPTIMIZER_BYTES_PER_PARAM[optimizer] / rate + cols.tensors * per_tensor)
-        latency.append(lat + overhead)
+        per_layer.append(pb * cols.params * dtype_bytes(dtype)
+                         + rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[optimizer], cols.tensors, cols.sharded_tensors))
+        latency.append(lat + rates.fixed_s)
     return np.min(per_layer, axis=0), min(latency)
 
 

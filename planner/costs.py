@@ -441,6 +441,7 @@ class _LayerColumns:
     scale: float  # bytes per sample in fp32 to bytes per micro-batch in the training dtype
     boundary: np.ndarray  # per micro-batch
     tensors: np.ndarray  # parameter tensors (an optimizer step pays per tensor)
+    sharded_tensors: np.ndarray  # ... of which DTensors at this degree (0 at tp 1)
     splits: np.ndarray  # bool: the layer splits this many ways (LayerProfile.splits_at)
 
 
@@ -468,6 +469,7 @@ def _layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: i
             scale=scale,
             boundary=boundary,
             tensors=np.array([float(l.param_tensors) for l in model.layers]),
+            sharded_tensors=np.array([float(l.tp_sharded_tensors if tp > 1 else 0) for l in model.layers]),
             splits=np.array([l.splits_at(tp) for l in model.layers]),
         )
     return cache[key]
@@ -556,7 +558,7 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     """
     mode, P, elem = cand.modes[k], cand.pp, dtype_bytes(dtype)
     r = c % P
-    cols, (tp_fwd, tp_bwd), comm, (optimizer_rate, per_tensor_s, overhead_s) = _memo(per_slot, (r, mode.tp), lambda: (
+    cols, (tp_fwd, tp_bwd), comm, rates = _memo(per_slot, (r, mode.tp), lambda: (
         cols := _layer_columns(model, cluster, slot.device_type, mode.tp, cand.micro_batch_size, dtype, cache),
         _tp_collectives(model, cluster, slot, cols, mode.tp, cache),
         _data_parallel_linear(cluster, cand.dp, mode.tp, slot, cache),
@@ -580,10 +582,10 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
         lat["gather_bwd_latency_s"][k, c] = ag_lat + rs_lat
     sync_lat, sync_pb = _sync_linear(comm, cand.dp, mode.zero_stage)
     share = params / cand.dp if sharded else params
-    tables["epilogue_s"][k, :, c] = (sync_pb * params * elem + share * OPTIMIZER_BYTES_PER_PARAM[optimizer] / optimizer_rate
-                                     + cols.tensors * per_tensor_s)
+    tables["epilogue_s"][k, :, c] = (sync_pb * params * elem
+                                     + rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[optimizer], cols.tensors, cols.sharded_tensors))
     if c < P:
-        lat["epilogue_latency_s"][k, c] = sync_lat + overhead_s
+        lat["epilogue_latency_s"][k, c] = sync_lat + rates.fixed_s
     state = sum(sharded_state_bytes_per_param(dtype, optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
     activations = cols.inputs if full else cols.saved
     tables["memory_bytes"][k, :, c] = FRAGMENTATION_MARGIN * (params * state + in_flight * activations) + unsplit

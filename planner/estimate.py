@@ -517,17 +517,18 @@ def _dp_sync_s(params: float, cluster: Cluster, config: EstimateConfig, layout: 
     return reduce_scatter_time_s(nbytes, group, cluster, **kw) + all_gather_time_s(nbytes, group, cluster, **kw)
 
 
-def _optimizer_s(params: float, tensors: int, device: DeviceProfile, config: EstimateConfig, zero_stage: int) -> float:
+def _optimizer_s(params: float, tensors: int, sharded_tensors: int, device: DeviceProfile, config: EstimateConfig,
+                 zero_stage: int) -> float:
     """One optimizer step over this rank's share of the parameters: bound by memory traffic.
 
     A measured profile has the traffic rate an optimizer step reaches and its cost per
-    parameter tensor, and adds its ``step_overhead_s``: what a training step costs
+    parameter tensor (more for a DTensor one), and adds its ``step_overhead_s``: what a training step costs
     besides the layers and the gradient sync (docs/profiling.md); datasheet profiles
     have none of these.
     """
     share = params / config.dp if zero_stage >= 1 else params
-    rate, per_tensor, fixed = optimizer_rates(device, config.kernel_efficiency)
-    return share * OPTIMIZER_BYTES_PER_PARAM[config.optimizer] / rate + tensors * per_tensor + fixed
+    rates = optimizer_rates(device, config.kernel_efficiency)
+    return rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[config.optimizer], tensors, sharded_tensors) + rates.fixed_s
 
 
 # --- Memory --------------------------------------------------------------------------------
@@ -627,8 +628,13 @@ def _assemble(model, cluster, config, layouts, bounds, played: _Played, stages: 
     busiest = max(range(c.pp), key=run.busy_s)
     compute, tp, zero3 = (sum(played.parts[t.action][i] for t in run.ranks[busiest]) for i in range(3))
     pp = max(0.0, run.end_s(busiest) - played.run_without_transfers.end_s(busiest))
-    tensors = [sum(model.layers[l].param_tensors for first, last in s.chunks for l in range(first, last + 1)) for s in stages]
-    optimizer = max(_optimizer_s(params[r], tensors[r], cluster.profile(layouts[r].device_type), c, c.zero_of(r)) for r in range(c.pp))
+    def count(s: StageEstimate, attribute: str) -> int:
+        return sum(getattr(model.layers[l], attribute) for first, last in s.chunks for l in range(first, last + 1))
+
+    tensors = [count(s, "param_tensors") for s in stages]
+    sharded = [count(s, "tp_sharded_tensors") if c.tp_of(s.index) > 1 else 0 for s in stages]
+    optimizer = max(_optimizer_s(params[r], tensors[r], sharded[r], cluster.profile(layouts[r].device_type), c, c.zero_of(r))
+                    for r in range(c.pp))
     time = TimeBreakdown(compute_s=compute, bubble_s=pipeline_end - compute - tp - zero3 - pp, tp_comm_s=tp, pp_comm_s=pp,
                          dp_comm_s=dp + zero3, optimizer_s=optimizer)
     step = time.step_s

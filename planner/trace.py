@@ -197,6 +197,7 @@ class _Measured:
     split_params: int = 0
     split_saved: float = 0.0
     collectives: tuple[tuple[str, str, float], ...] = ()
+    sharded_tensors: int = 0
     tp_degrees: tuple[int, ...] | None = None
 
     @property
@@ -218,6 +219,7 @@ class _Measured:
             tp_split_saved_bytes=max(0.0, self.split_saved),
             tp_collectives=self.collectives,
             tp_sharded_modules=len(self.relative_sharding),
+            tp_sharded_tensors=self.sharded_tensors,
             tp_degrees=self.tp_degrees,
             param_tensors=param_tensors,
             fwd_elementwise_flops=w.total("fwd_elementwise_flops"),
@@ -266,6 +268,7 @@ def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str) -> _Meas
         split_params=round(scale * (params - sum(p.numel() for p in sharded.parameters()))),
         split_saved=scale * (whole.total("saved_bytes") - half.total("saved_bytes")),
         collectives=layer_collectives(module, inputs, sharding),
+        sharded_tensors=sum(len(list(module.get_submodule(path).parameters(recurse=False))) for path in sharding),
         tp_degrees=tuple(tp for tp in range(2, _MAX_TP_CHECKED + 1) if _splits_at(module, inputs, sharding, whole.outputs, tp)),
     )
 

@@ -233,6 +233,52 @@ def reference_step_time(world: int, *, repeats: int) -> dict[str, float]:
             "workers": world}
 
 
+REFERENCE_TP_MICROBATCHES = (1, 2, 4)  # micro-batch counts of ``reference_tp_step_time``
+
+
+def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: int) -> dict:
+    """Seconds of a whole training step of runtime/reference_model.py with tensor
+    parallelism over all ``world`` workers, as the generated program runs one (the
+    sharding the planner chose for it, DTensor through runtime.shard, hetpar's executor,
+    AdamW over the sharded parameters, the reported loss's all-reduce), at each of
+    ``REFERENCE_TP_MICROBATCHES`` micro-batches of ``BATCH`` samples: the line through
+    them separates what each micro-batch costs from what the step costs once
+    (cost_models/calibrate.py, [Note: calibrated fits])."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from runtime import executor, reference_model, schedule, shard
+    from runtime.distributed import Peers
+    from runtime.graph import trace_layers
+    from runtime.model_file import load_model_file
+
+    torch.manual_seed(0)
+    model_file = load_model_file(Path(reference_model.__file__), {})
+    model = model_file.build_model()
+    names = list(trace_layers(model, example_inputs=model_file.example_inputs(1)).layer_names)
+    stage = shard.cut_stage(model, model_file, reference_model.BATCH, (0, len(names) - 1), names)
+    shard.apply_tensor_parallel(stage.module, init_device_mesh("cpu", (world,)), tp_sharding)
+    none = Peers(recv_activations_from=None, send_activations_to=(), recv_grads_from=None, send_grads_to=())
+    optimizer = torch.optim.AdamW(stage.module.parameters(), lr=1e-6)
+    steps = []
+    for m in REFERENCE_TP_MICROBATCHES:
+        pipeline = {0: executor.StageExecutor(stage=stage, peers=none, loss_fn=lambda out, _: out.square().mean(),
+                                              num_microbatches=m, device=torch.device("cpu"))}
+        actions = schedule.make_schedule("1f1b", 1, m, 1)[0]
+        data = [(model_file.example_inputs(reference_model.BATCH), torch.zeros(())) for _ in range(m)]
+
+        def train_step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            loss = executor.run_actions(pipeline, actions, data, torch.device("cpu"))
+            optimizer.step()
+            reported = loss.reshape(1).clone()
+            dist.all_reduce(reported)
+            float(reported)
+
+        dist.barrier()
+        steps.append([m, median_time_s(train_step, repeats=repeats)])
+    return {"steps": steps, "batch_size": reference_model.BATCH, "tp": world}
+
+
 # --- Collectives between local workers --------------------------------------------------
 
 
@@ -412,6 +458,9 @@ def _worker(rank: int, world: int, port: int, plan: dict, out_dir: str) -> None:
         results["step_overhead_s"] = _step_overhead_s(rank, plan["repeats"] * 2)
         progress("reference training step through the program's runtime")
         results["reference_step"] = reference_step_time(world, repeats=plan["repeats"])
+        if plan.get("tp_sharding"):
+            progress("reference training step with tensor parallelism")
+            results["reference_tp_step"] = reference_tp_step_time(world, plan["tp_sharding"], repeats=plan["repeats"])
         if rank == 0:
             (Path(out_dir) / "results.json").write_text(json.dumps(results))
         dist.barrier()
@@ -420,7 +469,7 @@ def _worker(rank: int, world: int, port: int, plan: dict, out_dir: str) -> None:
 
 
 def host_measurements(world: int, *, matmul_sizes: list[int], sizes_bytes: list[int], repeats: int,
-                      progress: Callable[[str], None] = lambda _: None) -> dict:
+                      tp_sharding: dict[str, str] | None = None, progress: Callable[[str], None] = lambda _: None) -> dict:
     """Measure this host from ``world`` spawned workers at once, as a training job's ranks run.
 
     Every worker runs the compute benchmarks at the same time, with one thread each (as
@@ -435,6 +484,9 @@ def host_measurements(world: int, *, matmul_sizes: list[int], sizes_bytes: list[
         matmul_sizes: n of the ``n x n`` matmuls.
         sizes_bytes: collective sizes (the full tensor, as nccl-tests counts it).
         repeats: timed repeats of each measurement; the median is kept.
+        tp_sharding: the planner's tensor-parallel sharding of runtime/reference_model.py
+            (module path -> style); with it the reference step is timed again with
+            tensor parallelism over all workers (``reference_tp_step_time``).
         progress: called with a description as each benchmark starts.
 
     Returns:
@@ -442,7 +494,7 @@ def host_measurements(world: int, *, matmul_sizes: list[int], sizes_bytes: list[
         "op_overhead": {...}, "collectives": {name: [[nbytes, s], ...]}, "step_overhead_s": s}``.
     """
     plan = {"collectives": ["all_reduce", "all_gather", "reduce_scatter", "p2p"], "sizes_bytes": sizes_bytes,
-            "repeats": repeats, "matmul_sizes": matmul_sizes, "dtypes": ["fp32", "bf16"]}
+            "repeats": repeats, "matmul_sizes": matmul_sizes, "dtypes": ["fp32", "bf16"], "tp_sharding": tp_sharding or {}}
     with tempfile.TemporaryDirectory(prefix="hetpar-profile-") as tmp:
         context = mp.spawn(_worker, args=(world, _free_port(), plan, tmp), nprocs=world, join=False)
         seen = 0

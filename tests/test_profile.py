@@ -157,6 +157,52 @@ def test_the_optimizer_step_costs_per_tensor_with_a_measured_profile():
     assert step(many) - step(few) == pytest.approx(4 * 10 * 1e-4)
 
 
+def test_the_tensor_parallel_step_splits_into_per_collective_and_per_tensor_costs():
+    # Synthetic measurements from known costs: what the reference model's TP step would
+    # take with `per_collective` more per collective and `per_tensor` more per DTensor
+    # parameter tensor than the estimator charges without them.
+    from dataclasses import replace
+    from cost_models.compute import layer_timing, optimizer_rates
+    from cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
+    collectives = (("forward", "all_reduce", 4e3), ("backward", "all_reduce", 4e3), ("forward", "all_gather", 8e3))
+    layers = [LayerProfile(name=f"l{i}", fwd_flops=4e6, bwd_flops=8e6, params=1000, saved_activation_bytes=2e4,
+                           boundary_bytes=1e3, num_ops=12, param_tensors=3, tp_split_flops_fraction=0.9, tp_split_params=900,
+                           tp_sharded_modules=2, tp_sharded_tensors=2, tp_collectives=collectives) for i in range(2)]
+    data = record()
+    data["collectives"]["all_gather"] = line(100e-6, 2e9, [4096, 1 << 20, 16 << 20])
+    data["optimizer"] = {"optimizer": "adamw", "tensor_s": 2e-5, "param_s": 1e-9}
+    data["tp_op_overhead"] = {"fwd_bwd_s_per_op": 1e-4, "ops_per_block": 3, "all_reduces_per_block": 2}
+    batch, per_collective, per_tensor = 4, 7e-4, 3e-4
+    plain = fit_profile(data, get_device("cpu"))
+    at_one = [layer_timing(l, plain, tp=1, micro_batch_size=batch, dtype="fp32", kernel_efficiency=1.0) for l in layers]
+    data["reference"] = {"batch_size": batch, "fwd_s": sum(t.fwd_s for t in at_one),
+                         "fwd_bwd_s": sum(t.fwd_s + t.bwd_s for t in at_one)}
+    calibrated = fit_profile(data, get_device("cpu"), layers)  # efficiencies 1, no TP step yet
+    assert calibrated.tp_collective_overhead_s is None
+    per_microbatch = sum(t.fwd_s + t.bwd_s for t in (layer_timing(l, calibrated, tp=2, micro_batch_size=batch, dtype="fp32")
+                                                      for l in layers))
+    fits = {"all_reduce": calibrated.collectives["all_reduce"], "all_gather": calibrated.collectives["all_gather"]}
+    per_microbatch += 2 * sum(fits[k].latency_s + b * batch / fits[k].bw_bytes_per_s + per_collective for _, k, b in collectives)
+    rates = optimizer_rates(calibrated)
+    once = rates.seconds(2 * layers[0].params_at(2) * OPTIMIZER_BYTES_PER_PARAM["adamw"], 6) + rates.fixed_s + 4 * per_tensor
+    data["reference_tp_step"] = {"steps": [[m, once + m * per_microbatch] for m in (1, 2, 4)], "batch_size": batch, "tp": 2}
+    p = fit_profile(data, get_device("cpu"), layers)
+    assert p.tp_collective_overhead_s == pytest.approx(per_collective)
+    assert p.tp_optimizer_tensor_overhead_s == pytest.approx(per_tensor)
+    assert p.tp_module_overhead_s == calibrated.tp_module_overhead_s  # the tiny block's, untouched
+    assert p.sources["tp_collective_overhead_s"].startswith("fitted from hetpar profile")
+    # The estimator charges both where tensor parallelism runs, and neither where it does not.
+    graph = ModelGraph(file="synthetic.py", args={}, fingerprint="", layers=layers)
+    cluster = lambda prof: parse_cluster("1x2xcpu", profiles={"CPU": prof})
+    cfg = lambda tp: EstimateConfig(global_batch_size=batch, dp=3 - tp, tp=tp, pp=1, micro_batch_size=batch // (3 - tp),
+                                    dtype="fp32")
+    bare = replace(p, tp_collective_overhead_s=None, tp_optimizer_tensor_overhead_s=None)
+    with_tp, without = estimate(graph, cluster(p), cfg(2)), estimate(graph, cluster(bare), cfg(2))
+    assert with_tp.time.tp_comm_s - without.time.tp_comm_s == pytest.approx(2 * len(collectives) * per_collective)
+    assert with_tp.time.optimizer_s - without.time.optimizer_s == pytest.approx(4 * per_tensor)
+    assert estimate(graph, cluster(p), cfg(1)).predicted.step_time_s == estimate(graph, cluster(bare), cfg(1)).predicted.step_time_s
+
+
 def test_fit_profile_names_missing_measurements():
     data = record()
     del data["copy"]

@@ -16,7 +16,7 @@ from rich.table import Table
 from cost_models.calibrate import fit_profile
 from cost_models.devices import DeviceProfile, ProfileError, dump_profile, get_device, load_profile, profile_to_dict
 from hetpar.commands.common import console, domain_errors, seconds
-from planner.trace import trace_model
+from planner.trace import ModelGraph, trace_model
 from runtime import profiler, reference_model
 from runtime.model_file import load_model_file, parse_model_args
 
@@ -26,13 +26,15 @@ _FULL = ([64, 128, 256, 384, 512, 768], [4096, 65536, 1 << 20, 4 << 20, 16 << 20
 _QUICK = ([64, 256, 512], [4096, 1 << 20, 4 << 20], 3)
 
 
-def measure(*, nproc: int, quick: bool, step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def measure(*, nproc: int, quick: bool, tp_sharding: dict[str, str] | None = None,
+            step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Run every microbenchmark of this host; the record cost_models/calibrate.py fits.
 
     Args:
         nproc: local workers that run the benchmarks at once (2 or more), as the ranks
             of a plan for this many devices would.
         quick: fewer sizes and repeats.
+        tp_sharding: the reference model's tensor-parallel sharding (``reference_graph``).
         step: called with a description as each benchmark starts (progress display).
 
     Returns:
@@ -44,7 +46,7 @@ def measure(*, nproc: int, quick: bool, step: Callable[[str], None] = lambda _: 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         record.update(profiler.host_measurements(nproc, matmul_sizes=sizes, sizes_bytes=comm_sizes, repeats=repeats,
-                                                 progress=step))
+                                                 tp_sharding=tp_sharding, progress=step))
     return record
 
 
@@ -83,12 +85,13 @@ def profile(
     if output.suffix.lower() not in (".json", ".toml"):
         raise ProfileError(f"--output {str(output)!r} must end in .json or .toml")
     base_profile = get_device(base)
+    reference = reference_graph()
     # A neighbour's burst can spoil one round past what the fit tolerates; one more round
     # usually is clean, and a second failure is reported.
     for attempt in (1, 2):
-        record = _measure_with_progress(nproc, quick, model, model_arg, batch_size)
+        record = _measure_with_progress(nproc, quick, model, model_arg, batch_size, reference_sharding(reference, nproc))
         try:
-            fitted = fit_profile(record, base_profile, _reference_layers())
+            fitted = fit_profile(record, base_profile, reference.layers)
             break
         except ProfileError as exc:
             if attempt == 2 or "noisy" not in str(exc):
@@ -104,14 +107,22 @@ def profile(
     typer.echo(str(output))
 
 
-def _reference_layers() -> list:
-    """The traced layers of the model the profile times as its reference workload."""
-    return trace_model(load_model_file(Path(reference_model.__file__), {})).layers
+def reference_graph() -> ModelGraph:
+    """The model the profile times as its reference workload, traced by the planner."""
+    return trace_model(load_model_file(Path(reference_model.__file__), {}))
+
+
+def reference_sharding(graph: ModelGraph, tp: int) -> dict[str, str]:
+    """The planner's tensor-parallel sharding of the whole reference model (module path ->
+    style), or {} when some layer does not split ``tp`` ways."""
+    if any(not layer.splits_at(tp) for layer in graph.layers):
+        return {}
+    return {path: kind.value for layer in graph.tp_sharding for path, kind in layer.items()}
 
 
 def _measure_with_progress(nproc: int, quick: bool, model: Optional[Path], model_arg: Optional[list[str]],
-                           batch_size: int) -> dict[str, Any]:
-    total = 10 + (1 if model else 0)
+                           batch_size: int, tp_sharding: dict[str, str]) -> dict[str, Any]:
+    total = 12 + (1 if tp_sharding else 0) + (1 if model else 0)
     with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.description}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("", total=total)
@@ -121,7 +132,7 @@ def _measure_with_progress(nproc: int, quick: bool, model: Optional[Path], model
             done["n"] += 1
             bar.update(task, completed=done["n"], description=what)
 
-        record = measure(nproc=nproc, quick=quick, step=step)
+        record = measure(nproc=nproc, quick=quick, tp_sharding=tp_sharding, step=step)
         if model is not None:
             step("layers of the model")
             record["layers"] = _model_layers(model, parse_model_args(model_arg or []), batch_size, quick)
