@@ -13,7 +13,7 @@ runtime/profiler.py's benchmarks produce (docs/profiling.md lists its keys):
      "collectives": {"all_reduce": [[nbytes, seconds], ...], ...},
      "step_overhead_s": s,
      "reference": {"batch_size": n, "fwd_s": s, "fwd_bwd_s": s},              (optional)
-     "reference_step": {"step_s": s, "microbatches": m, "batch_size": n,
+     "reference_step": {"steps": [[microbatches, s], ...], "batch_size": n,
                         "workers": w},                                         (optional)
      "tp_op_overhead": {"fwd_bwd_s_per_op": s, "ops_per_block": n,
                         "all_reduces_per_block": n},                          (optional)
@@ -50,9 +50,14 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   overheads it charges. Both are then scaled by one factor from the same model's
   whole training step as the generated program runs it (runtime/profiler.py
   ``reference_step_time``: hetpar's executor, the gradient all-reduce, AdamW, the
-  loss report, in every worker at once): the factor that makes the estimator's charge
-  for that step (layers, one all-reduce, optimizer, step overhead) equal the measured
-  step, so the efficiencies carry what the program adds around the kernels.
+  loss report, in every worker at once) at several micro-batch counts: a line through
+  (micro-batches, seconds) gives what each micro-batch costs, and the factor makes
+  the estimator's charge for it (the layers) equal, so the efficiencies carry what the
+  program adds around the kernels;
+- ``grad_sync_scale``: the same line's intercept, what the step costs once, less the
+  optimizer and step overhead charged, over the gradient all-reduce's charge at the
+  fitted alpha and beta: on a CPU the all-reduce's threads share the cores with the
+  last backward, so inside a step it costs more than in a loop of its own.
   Without that timing both are 1 (the rates above are what kernels reach here; the
   global 0.75 of cost_models/compute.py stands for GPU runs, not for this host);
 - ``optimizer_tensor_overhead_s`` and ``optimizer_bytes_per_s``: an AdamW step's
@@ -98,6 +103,8 @@ _STEP_PROBE_TENSORS = 4
 _TP_PROBE_SHARDED_MODULES = 2
 # Bounds on a fitted kernel efficiency: a fit outside them is noise, not a machine.
 _MIN_EFFICIENCY, _MAX_EFFICIENCY = 0.05, 2.0
+# ... and on the gradient synchronisation's factor.
+_MIN_SYNC_SCALE, _MAX_SYNC_SCALE = 0.25, 10.0
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -235,39 +242,47 @@ def _with_kernel_efficiencies(fitted: DeviceProfile, measurements: dict[str, Any
     sources["kernel_efficiency"] = f"{stamp}: forward of runtime/reference_model.py against the layer cost model"
     sources["backward_kernel_efficiency"] = f"{stamp}: backward of runtime/reference_model.py against the layer cost model"
     step = measurements.get("reference_step")
+    sync_scale = None
     if step:
-        scale = _runtime_scale(replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, sources=sources), step,
-                               reference_layers)
+        scale, sync_scale = _runtime_fit(replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, sources=sources),
+                                         step, reference_layers)
         fwd_eff, bwd_eff = _clamp(fwd_eff * scale), _clamp(bwd_eff * scale)
         for key in ("kernel_efficiency", "backward_kernel_efficiency"):
-            sources[key] += f", times {scale:.3f}: its training step through the program's runtime against the estimator's charge"
-    return replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, sources=sources)
+            sources[key] += f", times {scale:.3f}: each micro-batch of its training step through the program's runtime"
+        sources["grad_sync_scale"] = (f"{stamp}: runtime/reference_model.py's data-parallel training step, once per step, "
+                                      "against its all-reduce's charge")
+    return replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, grad_sync_scale=sync_scale, sources=sources)
 
 
 def _clamp(efficiency: float) -> float:
     return min(_MAX_EFFICIENCY, max(_MIN_EFFICIENCY, efficiency))
 
 
-def _runtime_scale(profile: DeviceProfile, step: dict[str, Any], layers: Sequence[LayerProfile]) -> float:
-    """The factor on both kernel efficiencies that makes the estimator's charge for the
-    reference model's data-parallel training step equal the measured one; see
-    [Note: calibrated fits]. The charge is what planner.estimate adds up for such a
-    step: the micro-batches' forward and backward, one all-reduce of the gradients at
-    the fitted alpha and beta, the optimizer (per tensor and per byte) and the step
-    overhead; only the layers' FLOP and byte seconds scale."""
-    m, batch = int(step["microbatches"]), int(step["batch_size"])
+def _runtime_fit(profile: DeviceProfile, step: dict[str, Any], layers: Sequence[LayerProfile]) -> tuple[float, float]:
+    """(the factor on both kernel efficiencies, ``grad_sync_scale``) that make the
+    estimator's charge for the reference model's data-parallel training step equal the
+    measured one; see [Note: calibrated fits]. A line through (micro-batches, seconds)
+    splits the step: each micro-batch's forward and backward, where only the layers'
+    FLOP and byte seconds scale, and what the step costs once, the gradient all-reduce
+    (at the fitted alpha and beta, which scales) with the optimizer and the step
+    overhead."""
+    try:
+        batch, workers = int(step["batch_size"]), int(step["workers"])
+        fixed_s, microbatches_per_s = fit_line([(float(m), float(s)) for m, s in step["steps"]])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProfileError(f"profile measurements: reference_step is malformed ({exc})") from None
     times = [layer_timing(l, profile, tp=1, micro_batch_size=batch, dtype="fp32") for l in layers]
     launch = sum(l.num_ops for l in layers) * (profile.op_overhead_s or 0.0) * LAUNCHES_PER_OP
     work = sum(t.fwd_s + t.bwd_s for t in times) - launch
+    if work <= 0 or 1.0 / microbatches_per_s - launch <= 0:
+        raise ProfileError("the reference training step ran faster than its overheads; the machine is too noisy, run hetpar profile again")
     params = sum(l.params for l in layers)
     reduce = profile.collectives.get("all_reduce")
-    sync_s = reduce.latency_s + 4.0 * params / reduce.bw_bytes_per_s if reduce and int(step["workers"]) > 1 else 0.0
+    sync_s = reduce.latency_s + 4.0 * params / reduce.bw_bytes_per_s if reduce and workers > 1 else 0.0
     rates = optimizer_rates(profile)
-    optimizer_s = rates.seconds(params * OPTIMIZER_BYTES_PER_PARAM["adamw"], sum(l.param_tensors for l in layers))
-    left = float(step["step_s"]) - sync_s - optimizer_s - rates.fixed_s
-    if work <= 0 or left / m - launch <= 0:
-        raise ProfileError("the reference training step ran faster than its overheads; the machine is too noisy, run hetpar profile again")
-    return work / (left / m - launch)
+    once_s = rates.seconds(params * OPTIMIZER_BYTES_PER_PARAM["adamw"], sum(l.param_tensors for l in layers)) + rates.fixed_s
+    sync_scale = (fixed_s - once_s) / sync_s if sync_s > 0 else 1.0
+    return work / (1.0 / microbatches_per_s - launch), min(_MAX_SYNC_SCALE, max(_MIN_SYNC_SCALE, sync_scale))
 
 
 def rows_curves(rows: dict[str, list], peak_flops_per_s: float) -> dict[str, dict[int, float]]:

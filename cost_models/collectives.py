@@ -341,6 +341,13 @@ def broadcast_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, c
     return min(chain, binomial)
 
 
+def grad_sync_scale(device) -> float:
+    """How many times its collectives' time the end-of-step gradient synchronisation
+    takes inside a training step on ``device`` (a measured profile's
+    ``grad_sync_scale``; 1 for datasheet profiles)."""
+    return getattr(device, "grad_sync_scale", None) or 1.0
+
+
 def tensor_parallel_pass_s(collectives, pass_: str, scale: float, ranks: Sequence[int], cluster: Cluster) -> float:
     """Seconds of a layer's tensor-parallel collectives in one pass over the group ``ranks``.
 

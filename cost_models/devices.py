@@ -49,7 +49,7 @@ _NUMERIC_FIELDS = (
 )
 # Measured by ``hetpar profile`` (docs/profiling.md); absent from datasheet profiles.
 _CALIBRATED_FIELDS = ("op_overhead_s", "step_overhead_s", "kernel_efficiency", "backward_kernel_efficiency",
-                      "tp_module_overhead_s", "tp_collective_overhead_s", "optimizer_bytes_per_s",
+                      "tp_module_overhead_s", "tp_collective_overhead_s", "grad_sync_scale", "optimizer_bytes_per_s",
                       "optimizer_tensor_overhead_s", "tp_optimizer_tensor_overhead_s", "weight_stream_bytes_per_s")
 _OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",) + _CALIBRATED_FIELDS
 _STRING_FIELDS = ("name", "vendor", "intra_node_link")
@@ -126,6 +126,9 @@ class DeviceProfile:
     backward_kernel_efficiency: float | None = None  # the backward's, where measured apart; else kernel_efficiency
     tp_module_overhead_s: float | None = None  # per tensor-parallel module and micro-batch, fwd + bwd
     tp_collective_overhead_s: float | None = None  # per tensor-parallel collective, between kernels
+    # How many times the gradient sync's collective time it takes inside a training step;
+    # None: 1 ([Note: calibrated fits] in cost_models/calibrate.py).
+    grad_sync_scale: float | None = None
     optimizer_bytes_per_s: float | None = None  # optimizer step, memory traffic per second
     optimizer_tensor_overhead_s: float | None = None  # optimizer step, per parameter tensor
     tp_optimizer_tensor_overhead_s: float | None = None  # ... and more per tensor-parallel (DTensor) one

@@ -54,7 +54,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cost_models.collectives import all_gather_time_s, all_reduce_time_s, p2p_time_s, reduce_scatter_time_s, tensor_parallel_pass_s
+from cost_models.collectives import (
+    all_gather_time_s, all_reduce_time_s, grad_sync_scale, p2p_time_s, reduce_scatter_time_s, tensor_parallel_pass_s,
+)
 from cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
 from cost_models.memory import (
     FRAGMENTATION_MARGIN,
@@ -580,7 +582,7 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
         tables["gather_bwd_s"][k, :, c] = (ag_pb + rs_pb) * cols.params * elem
         lat["gather_fwd_latency_s"][k, c] = ag_lat
         lat["gather_bwd_latency_s"][k, c] = ag_lat + rs_lat
-    sync_lat, sync_pb = _sync_linear(comm, cand.dp, mode.zero_stage)
+    sync_lat, sync_pb = _sync_linear(comm, cand.dp, mode.zero_stage, cluster.profile(slot.device_type))
     share = params / cand.dp if sharded else params
     tables["epilogue_s"][k, :, c] = (sync_pb * params * elem
                                      + rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[optimizer], cols.tensors, cols.sharded_tensors))
@@ -643,14 +645,17 @@ def _data_parallel_linear(cluster, dp: int, tp: int, slot: StageSlot, cache: dic
     return _memo(cache, key, fit)
 
 
-def _sync_linear(comm: dict[str, tuple[float, float]], dp: int, zero_stage: int) -> tuple[float, float]:
-    """The end-of-step gradient synchronisation: all-reduce, ZeRO-1/2's reduce-scatter + all-gather, none under ZeRO-3."""
+def _sync_linear(comm: dict[str, tuple[float, float]], dp: int, zero_stage: int, device) -> tuple[float, float]:
+    """The end-of-step gradient synchronisation on ``device``: all-reduce, ZeRO-1/2's
+    reduce-scatter + all-gather, none under ZeRO-3; times the device's ``grad_sync_scale``."""
     if dp == 1 or zero_stage == 3:
         return 0.0, 0.0
+    scale = grad_sync_scale(device)
     if zero_stage == 0:
-        return comm["all_reduce"]
+        a, b = comm["all_reduce"]
+        return a * scale, b * scale
     (a, b), (c, d) = comm["reduce_scatter"], comm["all_gather"]
-    return a + c, b + d
+    return (a + c) * scale, (b + d) * scale
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,7 +37,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cost_models.cluster import Cluster
-from cost_models.collectives import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s, tensor_parallel_pass_s
+from cost_models.collectives import (
+    all_gather_time_s, all_reduce_time_s, grad_sync_scale, reduce_scatter_time_s, tensor_parallel_pass_s,
+)
 from cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
 from cost_models.devices import DeviceProfile
 from cost_models.layers import LayerProfile, tp_misfit
@@ -512,9 +514,10 @@ def _dp_sync_s(params: float, cluster: Cluster, config: EstimateConfig, layout: 
         return 0.0
     nbytes = params * dtype_bytes(config.dtype)
     group, kw = [replica[0] for replica in layout.ranks], {"concurrent": len(layout.ranks[0])}
+    scale = grad_sync_scale(cluster.profile(layout.device_type))
     if zero_stage == 0:
-        return all_reduce_time_s(nbytes, group, cluster, **kw)
-    return reduce_scatter_time_s(nbytes, group, cluster, **kw) + all_gather_time_s(nbytes, group, cluster, **kw)
+        return all_reduce_time_s(nbytes, group, cluster, **kw) * scale
+    return (reduce_scatter_time_s(nbytes, group, cluster, **kw) + all_gather_time_s(nbytes, group, cluster, **kw)) * scale
 
 
 def _optimizer_s(params: float, tensors: int, sharded_tensors: int, device: DeviceProfile, config: EstimateConfig,

@@ -188,17 +188,18 @@ def reference_times(*, repeats: int) -> dict[str, float]:
     return {"batch_size": reference_model.BATCH, "fwd_s": fwd, "fwd_bwd_s": both}
 
 
-REFERENCE_MICROBATCHES = 2  # micro-batches per step of ``reference_step_time``
+REFERENCE_MICROBATCHES = (1, 2, 4)  # micro-batch counts of the reference steps
 
 
-def reference_step_time(world: int, *, repeats: int) -> dict[str, float]:
+def reference_step_time(world: int, *, repeats: int) -> dict:
     """Seconds of a whole training step of runtime/reference_model.py as the generated
     program runs one, data-parallel over all ``world`` workers (collective): the model
-    as one fx stage through hetpar's executor, ``REFERENCE_MICROBATCHES`` micro-batches
-    of ``BATCH`` samples, the gradient all-reduce under the last backward, AdamW, the
-    reported loss's all-reduce (waited for at once, where the program waits a step
-    later). cost_models/calibrate.py compares it with what the
-    estimator charges for such a step ([Note: calibrated fits])."""
+    as one fx stage through hetpar's executor, micro-batches of ``BATCH`` samples, the
+    gradient all-reduce under the last backward, AdamW, the reported loss's all-reduce
+    (waited for at once, where the program waits a step later); at each of
+    ``REFERENCE_MICROBATCHES`` micro-batches, so that the line through them separates
+    what each micro-batch costs from what the step costs once. cost_models/calibrate.py
+    compares both with what the estimator charges ([Note: calibrated fits])."""
     from runtime import executor, reference_model, schedule, shard
     from runtime.data_parallel import AllReduce
     from runtime.distributed import Peers
@@ -212,28 +213,26 @@ def reference_step_time(world: int, *, repeats: int) -> dict[str, float]:
     stage = shard.cut_stage(model, model_file, reference_model.BATCH, (0, len(names) - 1), names)
     sync = AllReduce(list(stage.module.parameters()), dist.group.WORLD, world)
     none = Peers(recv_activations_from=None, send_activations_to=(), recv_grads_from=None, send_grads_to=())
-    m = REFERENCE_MICROBATCHES
-    pipeline = {0: executor.StageExecutor(stage=stage, peers=none, loss_fn=lambda out, _: out.square().mean(),
-                                          num_microbatches=m, device=torch.device("cpu"), before_backward=sync.before_backward)}
-    actions = schedule.make_schedule("1f1b", 1, m, 1)[0]
     optimizer = torch.optim.AdamW(stage.module.parameters(), lr=1e-6)
-    data = [(model_file.example_inputs(reference_model.BATCH), torch.zeros(())) for _ in range(m)]
+    steps = []
+    for m in REFERENCE_MICROBATCHES:
+        pipeline = {0: executor.StageExecutor(stage=stage, peers=none, loss_fn=lambda out, _: out.square().mean(),
+                                              num_microbatches=m, device=torch.device("cpu"), before_backward=sync.before_backward)}
+        actions = schedule.make_schedule("1f1b", 1, m, 1)[0]
+        data = [(model_file.example_inputs(reference_model.BATCH), torch.zeros(())) for _ in range(m)]
 
-    def train_step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss = executor.run_actions(pipeline, actions, data, torch.device("cpu"))
-        sync.reduce()
-        optimizer.step()
-        reported = loss.reshape(1).clone()
-        dist.all_reduce(reported)
-        float(reported)
+        def train_step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            loss = executor.run_actions(pipeline, actions, data, torch.device("cpu"))
+            sync.reduce()
+            optimizer.step()
+            reported = loss.reshape(1).clone()
+            dist.all_reduce(reported)
+            float(reported)
 
-    dist.barrier()
-    return {"step_s": median_time_s(train_step, repeats=repeats), "microbatches": m, "batch_size": reference_model.BATCH,
-            "workers": world}
-
-
-REFERENCE_TP_MICROBATCHES = (1, 2, 4)  # micro-batch counts of ``reference_tp_step_time``
+        dist.barrier()
+        steps.append([m, median_time_s(train_step, repeats=repeats)])
+    return {"steps": steps, "batch_size": reference_model.BATCH, "workers": world}
 
 
 def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: int) -> dict:
@@ -241,7 +240,7 @@ def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: 
     parallelism over all ``world`` workers, as the generated program runs one (the
     sharding the planner chose for it, DTensor through runtime.shard, hetpar's executor,
     AdamW over the sharded parameters, the reported loss's all-reduce), at each of
-    ``REFERENCE_TP_MICROBATCHES`` micro-batches of ``BATCH`` samples: the line through
+    ``REFERENCE_MICROBATCHES`` micro-batches of ``BATCH`` samples: the line through
     them separates what each micro-batch costs from what the step costs once
     (cost_models/calibrate.py, [Note: calibrated fits])."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -260,7 +259,7 @@ def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: 
     none = Peers(recv_activations_from=None, send_activations_to=(), recv_grads_from=None, send_grads_to=())
     optimizer = torch.optim.AdamW(stage.module.parameters(), lr=1e-6)
     steps = []
-    for m in REFERENCE_TP_MICROBATCHES:
+    for m in REFERENCE_MICROBATCHES:
         pipeline = {0: executor.StageExecutor(stage=stage, peers=none, loss_fn=lambda out, _: out.square().mean(),
                                               num_microbatches=m, device=torch.device("cpu"))}
         actions = schedule.make_schedule("1f1b", 1, m, 1)[0]

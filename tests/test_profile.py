@@ -307,6 +307,7 @@ def test_a_row_curve_outside_zero_to_one_is_refused(tmp_path):
 
 
 def test_the_reference_step_through_the_runtime_scales_both_efficiencies():
+    from dataclasses import replace
     from cost_models.compute import layer_timing
     from cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
     layers = [LayerProfile(name=f"l{i}", fwd_flops=4e6 * (i + 1), bwd_flops=8e6 * (i + 1), params=1000,
@@ -322,12 +323,20 @@ def test_the_reference_step_through_the_runtime_scales_both_efficiencies():
     # The runtime's step: each micro-batch's layers at the efficiencies times `scale`,
     # plus what the estimator charges besides the layers.
     layer_s = sum(t.fwd_s for t in at(fwd_eff * scale)) + sum(t.bwd_s for t in at(bwd_eff * scale))
-    params, tensors = 3000, 6
+    # Once per step: the gradient all-reduce, taking `sync_scale` times its charge, the optimizer, the step overhead.
+    params, tensors, sync_scale = 3000, 6, 1.7
     reduce = plain.collectives["all_reduce"]
-    others = (reduce.latency_s + 4.0 * params / reduce.bw_bytes_per_s + tensors * 2e-5
-              + params * OPTIMIZER_BYTES_PER_PARAM["adamw"] / plain.optimizer_bytes_per_s + plain.step_overhead_s)
-    data["reference_step"] = {"step_s": m * layer_s + others, "microbatches": m, "batch_size": batch, "workers": 2}
+    once = (sync_scale * (reduce.latency_s + 4.0 * params / reduce.bw_bytes_per_s) + tensors * 2e-5
+            + params * OPTIMIZER_BYTES_PER_PARAM["adamw"] / plain.optimizer_bytes_per_s + plain.step_overhead_s)
+    data["reference_step"] = {"steps": [[m, once + m * layer_s] for m in (1, 2, 4)], "batch_size": batch, "workers": 2}
     p = fit_profile(data, get_device("cpu"), layers)
     assert p.kernel_efficiency == pytest.approx(fwd_eff * scale)
     assert p.backward_kernel_efficiency == pytest.approx(bwd_eff * scale)
+    assert p.grad_sync_scale == pytest.approx(sync_scale)
     assert "training step through the program's runtime" in p.sources["kernel_efficiency"]
+    assert p.sources["grad_sync_scale"].startswith("fitted from hetpar profile")
+    # The estimator's gradient all-reduce takes that factor, on top of the collective's fit.
+    graph = ModelGraph(file="synthetic.py", args={}, fingerprint="", layers=layers)
+    cfg = EstimateConfig(global_batch_size=2 * batch, dp=2, tp=1, pp=1, micro_batch_size=batch, dtype="fp32")
+    on = lambda prof: estimate(graph, parse_cluster("1x2xcpu", profiles={"CPU": prof}), cfg).time.dp_comm_s
+    assert on(p) == pytest.approx(sync_scale * on(replace(p, grad_sync_scale=None)))
