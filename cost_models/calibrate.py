@@ -13,11 +13,13 @@ runtime/profiler.py's benchmarks produce (docs/profiling.md lists its keys):
      "collectives": {"all_reduce": [[nbytes, seconds], ...], ...},
      "step_overhead_s": s,
      "reference": {"batch_size": n, "fwd_s": s, "fwd_bwd_s": s},              (optional)
-     "reference_step": {"steps": [[microbatches, s], ...], "batch_size": n,
+     "reference_step": {"steps": [[microbatches, compute_s, sync_wait_s,
+                                   optimizer_s], ...], "batch_size": n,
                         "workers": w},                                         (optional)
      "tp_op_overhead": {"fwd_bwd_s_per_op": s, "ops_per_block": n,
                         "all_reduces_per_block": n},                          (optional)
-     "reference_tp_step": {"steps": [[microbatches, s], ...], "batch_size": n,
+     "reference_tp_step": {"steps": [[microbatches, compute_s, optimizer_s], ...],
+                           "batch_size": n,
                            "tp": w}}                                           (optional)
 
 [Note: calibrated fits]
@@ -50,14 +52,16 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   overheads it charges. Both are then scaled by one factor from the same model's
   whole training step as the generated program runs it (runtime/profiler.py
   ``reference_step_time``: hetpar's executor, the gradient all-reduce, AdamW, the
-  loss report, in every worker at once) at several micro-batch counts: a line through
-  (micro-batches, seconds) gives what each micro-batch costs, and the factor makes
-  the estimator's charge for it (the layers) equal, so the efficiencies carry what the
-  program adds around the kernels;
-- ``grad_sync_scale``: the same line's intercept, what the step costs once, less the
-  optimizer and step overhead charged, over the gradient all-reduce's charge at the
-  fitted alpha and beta: on a CPU the all-reduce's threads share the cores with the
-  last backward, so inside a step it costs more than in a loop of its own.
+  loss report, in every worker at once) at several micro-batch counts, its sections
+  timed apart: a line through (micro-batches, seconds of the forwards and backwards)
+  gives what each micro-batch costs, and the factor makes the estimator's charge for
+  it (the layers) equal, so the efficiencies carry what the program adds around the
+  kernels;
+- ``grad_sync_scale``: the intercept of the line through (micro-batches, seconds of
+  the forwards and backwards plus the wait for the gradient all-reduce), i.e. what the
+  all-reduce adds to the step, over its charge at the fitted alpha and beta: on a CPU
+  its threads share the cores with the last backward it runs under, so inside a step
+  it costs more than in a loop of its own.
   Without that timing both are 1 (the rates above are what kernels reach here; the
   global 0.75 of cost_models/compute.py stands for GPU runs, not for this host);
 - ``optimizer_tensor_overhead_s`` and ``optimizer_bytes_per_s``: an AdamW step's
@@ -71,15 +75,14 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   model's whole training step with tensor parallelism over every worker, as the
   generated program runs it (the planner's own sharding of it, hetpar's executor,
   DTensor, AdamW), at several micro-batch counts (runtime/profiler.py
-  ``reference_tp_step_time``). A line through (micro-batches, seconds) splits the step
-  into what each micro-batch costs and what the step costs once. Per micro-batch, the
-  measured seconds less the estimator's charge (the layers at that degree with the
-  efficiencies above and ``tp_module_overhead_s``, each collective of
-  ``LayerProfile.tp_collectives`` at the fitted alpha and beta) is charged per
-  collective: what a collective costs between kernels, where the ranks arrive apart,
-  beyond what it costs in a tight loop. Per step, the seconds less the optimizer and
-  step overhead charged for plain tensors is what DTensor parameters add to the
-  optimizer, per sharded parameter tensor.
+  ``reference_tp_step_time``), its sections timed apart. The slope of the line
+  through (micro-batches, seconds of the forwards and backwards) less the estimator's
+  charge for one micro-batch (the layers at that degree with the efficiencies above
+  and ``tp_module_overhead_s``, each collective of ``LayerProfile.tp_collectives`` at
+  the fitted alpha and beta) is charged per collective: what a collective costs
+  between kernels, where the ranks arrive apart, beyond what it costs in a tight loop.
+  The optimizer step's median seconds less its charge for plain tensors is what
+  DTensor parameters add to it, per sharded parameter tensor.
 A negative intercept (noise on a shared machine) is clamped to zero.
 """
 
@@ -259,16 +262,16 @@ def _clamp(efficiency: float) -> float:
 
 
 def _runtime_fit(profile: DeviceProfile, step: dict[str, Any], layers: Sequence[LayerProfile]) -> tuple[float, float]:
-    """(the factor on both kernel efficiencies, ``grad_sync_scale``) that make the
-    estimator's charge for the reference model's data-parallel training step equal the
-    measured one; see [Note: calibrated fits]. A line through (micro-batches, seconds)
-    splits the step: each micro-batch's forward and backward, where only the layers'
-    FLOP and byte seconds scale, and what the step costs once, the gradient all-reduce
-    (at the fitted alpha and beta, which scales) with the optimizer and the step
-    overhead."""
+    """(the factor on both kernel efficiencies, ``grad_sync_scale``) from the reference
+    model's data-parallel training step; see [Note: calibrated fits]. The slope of the
+    forwards and backwards against micro-batches is set against the layers' charge, of
+    which only the FLOP and byte seconds scale; the intercept of the forwards, backwards
+    and the all-reduce's wait together against one all-reduce of the gradients at the
+    fitted alpha and beta."""
     try:
         batch, workers = int(step["batch_size"]), int(step["workers"])
-        fixed_s, microbatches_per_s = fit_line([(float(m), float(s)) for m, s in step["steps"]])
+        _, microbatches_per_s = fit_line([(float(m), float(compute)) for m, compute, _, _ in step["steps"]])
+        sync_s, _ = fit_line([(float(m), float(compute) + float(wait)) for m, compute, wait, _ in step["steps"]])
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileError(f"profile measurements: reference_step is malformed ({exc})") from None
     times = [layer_timing(l, profile, tp=1, micro_batch_size=batch, dtype="fp32") for l in layers]
@@ -278,10 +281,8 @@ def _runtime_fit(profile: DeviceProfile, step: dict[str, Any], layers: Sequence[
         raise ProfileError("the reference training step ran faster than its overheads; the machine is too noisy, run hetpar profile again")
     params = sum(l.params for l in layers)
     reduce = profile.collectives.get("all_reduce")
-    sync_s = reduce.latency_s + 4.0 * params / reduce.bw_bytes_per_s if reduce and workers > 1 else 0.0
-    rates = optimizer_rates(profile)
-    once_s = rates.seconds(params * OPTIMIZER_BYTES_PER_PARAM["adamw"], sum(l.param_tensors for l in layers)) + rates.fixed_s
-    sync_scale = (fixed_s - once_s) / sync_s if sync_s > 0 else 1.0
+    charged_s = reduce.latency_s + 4.0 * params / reduce.bw_bytes_per_s if reduce and workers > 1 else 0.0
+    sync_scale = sync_s / charged_s if charged_s > 0 else 1.0
     return work / (1.0 / microbatches_per_s - launch), min(_MAX_SYNC_SCALE, max(_MIN_SYNC_SCALE, sync_scale))
 
 
@@ -320,7 +321,8 @@ def _tensor_parallel_costs(profile: DeviceProfile, step: dict[str, Any], layers:
     beyond its charge; see [Note: calibrated fits]."""
     try:
         tp, batch = int(step["tp"]), int(step["batch_size"])
-        fixed_s, microbatches_per_s = fit_line([(float(m), float(s)) for m, s in step["steps"]])
+        _, microbatches_per_s = fit_line([(float(m), float(compute)) for m, compute, _ in step["steps"]])
+        optimizer_s = statistics.median(float(optimizer) for _, _, optimizer in step["steps"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileError(f"profile measurements: reference_tp_step is malformed ({exc})") from None
     layer_s = sum(t.fwd_s + t.bwd_s for t in (layer_timing(l, profile, tp=tp, micro_batch_size=batch, dtype="fp32") for l in layers))
@@ -331,8 +333,7 @@ def _tensor_parallel_costs(profile: DeviceProfile, step: dict[str, Any], layers:
             collective_s += fit.latency_s + nbytes * batch / fit.bw_bytes_per_s
             collectives += 1
     per_collective = max(0.0, 1.0 / microbatches_per_s - layer_s - collective_s) / collectives
-    rates = optimizer_rates(profile)
-    plain_s = rates.seconds(sum(l.params_at(tp) for l in layers) * OPTIMIZER_BYTES_PER_PARAM["adamw"],
-                            sum(l.param_tensors for l in layers)) + rates.fixed_s
+    plain_s = optimizer_rates(profile).seconds(sum(l.params_at(tp) for l in layers) * OPTIMIZER_BYTES_PER_PARAM["adamw"],
+                                               sum(l.param_tensors for l in layers))
     sharded = sum(l.tp_sharded_tensors for l in layers)
-    return per_collective, (max(0.0, fixed_s - plain_s) / sharded if sharded else 0.0)
+    return per_collective, (max(0.0, optimizer_s - plain_s) / sharded if sharded else 0.0)

@@ -126,8 +126,9 @@ class DeviceProfile:
     backward_kernel_efficiency: float | None = None  # the backward's, where measured apart; else kernel_efficiency
     tp_module_overhead_s: float | None = None  # per tensor-parallel module and micro-batch, fwd + bwd
     tp_collective_overhead_s: float | None = None  # per tensor-parallel collective, between kernels
-    # How many times the gradient sync's collective time it takes inside a training step;
-    # None: 1 ([Note: calibrated fits] in cost_models/calibrate.py).
+    # How many times its collectives' time the data-parallel synchronisation (the gradient
+    # all-reduce, ZeRO's reduce-scatters and gathers) takes inside a training step; None: 1
+    # ([Note: calibrated fits] in cost_models/calibrate.py).
     grad_sync_scale: float | None = None
     optimizer_bytes_per_s: float | None = None  # optimizer step, memory traffic per second
     optimizer_tensor_overhead_s: float | None = None  # optimizer step, per parameter tensor

@@ -577,7 +577,8 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     tables["tp_time_s"][k, :, c] = tp_fwd * (2 if full else 1) + tp_bwd
     sharded = cand.dp > 1 and mode.zero_stage > 0
     if sharded and mode.zero_stage == 3:
-        (ag_lat, ag_pb), (rs_lat, rs_pb) = comm["all_gather"], comm["reduce_scatter"]
+        scale = grad_sync_scale(cluster.profile(slot.device_type))
+        (ag_lat, ag_pb), (rs_lat, rs_pb) = ((a * scale, b * scale) for a, b in (comm["all_gather"], comm["reduce_scatter"]))
         tables["gather_fwd_s"][k, :, c] = ag_pb * cols.params * elem
         tables["gather_bwd_s"][k, :, c] = (ag_pb + rs_pb) * cols.params * elem
         lat["gather_fwd_latency_s"][k, c] = ag_lat

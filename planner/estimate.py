@@ -451,14 +451,16 @@ def _chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bou
 
 
 def _zero3_comm_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout, zero_stage: int) -> tuple[float, float]:
-    """ZeRO-3, per micro-batch: gather the weights for forward; gather again and reduce-scatter the gradients in backward."""
+    """ZeRO-3, per micro-batch: gather the weights for forward; gather again and reduce-scatter the gradients in
+    backward; data-parallel synchronisation inside the step, so times the device's ``grad_sync_scale``."""
     if zero_stage < 3 or config.dp == 1:
         return 0.0, 0.0
     tp = len(layout.ranks[0])
     nbytes = sum(l.params_at(tp) for l in layers) * dtype_bytes(config.dtype)
     group = [replica[0] for replica in layout.ranks]
-    gather = all_gather_time_s(nbytes, group, cluster, concurrent=tp)
-    return gather, gather + reduce_scatter_time_s(nbytes, group, cluster, concurrent=tp)
+    scale = grad_sync_scale(cluster.profile(layout.device_type))
+    gather = all_gather_time_s(nbytes, group, cluster, concurrent=tp) * scale
+    return gather, gather + reduce_scatter_time_s(nbytes, group, cluster, concurrent=tp) * scale
 
 
 def _boundary_s(model: ModelGraph, cluster: Cluster, config: EstimateConfig, last_layer: int,

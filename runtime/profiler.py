@@ -62,6 +62,15 @@ def median_time_s(fn: Callable[[], object], *, repeats: int, warmup: int = 2, in
     return statistics.median(samples)
 
 
+def median_sections_s(step: Callable[[], list[float]], *, repeats: int, warmup: int = 2) -> list[float]:
+    """Median of each section's seconds over ``repeats`` calls of ``step``, which returns
+    its sections' seconds (each section's median taken apart)."""
+    for _ in range(warmup):
+        step()
+    samples = [step() for _ in range(repeats)]
+    return [statistics.median(column) for column in zip(*samples)]
+
+
 def matmul_times(sizes: list[int], dtype: str, *, repeats: int) -> list[tuple[float, float]]:
     """(FLOPs, seconds) of an ``n x n @ n x n`` matmul for each n in ``sizes``."""
     out = []
@@ -197,9 +206,10 @@ def reference_step_time(world: int, *, repeats: int) -> dict:
     as one fx stage through hetpar's executor, micro-batches of ``BATCH`` samples, the
     gradient all-reduce under the last backward, AdamW, the reported loss's all-reduce
     (waited for at once, where the program waits a step later); at each of
-    ``REFERENCE_MICROBATCHES`` micro-batches, so that the line through them separates
-    what each micro-batch costs from what the step costs once. cost_models/calibrate.py
-    compares both with what the estimator charges ([Note: calibrated fits])."""
+    ``REFERENCE_MICROBATCHES`` micro-batches, timed in sections: [micro-batches, the
+    schedule's forwards and backwards, the wait for the gradient all-reduce, the
+    optimizer step] (medians). cost_models/calibrate.py compares them with what the
+    estimator charges ([Note: calibrated fits])."""
     from runtime import executor, reference_model, schedule, shard
     from runtime.data_parallel import AllReduce
     from runtime.distributed import Peers
@@ -221,17 +231,22 @@ def reference_step_time(world: int, *, repeats: int) -> dict:
         actions = schedule.make_schedule("1f1b", 1, m, 1)[0]
         data = [(model_file.example_inputs(reference_model.BATCH), torch.zeros(())) for _ in range(m)]
 
-        def train_step() -> None:
+        def train_step() -> list[float]:
             optimizer.zero_grad(set_to_none=True)
+            start = time.perf_counter()
             loss = executor.run_actions(pipeline, actions, data, torch.device("cpu"))
+            computed = time.perf_counter()
             sync.reduce()
+            synced = time.perf_counter()
             optimizer.step()
+            stepped = time.perf_counter()
             reported = loss.reshape(1).clone()
             dist.all_reduce(reported)
             float(reported)
+            return [computed - start, synced - computed, stepped - synced]
 
         dist.barrier()
-        steps.append([m, median_time_s(train_step, repeats=repeats)])
+        steps.append([m, *median_sections_s(train_step, repeats=repeats)])
     return {"steps": steps, "batch_size": reference_model.BATCH, "workers": world}
 
 
@@ -240,9 +255,9 @@ def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: 
     parallelism over all ``world`` workers, as the generated program runs one (the
     sharding the planner chose for it, DTensor through runtime.shard, hetpar's executor,
     AdamW over the sharded parameters, the reported loss's all-reduce), at each of
-    ``REFERENCE_MICROBATCHES`` micro-batches of ``BATCH`` samples: the line through
-    them separates what each micro-batch costs from what the step costs once
-    (cost_models/calibrate.py, [Note: calibrated fits])."""
+    ``REFERENCE_MICROBATCHES`` micro-batches of ``BATCH`` samples, timed in sections:
+    [micro-batches, the schedule's forwards and backwards, the optimizer step]
+    (medians; cost_models/calibrate.py, [Note: calibrated fits])."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from runtime import executor, reference_model, schedule, shard
@@ -265,16 +280,20 @@ def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: 
         actions = schedule.make_schedule("1f1b", 1, m, 1)[0]
         data = [(model_file.example_inputs(reference_model.BATCH), torch.zeros(())) for _ in range(m)]
 
-        def train_step() -> None:
+        def train_step() -> list[float]:
             optimizer.zero_grad(set_to_none=True)
+            start = time.perf_counter()
             loss = executor.run_actions(pipeline, actions, data, torch.device("cpu"))
+            computed = time.perf_counter()
             optimizer.step()
+            stepped = time.perf_counter()
             reported = loss.reshape(1).clone()
             dist.all_reduce(reported)
             float(reported)
+            return [computed - start, stepped - computed]
 
         dist.barrier()
-        steps.append([m, median_time_s(train_step, repeats=repeats)])
+        steps.append([m, *median_sections_s(train_step, repeats=repeats)])
     return {"steps": steps, "batch_size": reference_model.BATCH, "tp": world}
 
 
