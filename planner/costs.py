@@ -583,7 +583,7 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
         tables["gather_bwd_s"][k, :, c] = (ag_pb + rs_pb) * cols.params * elem
         lat["gather_fwd_latency_s"][k, c] = ag_lat
         lat["gather_bwd_latency_s"][k, c] = ag_lat + rs_lat
-    sync_lat, sync_pb = _sync_linear(comm, cand.dp, mode.zero_stage, cluster.profile(slot.device_type))
+    sync_lat, sync_pb = _sync_linear(comm, cand.dp, mode.zero_stage, cluster.profile(slot.device_type), cand.num_microbatches)
     share = params / cand.dp if sharded else params
     tables["epilogue_s"][k, :, c] = (sync_pb * params * elem
                                      + rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[optimizer], cols.tensors, cols.sharded_tensors))
@@ -646,17 +646,20 @@ def _data_parallel_linear(cluster, dp: int, tp: int, slot: StageSlot, cache: dic
     return _memo(cache, key, fit)
 
 
-def _sync_linear(comm: dict[str, tuple[float, float]], dp: int, zero_stage: int, device) -> tuple[float, float]:
-    """The end-of-step gradient synchronisation on ``device``: all-reduce, ZeRO-1/2's
-    reduce-scatter + all-gather, none under ZeRO-3; times the device's ``grad_sync_scale``."""
+def _sync_linear(comm: dict[str, tuple[float, float]], dp: int, zero_stage: int, device, microbatches: int) -> tuple[float, float]:
+    """The gradient synchronisation of a step on ``device``: an all-reduce; ZeRO-1's
+    reduce-scatter and all-gather; ZeRO-2's reduce-scatter after every micro-batch's
+    backward ([Note: ZeRO through FSDP2] in runtime/data_parallel.py) and all-gather;
+    none under ZeRO-3 (per micro-batch, elsewhere). Times the device's ``grad_sync_scale``."""
     if dp == 1 or zero_stage == 3:
         return 0.0, 0.0
     scale = grad_sync_scale(device)
     if zero_stage == 0:
         a, b = comm["all_reduce"]
         return a * scale, b * scale
+    scatters = microbatches if zero_stage == 2 else 1
     (a, b), (c, d) = comm["reduce_scatter"], comm["all_gather"]
-    return (a + c) * scale, (b + d) * scale
+    return (scatters * a + c) * scale, (scatters * b + d) * scale
 
 
 @dataclass(frozen=True, kw_only=True)

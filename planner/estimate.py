@@ -511,7 +511,9 @@ def _stage_params(model: ModelGraph, tp: int, chunks: list[tuple[int, int]]) -> 
 
 
 def _dp_sync_s(params: float, cluster: Cluster, config: EstimateConfig, layout: StageLayout, zero_stage: int) -> float:
-    """The end-of-step gradient synchronisation of one pipeline rank (ZeRO-3 synchronises per micro-batch)."""
+    """The gradient synchronisation of one pipeline rank in a step: an all-reduce; ZeRO-1's reduce-scatter and
+    all-gather; ZeRO-2's reduce-scatter after every micro-batch's backward ([Note: ZeRO through FSDP2] in
+    runtime/data_parallel.py) and all-gather (ZeRO-3 synchronises per micro-batch, in ``_zero3_comm_s``)."""
     if config.dp == 1 or zero_stage == 3:
         return 0.0
     nbytes = params * dtype_bytes(config.dtype)
@@ -519,7 +521,8 @@ def _dp_sync_s(params: float, cluster: Cluster, config: EstimateConfig, layout: 
     scale = grad_sync_scale(cluster.profile(layout.device_type))
     if zero_stage == 0:
         return all_reduce_time_s(nbytes, group, cluster, **kw) * scale
-    return (reduce_scatter_time_s(nbytes, group, cluster, **kw) + all_gather_time_s(nbytes, group, cluster, **kw)) * scale
+    scatters = config.num_microbatches if zero_stage == 2 else 1
+    return (scatters * reduce_scatter_time_s(nbytes, group, cluster, **kw) + all_gather_time_s(nbytes, group, cluster, **kw)) * scale
 
 
 def _optimizer_s(params: float, tensors: int, sharded_tensors: int, device: DeviceProfile, config: EstimateConfig,

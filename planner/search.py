@@ -108,9 +108,11 @@ def divisors(n: int) -> list[int]:
 # or full (selective costs what none costs under this cost model: the tracer measures
 # attention as a fused kernel keeps it) times a ZeRO stage, 0, 2 or 3 when dp > 1 under
 # 1F1B and GPipe (the runtime shards with FSDP, which neither ZB-H1's split backward
-# nor interleaved chunks support), 0 otherwise. ZeRO-1 costs exactly what ZeRO-2 costs
-# here (one reduce-scatter and all-gather per step, the same optimizer share) and holds
-# more, so it is searched only when pinned.
+# nor interleaved chunks support), 0 otherwise. ZeRO-1 is searched only when pinned:
+# at one micro-batch it costs what ZeRO-2 costs and holds more; with more, ZeRO-2
+# reduce-scatters after every micro-batch's backward and ZeRO-1 once, so ZeRO-1 can be
+# faster where ZeRO-2's gradient shards are not needed to fit, a plan this search
+# leaves to `--zero 1` (a fourth ZeRO stage per mode would cost the search a third more).
 def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> list[Candidate]:
     """Every (dp, pp, micro-batch size, schedule, virtual stages, stages per type) the pins allow,
     with the degrees each stage may take; see [Note: search space].
