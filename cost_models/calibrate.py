@@ -230,8 +230,8 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
             **fitted.sources,
             "tp_collective_overhead_s": f"{stamp}: reference model's tensor-parallel step per micro-batch less its charge, "
                                         "per collective",
-            "tp_optimizer_tensor_overhead_s": f"{stamp}: reference model's tensor-parallel step, once per step, less its "
-                                              "optimizer charge, per sharded parameter tensor",
+            "tp_optimizer_tensor_overhead_s": f"{stamp}: reference model's tensor-parallel step, its optimizer step less "
+                                              "the charge for plain tensors, per sharded parameter tensor",
         })
     return fitted
 
@@ -252,8 +252,8 @@ def _with_kernel_efficiencies(fitted: DeviceProfile, measurements: dict[str, Any
         fwd_eff, bwd_eff = _clamp(fwd_eff * scale), _clamp(bwd_eff * scale)
         for key in ("kernel_efficiency", "backward_kernel_efficiency"):
             sources[key] += f", times {scale:.3f}: each micro-batch of its training step through the program's runtime"
-        sources["grad_sync_scale"] = (f"{stamp}: runtime/reference_model.py's data-parallel training step, once per step, "
-                                      "against its all-reduce's charge")
+        sources["grad_sync_scale"] = (f"{stamp}: runtime/reference_model.py's data-parallel training step, what its "
+                                      "gradient all-reduce adds (intercept) against the all-reduce's charge")
     return replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, grad_sync_scale=sync_scale, sources=sources)
 
 

@@ -342,9 +342,10 @@ def broadcast_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, c
 
 
 def grad_sync_scale(device) -> float:
-    """How many times its collectives' time the end-of-step gradient synchronisation
-    takes inside a training step on ``device`` (a measured profile's
-    ``grad_sync_scale``; 1 for datasheet profiles)."""
+    """How many times its collectives' time the data-parallel synchronisation (the
+    gradient all-reduce, ZeRO's reduce-scatters and gathers) takes inside a training
+    step on ``device`` (a measured profile's ``grad_sync_scale``; 1 for datasheet
+    profiles)."""
     return getattr(device, "grad_sync_scale", None) or 1.0
 
 

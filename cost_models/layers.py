@@ -31,9 +31,9 @@ class LayerProfile:
     tp_split_flops_fraction: float = 0.0  # of fwd and bwd FLOPs, divided by tp
     tp_split_params: int = 0
     tp_split_saved_bytes: float = 0.0
-    # The collectives a tensor-parallel rank issues per micro-batch, one per sharded
-    # module and pass: (pass "forward" | "backward", "all_reduce" | "all_gather",
-    # bytes of the whole tensor per sample); planner.tensor_parallel.layer_collectives.
+    # The collectives a tensor-parallel rank issues per micro-batch, as the runtime
+    # issues them (planner.tensor_parallel.layer_collectives): (pass "forward" |
+    # "backward", "all_reduce" | "all_gather", bytes of the whole tensor per sample).
     tp_collectives: tuple[tuple[str, str, float], ...] = ()
     param_tensors: int = 0  # parameter tensors this layer holds (an optimizer step pays per tensor)
     # Tensor-parallel degrees > 1 the layer's split runs at (heads divide, ...), as the

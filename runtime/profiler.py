@@ -210,44 +210,13 @@ def reference_step_time(world: int, *, repeats: int) -> dict:
     schedule's forwards and backwards, the wait for the gradient all-reduce, the
     optimizer step] (medians). cost_models/calibrate.py compares them with what the
     estimator charges ([Note: calibrated fits])."""
-    from runtime import executor, reference_model, schedule, shard
+    from runtime import reference_model
     from runtime.data_parallel import AllReduce
-    from runtime.distributed import Peers
-    from runtime.graph import trace_layers
-    from runtime.model_file import load_model_file
 
-    torch.manual_seed(0)
-    model_file = load_model_file(Path(reference_model.__file__), {})
-    model = model_file.build_model()
-    names = list(trace_layers(model, example_inputs=model_file.example_inputs(1)).layer_names)
-    stage = shard.cut_stage(model, model_file, reference_model.BATCH, (0, len(names) - 1), names)
+    stage, model_file = _reference_stage()
     sync = AllReduce(list(stage.module.parameters()), dist.group.WORLD, world)
-    none = Peers(recv_activations_from=None, send_activations_to=(), recv_grads_from=None, send_grads_to=())
-    optimizer = torch.optim.AdamW(stage.module.parameters(), lr=1e-6)
-    steps = []
-    for m in REFERENCE_MICROBATCHES:
-        pipeline = {0: executor.StageExecutor(stage=stage, peers=none, loss_fn=lambda out, _: out.square().mean(),
-                                              num_microbatches=m, device=torch.device("cpu"), before_backward=sync.before_backward)}
-        actions = schedule.make_schedule("1f1b", 1, m, 1)[0]
-        data = [(model_file.example_inputs(reference_model.BATCH), torch.zeros(())) for _ in range(m)]
-
-        def train_step() -> list[float]:
-            optimizer.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            loss = executor.run_actions(pipeline, actions, data, torch.device("cpu"))
-            computed = time.perf_counter()
-            sync.reduce()
-            synced = time.perf_counter()
-            optimizer.step()
-            stepped = time.perf_counter()
-            reported = loss.reshape(1).clone()
-            dist.all_reduce(reported)
-            float(reported)
-            return [computed - start, synced - computed, stepped - synced]
-
-        dist.barrier()
-        steps.append([m, *median_sections_s(train_step, repeats=repeats)])
-    return {"steps": steps, "batch_size": reference_model.BATCH, "workers": world}
+    return {"steps": _timed_reference_steps(stage, model_file, sync, repeats=repeats), "batch_size": reference_model.BATCH,
+            "workers": world}
 
 
 def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: int) -> dict:
@@ -260,8 +229,17 @@ def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: 
     (medians; cost_models/calibrate.py, [Note: calibrated fits])."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from runtime import executor, reference_model, schedule, shard
-    from runtime.distributed import Peers
+    from runtime import reference_model, shard
+
+    stage, model_file = _reference_stage()
+    shard.apply_tensor_parallel(stage.module, init_device_mesh("cpu", (world,)), tp_sharding)
+    return {"steps": _timed_reference_steps(stage, model_file, None, repeats=repeats), "batch_size": reference_model.BATCH,
+            "tp": world}
+
+
+def _reference_stage():
+    """runtime/reference_model.py built (seed 0) and cut as one whole-model fx stage, and its model file."""
+    from runtime import reference_model, shard
     from runtime.graph import trace_layers
     from runtime.model_file import load_model_file
 
@@ -269,14 +247,24 @@ def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: 
     model_file = load_model_file(Path(reference_model.__file__), {})
     model = model_file.build_model()
     names = list(trace_layers(model, example_inputs=model_file.example_inputs(1)).layer_names)
-    stage = shard.cut_stage(model, model_file, reference_model.BATCH, (0, len(names) - 1), names)
-    shard.apply_tensor_parallel(stage.module, init_device_mesh("cpu", (world,)), tp_sharding)
+    return shard.cut_stage(model, model_file, reference_model.BATCH, (0, len(names) - 1), names), model_file
+
+
+def _timed_reference_steps(stage, model_file, sync, *, repeats: int) -> list[list[float]]:
+    """[micro-batches, forwards and backwards, (with ``sync``) the wait for its
+    all-reduce, optimizer step] medians of the stage's training step, at each of
+    ``REFERENCE_MICROBATCHES``: the 1F1B schedule of one stage through hetpar's
+    executor, AdamW, the reported loss's all-reduce."""
+    from runtime import executor, reference_model, schedule
+    from runtime.distributed import Peers
+
     none = Peers(recv_activations_from=None, send_activations_to=(), recv_grads_from=None, send_grads_to=())
     optimizer = torch.optim.AdamW(stage.module.parameters(), lr=1e-6)
     steps = []
     for m in REFERENCE_MICROBATCHES:
         pipeline = {0: executor.StageExecutor(stage=stage, peers=none, loss_fn=lambda out, _: out.square().mean(),
-                                              num_microbatches=m, device=torch.device("cpu"))}
+                                              num_microbatches=m, device=torch.device("cpu"),
+                                              before_backward=sync.before_backward if sync else None)}
         actions = schedule.make_schedule("1f1b", 1, m, 1)[0]
         data = [(model_file.example_inputs(reference_model.BATCH), torch.zeros(())) for _ in range(m)]
 
@@ -285,16 +273,19 @@ def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: 
             start = time.perf_counter()
             loss = executor.run_actions(pipeline, actions, data, torch.device("cpu"))
             computed = time.perf_counter()
+            if sync:
+                sync.reduce()
+            synced = time.perf_counter()
             optimizer.step()
             stepped = time.perf_counter()
             reported = loss.reshape(1).clone()
             dist.all_reduce(reported)
             float(reported)
-            return [computed - start, stepped - computed]
+            return [computed - start, *([synced - computed] if sync else []), stepped - synced]
 
         dist.barrier()
         steps.append([m, *median_sections_s(train_step, repeats=repeats)])
-    return {"steps": steps, "batch_size": reference_model.BATCH, "tp": world}
+    return steps
 
 
 # --- Collectives between local workers --------------------------------------------------
