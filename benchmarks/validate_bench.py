@@ -69,23 +69,32 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick-profile", action="store_true")
     parser.add_argument("--reuse-profiles", action="store_true", help="use the profiles an earlier run left in --out")
+    parser.add_argument("--no-model-layers", action="store_true", help="profile without --model (the layer model alone)")
     parser.add_argument("--rows", help="comma-separated row indices to run (default: all)")
     ns = parser.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
-    # One profile per worker count: a plan for 4 ranks runs 4 workers at once on this host,
-    # and the profile measures what each rank gets when that many compute together.
+    # One profile per worker count and model: a plan for 4 ranks runs 4 workers at once on
+    # this host, and the profile measures what each rank gets when that many compute
+    # together; with --model it also times that model's layers ([Note: measured layers]).
     profiles = {}
-    for world in sorted({int(cluster.split("x")[1]) for _, _, _, cluster, _, _ in MATRIX}):
-        profiles[world] = ns.out / f"profile-{world}.json"
-        if not (ns.reuse_profiles and profiles[world].is_file()):
-            print(f"profiling this machine with {world} workers -> {profiles[world]}", file=sys.stderr)
-            _hetpar("profile", "-o", str(profiles[world]), "--nproc", str(world), *(["--quick"] if ns.quick_profile else []))
+    for _, model, args, cluster, _, _ in MATRIX:
+        world = int(cluster.split("x")[1])
+        key = (world, model, tuple(args))
+        if key in profiles:
+            continue
+        profiles[key] = ns.out / f"profile-{world}-{len(profiles)}.json"
+        if not (ns.reuse_profiles and profiles[key].is_file()):
+            print(f"profiling this machine with {world} workers and {Path(model).name} {' '.join(args[1::2])} -> {profiles[key]}",
+                  file=sys.stderr)
+            measured = [] if ns.no_model_layers else ["--model", model, *args]
+            _hetpar("profile", "-o", str(profiles[key]), "--nproc", str(world), *measured,
+                    *(["--quick"] if ns.quick_profile else []))
     rows = []
     chosen = [int(i) for i in ns.rows.split(",")] if ns.rows else range(len(MATRIX))
     for i in chosen:
         name, model, args, cluster, batch, pins = MATRIX[i]
         plan = ns.out / f"plan{i}.json"
-        profile = profiles[int(cluster.split("x")[1])]
+        profile = profiles[(int(cluster.split("x")[1]), model, tuple(args))]
         _hetpar("plan", model, "-c", cluster, "-b", str(batch), *args, *pins, "--profile", str(profile), "-o", str(plan))
         rows.append({"name": name, "plan": plan, "cluster": cluster, "steps": []})
     for r in range(ns.rounds):

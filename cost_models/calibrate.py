@@ -108,6 +108,8 @@ _TP_PROBE_SHARDED_MODULES = 2
 _MIN_EFFICIENCY, _MAX_EFFICIENCY = 0.05, 2.0
 # ... and on the gradient synchronisation's factor.
 _MIN_SYNC_SCALE, _MAX_SYNC_SCALE = 0.25, 10.0
+# ... and on a measured layer's time over its modelled time, either way.
+_MAX_LAYER_RATIO = 20.0
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -143,7 +145,8 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, statistics.median(y - slope * x for x, y in points)), 1.0 / slope
 
 
-def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_layers: Sequence[LayerProfile] = ()) -> DeviceProfile:
+def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_layers: Sequence[LayerProfile] = (),
+                model_layers: Sequence[LayerProfile] = ()) -> DeviceProfile:
     """A device profile for the measured host: fitted numbers over ``base``'s unmeasured ones.
 
     Args:
@@ -152,6 +155,9 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
             e.g. the built-in "cpu" profile.
         reference_layers: the traced layers of runtime/reference_model.py; with the
             record's ``reference`` timing they set the kernel efficiencies (else 1).
+        model_layers: the traced layers of the model whose layers the record's
+            ``model_layers`` timed (``hetpar profile --model``); with them the profile
+            gets ``layer_corrections``.
 
     Returns:
         The profile, named as ``base``, with the fingerprint and a source
@@ -218,11 +224,57 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
             sources[key] = f"{stamp}: {note}"
     sources.update({f"peak_flops_per_s.{d}": f"{stamp}: matmul FLOPs/s (slope of time vs FLOPs)" for d in peaks})
     sources.update({f"collectives.{c}": f"{stamp}: alpha-beta fit over {len(collectives[c])} sizes" for c in measured})
-    fitted = replace(base, **fields, sources=sources)
-    reference = measurements.get("reference")
-    if not (reference and reference_layers):
-        return fitted
-    fitted = _with_kernel_efficiencies(fitted, measurements, reference_layers, stamp)
+    fitted = replace(base, **fields, sources=sources, layer_corrections={})
+    isolated = fitted  # the layer model as the reference workload runs alone, without the program around it
+    if measurements.get("reference") and reference_layers:
+        fitted, isolated = _with_runtime_fits(fitted, measurements, reference_layers, stamp)
+    timed = measurements.get("model_layers")
+    if timed and model_layers:
+        fitted = replace(fitted, layer_corrections=layer_corrections(isolated, timed, model_layers), sources={
+            **fitted.sources,
+            "layer_corrections": f"{stamp}: the layers of {timed.get('model', 'the model')} timed at micro-batches "
+                                 f"{', '.join(str(t[0]) for t in timed['layers'][0]['times'])}, over the layer model",
+        })
+    return fitted
+
+
+def layer_corrections(profile: DeviceProfile, timed: dict[str, Any], layers: Sequence[LayerProfile]) -> dict[str, dict[str, Any]]:
+    """The measured over the modelled seconds of each layer cost (``LayerProfile.cost_key``),
+    forward and backward, by micro-batch ([Note: measured layers] in cost_models/compute.py);
+    layers that cost the same (a transformer's blocks) share the median of their ratios.
+    ``profile`` models the layers as they run alone (the reference workload's own
+    efficiencies, before the factor for the program around them), as they were timed.
+
+    Raises:
+        ProfileError: a timed layer the planner did not trace (the model file changed).
+    """
+    by_name = {layer.name: layer for layer in layers}
+    ratios: dict[str, dict[str, Any]] = {}
+    try:
+        for row in timed["layers"]:
+            layer = by_name.get(row["name"])
+            if layer is None:
+                raise ProfileError(f"profile measurements: layer {row['name']!r} is not one of the model's "
+                                   f"({', '.join(by_name)}); profile the model again")
+            entry = ratios.setdefault(layer.cost_key, {"layer": layer.name, "forward": {}, "backward": {}})
+            for batch, fwd_s, bwd_s in row["times"]:
+                modelled = layer_timing(layer, profile, tp=1, micro_batch_size=int(batch), dtype="fp32")
+                for curve, measured_s, model_s in (("forward", fwd_s, modelled.fwd_s), ("backward", bwd_s, modelled.bwd_s)):
+                    if model_s > 0 and measured_s > 0:
+                        ratio = min(_MAX_LAYER_RATIO, max(1 / _MAX_LAYER_RATIO, measured_s / model_s))
+                        entry[curve].setdefault(int(batch), []).append(ratio)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProfileError(f"profile measurements: model_layers is malformed ({exc})") from None
+    return {key: {"layer": e["layer"], **{c: {b: statistics.median(v) for b, v in sorted(e[c].items())} for c in ("forward", "backward")}}
+            for key, e in ratios.items() if e["forward"] and e["backward"]}
+
+
+def _with_runtime_fits(fitted: DeviceProfile, measurements: dict[str, Any], reference_layers: Sequence[LayerProfile],
+                       stamp: str) -> tuple[DeviceProfile, DeviceProfile]:
+    """The kernel efficiencies and the tensor-parallel costs from the reference workload,
+    and the profile with the efficiencies of the reference model run alone."""
+    measured = fitted.collectives
+    fitted, isolated = _with_kernel_efficiencies(fitted, measurements, reference_layers, stamp)
     tp_step = measurements.get("reference_tp_step")
     if tp_step and "all_reduce" in measured and any(l.tp_collectives for l in reference_layers):
         collective_s, tensor_s = _tensor_parallel_costs(fitted, tp_step, reference_layers)
@@ -233,17 +285,19 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
             "tp_optimizer_tensor_overhead_s": f"{stamp}: reference model's tensor-parallel step, its optimizer step less "
                                               "the charge for plain tensors, per sharded parameter tensor",
         })
-    return fitted
+    return fitted, isolated
 
 
 def _with_kernel_efficiencies(fitted: DeviceProfile, measurements: dict[str, Any], reference_layers: Sequence[LayerProfile],
-                              stamp: str) -> DeviceProfile:
-    """``fitted`` with the kernel efficiencies of the reference workload; see [Note: calibrated fits]."""
+                              stamp: str) -> tuple[DeviceProfile, DeviceProfile]:
+    """``fitted`` with the kernel efficiencies of the reference workload, and with those of
+    the reference model run alone (before the program's factor); see [Note: calibrated fits]."""
     sources = dict(fitted.sources)
     reference = measurements["reference"]
     fwd_eff, bwd_eff = _reference_efficiencies(fitted, reference, reference_layers)
     sources["kernel_efficiency"] = f"{stamp}: forward of runtime/reference_model.py against the layer cost model"
     sources["backward_kernel_efficiency"] = f"{stamp}: backward of runtime/reference_model.py against the layer cost model"
+    isolated = replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, sources=dict(sources))
     step = measurements.get("reference_step")
     sync_scale = None
     if step:
@@ -254,7 +308,8 @@ def _with_kernel_efficiencies(fitted: DeviceProfile, measurements: dict[str, Any
             sources[key] += f", times {scale:.3f}: each micro-batch of its training step through the program's runtime"
         sources["grad_sync_scale"] = (f"{stamp}: runtime/reference_model.py's data-parallel training step, what its "
                                       "gradient all-reduce adds (intercept) against the all-reduce's charge")
-    return replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, grad_sync_scale=sync_scale, sources=sources)
+    return (replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, grad_sync_scale=sync_scale, sources=sources),
+            isolated)
 
 
 def _clamp(efficiency: float) -> float:

@@ -130,11 +130,37 @@ def layer_timing(
     stream = getattr(device, "weight_stream_bytes_per_s", None)
     weights = layer.params_at(tp) * 4.0 / (stream * byte_rate / device.mem_bw_bytes_per_s) if stream else 0.0
     bwd_weights = weights / bwd_scale
+    fwd_ratio, bwd_ratio = (1.0, 1.0) if explicit else layer_correction(layer, device, micro_batch_size)
     return LayerTime(
-        fwd_s=fwd_flops / flop_rate + weights + saved / byte_rate + launch + sharded / 3,
-        bwd_input_s=(bwd_flops - weight_flops) / bwd_flop_rate + bwd_weights + 2 * saved / bwd_byte_rate + launch + 2 * sharded / 3,
-        bwd_weight_s=weight_flops / bwd_flop_rate + 2 * bwd_weights + launch,
+        fwd_s=(fwd_flops / flop_rate + weights + saved / byte_rate + launch + sharded / 3) * fwd_ratio,
+        bwd_input_s=((bwd_flops - weight_flops) / bwd_flop_rate + bwd_weights + 2 * saved / bwd_byte_rate + launch
+                     + 2 * sharded / 3) * bwd_ratio,
+        bwd_weight_s=(weight_flops / bwd_flop_rate + 2 * bwd_weights + launch) * bwd_ratio,
     )
+
+
+# [Note: measured layers]
+# `hetpar profile --model FILE` times each layer of that model on the host, forward and
+# backward, at several micro-batch sizes, in every worker at once and cut as the
+# generated program cuts stages (runtime/profiler.py ``layer_times``).
+# cost_models/calibrate.py stores, per layer cost (LayerProfile.cost_key, so the blocks
+# of a transformer share one entry and any model with the same layer reuses it), the
+# ratio of the measured seconds to what ``layer_timing`` models at tp 1 on the same
+# profile. ``layer_timing`` multiplies its forward by the forward ratio and both parts
+# of the backward by the backward ratio: interpolated linearly in log micro-batch
+# between the measured sizes and held flat beyond them; at tp > 1 the ratio scales the
+# modelled rank's share (its smaller matmuls, its DTensor dispatch). The layer model
+# keeps what a measurement cannot see (dtype, tensor-parallel degree, the B/W split);
+# the measurement fixes what the model misses on small layers (the shapes of small
+# matmuls, framework time per op) that the reference workload's fits average away. An
+# explicit ``kernel_efficiency`` (hetpar estimate --kernel-efficiency) turns it off.
+def layer_correction(layer: LayerProfile, device, micro_batch_size: int) -> tuple[float, float]:
+    """(forward, backward) factors on the modelled time of ``layer`` from the device's
+    measured layers; (1, 1) for a layer the profile did not measure. See [Note: measured layers]."""
+    entry = (getattr(device, "layer_corrections", None) or {}).get(layer.cost_key)
+    if entry is None:
+        return 1.0, 1.0
+    return log_interpolate(entry["forward"], micro_batch_size), log_interpolate(entry["backward"], micro_batch_size)
 
 
 def matmul_rows_slowdown(layer: LayerProfile, device, micro_batch_size: int, curve: str) -> float:
@@ -156,14 +182,19 @@ def matmul_rows_slowdown(layer: LayerProfile, device, micro_batch_size: int, cur
 
 def rows_efficiency(points: dict[int, float], rows: float) -> float:
     """The efficiency at ``rows``: linear in log(rows) between measured row counts, flat beyond them."""
+    return log_interpolate(points, rows)
+
+
+def log_interpolate(points: dict[int, float], x: float) -> float:
+    """The value at ``x`` of a table measured at some sizes: linear in log(x) between them, flat beyond."""
     xs = sorted(points)
-    if rows <= xs[0]:
+    if x <= xs[0]:
         return points[xs[0]]
-    if rows >= xs[-1]:
+    if x >= xs[-1]:
         return points[xs[-1]]
-    hi = next(i for i, x in enumerate(xs) if x >= rows)
+    hi = next(i for i, v in enumerate(xs) if v >= x)
     lo_x, hi_x = xs[hi - 1], xs[hi]
-    t = (math.log(rows) - math.log(lo_x)) / (math.log(hi_x) - math.log(lo_x))
+    t = (math.log(x) - math.log(lo_x)) / (math.log(hi_x) - math.log(lo_x))
     return points[lo_x] + t * (points[hi_x] - points[lo_x])
 
 

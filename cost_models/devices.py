@@ -54,8 +54,8 @@ _CALIBRATED_FIELDS = ("op_overhead_s", "step_overhead_s", "kernel_efficiency", "
 _OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",) + _CALIBRATED_FIELDS
 _STRING_FIELDS = ("name", "vendor", "intra_node_link")
 _OPTIONAL_STRING_FIELDS = ("fingerprint",)
-_TABLE_FIELDS = ("peak_flops_per_s", "collectives", "sources", "matmul_rows_efficiency")
-_ROWS_CURVES = ("forward", "backward")
+_TABLE_FIELDS = ("peak_flops_per_s", "collectives", "sources", "matmul_rows_efficiency", "layer_corrections")
+_ROWS_CURVES = ("forward", "backward")  # also the passes of a layer correction
 
 
 class UnknownDeviceError(ValueError):
@@ -141,6 +141,10 @@ class DeviceProfile:
     # efficiency}, "backward": {...}} ([Note: matmul rows] in planner.measure); measured
     # by `hetpar profile`, empty in datasheet profiles (every matmul at matmul_efficiency).
     matmul_rows_efficiency: dict[str, dict[int, float]] = field(default_factory=dict)
+    # Layers of a model timed on the host (`hetpar profile --model`): LayerProfile.cost_key
+    # -> {"layer": its name, "forward": {micro-batch: measured / modelled seconds},
+    # "backward": {...}} ([Note: measured layers] in cost_models/compute.py); empty otherwise.
+    layer_corrections: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_profile(self)
@@ -196,6 +200,7 @@ class DeviceProfile:
         keys += [f"peak_flops_per_s.{d}" for d in self.peak_flops_per_s]
         keys += [f"collectives.{c}" for c in self.collectives]
         keys += ["matmul_rows_efficiency"] if self.matmul_rows_efficiency else []
+        keys += ["layer_corrections"] if self.layer_corrections else []
         return keys
 
 
@@ -254,6 +259,11 @@ def _check_profile(p: DeviceProfile) -> None:
             raise ProfileError(f"{who}: unknown matmul_rows_efficiency curve '{curve}'; known: {', '.join(_ROWS_CURVES)}")
         if not points or any(not (isinstance(r, int) and r >= 1 and 0 < e <= 1) for r, e in points.items()):
             raise ProfileError(f"{who}: matmul_rows_efficiency.{curve} needs rows >= 1 mapped to efficiencies in (0, 1]")
+    for key, entry in p.layer_corrections.items():
+        ratios = [r for curve in _ROWS_CURVES for r in entry.get(curve, {}).values()]
+        if set(entry) - {"layer", *_ROWS_CURVES} or not all(entry.get(c) for c in _ROWS_CURVES) or not all(
+                isinstance(r, float) and math.isfinite(r) and r > 0 for r in ratios):
+            raise ProfileError(f"{who}: layer_corrections.{key} needs forward and backward tables of micro-batch = positive ratio")
     for dtype in _REQUIRED_DTYPES:
         if dtype not in p.peak_flops_per_s:
             raise ProfileError(f"{who}: peak_flops_per_s needs a '{dtype}' entry")
@@ -326,6 +336,7 @@ def profile_from_dict(data: dict[str, Any]) -> DeviceProfile:
     kwargs["peak_flops_per_s"] = {k: float(v) for k, v in data["peak_flops_per_s"].items()}
     kwargs["collectives"] = {name: _measured_collective(name, fit) for name, fit in data.get("collectives", {}).items()}
     kwargs["matmul_rows_efficiency"] = _rows_curves(data.get("matmul_rows_efficiency", {}))
+    kwargs["layer_corrections"] = _layer_corrections(data.get("layer_corrections", {}))
     kwargs["sources"] = _flatten_sources(data["sources"])
     for key in ("mem_bw_bytes_per_s", "intra_node_bw_bytes_per_s", "default_nic_bw_bytes_per_s"):
         kwargs[key] = float(kwargs[key])
@@ -349,6 +360,20 @@ def _rows_curves(table: Any) -> dict[str, dict[int, float]]:
         return {curve: {int(rows): float(e) for rows, e in points.items()} for curve, points in table.items()}
     except (TypeError, ValueError):
         raise ProfileError("[matmul_rows_efficiency] keys must be row counts and values efficiencies") from None
+
+
+def _layer_corrections(table: Any) -> dict[str, dict[str, Any]]:
+    """``{key: {"layer": name, "forward": {"4": 1.2}, ...}}`` with the micro-batch keys as ints."""
+    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
+        raise ProfileError("[layer_corrections] needs one sub-table per measured layer")
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        for key, entry in table.items():
+            out[key] = {name: (str(value) if name == "layer" else {int(b): float(r) for b, r in value.items()})
+                        for name, value in entry.items()}
+    except (TypeError, ValueError, AttributeError):
+        raise ProfileError("[layer_corrections] tables map micro-batch sizes to ratios") from None
+    return out
 
 
 def _flatten_sources(table: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -378,6 +403,12 @@ def dump_profile(profile: DeviceProfile) -> str:
     for curve, points in profile.matmul_rows_efficiency.items():
         lines += ["", f"[matmul_rows_efficiency.{curve}]"]
         lines += [f'"{rows}" = {_toml_value(e)}' for rows, e in sorted(points.items())]
+    for key, entry in profile.layer_corrections.items():
+        if "layer" in entry:
+            lines += ["", f"[layer_corrections.{key}]", f"layer = {_toml_value(entry['layer'])}"]
+        for curve in _ROWS_CURVES:
+            lines += ["", f"[layer_corrections.{key}.{curve}]"]
+            lines += [f'"{b}" = {_toml_value(r)}' for b, r in sorted(entry[curve].items())]
     for name, fit in profile.collectives.items():
         lines += ["", f"[collectives.{name}]"]
         lines += [f"{k} = {_toml_value(getattr(fit, k))}" for k in ("latency_s", "bw_bytes_per_s", "ranks")]

@@ -14,7 +14,8 @@ repeated + split / t. The same holds for parameters and saved activations.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import astuple, dataclass, replace
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +65,14 @@ class LayerProfile:
     def saved_bytes_at(self, tp: int) -> float:
         """Activation bytes one tensor-parallel rank saves for backward, per sample."""
         return self.saved_activation_bytes - self.tp_split_saved_bytes * (1.0 - 1.0 / tp)
+
+    @property
+    def cost_key(self) -> str:
+        """What the layer costs, as a short key: equal for layers that cost the same
+        (the blocks of a transformer), whatever their names. A profile's measured layer
+        times are keyed by it ([Note: measured layers] in cost_models/compute.py)."""
+        fields = astuple(replace(self, name=""))
+        return hashlib.sha1(repr(tuple(f"{v:.6g}" if isinstance(v, float) else v for v in fields)).encode()).hexdigest()[:12]
 
     @property
     def tp_capable(self) -> bool:

@@ -288,6 +288,75 @@ def _timed_reference_steps(stage, model_file, sync, *, repeats: int) -> list[lis
     return steps
 
 
+# --- The layers of a user's model ------------------------------------------------------
+
+
+def layer_times(model_path: str, model_args: dict, batch_sizes: list[int], *, repeats: int) -> dict:
+    """Forward and backward seconds of each of the planner's layers of a model file, at
+    each micro-batch size in ``batch_sizes`` (medians over ``repeats``).
+
+    The layers are cut one per stage as the generated program cuts stages
+    (runtime/graph.py) and run in a chain as its executor runs them: each layer's
+    floating-point inputs are leaves that take the gradient its backward hands on, the
+    last layer computes the model file's loss on synthetic targets. So a layer's time is
+    what the program spends in it, graph module and autograd included, and the times of
+    all layers add up to a training micro-batch's compute without any communication.
+    cost_models/calibrate.py turns them into the profile's ``layer_corrections``
+    ([Note: measured layers] in cost_models/compute.py).
+
+    Returns:
+        ``{"model": file name, "model_args", "layers": [{"name", "times": [[micro-batch,
+        fwd_s, bwd_s], ...]}, ...]}`` in layer order.
+    """
+    from runtime.graph import build_stage, record_values, trace_layers
+    from runtime.model_file import load_model_file
+
+    spec = load_model_file(Path(model_path), model_args)
+    torch.manual_seed(0)
+    model = spec.build_model()
+    names: list[str] = []
+    times: list[list[list[float]]] = []
+    for batch in batch_sizes:
+        inputs, targets = next(iter(spec.batches(batch, 0)))
+        layered = trace_layers(model, example_inputs=tuple(inputs))
+        values = record_values(layered, tuple(inputs))
+        stages = [build_stage(layered, values, i, i) for i in range(layered.num_layers)]
+        names = list(layered.layer_names)
+        samples = [_chained_pass_s(stages, tuple(inputs), targets, spec.loss) for _ in range(repeats + 2)][2:]
+        times.append([[statistics.median(run[i][p] for run in samples) for p in (0, 1)] for i in range(len(stages))])
+        model.zero_grad(set_to_none=True)
+    return {"model": Path(model_path).name, "model_args": model_args,
+            "layers": [{"name": name, "times": [[b, *times[k][i]] for k, b in enumerate(batch_sizes)]}
+                       for i, name in enumerate(names)]}
+
+
+def _chained_pass_s(stages, inputs: tuple, targets, loss_fn) -> list[tuple[float, float]]:
+    """(forward, backward) seconds of each one-layer stage in one training micro-batch."""
+    fwd, kept, received = [], [], ()
+    for stage in stages:
+        leaves = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in received)
+        start = time.perf_counter()
+        out = stage.module(*[inputs[i] for i in stage.model_inputs], *leaves)
+        if stage.is_last:
+            out = loss_fn(out, targets)
+        fwd.append(time.perf_counter() - start)
+        kept.append((leaves, out))
+        received = out if not stage.is_last else ()
+    bwd, grads = [0.0] * len(stages), None
+    for i in reversed(range(len(stages))):
+        leaves, out = kept[i]
+        start = time.perf_counter()
+        if stages[i].is_last:
+            out.backward()
+        else:
+            pairs = [(o, g) for o, g in zip(out, grads) if o.requires_grad and g is not None]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads = [l.grad if l.is_floating_point() else None for l in leaves]
+        bwd[i] = time.perf_counter() - start
+    return list(zip(fwd, bwd))
+
+
 # --- Collectives between local workers --------------------------------------------------
 
 
@@ -465,6 +534,10 @@ def _worker(rank: int, world: int, port: int, plan: dict, out_dir: str) -> None:
             results["tp_op_overhead"] = _tp_op_overhead(world, blocks=10, repeats=plan["repeats"])
         progress("per-step overhead")
         results["step_overhead_s"] = _step_overhead_s(rank, plan["repeats"] * 2)
+        if plan.get("model"):
+            progress("layers of the model")
+            results["model_layers"] = layer_times(plan["model"]["path"], plan["model"]["args"],
+                                                  plan["model"]["batch_sizes"], repeats=plan["repeats"])
         progress("reference training step through the program's runtime")
         results["reference_step"] = reference_step_time(world, repeats=plan["repeats"])
         if plan.get("tp_sharding"):
@@ -478,7 +551,8 @@ def _worker(rank: int, world: int, port: int, plan: dict, out_dir: str) -> None:
 
 
 def host_measurements(world: int, *, matmul_sizes: list[int], sizes_bytes: list[int], repeats: int,
-                      tp_sharding: dict[str, str] | None = None, progress: Callable[[str], None] = lambda _: None) -> dict:
+                      tp_sharding: dict[str, str] | None = None, model: dict | None = None,
+                      progress: Callable[[str], None] = lambda _: None) -> dict:
     """Measure this host from ``world`` spawned workers at once, as a training job's ranks run.
 
     Every worker runs the compute benchmarks at the same time, with one thread each (as
@@ -496,14 +570,17 @@ def host_measurements(world: int, *, matmul_sizes: list[int], sizes_bytes: list[
         tp_sharding: the planner's tensor-parallel sharding of runtime/reference_model.py
             (module path -> style); with it the reference step is timed again with
             tensor parallelism over all workers (``reference_tp_step_time``).
+        model: ``{"path", "args", "batch_sizes"}`` of a model file whose layers every
+            worker times at once (``layer_times``), or None.
         progress: called with a description as each benchmark starts.
 
     Returns:
         ``{"matmul": {dtype: [[flops, s], ...]}, "copy": [bytes, s], "elementwise": [n, s],
-        "op_overhead": {...}, "collectives": {name: [[nbytes, s], ...]}, "step_overhead_s": s}``.
+        "op_overhead": {...}, "collectives": {name: [[nbytes, s], ...]}, "step_overhead_s": s, ...}``, with
+        ``"model_layers"`` (``layer_times``) when ``model`` is given.
     """
     plan = {"collectives": ["all_reduce", "all_gather", "reduce_scatter", "p2p"], "sizes_bytes": sizes_bytes,
-            "repeats": repeats, "matmul_sizes": matmul_sizes, "dtypes": ["fp32", "bf16"], "tp_sharding": tp_sharding or {}}
+            "repeats": repeats, "matmul_sizes": matmul_sizes, "dtypes": ["fp32", "bf16"], "tp_sharding": tp_sharding or {}, "model": model}
     with tempfile.TemporaryDirectory(prefix="hetpar-profile-") as tmp:
         context = mp.spawn(_worker, args=(world, _free_port(), plan, tmp), nprocs=world, join=False)
         seen = 0

@@ -8,7 +8,6 @@ import warnings
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
-import torch
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -26,7 +25,7 @@ _FULL = ([64, 128, 256, 384, 512, 768], [4096, 65536, 1 << 20, 4 << 20, 16 << 20
 _QUICK = ([64, 256, 512], [4096, 1 << 20, 4 << 20], 3)
 
 
-def measure(*, nproc: int, quick: bool, tp_sharding: dict[str, str] | None = None,
+def measure(*, nproc: int, quick: bool, tp_sharding: dict[str, str] | None = None, model: dict | None = None,
             step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Run every microbenchmark of this host; the record cost_models/calibrate.py fits.
 
@@ -35,6 +34,8 @@ def measure(*, nproc: int, quick: bool, tp_sharding: dict[str, str] | None = Non
             of a plan for this many devices would.
         quick: fewer sizes and repeats.
         tp_sharding: the reference model's tensor-parallel sharding (``reference_graph``).
+        model: ``{"path", "args", "batch_sizes"}``: also time that model file's layers
+            (runtime/profiler.py ``layer_times``).
         step: called with a description as each benchmark starts (progress display).
 
     Returns:
@@ -46,7 +47,7 @@ def measure(*, nproc: int, quick: bool, tp_sharding: dict[str, str] | None = Non
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         record.update(profiler.host_measurements(nproc, matmul_sizes=sizes, sizes_bytes=comm_sizes, repeats=repeats,
-                                                 tp_sharding=tp_sharding, progress=step))
+                                                 tp_sharding=tp_sharding, model=model, progress=step))
     return record
 
 
@@ -73,9 +74,10 @@ def profiles_option(paths: Optional[list[Path]]) -> dict[str, DeviceProfile]:
 def profile(
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the profile (.json or .toml).")],
     nproc: Annotated[int, typer.Option(help="Local workers to time collectives between (2 for timing on a 2-core host).")] = 2,
-    model: Annotated[Optional[Path], typer.Option(help="Also time the forward and backward of each layer of this model file.")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Also time each layer of this model file, forward and backward; "
+                                                   "plans of models with such layers then use the times.")] = None,
     model_arg: Annotated[Optional[list[str]], typer.Option("--model-arg", "-a", help="key=value passed to build_model(); repeatable.")] = None,
-    batch_size: Annotated[int, typer.Option(help="Samples per forward when timing --model layers.")] = 8,
+    batch_sizes: Annotated[str, typer.Option(help="Micro-batch sizes at which to time the --model layers, comma-separated.")] = "1,2,4,8,16,32",
     quick: Annotated[bool, typer.Option(help="Fewer sizes and repeats (a first look; noisier).")] = False,
     base: Annotated[str, typer.Option(help="Built-in profile whose unmeasured fields (memory, NICs) are kept.")] = "cpu",
 ) -> None:
@@ -85,13 +87,15 @@ def profile(
     if output.suffix.lower() not in (".json", ".toml"):
         raise ProfileError(f"--output {str(output)!r} must end in .json or .toml")
     base_profile = get_device(base)
+    sizes = _batch_sizes(batch_sizes)
+    target = _model_target(model, parse_model_args(model_arg or []), sizes) if model is not None else None
     reference = reference_graph()
     # A neighbour's burst can spoil one round past what the fit tolerates; one more round
     # usually is clean, and a second failure is reported.
     for attempt in (1, 2):
-        record = _measure_with_progress(nproc, quick, model, model_arg, batch_size, reference_sharding(reference, nproc))
+        record = _measure_with_progress(nproc, quick, target and target[0], reference_sharding(reference, nproc))
         try:
-            fitted = fit_profile(record, base_profile, reference.layers)
+            fitted = fit_profile(record, base_profile, reference.layers, target[1].layers if target else ())
             break
         except ProfileError as exc:
             if attempt == 2 or "noisy" not in str(exc):
@@ -120,8 +124,23 @@ def reference_sharding(graph: ModelGraph, tp: int) -> dict[str, str]:
     return {path: kind.value for layer in graph.tp_sharding for path, kind in layer.items()}
 
 
-def _measure_with_progress(nproc: int, quick: bool, model: Optional[Path], model_arg: Optional[list[str]],
-                           batch_size: int, tp_sharding: dict[str, str]) -> dict[str, Any]:
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise ProfileError(f"--batch-sizes {text!r} must be positive integers, comma-separated (e.g. 1,4,16)")
+    return sizes
+
+
+def _model_target(path: Path, args: dict[str, Any], sizes: list[int]) -> tuple[dict[str, Any], ModelGraph]:
+    """What the workers time for ``--model`` and the planner's trace of it (which checks the file first)."""
+    graph = trace_model(load_model_file(path, args))
+    return {"path": str(path.resolve()), "args": args, "batch_sizes": sizes}, graph
+
+
+def _measure_with_progress(nproc: int, quick: bool, model: dict[str, Any] | None, tp_sharding: dict[str, str]) -> dict[str, Any]:
     total = 12 + (1 if tp_sharding else 0) + (1 if model else 0)
     with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.description}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
@@ -132,21 +151,9 @@ def _measure_with_progress(nproc: int, quick: bool, model: Optional[Path], model
             done["n"] += 1
             bar.update(task, completed=done["n"], description=what)
 
-        record = measure(nproc=nproc, quick=quick, tp_sharding=tp_sharding, step=step)
-        if model is not None:
-            step("layers of the model")
-            record["layers"] = _model_layers(model, parse_model_args(model_arg or []), batch_size, quick)
+        record = measure(nproc=nproc, quick=quick, tp_sharding=tp_sharding, model=model, step=step)
         bar.update(task, completed=total)
     return record
-
-
-def _model_layers(path: Path, args: dict[str, Any], batch_size: int, quick: bool) -> list[dict]:
-    spec = load_model_file(path, args)
-    torch.manual_seed(0)
-    model = spec.build_model()
-    inputs = spec.example_inputs(batch_size)
-    torch.set_num_threads(1)
-    return profiler.module_times(model, tuple(inputs), repeats=3 if quick else 10)
 
 
 def _print_summary(p: DeviceProfile, record: dict[str, Any]) -> None:
@@ -162,10 +169,14 @@ def _print_summary(p: DeviceProfile, record: dict[str, Any]) -> None:
     for name, fit in p.collectives.items():
         table.add_row(name, f"{fit.latency_s * 1e6:.0f} us", f"{fit.bw_bytes_per_s / 1e9:.2f} GB/s")
     console.print(table)
-    if "layers" in record:
-        layers = Table(title="layers (measured)", title_justify="left")
-        for column in ("layer", "fwd", "bwd"):
-            layers.add_column(column)
-        for row in record["layers"]:
-            layers.add_row(row["name"], seconds(row["fwd_s"]), seconds(row["bwd_s"]))
+    if "model_layers" in record:
+        timed = record["model_layers"]
+        sizes = [int(t[0]) for t in timed["layers"][0]["times"]]
+        layers = Table(title=f"layers of {timed['model']}: measured over modelled, forward / backward", title_justify="left")
+        layers.add_column("layer")
+        for size in sizes:
+            layers.add_column(f"mb {size}")
+        for entry in p.layer_corrections.values():
+            layers.add_row(entry["layer"], *(" / ".join(f"{entry[c][b]:.2f}" if b in entry[c] else "-" for c in ("forward", "backward"))
+                                             for b in sizes))
         console.print(layers)
