@@ -2,11 +2,13 @@
 
     .venv/bin/python benchmarks/validate_bench.py --out out/validate_bench
 
-Calibration comes only from `hetpar profile` (step 1); the validation runs (step 2)
-are measured and compared, never fitted. Each plan is run ``--rounds`` times,
-interleaved with the others so that a busy minute of the shared machine does not hit
-one plan only; its measured step time is the median over all measured steps of all
-rounds. Prints a Markdown table and the summary (median and worst |error|, Spearman).
+Calibration comes only from `hetpar profile`; the validation runs are measured and
+compared, never fitted. Each of ``--rounds`` rounds profiles the machine, then plans
+and runs every plan of the matrix with that round's profiles, so that a busy minute of
+the shared machine does not hit one plan only and no profile is older than a round; a
+plan's predicted step time is the median of its rounds' predictions, its measured one
+the median over all measured steps of all rounds. Prints a Markdown table and the
+summary (median and worst |error|, Spearman).
 """
 
 from __future__ import annotations
@@ -62,6 +64,26 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
+def _profiles(ns, round_dir: Path) -> dict:
+    """This round's profiles: one per worker count (a plan for 4 ranks runs 4 workers at
+    once on this host, and the profile measures what each rank gets when that many
+    compute together), and with --model-layers one per worker count and model, which
+    also times that model's layers ([Note: measured layers])."""
+    profiles: dict = {}
+    for _, model, args, cluster, _, _ in MATRIX:
+        world = int(cluster.split("x")[1])
+        key = (world, model, tuple(args)) if ns.model_layers else (world,)
+        if key in profiles:
+            continue
+        profiles[key] = round_dir / f"profile-{world}-{len(profiles)}.json"
+        if not (ns.reuse_profiles and profiles[key].is_file()):
+            measured = ["--model", model, *args] if ns.model_layers else []
+            print(f"profiling this machine with {world} workers {' '.join(measured)} -> {profiles[key]}", file=sys.stderr)
+            _hetpar("profile", "-o", str(profiles[key]), "--nproc", str(world), *measured,
+                    *(["--quick"] if ns.quick_profile else []))
+    return profiles
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "out/validate_bench")
@@ -69,52 +91,44 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick-profile", action="store_true")
     parser.add_argument("--reuse-profiles", action="store_true", help="use the profiles an earlier run left in --out")
-    parser.add_argument("--no-model-layers", action="store_true", help="profile without --model (the layer model alone)")
+    parser.add_argument("--model-layers", action="store_true", help="profile each model with --model (measured layers)")
     parser.add_argument("--rows", help="comma-separated row indices to run (default: all)")
     ns = parser.parse_args()
-    ns.out.mkdir(parents=True, exist_ok=True)
-    # One profile per worker count and model: a plan for 4 ranks runs 4 workers at once on
-    # this host, and the profile measures what each rank gets when that many compute
-    # together; with --model it also times that model's layers ([Note: measured layers]).
-    profiles = {}
-    for _, model, args, cluster, _, _ in MATRIX:
-        world = int(cluster.split("x")[1])
-        key = (world, model, tuple(args))
-        if key in profiles:
-            continue
-        profiles[key] = ns.out / f"profile-{world}-{len(profiles)}.json"
-        if not (ns.reuse_profiles and profiles[key].is_file()):
-            print(f"profiling this machine with {world} workers and {Path(model).name} {' '.join(args[1::2])} -> {profiles[key]}",
-                  file=sys.stderr)
-            measured = [] if ns.no_model_layers else ["--model", model, *args]
-            _hetpar("profile", "-o", str(profiles[key]), "--nproc", str(world), *measured,
-                    *(["--quick"] if ns.quick_profile else []))
-    rows = []
-    chosen = [int(i) for i in ns.rows.split(",")] if ns.rows else range(len(MATRIX))
-    for i in chosen:
-        name, model, args, cluster, batch, pins = MATRIX[i]
-        plan = ns.out / f"plan{i}.json"
-        profile = profiles[(int(cluster.split("x")[1]), model, tuple(args))]
-        _hetpar("plan", model, "-c", cluster, "-b", str(batch), *args, *pins, "--profile", str(profile), "-o", str(plan))
-        rows.append({"name": name, "plan": plan, "cluster": cluster, "steps": []})
+    chosen = [int(i) for i in ns.rows.split(",")] if ns.rows else list(range(len(MATRIX)))
+    rows = [{"name": MATRIX[i][0], "cluster": MATRIX[i][3], "predictions": [], "steps": [], "plans": []} for i in chosen]
     for r in range(ns.rounds):
-        for row in rows:
-            print(f"round {r + 1}: {row['name']}", file=sys.stderr)
-            result = json.loads(_hetpar("validate", str(row["plan"]), "--steps", str(ns.steps), "--json"))
-            row["predicted"] = result["predicted_step_time_s"]
+        # Each round profiles the machine again right before it plans and runs: the shared
+        # host drifts over minutes, and a profile an hour old predicts another machine.
+        round_dir = ns.out / f"round{r + 1}"
+        round_dir.mkdir(parents=True, exist_ok=True)
+        profiles = _profiles(ns, round_dir)
+        for i, row in zip(chosen, rows):
+            name, model, args, cluster, batch, pins = MATRIX[i]
+            world = int(cluster.split("x")[1])
+            profile = profiles[(world, model, tuple(args)) if ns.model_layers else (world,)]
+            plan = round_dir / f"plan{i}.json"
+            _hetpar("plan", model, "-c", cluster, "-b", str(batch), *args, *pins, "--profile", str(profile), "-o", str(plan))
+            print(f"round {r + 1}: {name}", file=sys.stderr)
+            result = json.loads(_hetpar("validate", str(plan), "--steps", str(ns.steps), "--json"))
+            row["predictions"].append(result["predicted_step_time_s"])
             row["steps"] += result["step_times_s"][2:]
+            row["plans"].append(str(plan))
     for row in rows:
+        row["predicted"] = statistics.median(row["predictions"])
         row["measured"] = statistics.median(row["steps"])
         row["error"] = (row["predicted"] - row["measured"]) / row["measured"]
     errors = [abs(r["error"]) for r in rows]
     rho = spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
     print("| plan | cluster | predicted | measured | error |\n|---|---|---|---|---|")
     for r in rows:
-        plan = json.loads(Path(r["plan"]).read_text())
-        detail = f"mb {plan['micro_batch_size']}x{plan['num_microbatches']}"
+        shapes = []
+        for path in r["plans"]:
+            plan = json.loads(Path(path).read_text())
+            shapes.append(f"{plan['micro_batch_size']}x{plan['num_microbatches']}")
+        detail = "mb " + " / ".join(dict.fromkeys(shapes))
         print(f"| {r['name']} ({detail}) | {r['cluster']} | {r['predicted'] * 1e3:.1f} ms | {r['measured'] * 1e3:.1f} ms | {r['error']:+.1%} |")
     print(f"\n{len(rows)} plans: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}, Spearman {rho:.3f}")
-    (ns.out / "results.json").write_text(json.dumps([{k: (str(v) if isinstance(v, Path) else v) for k, v in r.items()} for r in rows], indent=2))
+    (ns.out / "results.json").write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

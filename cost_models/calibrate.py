@@ -20,7 +20,10 @@ runtime/profiler.py's benchmarks produce (docs/profiling.md lists its keys):
                         "all_reduces_per_block": n},                          (optional)
      "reference_tp_step": {"steps": [[microbatches, compute_s, optimizer_s], ...],
                            "batch_size": n,
-                           "tp": w}}                                           (optional)
+                           "tp": w},                                           (optional)
+     "model_layers": {"model": file name, "model_args": {...},
+                      "layers": [{"name": str, "times": [[micro_batch, fwd_s,
+                                                          bwd_s], ...]}, ...]}}  (optional)
 
 [Note: calibrated fits]
 Every fitted quantity is a straight line through (size, seconds) points by least
@@ -83,6 +86,11 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   between kernels, where the ranks arrive apart, beyond what it costs in a tight loop.
   The optimizer step's median seconds less its charge for plain tensors is what
   DTensor parameters add to it, per sharded parameter tensor.
+- ``layer_corrections`` (``hetpar profile --model``): not a fit but the ratio of each
+  layer's measured seconds to the layer model's at the same micro-batch, forward and
+  backward, the model taken with the reference workload's own efficiencies (before the
+  runtime step's factor, since the layers were timed alone as that workload was); see
+  [Note: measured layers] in cost_models/compute.py.
 A negative intercept (noise on a shared machine) is clamped to zero.
 """
 

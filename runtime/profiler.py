@@ -308,7 +308,6 @@ def layer_times(model_path: str, model_args: dict, batch_sizes: list[int], *, re
         ``{"model": file name, "model_args", "layers": [{"name", "times": [[micro-batch,
         fwd_s, bwd_s], ...]}, ...]}`` in layer order.
     """
-    from runtime.graph import build_stage, record_values, trace_layers
     from runtime.model_file import load_model_file
 
     spec = load_model_file(Path(model_path), model_args)
@@ -316,13 +315,15 @@ def layer_times(model_path: str, model_args: dict, batch_sizes: list[int], *, re
     model = spec.build_model()
     names: list[str] = []
     times: list[list[list[float]]] = []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-9)
     for batch in batch_sizes:
-        inputs, targets = next(iter(spec.batches(batch, 0)))
-        layered = trace_layers(model, example_inputs=tuple(inputs))
-        values = record_values(layered, tuple(inputs))
-        stages = [build_stage(layered, values, i, i) for i in range(layered.num_layers)]
-        names = list(layered.layer_names)
-        samples = [_chained_pass_s(stages, tuple(inputs), targets, spec.loss) for _ in range(repeats + 2)][2:]
+        names, stages, inputs, targets = layer_stages(model, spec, batch)
+        samples = []
+        for _ in range(repeats + 2):
+            samples.append(chained_pass_s(stages, inputs, targets, spec.loss))
+            optimizer.step()  # as between training steps: the optimizer's traffic leaves the caches cold
+            optimizer.zero_grad(set_to_none=True)
+        samples = samples[2:]
         times.append([[statistics.median(run[i][p] for run in samples) for p in (0, 1)] for i in range(len(stages))])
         model.zero_grad(set_to_none=True)
     return {"model": Path(model_path).name, "model_args": model_args,
@@ -330,8 +331,21 @@ def layer_times(model_path: str, model_args: dict, batch_sizes: list[int], *, re
                        for i, name in enumerate(names)]}
 
 
-def _chained_pass_s(stages, inputs: tuple, targets, loss_fn) -> list[tuple[float, float]]:
-    """(forward, backward) seconds of each one-layer stage in one training micro-batch."""
+def layer_stages(model: nn.Module, spec, batch: int) -> tuple[list[str], list, tuple, object]:
+    """(layer names, one stage per layer, inputs, targets) of ``model`` on a synthetic
+    batch of ``batch`` samples from its model file ``spec``."""
+    from runtime.graph import build_stage, record_values, trace_layers
+
+    inputs, targets = next(iter(spec.batches(batch, 0)))
+    layered = trace_layers(model, example_inputs=tuple(inputs))
+    values = record_values(layered, tuple(inputs))
+    stages = [build_stage(layered, values, i, i) for i in range(layered.num_layers)]
+    return list(layered.layer_names), stages, tuple(inputs), targets
+
+
+def chained_pass_s(stages, inputs: tuple, targets, loss_fn) -> list[tuple[float, float]]:
+    """(forward, backward) seconds of each one-layer stage in one training micro-batch;
+    the parameters' gradients accumulate as one backward of the whole model's would."""
     fwd, kept, received = [], [], ()
     for stage in stages:
         leaves = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in received)
@@ -588,6 +602,20 @@ def host_measurements(world: int, *, matmul_sizes: list[int], sizes_bytes: list[
             seen = _report_progress(Path(tmp) / "progress.txt", seen, progress)
         _report_progress(Path(tmp) / "progress.txt", seen, progress)
         return json.loads((Path(tmp) / "results.json").read_text())
+
+
+def median_record(records: list) -> object:
+    """The median, number by number, of measurement records of one shape (the same
+    benchmarks at the same sizes, as ``host_measurements`` returns them): sizes, equal in
+    every record, stay as they are; other values (names) are the first record's."""
+    first = records[0]
+    if isinstance(first, dict):
+        return {key: median_record([r[key] for r in records]) for key in first}
+    if isinstance(first, list) and all(isinstance(r, list) and len(r) == len(first) for r in records):
+        return [median_record(list(items)) for items in zip(*records)]
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return first if all(r == first for r in records) else statistics.median(records)
+    return first
 
 
 def _report_progress(path: Path, seen: int, progress: Callable[[str], None]) -> int:

@@ -343,3 +343,18 @@ def test_the_reference_step_through_the_runtime_scales_both_efficiencies():
     cfg = EstimateConfig(global_batch_size=2 * batch, dp=2, tp=1, pp=1, micro_batch_size=batch, dtype="fp32")
     on = lambda prof: estimate(graph, parse_cluster("1x2xcpu", profiles={"CPU": prof}), cfg).time.dp_comm_s
     assert on(p) == pytest.approx(sync_scale * on(replace(p, grad_sync_scale=None)))
+
+
+def test_passes_keep_the_median_of_every_number_and_the_sizes_as_they_are():
+    from runtime.profiler import median_record
+    a = {"copy": [2e9, 0.25], "matmul": {"fp32": [[1e6, 1.0], [1e7, 5.0]]}, "workers": 2, "model": "m.py"}
+    b = {"copy": [2e9, 0.35], "matmul": {"fp32": [[1e6, 3.0], [1e7, 4.0]]}, "workers": 2, "model": "m.py"}
+    c = {"copy": [2e9, 0.30], "matmul": {"fp32": [[1e6, 2.0], [1e7, 9.0]]}, "workers": 2, "model": "m.py"}
+    assert median_record([a, b, c]) == {"copy": [2e9, 0.30], "matmul": {"fp32": [[1e6, 2.0], [1e7, 5.0]]}, "workers": 2,
+                                        "model": "m.py"}
+    assert median_record([a]) == a
+
+
+def test_passes_below_one_are_refused(tmp_path):
+    one_line_error(hetpar("profile", "-o", str(tmp_path / "p.json"), "--passes", "0"), "--passes")
+    assert not (tmp_path / "p.json").exists()

@@ -25,9 +25,16 @@ _FULL = ([64, 128, 256, 384, 512, 768], [4096, 65536, 1 << 20, 4 << 20, 16 << 20
 _QUICK = ([64, 256, 512], [4096, 1 << 20, 4 << 20], 3)
 
 
+# Whole measurements per profile by default: each pass spawns fresh workers, and the
+# record keeps the median of every number over the passes (runtime/profiler.py
+# ``median_record``), so one slow minute of the shared host or one unlucky set of
+# processes does not set the profile.
+PASSES = 3
+
+
 def measure(*, nproc: int, quick: bool, tp_sharding: dict[str, str] | None = None, model: dict | None = None,
-            step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Run every microbenchmark of this host; the record cost_models/calibrate.py fits.
+            passes: int = 1, step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Run every microbenchmark of this host ``passes`` times; the record cost_models/calibrate.py fits.
 
     Args:
         nproc: local workers that run the benchmarks at once (2 or more), as the ranks
@@ -36,6 +43,8 @@ def measure(*, nproc: int, quick: bool, tp_sharding: dict[str, str] | None = Non
         tp_sharding: the reference model's tensor-parallel sharding (``reference_graph``).
         model: ``{"path", "args", "batch_sizes"}``: also time that model file's layers
             (runtime/profiler.py ``layer_times``).
+        passes: whole measurements, each with fresh workers; the record holds the
+            median of each number over them.
         step: called with a description as each benchmark starts (progress display).
 
     Returns:
@@ -44,10 +53,17 @@ def measure(*, nproc: int, quick: bool, tp_sharding: dict[str, str] | None = Non
     sizes, comm_sizes, repeats = _QUICK if quick else _FULL
     record: dict[str, Any] = {"fingerprint": profiler.fingerprint(), "date": datetime.date.today().isoformat(),
                               "workers": nproc, "threads_per_worker": 1}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        record.update(profiler.host_measurements(nproc, matmul_sizes=sizes, sizes_bytes=comm_sizes, repeats=repeats,
-                                                 tp_sharding=tp_sharding, model=model, progress=step))
+    records = []
+    for k in range(passes):
+        def progress(what: str, k: int = k) -> None:
+            step(f"pass {k + 1}/{passes}: {what}" if passes > 1 else what)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            records.append(profiler.host_measurements(nproc, matmul_sizes=sizes, sizes_bytes=comm_sizes, repeats=repeats,
+                                                      tp_sharding=tp_sharding, model=model, progress=progress))
+    record.update(profiler.median_record(records))
+    record["passes"] = passes
     return record
 
 
@@ -78,7 +94,9 @@ def profile(
                                                    "plans of models with such layers then use the times.")] = None,
     model_arg: Annotated[Optional[list[str]], typer.Option("--model-arg", "-a", help="key=value passed to build_model(); repeatable.")] = None,
     batch_sizes: Annotated[str, typer.Option(help="Micro-batch sizes at which to time the --model layers, comma-separated.")] = "1,2,4,8,16,32",
-    quick: Annotated[bool, typer.Option(help="Fewer sizes and repeats (a first look; noisier).")] = False,
+    quick: Annotated[bool, typer.Option(help="Fewer sizes and repeats, one pass (a first look; noisier).")] = False,
+    passes: Annotated[Optional[int], typer.Option(help=f"Whole measurements to take the median of [default: {PASSES}, 1 with --quick].",
+                                                  show_default=False)] = None,
     base: Annotated[str, typer.Option(help="Built-in profile whose unmeasured fields (memory, NICs) are kept.")] = "cpu",
 ) -> None:
     """Measure this host (matmul, memory, per-op overhead, collectives) and fit a device profile."""
@@ -86,6 +104,9 @@ def profile(
         raise ProfileError(f"--nproc must be at least 2 to time collectives, got {nproc}")
     if output.suffix.lower() not in (".json", ".toml"):
         raise ProfileError(f"--output {str(output)!r} must end in .json or .toml")
+    passes = passes if passes is not None else (1 if quick else PASSES)
+    if passes < 1:
+        raise ProfileError(f"--passes must be at least 1, got {passes}")
     base_profile = get_device(base)
     sizes = _batch_sizes(batch_sizes)
     target = _model_target(model, parse_model_args(model_arg or []), sizes) if model is not None else None
@@ -93,7 +114,7 @@ def profile(
     # A neighbour's burst can spoil one round past what the fit tolerates; one more round
     # usually is clean, and a second failure is reported.
     for attempt in (1, 2):
-        record = _measure_with_progress(nproc, quick, target and target[0], reference_sharding(reference, nproc))
+        record = _measure_with_progress(nproc, quick, passes, target and target[0], reference_sharding(reference, nproc))
         try:
             fitted = fit_profile(record, base_profile, reference.layers, target[1].layers if target else ())
             break
@@ -140,8 +161,9 @@ def _model_target(path: Path, args: dict[str, Any], sizes: list[int]) -> tuple[d
     return {"path": str(path.resolve()), "args": args, "batch_sizes": sizes}, graph
 
 
-def _measure_with_progress(nproc: int, quick: bool, model: dict[str, Any] | None, tp_sharding: dict[str, str]) -> dict[str, Any]:
-    total = 12 + (1 if tp_sharding else 0) + (1 if model else 0)
+def _measure_with_progress(nproc: int, quick: bool, passes: int, model: dict[str, Any] | None,
+                           tp_sharding: dict[str, str]) -> dict[str, Any]:
+    total = (12 + (1 if tp_sharding else 0) + (1 if model else 0)) * passes
     with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.description}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("", total=total)
@@ -151,7 +173,7 @@ def _measure_with_progress(nproc: int, quick: bool, model: dict[str, Any] | None
             done["n"] += 1
             bar.update(task, completed=done["n"], description=what)
 
-        record = measure(nproc=nproc, quick=quick, tp_sharding=tp_sharding, model=model, step=step)
+        record = measure(nproc=nproc, quick=quick, tp_sharding=tp_sharding, model=model, passes=passes, step=step)
         bar.update(task, completed=total)
     return record
 
