@@ -87,10 +87,9 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   The optimizer step's median seconds less its charge for plain tensors is what
   DTensor parameters add to it, per sharded parameter tensor.
 - ``layer_corrections`` (``hetpar profile --model``): not a fit but the ratio of each
-  layer's measured seconds to the layer model's at the same micro-batch, forward and
-  backward, the model taken with the reference workload's own efficiencies (before the
-  runtime step's factor, since the layers were timed alone as that workload was); see
-  [Note: measured layers] in cost_models/compute.py.
+  layer's measured seconds (timed as the program runs it) to the fitted layer model's
+  at the same micro-batch, forward and backward; see [Note: measured layers] in
+  cost_models/compute.py.
 A negative intercept (noise on a shared machine) is clamped to zero.
 """
 
@@ -233,12 +232,11 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
     sources.update({f"peak_flops_per_s.{d}": f"{stamp}: matmul FLOPs/s (slope of time vs FLOPs)" for d in peaks})
     sources.update({f"collectives.{c}": f"{stamp}: alpha-beta fit over {len(collectives[c])} sizes" for c in measured})
     fitted = replace(base, **fields, sources=sources, layer_corrections={})
-    isolated = fitted  # the layer model as the reference workload runs alone, without the program around it
     if measurements.get("reference") and reference_layers:
-        fitted, isolated = _with_runtime_fits(fitted, measurements, reference_layers, stamp)
+        fitted = _with_runtime_fits(fitted, measurements, reference_layers, stamp)
     timed = measurements.get("model_layers")
     if timed and model_layers:
-        fitted = replace(fitted, layer_corrections=layer_corrections(isolated, timed, model_layers), sources={
+        fitted = replace(fitted, layer_corrections=layer_corrections(fitted, timed, model_layers), sources={
             **fitted.sources,
             "layer_corrections": f"{stamp}: the layers of {timed.get('model', 'the model')} timed at micro-batches "
                                  f"{', '.join(str(t[0]) for t in timed['layers'][0]['times'])}, over the layer model",
@@ -250,8 +248,9 @@ def layer_corrections(profile: DeviceProfile, timed: dict[str, Any], layers: Seq
     """The measured over the modelled seconds of each layer cost (``LayerProfile.cost_key``),
     forward and backward, by micro-batch ([Note: measured layers] in cost_models/compute.py);
     layers that cost the same (a transformer's blocks) share the median of their ratios.
-    ``profile`` models the layers as they run alone (the reference workload's own
-    efficiencies, before the factor for the program around them), as they were timed.
+    The layers were timed as the program runs them (stage modules, cold caches, every
+    worker at once), so the ratio is taken against ``profile``'s final model: a corrected
+    layer costs what was measured.
 
     Raises:
         ProfileError: a timed layer the planner did not trace (the model file changed).
@@ -278,11 +277,10 @@ def layer_corrections(profile: DeviceProfile, timed: dict[str, Any], layers: Seq
 
 
 def _with_runtime_fits(fitted: DeviceProfile, measurements: dict[str, Any], reference_layers: Sequence[LayerProfile],
-                       stamp: str) -> tuple[DeviceProfile, DeviceProfile]:
-    """The kernel efficiencies and the tensor-parallel costs from the reference workload,
-    and the profile with the efficiencies of the reference model run alone."""
+                       stamp: str) -> DeviceProfile:
+    """The kernel efficiencies and the tensor-parallel costs from the reference workload."""
     measured = fitted.collectives
-    fitted, isolated = _with_kernel_efficiencies(fitted, measurements, reference_layers, stamp)
+    fitted = _with_kernel_efficiencies(fitted, measurements, reference_layers, stamp)
     tp_step = measurements.get("reference_tp_step")
     if tp_step and "all_reduce" in measured and any(l.tp_collectives for l in reference_layers):
         collective_s, tensor_s = _tensor_parallel_costs(fitted, tp_step, reference_layers)
@@ -293,19 +291,17 @@ def _with_runtime_fits(fitted: DeviceProfile, measurements: dict[str, Any], refe
             "tp_optimizer_tensor_overhead_s": f"{stamp}: reference model's tensor-parallel step, its optimizer step less "
                                               "the charge for plain tensors, per sharded parameter tensor",
         })
-    return fitted, isolated
+    return fitted
 
 
 def _with_kernel_efficiencies(fitted: DeviceProfile, measurements: dict[str, Any], reference_layers: Sequence[LayerProfile],
-                              stamp: str) -> tuple[DeviceProfile, DeviceProfile]:
-    """``fitted`` with the kernel efficiencies of the reference workload, and with those of
-    the reference model run alone (before the program's factor); see [Note: calibrated fits]."""
+                              stamp: str) -> DeviceProfile:
+    """``fitted`` with the kernel efficiencies of the reference workload; see [Note: calibrated fits]."""
     sources = dict(fitted.sources)
     reference = measurements["reference"]
     fwd_eff, bwd_eff = _reference_efficiencies(fitted, reference, reference_layers)
     sources["kernel_efficiency"] = f"{stamp}: forward of runtime/reference_model.py against the layer cost model"
     sources["backward_kernel_efficiency"] = f"{stamp}: backward of runtime/reference_model.py against the layer cost model"
-    isolated = replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, sources=dict(sources))
     step = measurements.get("reference_step")
     sync_scale = None
     if step:
@@ -316,8 +312,7 @@ def _with_kernel_efficiencies(fitted: DeviceProfile, measurements: dict[str, Any
             sources[key] += f", times {scale:.3f}: each micro-batch of its training step through the program's runtime"
         sources["grad_sync_scale"] = (f"{stamp}: runtime/reference_model.py's data-parallel training step, what its "
                                       "gradient all-reduce adds (intercept) against the all-reduce's charge")
-    return (replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, grad_sync_scale=sync_scale, sources=sources),
-            isolated)
+    return replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, grad_sync_scale=sync_scale, sources=sources)
 
 
 def _clamp(efficiency: float) -> float:
