@@ -148,7 +148,7 @@ def bench(kind: str, work: Path, opts: argparse.Namespace) -> dict:
         metrics = build / f"m{run}.jsonl"
         args = ["--steps", str(opts.steps), "--optimizer", "adamw", "--lr", "1e-3", "--metrics", metrics.name]
         _torchrun(build / "train.py", args, opts.timeout_s)
-        times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()]
+        times = [r["step_time_s"] for r in map(json.loads, metrics.read_text().splitlines()) if "step_time_s" in r]
         generated.append(_median_after_warmup(times, opts.warmup))
         out = build / f"h{run}.json"
         _torchrun(build / "hand.py", [kind, str(opts.steps), str(opts.microbatches), str(opts.micro_batch_size),

@@ -157,7 +157,8 @@ def layer_timing(
 def layer_correction(layer: LayerProfile, device, micro_batch_size: int) -> tuple[float, float]:
     """(forward, backward) factors on the modelled time of ``layer`` from the device's
     measured layers; (1, 1) for a layer the profile did not measure. See [Note: measured layers]."""
-    entry = (getattr(device, "layer_corrections", None) or {}).get(layer.cost_key)
+    timed = getattr(device, "layer_corrections", None)
+    entry = timed.get(layer.cost_key) if timed else None
     if entry is None:
         return 1.0, 1.0
     return log_interpolate(entry["forward"], micro_batch_size), log_interpolate(entry["backward"], micro_batch_size)

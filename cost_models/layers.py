@@ -14,6 +14,7 @@ repeated + split / t. The same holds for parameters and saved activations.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import astuple, dataclass, replace
 
@@ -66,7 +67,7 @@ class LayerProfile:
         """Activation bytes one tensor-parallel rank saves for backward, per sample."""
         return self.saved_activation_bytes - self.tp_split_saved_bytes * (1.0 - 1.0 / tp)
 
-    @property
+    @functools.cached_property
     def cost_key(self) -> str:
         """What the layer costs, as a short key: equal for layers that cost the same
         (the blocks of a transformer), whatever their names. A profile's measured layer

@@ -657,6 +657,8 @@ def _assemble(model, cluster, config, layouts, bounds, played: _Played, stages: 
         dp_comm_time_s=time.dp_comm_s,
         pp_comm_time_s=time.pp_comm_s,
         tp_comm_time_s=time.tp_comm_s,
+        stage_fwd_s=[s.fwd_s for s in stages],
+        stage_bwd_s=[s.bwd_s for s in stages],
     )
     return Estimate(config=c, cluster_spec=cluster.spec, world_size=cluster.world_size, predicted=predicted, time=time,
                     stages=stages, model_flops_per_step=flops, tflops_per_device=flops / step / cluster.world_size / 1e12,

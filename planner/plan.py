@@ -102,6 +102,11 @@ class Predicted:
     dp_comm_time_s: float = 0.0
     pp_comm_time_s: float = 0.0
     tp_comm_time_s: float = 0.0
+    # One micro-batch on each pipeline rank (all its virtual stages), forward and backward,
+    # tensor-parallel and ZeRO-3 communication included: what ``hetpar validate`` compares
+    # with the run's stage times. Empty where the prediction has none (hetero-DP plans).
+    stage_fwd_s: list[float] = field(default_factory=list)
+    stage_bwd_s: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -312,12 +312,13 @@ logger = training.StepLogger(enabled=me.rank == 0, total_steps=args.steps, globa
 losses = training.LossReport(me, logger, last_stage=PIPELINE_RANKS - 1, data_parallel=DATA_PARALLEL)  # the global mean loss
 rows = shard.replica_rows(REPLICA_MICRO_BATCH_SIZES, NUM_MICROBATCHES, me.replica)  # this replica's share
 data = shard.replica_batches(model_file, GLOBAL_BATCH_SIZE, args.seed, rows=rows, start_step=start_step)
+stage_times = []  # this rank's (forward, backward) seconds of each step, for the metrics
 for step in range(start_step + 1, args.steps + 1):
     t0 = time.perf_counter()
     inputs, targets = next(data)  # rows `rows` of global batch `step`
     micro = shard.microbatches(inputs, targets, num_microbatches=NUM_MICROBATCHES, device=device)
     optimizer.zero_grad(set_to_none=True)
-    local_loss = executor.run_actions(pipeline, actions, micro, device)  # micro-batch losses / NUM_MICROBATCHES
+    local_loss = executor.run_actions(pipeline, actions, micro, device, stage_times)  # micro-batch losses / NUM_MICROBATCHES
     grad_sync.reduce()  # average over the replicas (FSDP2 already has)
     if scaler.unscale_and_check(module.parameters()):  # False only when fp16 overflowed on some rank
         optimizer.step()
@@ -326,6 +327,7 @@ for step in range(start_step + 1, args.steps + 1):
         losses.flush()  # the metrics reach this step before its checkpoint does
     checkpoints.maybe_save(step, module, optimizer, scaler, last=step == args.steps)
 losses.flush()
+training.report_stage_times(me, stage_times, NUM_MICROBATCHES, logger)  # per micro-batch, for hetpar validate
 logger.close()
 
 # -----------------------------------------------------------------------------

@@ -41,6 +41,7 @@ rather than the third of it the schedule assumes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -92,6 +93,7 @@ class StageExecutor:
     _in_flight: dict[int, _InFlight] = field(default_factory=dict, init=False, repr=False)
     _pending_sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list, init=False, repr=False)
     _awaiting_weights: dict[int, tuple[list, list]] = field(default_factory=dict, init=False, repr=False)
+    waited_s: float = field(default=0.0, init=False, repr=False)  # seconds blocked on receives, ever
 
     def run(self, actions: list[Action], data: list[Microbatch]) -> torch.Tensor:
         """Run one step's actions on this step's micro-batches.
@@ -180,7 +182,9 @@ class StageExecutor:
         tensors = []
         for spec in specs:
             buffer = torch.empty(spec.shape, dtype=_wire_dtype(spec.dtype), device=self.device)
+            start = time.perf_counter()
             dist.irecv(buffer, src=src, tag=tag).wait()
+            self.waited_s += time.perf_counter() - start
             tensors.append(buffer.to(spec.dtype) if spec.dtype == torch.bool else buffer)
         return tuple(tensors)
 
@@ -191,13 +195,17 @@ class StageExecutor:
 
 
 def run_actions(stages: dict[int, StageExecutor], actions: list[Action], data: list[Microbatch],
-                device: torch.device) -> torch.Tensor:
+                device: torch.device, times: list[tuple[float, float]] | None = None) -> torch.Tensor:
     """Run one step's actions of this rank, each on the stage it names (a rank holds
     several stages under the interleaved schedule), then wait for every send.
 
     Each ``before_backward`` hook is told whether a backward is the last of its stage
     in the step. In a list with W actions, backwards leave parameter gradients to the
     W actions ([Note: W actions]).
+
+    With ``times``, appends this step's (forward, backward) seconds of the rank: its
+    actions' wall time less what they waited for their receives (W actions count as
+    backward), as ``hetpar validate`` compares them with the predicted stage times.
 
     Returns:
         The last stage's summed scaled micro-batch losses (see ``StageExecutor.run``);
@@ -209,8 +217,10 @@ def run_actions(stages: dict[int, StageExecutor], actions: list[Action], data: l
     loss_sum = torch.zeros((), device=device)
     weights_later = any(a.kind is Kind.WEIGHT for a in actions)
     last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD}
+    spent = {Kind.FORWARD: 0.0, Kind.BACKWARD: 0.0, Kind.WEIGHT: 0.0}
     for i, action in enumerate(actions):
         stage = stages[action.stage]
+        start, waited = time.perf_counter(), stage.waited_s
         inputs, targets = data[action.microbatch]
         if action.kind is Kind.FORWARD:
             loss = stage.forward(action.microbatch, inputs, targets)
@@ -222,8 +232,11 @@ def run_actions(stages: dict[int, StageExecutor], actions: list[Action], data: l
             stage.backward(action.microbatch, weights_later=weights_later)
         else:
             stage.weight(action.microbatch)
+        spent[action.kind] += time.perf_counter() - start - (stage.waited_s - waited)
     for stage in stages.values():
         stage.finish()
+    if times is not None:
+        times.append((spent[Kind.FORWARD], spent[Kind.BACKWARD] + spent[Kind.WEIGHT]))
     return loss_sum
 
 

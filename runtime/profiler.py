@@ -301,6 +301,9 @@ def layer_times(model_path: str, model_args: dict, batch_sizes: list[int], *, re
     last layer computes the model file's loss on synthetic targets. So a layer's time is
     what the program spends in it, graph module and autograd included, and the times of
     all layers add up to a training micro-batch's compute without any communication.
+    Between repeats an AdamW step runs over the model, as between training steps: its
+    traffic leaves the caches as cold as the program finds them (back-to-back repeats
+    ran a small GPT's layers 35% faster than the generated program does).
     cost_models/calibrate.py turns them into the profile's ``layer_corrections``
     ([Note: measured layers] in cost_models/compute.py).
 

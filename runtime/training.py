@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -121,10 +122,38 @@ class StepLogger:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
 
+    def log_stages(self, stages: list[dict]) -> None:
+        """Record each pipeline rank's seconds per micro-batch (``report_stage_times``)."""
+        if not self.enabled:
+            return
+        times = ", ".join(f"stage {s['stage']} forward {s['fwd_s'] * 1e3:.2f} ms backward {s['bwd_s'] * 1e3:.2f} ms" for s in stages)
+        print(f"per micro-batch: {times}", file=sys.stderr, flush=True)
+        if self._file is not None:
+            self._file.write(json.dumps({"stages": stages}) + "\n")
+            self._file.flush()
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def report_stage_times(me: Placement, times: list[tuple[float, float]], num_microbatches: int, logger: StepLogger) -> None:
+    """Log each pipeline rank's forward and backward seconds per micro-batch (collective).
+
+    ``times`` holds this rank's (forward, backward) seconds of each step, receives'
+    waits left out (``executor.run_actions``); a rank's figure is the median over the
+    steps divided by the micro-batches. Replica 0, tensor-parallel index 0 of each
+    pipeline rank reports; rank 0 logs them (``StepLogger.log_stages``).
+    """
+    mine = None
+    if me.replica == 0 and me.tp_index == 0 and times:
+        mine = {"stage": me.stage, "fwd_s": statistics.median(f for f, _ in times) / num_microbatches,
+                "bwd_s": statistics.median(b for _, b in times) / num_microbatches}
+    gathered: list | None = [None] * dist.get_world_size() if me.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is not None:
+        logger.log_stages(sorted((g for g in gathered if g is not None), key=lambda g: g["stage"]))
 
 
 def _records_up_to(metrics: Path, step: int) -> list[str]:
@@ -180,4 +209,4 @@ def save_atomic(obj: object, path: Path) -> None:
         raise
 
 
-__all__ = ["LossReport", "StepLogger", "announce", "make_optimizer", "save_atomic", "save_full_state"]
+__all__ = ["LossReport", "StepLogger", "announce", "make_optimizer", "report_stage_times", "save_atomic", "save_full_state"]

@@ -121,8 +121,11 @@ def run_compiled(plan, tmp_path: Path, optimizer: str, *, plain_python: bool = F
     else:
         result = run_torchrun(out / "train.py", plan.cluster.world_size, args)
     assert result.returncode == 0, result.stderr[-4000:]
-    records = [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
+    records = [r for r in lines if "step" in r]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    stages = [r["stages"] for r in lines if "stages" in r]  # the last line: each pipeline rank's times
+    assert len(stages) == 1 and [s["stage"] for s in stages[0]] == list(range(plan.pipeline_parallel))
     assert all(r["step_time_s"] > 0 and r["samples_per_s"] > 0 for r in records)
     final = torch.load(out / "final.pt", weights_only=True)
     ref_losses, ref_state = reference_run(plan, init_state, optimizer)

@@ -167,3 +167,20 @@ def test_profile_with_a_model_corrects_that_models_plans(tmp_path):
     layers = trace_model(load_model_file(GPT, TINY_GPT)).layers
     assert {l.cost_key for l in layers} == set(p.layer_corrections)
     assert all(set(e["forward"]) == {1, 4} for e in p.layer_corrections.values())
+
+
+def test_plan_says_how_many_of_the_models_layers_the_profile_timed(tmp_path):
+    spec = load_model_file(GPT, TINY_GPT)
+    layers = trace_model(spec).layers
+    plain = fit_profile(_record(), get_device("cpu"))
+    data = _record()
+    data["model_layers"] = {"model": "gpt.py", "model_args": TINY_GPT, "layers": [
+        {"name": l.name, "times": [[b, 2 * t.fwd_s, 2 * t.bwd_s] for b in (1, 4)
+                                   for t in [layer_timing(l, plain, tp=1, micro_batch_size=b, dtype="fp32")]]}
+        for l in layers if not l.name.startswith("tok_emb")]}  # every layer but the embedding
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(profile_to_dict(fit_profile(data, get_device("cpu"), model_layers=layers))))
+    args = [x for k, v in TINY_GPT.items() for x in ("-a", f"{k}={v}")]
+    result = hetpar("plan", str(GPT), *args, "-c", "1x2xcpu", "-b", "4", "--profile", str(path), "-o", str(tmp_path / "plan.json"))
+    assert result.returncode == 0, result.stderr
+    assert f"measured times for {len(layers) - 1} of this model's {len(layers)} layers" in " ".join(result.stderr.split())

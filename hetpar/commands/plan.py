@@ -82,6 +82,7 @@ def plan(
         max_tp=max_tp,
         time_limit_s=time_limit,
     )
+    notes: list[str] = []
     status = console.status("tracing the model on the meta device")
     status.start()
     with Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.description}"),
@@ -94,10 +95,12 @@ def plan(
             objective=Objective(kind=objective.value, usd_per_device_hour=_prices(price or []),
                                 min_throughput_samples_per_s=min_throughput),
             hetero_dp=hetero_dp.value,
-            on_traced=lambda graph: (status.stop(), bar.update(task, visible=True)),
+            on_traced=lambda graph: (status.stop(), bar.update(task, visible=True), notes.extend(measured_layers_notes(graph, the_cluster))),
             progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what),
         )
     status.stop()
+    for note in notes:
+        console.print(note)
     if output is None and not as_json:
         output = Path("plan.json")
     if output is not None:
@@ -107,6 +110,19 @@ def plan(
     print_summary(result, output, resolve_prices(the_cluster, _prices(price or [])) if objective is ObjectiveChoice.cost else None)
     if as_json:
         print_json(__import__("json").loads(result.to_json()))
+
+
+def measured_layers_notes(graph, cluster) -> list[str]:
+    """One line per measured profile with timed layers: how many of this model's layers it
+    times ([Note: measured layers] in cost_models/compute.py); the others keep the layer model."""
+    notes = []
+    for name in cluster.count_by_type():
+        timed = cluster.profile(name).layer_corrections
+        if timed:
+            hits = sum(layer.cost_key in timed for layer in graph.layers)
+            notes.append(f"{name} profile: measured times for {hits} of this model's {len(graph.layers)} layers"
+                         + ("" if hits else " (profile it with --model to use them)"))
+    return notes
 
 
 def _prices(items: list[str]) -> dict[str, float]:

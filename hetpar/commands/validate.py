@@ -8,12 +8,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 import torch
 import typer
+from rich.table import Table
 
 from hetpar.commands.common import console, domain_errors, print_json, seconds
 from planner.plan import ParallelPlan, PlanError
@@ -40,6 +41,11 @@ class Validation:
     measured_steps: int
     world_size: int
     step_times_s: list[float]
+    # Per pipeline rank, one micro-batch: {"stage", "predicted_fwd_s", "measured_fwd_s",
+    # "predicted_bwd_s", "measured_bwd_s"}; the measured times leave out waits for
+    # receives (runtime/training.py report_stage_times). Empty when the plan has no
+    # stage prediction.
+    stages: list[dict] = field(default_factory=list)
 
 
 def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Path | None = None) -> Validation:
@@ -65,13 +71,22 @@ def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Pat
     with tempfile.TemporaryDirectory(prefix="hetpar-validate-") as tmp:
         build = Path(workdir or tmp) / "build"
         compile_plan(plan, build)
-        times = _run(build, plan.cluster.world_size, steps + WARMUP_STEPS, timeout_s)
+        times, stage_times = _run(build, plan.cluster.world_size, steps + WARMUP_STEPS, timeout_s)
     measured = times[WARMUP_STEPS:] or times
     median = statistics.median(measured)
     predicted = plan.predicted.step_time_s
     return Validation(predicted_step_time_s=predicted, measured_step_time_s=median,
                       relative_error=(predicted - median) / median, measured_steps=len(measured),
-                      world_size=plan.cluster.world_size, step_times_s=times)
+                      world_size=plan.cluster.world_size, step_times_s=times, stages=_stages(plan, stage_times))
+
+
+def _stages(plan: ParallelPlan, measured: list[dict]) -> list[dict]:
+    """Predicted against measured seconds per micro-batch of each pipeline rank."""
+    p = plan.predicted
+    if len(p.stage_fwd_s) != plan.pipeline_parallel or len(measured) != plan.pipeline_parallel:
+        return []
+    return [{"stage": m["stage"], "predicted_fwd_s": p.stage_fwd_s[m["stage"]], "measured_fwd_s": m["fwd_s"],
+             "predicted_bwd_s": p.stage_bwd_s[m["stage"]], "measured_bwd_s": m["bwd_s"]} for m in measured]
 
 
 def _check_this_host(plan: ParallelPlan) -> None:
@@ -86,7 +101,7 @@ def _check_this_host(plan: ParallelPlan) -> None:
             f"here, so plan it for this host (for example -c 1x{plan.cluster.world_size}xcpu with --profile)")
 
 
-def _run(build: Path, world: int, steps: int, timeout_s: float) -> list[float]:
+def _run(build: Path, world: int, steps: int, timeout_s: float) -> tuple[list[float], list[dict]]:
     metrics = build / "metrics.jsonl"
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--rdzv-backend=c10d",
                "--rdzv-endpoint=localhost:0", PROGRAM, "--steps", str(steps), "--metrics", str(metrics)]
@@ -100,10 +115,12 @@ def _run(build: Path, world: int, steps: int, timeout_s: float) -> list[float]:
         raise ValidateError(f"the run failed with exit code {done.returncode}: {last[0].strip()}")
     if not metrics.is_file():
         raise ValidateError("the run wrote no metrics")
-    times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    times = [r["step_time_s"] for r in records if "step_time_s" in r]
     if not times:
         raise ValidateError("the run wrote no step times")
-    return times
+    stages = next((r["stages"] for r in records if "stages" in r), [])
+    return times, stages
 
 
 @domain_errors
@@ -123,5 +140,15 @@ def validate(
         result = validate_plan(plan_file, steps=steps, timeout_s=timeout)
     console.print(f"predicted {seconds(result.predicted_step_time_s)}, measured {seconds(result.measured_step_time_s)} "
                   f"(median of {result.measured_steps} steps, {result.world_size} ranks): error {result.relative_error:+.1%}")
+    if result.stages:
+        table = Table(title="per micro-batch, each pipeline rank (receives' waits left out)", title_justify="left")
+        for column in ("stage", "forward predicted", "measured", "error", "backward predicted", "measured", "error"):
+            table.add_column(column)
+        for st in result.stages:
+            cells = []
+            for p, m in ((st["predicted_fwd_s"], st["measured_fwd_s"]), (st["predicted_bwd_s"], st["measured_bwd_s"])):
+                cells += [seconds(p), seconds(m), f"{(p - m) / m:+.1%}" if m > 0 else "-"]
+            table.add_row(str(st["stage"]), *cells)
+        console.print(table)
     if as_json:
         print_json(asdict(result))
