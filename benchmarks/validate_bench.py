@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the layer-model column estimates plans in this process
 HETPAR = [sys.executable, "-m", "hetpar"]
 GPT, MLP = str(ROOT / "examples/gpt.py"), str(ROOT / "examples/mlp.py")
 SMALL_GPT = ["-a", "n_layers=4", "-a", "hidden=128"]
@@ -65,6 +66,26 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     rx, ry = ranks(xs), ranks(ys)
     n = len(xs)
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
+
+
+def _layer_model_prediction(plan_path: Path) -> float:
+    """The plan's step time estimated again with its round's profile refitted from the same
+    measurements less the timed layers: what the layer model alone predicts."""
+    from cost_models.calibrate import fit_profile
+    from cost_models.devices import get_device
+    from hetpar.commands.profile import reference_graph
+    from planner.explain import explain_plan
+    from planner.plan import ParallelPlan
+
+    plan = ParallelPlan.load(plan_path)
+    world, model = plan.cluster.world_size, Path(plan.model.file).name
+    for sidecar in sorted(plan_path.parent.glob(f"profile-{world}-*.measurements.json")):
+        record = json.loads(sidecar.read_text())
+        timed = record.pop("model_layers", None)
+        if timed and timed["model"] == model and timed["model_args"] == plan.model.args:
+            profile = fit_profile(record, get_device("cpu"), reference_graph().layers)
+            return explain_plan(plan, profiles={profile.name: profile}).estimate.time.step_s
+    raise RuntimeError(f"no profile of {model} with {world} workers next to {plan_path}")
 
 
 def _profiles(ns, round_dir: Path) -> dict:
@@ -116,21 +137,35 @@ def main() -> None:
             row["predictions"].append(result["predicted_step_time_s"])
             row["steps"] += result["step_times_s"][2:]
             row["plans"].append(str(plan))
+    if ns.model_layers:
+        for row in rows:  # the same plans and profiles, the profiles refitted without the timed layers
+            row["layer_model"] = statistics.median(_layer_model_prediction(Path(plan)) for plan in row["plans"])
     for row in rows:
         row["predicted"] = statistics.median(row["predictions"])
         row["measured"] = statistics.median(row["steps"])
         row["error"] = (row["predicted"] - row["measured"]) / row["measured"]
     errors = [abs(r["error"]) for r in rows]
     rho = spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
-    print("| plan | cluster | predicted | measured | error |\n|---|---|---|---|---|")
+    if ns.model_layers:
+        print("| plan | cluster | predicted | measured | error | layer model alone | error |\n|---|---|---|---|---|---|---|")
+    else:
+        print("| plan | cluster | predicted | measured | error |\n|---|---|---|---|---|")
     for r in rows:
         shapes = []
         for path in r["plans"]:
             plan = json.loads(Path(path).read_text())
             shapes.append(f"{plan['micro_batch_size']}x{plan['num_microbatches']}")
         detail = "mb " + " / ".join(dict.fromkeys(shapes))
-        print(f"| {r['name']} ({detail}) | {r['cluster']} | {r['predicted'] * 1e3:.1f} ms | {r['measured'] * 1e3:.1f} ms | {r['error']:+.1%} |")
+        alone = ""
+        if "layer_model" in r:
+            alone = f" {r['layer_model'] * 1e3:.1f} ms | {(r['layer_model'] - r['measured']) / r['measured']:+.1%} |"
+        print(f"| {r['name']} ({detail}) | {r['cluster']} | {r['predicted'] * 1e3:.1f} ms | {r['measured'] * 1e3:.1f} ms | "
+              f"{r['error']:+.1%} |{alone}")
     print(f"\n{len(rows)} plans: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}, Spearman {rho:.3f}")
+    if ns.model_layers:
+        alone = [abs(r["layer_model"] - r["measured"]) / r["measured"] for r in rows]
+        rho = spearman([r["layer_model"] for r in rows], [r["measured"] for r in rows])
+        print(f"layer model alone: median |error| {statistics.median(alone):.1%}, worst {max(alone):.1%}, Spearman {rho:.3f}")
     (ns.out / "results.json").write_text(json.dumps(rows, indent=2))
 
 

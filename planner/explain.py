@@ -25,8 +25,9 @@ class Explanation:
     estimate: Estimate
 
 
-def explain_plan(plan: ParallelPlan) -> Explanation:
-    """Estimate ``plan`` again from its model file and cluster.
+def explain_plan(plan: ParallelPlan, profiles: dict | None = None) -> Explanation:
+    """Estimate ``plan`` again from its model file and cluster (with ``profiles``, device
+    name -> profile, in place of the built-in ones, as ``parse_cluster`` takes them).
 
     Raises:
         PlanError: the plan's model file is gone or changed since planning.
@@ -37,7 +38,7 @@ def explain_plan(plan: ParallelPlan) -> Explanation:
     if file_fingerprint(path) != plan.model.fingerprint:
         raise PlanError(f"model file {str(path)!r} changed since planning; re-run hetpar plan")
     graph = trace_model(load_model_file(path, plan.model.args), tuple(plan.model.leaf_modules))
-    cluster = parse_cluster(plan.cluster.spec)
+    cluster = parse_cluster(plan.cluster.spec, profiles=profiles)
     mixed = len(set(plan.cluster.device_types)) > 1
     ranks = plan.stages[: plan.pipeline_parallel]  # with virtual stages, stages[s] runs on ranks[s % pp]
     config = EstimateConfig(
