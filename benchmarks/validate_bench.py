@@ -1,6 +1,6 @@
 """Predictions against this machine: profile it, then plan, run and validate a matrix of plans.
 
-    .venv/bin/python benchmarks/validate_bench.py --out out/validate_bench
+    .venv/bin/python benchmarks/validate_bench.py --out out/validate_bench --rounds 2 --model-layers
 
 Calibration comes only from `hetpar profile`; the validation runs are measured and
 compared, never fitted. Each of ``--rounds`` rounds profiles the machine, then plans
@@ -14,6 +14,7 @@ summary (median and worst |error|, Spearman).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -68,12 +69,18 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
+@functools.cache
+def _reference_layers():
+    from hetpar.commands.profile import reference_graph
+
+    return reference_graph().layers
+
+
 def _layer_model_prediction(plan_path: Path) -> float:
     """The plan's step time estimated again with its round's profile refitted from the same
     measurements less the timed layers: what the layer model alone predicts."""
     from cost_models.calibrate import fit_profile
     from cost_models.devices import get_device
-    from hetpar.commands.profile import reference_graph
     from planner.explain import explain_plan
     from planner.plan import ParallelPlan
 
@@ -83,7 +90,7 @@ def _layer_model_prediction(plan_path: Path) -> float:
         record = json.loads(sidecar.read_text())
         timed = record.pop("model_layers", None)
         if timed and timed["model"] == model and timed["model_args"] == plan.model.args:
-            profile = fit_profile(record, get_device("cpu"), reference_graph().layers)
+            profile = fit_profile(record, get_device("cpu"), _reference_layers())
             return explain_plan(plan, profiles={profile.name: profile}).estimate.time.step_s
     raise RuntimeError(f"no profile of {model} with {world} workers next to {plan_path}")
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import assert_one_line_error, hetpar
+from test_profile import record
 
 from cost_models.calibrate import fit_profile
 from cost_models.compute import layer_timing
@@ -19,20 +20,6 @@ from runtime.profiler import chained_pass_s, layer_stages, layer_times
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
 TINY_GPT = {"n_layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seq_len": 8}
-
-
-def _record():
-    def line(fixed_s, rate, sizes):
-        return [[s, fixed_s + s / rate] for s in sizes]
-
-    return {
-        "fingerprint": "test host x2 cores, torch 0, no GPU", "date": "2026-01-01", "workers": 2,
-        "matmul": {"fp32": line(5e-6, 100e9, [1e6, 1e7, 1e8]), "bf16": line(5e-6, 200e9, [1e6, 1e7, 1e8])},
-        "copy": [2e9, 0.25],
-        "op_overhead": {"fwd_s_per_op": 6e-6, "fwd_bwd_s_per_op": 15e-6},
-        "collectives": {"all_reduce": line(200e-6, 1.5e9, [4096, 1 << 20, 16 << 20])},
-        "step_overhead_s": 1e-3,
-    }
 
 
 def _layer(name: str, flops: float) -> LayerProfile:
@@ -62,8 +49,8 @@ def _timed(profile):
 
 
 def _measured_profile():
-    plain = fit_profile(_record(), get_device("cpu"))
-    data = _record()
+    plain = fit_profile(record(), get_device("cpu"))
+    data = record()
     data["model_layers"] = _timed(plain)
     return plain, fit_profile(data, get_device("cpu"), model_layers=LAYERS)
 
@@ -81,7 +68,7 @@ def test_the_profile_keeps_measured_over_modelled_per_layer_cost():
     assert twins["backward"] == pytest.approx({1: 1.5, 4: 0.9})
     assert p.layer_corrections[LAYERS[2].cost_key]["backward"] == pytest.approx({1: 3.0, 4: 1.0})
     assert "synthetic.py" in p.sources["layer_corrections"]
-    assert fit_profile(_record(), get_device("cpu")).layer_corrections == {}  # nothing timed: nothing kept
+    assert fit_profile(record(), get_device("cpu")).layer_corrections == {}  # nothing timed: nothing kept
 
 
 def test_layer_timing_applies_the_ratio_interpolated_in_log_micro_batch_and_flat_beyond():
@@ -104,8 +91,8 @@ def test_layer_timing_applies_the_ratio_interpolated_in_log_micro_batch_and_flat
 
 
 def test_a_timed_layer_the_model_lacks_is_refused():
-    plain = fit_profile(_record(), get_device("cpu"))
-    data = _record()
+    plain = fit_profile(record(), get_device("cpu"))
+    data = record()
     data["model_layers"] = _timed(plain)
     with pytest.raises(ProfileError, match="layer 'c' is not one of the model's"):
         fit_profile(data, get_device("cpu"), model_layers=LAYERS[:2])
@@ -172,8 +159,8 @@ def test_profile_with_a_model_corrects_that_models_plans(tmp_path):
 def test_plan_says_how_many_of_the_models_layers_the_profile_timed(tmp_path):
     spec = load_model_file(GPT, TINY_GPT)
     layers = trace_model(spec).layers
-    plain = fit_profile(_record(), get_device("cpu"))
-    data = _record()
+    plain = fit_profile(record(), get_device("cpu"))
+    data = record()
     data["model_layers"] = {"model": "gpt.py", "model_args": TINY_GPT, "layers": [
         {"name": l.name, "times": [[b, 2 * t.fwd_s, 2 * t.bwd_s] for b in (1, 4)
                                    for t in [layer_timing(l, plain, tp=1, micro_batch_size=b, dtype="fp32")]]}
