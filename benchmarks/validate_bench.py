@@ -1,14 +1,16 @@
 """Predictions against this machine: profile it, then plan, run and validate a matrix of plans.
 
-    .venv/bin/python benchmarks/validate_bench.py --out out/validate_bench --rounds 2 --model-layers
+    .venv/bin/python benchmarks/validate_bench.py --out out/validate_bench --rounds 3 --model-layers
 
 Calibration comes only from `hetpar profile`; the validation runs are measured and
-compared, never fitted. Each of ``--rounds`` rounds profiles the machine, then plans
-and runs every plan of the matrix with that round's profiles, so that a busy minute of
-the shared machine does not hit one plan only and no profile is older than a round; a
-plan's predicted step time is the median of its rounds' predictions, its measured one
-the median over all measured steps of all rounds. Prints a Markdown table and the
-summary (median and worst |error|, Spearman).
+compared, never fitted. Each of ``--rounds`` rounds goes through the matrix one group of
+rows at a time (the rows that share a profile: same worker count, and with
+``--model-layers`` the same model): it profiles the machine, then plans and runs that
+group's plans with the fresh profile, so that no plan runs more than a minute or two
+after the profile that predicts it and a busy minute of the shared machine does not hit
+one plan only. A plan's predicted step time is the median of its rounds' predictions,
+its measured one the median over all measured steps of all rounds. Prints a Markdown
+table and the summary (median and worst |error|, Spearman).
 """
 
 from __future__ import annotations
@@ -95,24 +97,22 @@ def _layer_model_prediction(plan_path: Path) -> float:
     raise RuntimeError(f"no profile of {model} with {world} workers next to {plan_path}")
 
 
-def _profiles(ns, round_dir: Path) -> dict:
-    """This round's profiles: one per worker count (a plan for 4 ranks runs 4 workers at
-    once on this host, and the profile measures what each rank gets when that many
-    compute together), and with --model-layers one per worker count and model, which
+def _profile_key(ns, model: str, args: list[str], cluster: str) -> tuple:
+    """Which profile a row is predicted with: one per worker count (a plan for 4 ranks runs
+    4 workers at once on this host, and the profile measures what each rank gets when that
+    many compute together), and with --model-layers one per worker count and model, which
     also times that model's layers ([Note: measured layers])."""
-    profiles: dict = {}
-    for _, model, args, cluster, _, _ in MATRIX:
-        world = int(cluster.split("x")[1])
-        key = (world, model, tuple(args)) if ns.model_layers else (world,)
-        if key in profiles:
-            continue
-        profiles[key] = round_dir / f"profile-{world}-{len(profiles)}.json"
-        if not (ns.reuse_profiles and profiles[key].is_file()):
-            measured = ["--model", model, *args] if ns.model_layers else []
-            print(f"profiling this machine with {world} workers {' '.join(measured)} -> {profiles[key]}", file=sys.stderr)
-            _hetpar("profile", "-o", str(profiles[key]), "--nproc", str(world), *measured,
-                    *(["--quick"] if ns.quick_profile else []))
-    return profiles
+    world = int(cluster.split("x")[1])
+    return (world, model, tuple(args)) if ns.model_layers else (world,)
+
+
+def _profile(ns, key: tuple, path: Path) -> None:
+    if ns.reuse_profiles and path.is_file():
+        return
+    world = key[0]
+    measured = ["--model", key[1], *key[2]] if ns.model_layers else []
+    print(f"profiling this machine with {world} workers {' '.join(measured)} -> {path}", file=sys.stderr)
+    _hetpar("profile", "-o", str(path), "--nproc", str(world), *measured, *(["--quick"] if ns.quick_profile else []))
 
 
 def main() -> None:
@@ -127,23 +127,32 @@ def main() -> None:
     ns = parser.parse_args()
     chosen = [int(i) for i in ns.rows.split(",")] if ns.rows else list(range(len(MATRIX)))
     rows = [{"name": MATRIX[i][0], "cluster": MATRIX[i][3], "predictions": [], "steps": [], "plans": []} for i in chosen]
+    # The rows that share a profile, in the matrix's order: each round profiles the machine
+    # for one group and runs that group's plans right after, so that no plan runs more than
+    # a minute or two after the profile it is predicted with (the shared host's speed moves
+    # by 20-30% within minutes; a profile taken ten minutes before a run predicts another
+    # machine).
+    groups: dict[tuple, list[int]] = {}
+    for i in chosen:
+        _, model, args, cluster, _, _ = MATRIX[i]
+        groups.setdefault(_profile_key(ns, model, args, cluster), []).append(i)
+    by_index = dict(zip(chosen, rows))
     for r in range(ns.rounds):
-        # Each round profiles the machine again right before it plans and runs: the shared
-        # host drifts over minutes, and a profile an hour old predicts another machine.
         round_dir = ns.out / f"round{r + 1}"
         round_dir.mkdir(parents=True, exist_ok=True)
-        profiles = _profiles(ns, round_dir)
-        for i, row in zip(chosen, rows):
-            name, model, args, cluster, batch, pins = MATRIX[i]
-            world = int(cluster.split("x")[1])
-            profile = profiles[(world, model, tuple(args)) if ns.model_layers else (world,)]
-            plan = round_dir / f"plan{i}.json"
-            _hetpar("plan", model, "-c", cluster, "-b", str(batch), *args, *pins, "--profile", str(profile), "-o", str(plan))
-            print(f"round {r + 1}: {name}", file=sys.stderr)
-            result = json.loads(_hetpar("validate", str(plan), "--steps", str(ns.steps), "--json"))
-            row["predictions"].append(result["predicted_step_time_s"])
-            row["steps"] += result["step_times_s"][2:]
-            row["plans"].append(str(plan))
+        for g, (key, members) in enumerate(groups.items()):
+            profile = round_dir / f"profile-{key[0]}-{g}.json"
+            _profile(ns, key, profile)
+            for i in members:
+                name, model, args, cluster, batch, pins = MATRIX[i]
+                row = by_index[i]
+                plan = round_dir / f"plan{i}.json"
+                _hetpar("plan", model, "-c", cluster, "-b", str(batch), *args, *pins, "--profile", str(profile), "-o", str(plan))
+                print(f"round {r + 1}: {name}", file=sys.stderr)
+                result = json.loads(_hetpar("validate", str(plan), "--steps", str(ns.steps), "--json"))
+                row["predictions"].append(result["predicted_step_time_s"])
+                row["steps"] += result["step_times_s"][2:]
+                row["plans"].append(str(plan))
     if ns.model_layers:
         for row in rows:  # the same plans and profiles, the profiles refitted without the timed layers
             row["layer_model"] = statistics.median(_layer_model_prediction(Path(plan)) for plan in row["plans"])
