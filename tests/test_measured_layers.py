@@ -83,8 +83,10 @@ def test_layer_timing_applies_the_ratio_interpolated_in_log_micro_batch_and_flat
     assert ratio(2, "fwd_s") == pytest.approx(0.65)  # halfway in log between 1 and 4
     assert ratio(64, "fwd_s") == pytest.approx(0.8)  # beyond the measured sizes: the last ratio
     assert ratio(1, "bwd_input_s") == pytest.approx(3.0) and ratio(1, "bwd_weight_s") == pytest.approx(3.0)
-    # A layer the profile did not time, and an explicit efficiency, keep the layer model.
+    # A layer the profile did not time, a tensor-parallel rank's share (timed at tp 1 only)
+    # and an explicit efficiency keep the layer model.
     other = _layer("d", 9e6)
+    assert layer_timing(c, p, tp=2, micro_batch_size=1, dtype="fp32") == layer_timing(c, plain, tp=2, micro_batch_size=1, dtype="fp32")
     assert layer_timing(other, p, tp=1, micro_batch_size=4, dtype="fp32") == layer_timing(other, plain, tp=1, micro_batch_size=4, dtype="fp32")
     assert layer_timing(c, p, tp=1, micro_batch_size=4, dtype="fp32", kernel_efficiency=0.5) == layer_timing(
         c, plain, tp=1, micro_batch_size=4, dtype="fp32", kernel_efficiency=0.5)
