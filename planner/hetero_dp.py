@@ -28,7 +28,9 @@ and the number of micro-batches m. So:
    micro_batch_size is the mean share, so dp must divide global batch / m.
 4. Step time: the slowest replica's pipeline, then the gradient all-reduce of each
    stage over its replicas (the group spans device types, so it runs at the slowest
-   link; cost_models.collectives), then the slowest replica's optimizer step. The
+   link; cost_models.collectives; times the largest ``grad_sync_scale`` of the types
+   taking part, as planner.estimate charges a measured profile's sync inside a step),
+   then the slowest replica's optimizer step. The
    all-reduce moves the same bytes whatever the shares, so the shares minimise the
    first term alone.
 
@@ -44,7 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from cost_models.cluster import Cluster
-from cost_models.collectives import all_reduce_time_s
+from cost_models.collectives import all_reduce_time_s, grad_sync_scale
 from cost_models.compute import dtype_bytes
 from cost_models.devices import ProfileError
 from planner.estimate import Estimate, EstimateConfig, EstimateError, estimate
@@ -137,7 +139,8 @@ def sync_floor_s(model: ModelGraph, cluster: Cluster, options: SearchOptions) ->
     for size in replica_sizes(cluster, options):
         firsts = [c.first_rank + i * size for c in replica_classes(cluster, size) for i in range(c.count)]
         floors.append(all_reduce_time_s(grad_bytes / size, firsts, cluster))
-    return min(floors, default=None)
+    least_scale = min(grad_sync_scale(g.device) for g in cluster.groups)  # a floor: the least any replica pays
+    return min(floors) * least_scale if floors else None
 
 
 def balance_shares(time_s: Callable[[int, int], float], classes: list[int], total: int) -> list[int] | None:
@@ -315,7 +318,11 @@ def _predicted(model, cluster, classes, layout: Layout, options, replica_class, 
     sync_s, first = 0.0, 0
     for s, n in enumerate(layout.stage_layers):
         nbytes = _stage_params(model, layout.tp, first, first + n - 1) * dtype_bytes(options.dtype)
-        sync_s = max(sync_s, all_reduce_time_s(nbytes, [rep[0] for rep in ranks[s]], cluster, concurrent=layout.tp))
+        group = [rep[0] for rep in ranks[s]]
+        # As planner/estimate.py's data-parallel sync: what it costs inside a training step
+        # (a measured profile's grad_sync_scale), set by the slowest device type taking part.
+        scale = max(grad_sync_scale(cluster.group_of(rank).device) for rank in group)
+        sync_s = max(sync_s, all_reduce_time_s(nbytes, group, cluster, concurrent=layout.tp) * scale)
         first += n
     optimizer_s = max(r.time.optimizer_s for r in runs.values())
     step = slowest.predicted.step_time_s - slowest.time.optimizer_s + sync_s + optimizer_s

@@ -117,6 +117,21 @@ def test_hetero_plan_prediction_is_the_slowest_replica_plus_the_all_reduce(gpt):
     assert p.throughput_samples_per_s == pytest.approx(64 / p.step_time_s)
 
 
+def test_the_all_reduce_costs_what_the_slowest_type_pays_inside_a_step(gpt):
+    """A measured profile's grad_sync_scale (what the gradient all-reduce costs inside a
+    training step over its alpha-beta time) applies to the replicas' sync as it does in
+    planner/estimate.py; the slowest type taking part sets it."""
+    plain = parse_cluster(MIXED)
+    v100 = plain.groups[1]
+    scaled = dataclasses.replace(plain, groups=(plain.groups[0], dataclasses.replace(
+        v100, device=dataclasses.replace(
+        v100.device, grad_sync_scale=3.0, sources={**v100.device.sources, "grad_sync_scale": "this test"}))))
+    base = hetero_dp_plan(gpt, plain, options(64, pp=1, tp=1))
+    slowed = hetero_dp_plan(gpt, scaled, options(64, pp=1, tp=1))
+    assert [s.ranks for s in slowed.stages] == [s.ranks for s in base.stages]
+    assert slowed.predicted.dp_comm_time_s == pytest.approx(3 * base.predicted.dp_comm_time_s)
+
+
 @pytest.mark.parametrize("spec,batch", [(MIXED, 64), (MIXED, 512), ("1x2xA100-80GB+1x2xT4-16GB", 32), ("1x4xA100-80GB+1x4xV100-32GB", 128)])
 def test_auto_is_never_slower_than_either_kind_and_records_the_other(gpt, spec, batch):
     cluster = parse_cluster(spec)
