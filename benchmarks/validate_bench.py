@@ -6,9 +6,10 @@ Calibration comes only from `hetpar profile`; the validation runs are measured a
 compared, never fitted. Each of ``--rounds`` rounds goes through the matrix one group of
 rows at a time (the rows that share a profile: same worker count, and with
 ``--model-layers`` the same model): it profiles the machine, then plans and runs that
-group's plans with the fresh profile, so that no plan runs more than a minute or two
-after the profile that predicts it and a busy minute of the shared machine does not hit
-one plan only. A plan's predicted step time is the median of its rounds' predictions,
+group's plans with the fresh profile, so that each plan runs minutes, not a whole
+round, after the profile that predicts it (one or two with ``--model-layers``, up to
+four for the last 2-worker row without), and a busy minute of the shared machine does
+not hit one plan only. A plan's predicted step time is the median of its rounds' predictions,
 its measured one the median over all measured steps of all rounds. Prints a Markdown
 table and the summary (median and worst |error|, Spearman).
 """
@@ -107,6 +108,7 @@ def _profile_key(ns, model: str, args: list[str], cluster: str) -> tuple:
 
 
 def _profile(ns, key: tuple, path: Path) -> None:
+    """Profile this machine for the rows of ``key`` into ``path``."""
     if ns.reuse_profiles and path.is_file():
         return
     world = key[0]
@@ -127,11 +129,8 @@ def main() -> None:
     ns = parser.parse_args()
     chosen = [int(i) for i in ns.rows.split(",")] if ns.rows else list(range(len(MATRIX)))
     rows = [{"name": MATRIX[i][0], "cluster": MATRIX[i][3], "predictions": [], "steps": [], "plans": []} for i in chosen]
-    # The rows that share a profile, in the matrix's order: each round profiles the machine
-    # for one group and runs that group's plans right after, so that no plan runs more than
-    # a minute or two after the profile it is predicted with (the shared host's speed moves
-    # by 20-30% within minutes; a profile taken ten minutes before a run predicts another
-    # machine).
+    # The rows that share a profile, in the matrix's order (the host's speed moves by
+    # 20-30% within minutes: a profile taken ten minutes before a run predicts another machine).
     groups: dict[tuple, list[int]] = {}
     for i in chosen:
         _, model, args, cluster, _, _ = MATRIX[i]
