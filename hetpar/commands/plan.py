@@ -121,7 +121,7 @@ def measured_layers_notes(graph, cluster) -> list[str]:
         if timed:
             hits = sum(layer.cost_key in timed for layer in graph.layers)
             notes.append(f"{name} profile: measured times for {hits} of this model's {len(graph.layers)} layers"
-                         + ("" if hits else " (profile it with --model to use them)"))
+                         + (" (used at tensor-parallel degree 1)" if hits else " (profile it with --model to use them)"))
     return notes
 
 
