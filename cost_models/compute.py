@@ -154,11 +154,13 @@ def layer_timing(
 # model itself ([Note: calibrated fits]), so a ratio measured on the whole layer does not
 # carry over. (Scaling the rank's share by it predicted the larger validation GPT's tp2
 # forward at 93 ms against 120 ms measured, where the layer model alone gives 120 ms;
-# docs/BENCHMARKS.md.) The layer model
-# keeps what a measurement cannot see (dtype, tensor-parallel degree, the B/W split);
-# the measurement fixes what the model misses on small layers (the shapes of small
-# matmuls, framework time per op) that the reference workload's fits average away. An
-# explicit ``kernel_efficiency`` (hetpar estimate --kernel-efficiency) turns it off.
+# docs/BENCHMARKS.md.) The layer model keeps what a measurement cannot see (dtype,
+# tensor-parallel degree, the B/W split); the measurement is there for what the model
+# misses on some layers (the shapes of small matmuls, framework time per op) that the
+# reference workload's fits average away. On the development machine it did not beat
+# the layer model: the host's speed moves more within minutes than the layers' error
+# (docs/profiling.md). An explicit ``kernel_efficiency`` (hetpar estimate
+# --kernel-efficiency) turns it off.
 def layer_correction(layer: LayerProfile, device, micro_batch_size: int) -> tuple[float, float]:
     """(forward, backward) factors on the modelled time of ``layer`` from the device's
     measured layers; (1, 1) for a layer the profile did not measure. See [Note: measured layers]."""

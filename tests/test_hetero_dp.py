@@ -123,9 +123,8 @@ def test_the_all_reduce_costs_what_the_slowest_type_pays_inside_a_step(gpt):
     planner/estimate.py; the slowest type taking part sets it."""
     plain = parse_cluster(MIXED)
     v100 = plain.groups[1]
-    scaled = dataclasses.replace(plain, groups=(plain.groups[0], dataclasses.replace(
-        v100, device=dataclasses.replace(
-        v100.device, grad_sync_scale=3.0, sources={**v100.device.sources, "grad_sync_scale": "this test"}))))
+    slow_sync = dataclasses.replace(v100.device, grad_sync_scale=3.0, sources={**v100.device.sources, "grad_sync_scale": "this test"})
+    scaled = dataclasses.replace(plain, groups=(plain.groups[0], dataclasses.replace(v100, device=slow_sync)))
     base = hetero_dp_plan(gpt, plain, options(64, pp=1, tp=1))
     slowed = hetero_dp_plan(gpt, scaled, options(64, pp=1, tp=1))
     assert [s.ranks for s in slowed.stages] == [s.ranks for s in base.stages]
