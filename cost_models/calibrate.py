@@ -305,11 +305,12 @@ def _with_kernel_efficiencies(fitted: DeviceProfile, measurements: dict[str, Any
     step = measurements.get("reference_step")
     sync_scale = None
     if step:
-        scale, sync_scale = _runtime_fit(replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, sources=sources),
-                                         step, reference_layers)
-        fwd_eff, bwd_eff = _clamp(fwd_eff * scale), _clamp(bwd_eff * scale)
-        for key in ("kernel_efficiency", "backward_kernel_efficiency"):
-            sources[key] += f", times {scale:.3f}: each micro-batch of its training step through the program's runtime"
+        (fwd_scale, bwd_scale), sync_scale = _runtime_fit(
+            replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, sources=sources), step, reference_layers)
+        fwd_eff, bwd_eff = _clamp(fwd_eff * fwd_scale), _clamp(bwd_eff * bwd_scale)
+        apart = ", each pass timed apart" if fwd_scale != bwd_scale else ""
+        for key, scale in (("kernel_efficiency", fwd_scale), ("backward_kernel_efficiency", bwd_scale)):
+            sources[key] += f", times {scale:.3f}: each micro-batch of its training step through the program's runtime{apart}"
         sources["grad_sync_scale"] = (f"{stamp}: runtime/reference_model.py's data-parallel training step, what its "
                                       "gradient all-reduce adds (intercept) against the all-reduce's charge")
     return replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, grad_sync_scale=sync_scale, sources=sources)
@@ -319,29 +320,40 @@ def _clamp(efficiency: float) -> float:
     return min(_MAX_EFFICIENCY, max(_MIN_EFFICIENCY, efficiency))
 
 
-def _runtime_fit(profile: DeviceProfile, step: dict[str, Any], layers: Sequence[LayerProfile]) -> tuple[float, float]:
-    """(the factor on both kernel efficiencies, ``grad_sync_scale``) from the reference
-    model's data-parallel training step; see [Note: calibrated fits]. The slope of the
-    forwards and backwards against micro-batches is set against the layers' charge, of
-    which only the FLOP and byte seconds scale; the intercept of the forwards, backwards
-    and the all-reduce's wait together against one all-reduce of the gradients at the
-    fitted alpha and beta."""
+def _runtime_fit(profile: DeviceProfile, step: dict[str, Any], layers: Sequence[LayerProfile]) -> tuple[tuple[float, float], float]:
+    """((the factors on the forward and backward kernel efficiencies), ``grad_sync_scale``)
+    from the reference model's data-parallel training step; see [Note: calibrated fits].
+    The slope of the forwards against micro-batches is set against the layers' forward
+    charge, and the backwards' against their backward charge, of which only the FLOP and
+    byte seconds scale (a record without the passes timed apart sets their sum against
+    the sum: one factor on both); the intercept of the forwards, backwards and the
+    all-reduce's wait together against one all-reduce of the gradients at the fitted
+    alpha and beta."""
     try:
         batch, workers = int(step["batch_size"]), int(step["workers"])
-        _, microbatches_per_s = fit_line([(float(m), float(compute)) for m, compute, _, _ in step["steps"]])
+        slopes = [1.0 / fit_line([(float(m), float(compute)) for m, compute, _, _ in step["steps"]])[1]]
+        if "passes" in step:
+            slopes = [1.0 / fit_line([(float(row[0]), float(row[1 + k])) for row in step["passes"]])[1] for k in (0, 1)]
         sync_s, _ = fit_line([(float(m), float(compute) + float(wait)) for m, compute, wait, _ in step["steps"]])
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise ProfileError(f"profile measurements: reference_step is malformed ({exc})") from None
     times = [layer_timing(l, profile, tp=1, micro_batch_size=batch, dtype="fp32") for l in layers]
-    launch = sum(l.num_ops for l in layers) * (profile.op_overhead_s or 0.0) * LAUNCHES_PER_OP
-    work = sum(t.fwd_s + t.bwd_s for t in times) - launch
-    if work <= 0 or 1.0 / microbatches_per_s - launch <= 0:
-        raise ProfileError("the reference training step ran faster than its overheads; the machine is too noisy, run hetpar profile again")
+    launch = sum(l.num_ops for l in layers) * (profile.op_overhead_s or 0.0)
+    # (charged seconds, of them per-op launches) per micro-batch: forward and backward, or both together
+    charges = [(sum(t.fwd_s for t in times), launch), (sum(t.bwd_s for t in times), (LAUNCHES_PER_OP - 1) * launch)]
+    if len(slopes) == 1:
+        charges = [(charges[0][0] + charges[1][0], LAUNCHES_PER_OP * launch)]
+    factors = []
+    for (charged, launches), measured in zip(charges, slopes, strict=True):
+        if charged - launches <= 0 or measured - launches <= 0:
+            raise ProfileError("the reference training step ran faster than its overheads; the machine is too noisy, "
+                               "run hetpar profile again")
+        factors.append((charged - launches) / (measured - launches))
     params = sum(l.params for l in layers)
     reduce = profile.collectives.get("all_reduce")
     charged_s = reduce.latency_s + 4.0 * params / reduce.bw_bytes_per_s if reduce and workers > 1 else 0.0
     sync_scale = sync_s / charged_s if charged_s > 0 else 1.0
-    return work / (1.0 / microbatches_per_s - launch), min(_MAX_SYNC_SCALE, max(_MIN_SYNC_SCALE, sync_scale))
+    return (factors[0], factors[-1]), min(_MAX_SYNC_SCALE, max(_MIN_SYNC_SCALE, sync_scale))
 
 
 def rows_curves(rows: dict[str, list], peak_flops_per_s: float) -> dict[str, dict[int, float]]:

@@ -215,8 +215,8 @@ def reference_step_time(world: int, *, repeats: int) -> dict:
 
     stage, model_file = _reference_stage()
     sync = AllReduce(list(stage.module.parameters()), dist.group.WORLD, world)
-    return {"steps": _timed_reference_steps(stage, model_file, sync, repeats=repeats), "batch_size": reference_model.BATCH,
-            "workers": world}
+    steps, passes = _timed_reference_steps(stage, model_file, sync, repeats=repeats)
+    return {"steps": steps, "passes": passes, "batch_size": reference_model.BATCH, "workers": world}
 
 
 def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: int) -> dict:
@@ -233,8 +233,8 @@ def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: 
 
     stage, model_file = _reference_stage()
     shard.apply_tensor_parallel(stage.module, init_device_mesh("cpu", (world,)), tp_sharding)
-    return {"steps": _timed_reference_steps(stage, model_file, None, repeats=repeats), "batch_size": reference_model.BATCH,
-            "tp": world}
+    steps, _ = _timed_reference_steps(stage, model_file, None, repeats=repeats)
+    return {"steps": steps, "batch_size": reference_model.BATCH, "tp": world}
 
 
 def _reference_stage():
@@ -250,17 +250,21 @@ def _reference_stage():
     return shard.cut_stage(model, model_file, reference_model.BATCH, (0, len(names) - 1), names), model_file
 
 
-def _timed_reference_steps(stage, model_file, sync, *, repeats: int) -> list[list[float]]:
-    """[micro-batches, forwards and backwards, (with ``sync``) the wait for its
-    all-reduce, optimizer step] medians of the stage's training step, at each of
-    ``REFERENCE_MICROBATCHES``: the 1F1B schedule of one stage through hetpar's
-    executor, AdamW, the reported loss's all-reduce."""
+def _timed_reference_steps(stage, model_file, sync, *, repeats: int) -> tuple[list[list[float]], list[list[float]]]:
+    """The stage's training step at each of ``REFERENCE_MICROBATCHES``: the 1F1B schedule
+    of one stage through hetpar's executor, AdamW, the reported loss's all-reduce.
+
+    Returns:
+        (steps, passes): medians of [micro-batches, forwards and backwards, (with
+        ``sync``) the wait for its all-reduce, optimizer step], and of [micro-batches,
+        the forwards, the backwards] as the executor times them apart inside the step.
+    """
     from runtime import executor, reference_model, schedule
     from runtime.distributed import Peers
 
     none = Peers(recv_activations_from=None, send_activations_to=(), recv_grads_from=None, send_grads_to=())
     optimizer = torch.optim.AdamW(stage.module.parameters(), lr=1e-6)
-    steps = []
+    steps, passes = [], []
     for m in REFERENCE_MICROBATCHES:
         pipeline = {0: executor.StageExecutor(stage=stage, peers=none, loss_fn=lambda out, _: out.square().mean(),
                                               num_microbatches=m, device=torch.device("cpu"),
@@ -270,8 +274,8 @@ def _timed_reference_steps(stage, model_file, sync, *, repeats: int) -> list[lis
 
         def train_step() -> list[float]:
             optimizer.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            loss = executor.run_actions(pipeline, actions, data, torch.device("cpu"))
+            start, split = time.perf_counter(), []
+            loss = executor.run_actions(pipeline, actions, data, torch.device("cpu"), times=split)
             computed = time.perf_counter()
             if sync:
                 sync.reduce()
@@ -281,11 +285,13 @@ def _timed_reference_steps(stage, model_file, sync, *, repeats: int) -> list[lis
             reported = loss.reshape(1).clone()
             dist.all_reduce(reported)
             float(reported)
-            return [computed - start, *([synced - computed] if sync else []), stepped - synced]
+            return [computed - start, *([synced - computed] if sync else []), stepped - synced, *split[0]]
 
         dist.barrier()
-        steps.append([m, *median_sections_s(train_step, repeats=repeats)])
-    return steps
+        *sections, fwd, bwd = median_sections_s(train_step, repeats=repeats)
+        steps.append([m, *sections])
+        passes.append([m, fwd, bwd])
+    return steps, passes
 
 
 # --- The layers of a user's model ------------------------------------------------------

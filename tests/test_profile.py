@@ -345,6 +345,37 @@ def test_the_reference_step_through_the_runtime_scales_both_efficiencies():
     assert on(p) == pytest.approx(sync_scale * on(replace(p, grad_sync_scale=None)))
 
 
+def test_the_reference_step_timed_pass_by_pass_sets_each_efficiency_apart():
+    # The loop's split of forward and backward (data["reference"]) is not the program's:
+    # inside the step the forwards may fall further short than the backwards. With the
+    # passes timed apart, each efficiency follows its own pass.
+    from cost_models.compute import layer_timing
+    layers = [LayerProfile(name=f"l{i}", fwd_flops=4e6 * (i + 1), bwd_flops=8e6 * (i + 1), params=1000,
+                           saved_activation_bytes=2e4, boundary_bytes=1e3, num_ops=12, param_tensors=2) for i in range(3)]
+    data = record()
+    plain = fit_profile(data, get_device("cpu"))
+    batch, fwd_eff, bwd_eff = 4, 0.6, 0.35
+    at = lambda eff: [layer_timing(l, plain, tp=1, micro_batch_size=batch, dtype="fp32", kernel_efficiency=eff) for l in layers]
+    data["reference"] = {"batch_size": batch, "fwd_s": sum(t.fwd_s for t in at(fwd_eff)),
+                         "fwd_bwd_s": sum(t.fwd_s for t in at(fwd_eff)) + sum(t.bwd_s for t in at(bwd_eff))}
+    in_step_fwd, in_step_bwd = 0.4, 0.5  # the forward slower, the backward faster than in the loop
+    fwd_s, bwd_s = sum(t.fwd_s for t in at(in_step_fwd)), sum(t.bwd_s for t in at(in_step_bwd))
+    data["reference_step"] = {"steps": [[m, m * (fwd_s + bwd_s) + 1e-3, 1e-3, 5e-3] for m in (1, 2, 4)],
+                              "passes": [[m, m * fwd_s, m * bwd_s + 1e-3] for m in (1, 2, 4)],
+                              "batch_size": batch, "workers": 2}
+    p = fit_profile(data, get_device("cpu"), layers)
+    assert p.kernel_efficiency == pytest.approx(in_step_fwd)
+    assert p.backward_kernel_efficiency == pytest.approx(in_step_bwd)
+    assert "each pass timed apart" in p.sources["kernel_efficiency"]
+    timed = [layer_timing(l, p, tp=1, micro_batch_size=batch, dtype="fp32") for l in layers]
+    assert sum(t.fwd_s for t in timed) == pytest.approx(fwd_s)
+    assert sum(t.bwd_s for t in timed) == pytest.approx(bwd_s)
+    # Without the passes, one factor on both keeps the loop's split.
+    del data["reference_step"]["passes"]
+    one = fit_profile(data, get_device("cpu"), layers)
+    assert one.kernel_efficiency / one.backward_kernel_efficiency == pytest.approx(fwd_eff / bwd_eff)
+
+
 def test_passes_keep_the_median_of_every_number_and_the_sizes_as_they_are():
     from runtime.profiler import median_record
     a = {"copy": [2e9, 0.25], "matmul": {"fp32": [[1e6, 1.0], [1e7, 5.0]]}, "workers": 2, "model": "m.py"}
