@@ -14,8 +14,9 @@ runtime/profiler.py's benchmarks produce (docs/profiling.md lists its keys):
      "step_overhead_s": s,
      "reference": {"batch_size": n, "fwd_s": s, "fwd_bwd_s": s},              (optional)
      "reference_step": {"steps": [[microbatches, compute_s, sync_wait_s,
-                                   optimizer_s], ...], "batch_size": n,
-                        "workers": w},                                         (optional)
+                                   optimizer_s], ...],
+                        "passes": [[microbatches, fwd_s, bwd_s], ...],         (optional)
+                        "batch_size": n, "workers": w},                        (optional)
      "tp_op_overhead": {"fwd_bwd_s_per_op": s, "ops_per_block": n,
                         "all_reduces_per_block": n},                          (optional)
      "reference_tp_step": {"steps": [[microbatches, compute_s, optimizer_s], ...],
@@ -52,14 +53,20 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   workload is runtime/reference_model.py, a fixed model unlike any example, timed in
   every worker at once; the efficiency is the layer cost model's FLOP and byte seconds
   at efficiency 1 (the row curve applied) over the measured seconds less the per-op
-  overheads it charges. Both are then scaled by one factor from the same model's
-  whole training step as the generated program runs it (runtime/profiler.py
+  overheads it charges. Each is then scaled by a factor from the same model's whole
+  training step as the generated program runs it (runtime/profiler.py
   ``reference_step_time``: hetpar's executor, the gradient all-reduce, AdamW, the
   loss report, in every worker at once) at several micro-batch counts, its sections
-  timed apart: a line through (micro-batches, seconds of the forwards and backwards)
-  gives what each micro-batch costs, and the factor makes the estimator's charge for
-  it (the layers) equal, so the efficiencies carry what the program adds around the
-  kernels;
+  timed apart and the executor's forwards and backwards apart ("passes"): a line
+  through (micro-batches, seconds of the forwards) gives what each micro-batch's
+  forward costs, and the forward's factor makes the estimator's forward charge for it
+  equal; the same for the backward. So the efficiencies carry what the program adds
+  around the kernels, pass by pass: on this host the step's forwards fell further
+  short of the loop's than its backwards (a forward in a loop of forwards finds the
+  weights in the cache; the step's first follows the optimizer's writes), and one
+  factor on both put a small GPT's stage forward 25-45% short in
+  ``hetpar validate`` (docs/BENCHMARKS.md). A record without the passes gets one
+  factor on both, from the forwards and backwards together;
 - ``grad_sync_scale``: the intercept of the line through (micro-batches, seconds of
   the forwards and backwards plus the wait for the gradient all-reduce), i.e. what the
   all-reduce adds to the step, over its charge at the fitted alpha and beta: on a CPU
