@@ -9,7 +9,8 @@ rows at a time (the rows that share a profile: same worker count, and with
 group's plans with the fresh profile, so that each plan runs minutes, not a whole
 round, after the profile that predicts it (one or two with ``--model-layers``, up to
 four for the last 2-worker row without), and a busy minute of the shared machine does
-not hit one plan only. A plan's predicted step time is the median of its rounds' predictions,
+not hit one plan only; with ``--profile-each`` it profiles right before every plan (a
+plan then runs seconds after its profile). A plan's predicted step time is the median of its rounds' predictions,
 its measured one the median over all measured steps of all rounds. Prints a Markdown
 table and the summary (median and worst |error|, Spearman).
 """
@@ -79,32 +80,29 @@ def _reference_layers():
     return reference_graph().layers
 
 
-def _layer_model_prediction(plan_path: Path) -> float:
-    """The plan's step time estimated again with its round's profile refitted from the same
-    measurements less the timed layers: what the layer model alone predicts."""
+def _layer_model_prediction(plan_path: Path, profile_path: Path) -> float:
+    """The plan's step time estimated again with the profile it was planned with, refitted
+    from the same measurements less the timed layers: what the layer model alone predicts."""
     from cost_models.calibrate import fit_profile
     from cost_models.devices import get_device
     from planner.explain import explain_plan
     from planner.plan import ParallelPlan
 
     plan = ParallelPlan.load(plan_path)
-    world, model = plan.cluster.world_size, Path(plan.model.file).name
-    for sidecar in sorted(plan_path.parent.glob(f"profile-{world}-*.measurements.json")):
-        record = json.loads(sidecar.read_text())
-        timed = record.pop("model_layers", None)
-        if timed and timed["model"] == model and timed["model_args"] == plan.model.args:
-            profile = fit_profile(record, get_device("cpu"), _reference_layers())
-            return explain_plan(plan, profiles={profile.name: profile}).estimate.time.step_s
-    raise RuntimeError(f"no profile of {model} with {world} workers next to {plan_path}")
+    record = json.loads(profile_path.with_suffix(".measurements.json").read_text())
+    record.pop("model_layers", None)
+    profile = fit_profile(record, get_device("cpu"), _reference_layers())
+    return explain_plan(plan, profiles={profile.name: profile}).estimate.time.step_s
 
 
-def _profile_key(ns, model: str, args: list[str], cluster: str) -> tuple:
+def _profile_key(ns, model: str, args: list[str], cluster: str, row: int) -> tuple:
     """Which profile a row is predicted with: one per worker count (a plan for 4 ranks runs
     4 workers at once on this host, and the profile measures what each rank gets when that
     many compute together), and with --model-layers one per worker count and model, which
-    also times that model's layers ([Note: measured layers])."""
+    also times that model's layers ([Note: measured layers]); with --profile-each, one per row."""
     world = int(cluster.split("x")[1])
-    return (world, model, tuple(args)) if ns.model_layers else (world,)
+    key = (world, model, tuple(args)) if ns.model_layers else (world,)
+    return (*key, row) if ns.profile_each else key
 
 
 def _profile(ns, key: tuple, path: Path) -> None:
@@ -114,7 +112,8 @@ def _profile(ns, key: tuple, path: Path) -> None:
     world = key[0]
     measured = ["--model", key[1], *key[2]] if ns.model_layers else []
     print(f"profiling this machine with {world} workers {' '.join(measured)} -> {path}", file=sys.stderr)
-    _hetpar("profile", "-o", str(path), "--nproc", str(world), *measured, *(["--quick"] if ns.quick_profile else []))
+    _hetpar("profile", "-o", str(path), "--nproc", str(world), *measured, *(["--quick"] if ns.quick_profile else []),
+            *(["--passes", str(ns.profile_passes)] if ns.profile_passes else []))
 
 
 def main() -> None:
@@ -126,6 +125,9 @@ def main() -> None:
     parser.add_argument("--reuse-profiles", action="store_true", help="use the profiles an earlier run left in --out")
     parser.add_argument("--model-layers", action="store_true", help="profile each model with --model (measured layers)")
     parser.add_argument("--rows", help="comma-separated row indices to run (default: all)")
+    parser.add_argument("--profile-each", action="store_true",
+                        help="profile the machine right before every plan (one profile per row and round)")
+    parser.add_argument("--profile-passes", type=int, help="hetpar profile --passes (default: its own)")
     ns = parser.parse_args()
     chosen = [int(i) for i in ns.rows.split(",")] if ns.rows else list(range(len(MATRIX)))
     rows = [{"name": MATRIX[i][0], "cluster": MATRIX[i][3], "predictions": [], "steps": [], "plans": []} for i in chosen]
@@ -134,7 +136,7 @@ def main() -> None:
     groups: dict[tuple, list[int]] = {}
     for i in chosen:
         _, model, args, cluster, _, _ = MATRIX[i]
-        groups.setdefault(_profile_key(ns, model, args, cluster), []).append(i)
+        groups.setdefault(_profile_key(ns, model, args, cluster, i), []).append(i)
     by_index = dict(zip(chosen, rows))
     for r in range(ns.rounds):
         round_dir = ns.out / f"round{r + 1}"
@@ -152,9 +154,12 @@ def main() -> None:
                 row["predictions"].append(result["predicted_step_time_s"])
                 row["steps"] += result["step_times_s"][2:]
                 row["plans"].append(str(plan))
+                row.setdefault("profiles", []).append(str(profile))
+                row.setdefault("stages", []).append(result.get("stages", []))
     if ns.model_layers:
         for row in rows:  # the same plans and profiles, the profiles refitted without the timed layers
-            row["layer_model"] = statistics.median(_layer_model_prediction(Path(plan)) for plan in row["plans"])
+            row["layer_model"] = statistics.median(_layer_model_prediction(Path(plan), Path(profile))
+                                                   for plan, profile in zip(row["plans"], row["profiles"], strict=True))
     for row in rows:
         row["predicted"] = statistics.median(row["predictions"])
         row["measured"] = statistics.median(row["steps"])
@@ -177,6 +182,12 @@ def main() -> None:
         print(f"| {r['name']} ({detail}) | {r['cluster']} | {r['predicted'] * 1e3:.1f} ms | {r['measured'] * 1e3:.1f} ms | "
               f"{r['error']:+.1%} |{alone}")
     print(f"\n{len(rows)} plans: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}, Spearman {rho:.3f}")
+    stage_errors = {pass_: [st[f"predicted_{pass_}_s"] / st[f"measured_{pass_}_s"] - 1 for r in rows
+                            for stages in r.get("stages", []) for st in stages if st[f"measured_{pass_}_s"] > 0]
+                    for pass_ in ("fwd", "bwd")}
+    if stage_errors["fwd"]:
+        print("per stage and micro-batch (every round): median error forward "
+              f"{statistics.median(stage_errors['fwd']):+.1%}, backward {statistics.median(stage_errors['bwd']):+.1%}")
     if ns.model_layers:
         alone = [abs(r["layer_model"] - r["measured"]) / r["measured"] for r in rows]
         rho = spearman([r["layer_model"] for r in rows], [r["measured"] for r in rows])

@@ -79,18 +79,21 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   parameter) per second, from two steps (runtime/profiler.py ``optimizer_times``);
 - ``tp_module_overhead_s`` ([Note: tensor-parallel dispatch] in cost_models/compute.py):
   a tiny colwise/rowwise block's forward plus backward, less what the estimator
-  already charges for it (its ops' overhead and its all-reduces at the fitted alpha),
-  per sharded module: DTensor's own work, with no kernels around it;
+  already charges for it (its ops' overhead and its all-reduces at the fitted alpha,
+  scaled to the group), per sharded module: DTensor's own work, with no kernels around
+  it. Timed in groups of 2 workers, all groups at once (runtime/profiler.py
+  ``tp_probe_degree``), as are the tensor-parallel steps below;
 - ``tp_collective_overhead_s`` and ``tp_optimizer_tensor_overhead_s``: the reference
-  model's whole training step with tensor parallelism over every worker, as the
+  model's whole training step with tensor parallelism in those groups, as the
   generated program runs it (the planner's own sharding of it, hetpar's executor,
   DTensor, AdamW), at several micro-batch counts (runtime/profiler.py
   ``reference_tp_step_time``), its sections timed apart. The slope of the line
   through (micro-batches, seconds of the forwards and backwards) less the estimator's
   charge for one micro-batch (the layers at that degree with the efficiencies above
   and ``tp_module_overhead_s``, each collective of ``LayerProfile.tp_collectives`` at
-  the fitted alpha and beta) is charged per collective: what a collective costs
-  between kernels, where the ranks arrive apart, beyond what it costs in a tight loop.
+  the fitted alpha and beta scaled to the group) is charged per collective: what a
+  collective costs between kernels, where the ranks arrive apart, beyond what it costs
+  in a tight loop.
   The optimizer step's median seconds less its charge for plain tensors is what
   DTensor parameters add to it, per sharded parameter tensor.
 - ``layer_corrections`` (``hetpar profile --model``): not a fit but the ratio of each
@@ -107,6 +110,7 @@ import statistics
 from dataclasses import replace
 from typing import Any, Sequence
 
+from cost_models.collectives import measured_collective_s
 from cost_models.compute import layer_timing, optimizer_rates
 from cost_models.devices import DeviceProfile, MeasuredCollective, ProfileError
 from cost_models.layers import LayerProfile
@@ -217,7 +221,10 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
     tp = measurements.get("tp_op_overhead")
     if tp and "all_reduce" in measured:
         block = tp["fwd_bwd_s_per_op"] * tp["ops_per_block"]
-        charged = tp["ops_per_block"] * per_op + tp["all_reduces_per_block"] * measured["all_reduce"].latency_s
+        # An old record probed over all workers and does not say its degree.
+        group = int(tp.get("tp", measurements["workers"]))
+        latency_s = measured_collective_s("all_reduce", measured["all_reduce"], 0.0, group)
+        charged = tp["ops_per_block"] * per_op + tp["all_reduces_per_block"] * latency_s
         fields["tp_module_overhead_s"] = max(0.0, block - charged) / _TP_PROBE_SHARDED_MODULES
     notes = {
         "matmul_efficiency": "1.0: the fitted peak is the rate matmuls reach here",
@@ -406,8 +413,8 @@ def _tensor_parallel_costs(profile: DeviceProfile, step: dict[str, Any], layers:
     collective_s, collectives = 0.0, 0
     for layer in layers:
         for _, kind, nbytes in layer.tp_collectives:
-            fit = profile.collectives.get(kind) or profile.collectives["all_reduce"]
-            collective_s += fit.latency_s + nbytes * batch / fit.bw_bytes_per_s
+            name = kind if kind in profile.collectives else "all_reduce"
+            collective_s += measured_collective_s(name, profile.collectives[name], nbytes * batch, tp)
             collectives += 1
     per_collective = max(0.0, 1.0 / microbatches_per_s - layer_s - collective_s) / collectives
     plain_s = optimizer_rates(profile).seconds(sum(l.params_at(tp) for l in layers) * OPTIMIZER_BYTES_PER_PARAM["adamw"],

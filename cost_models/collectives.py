@@ -163,8 +163,20 @@ def _check_nbytes(nbytes: float) -> None:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
 
 
-def _scaled_fit(fit: MeasuredCollective, nbytes: float, steps, volume, n: int) -> float:
-    """A measured fit at fit.ranks scaled to n ranks by step and volume factors."""
+# Steps and volume of each collective by ranks n, which scale a measured fit ([Note: collective model]).
+_RING_FACTORS = {
+    "all_reduce": (lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
+    "all_gather": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "reduce_scatter": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "broadcast": (lambda n: n - 1, lambda n: 1),
+    "p2p": (lambda n: 1, lambda n: 1),
+}
+
+
+def measured_collective_s(name: str, fit: MeasuredCollective, nbytes: float, n: int) -> float:
+    """Seconds of collective ``name`` of ``nbytes`` over ``n`` ranks of one node from its
+    measured fit at ``fit.ranks``, scaled by the step and volume factors."""
+    steps, volume = _RING_FACTORS[name]
     n0 = fit.ranks
     return fit.latency_s * steps(n) / steps(n0) + nbytes / fit.bw_bytes_per_s * volume(n) / volume(n0)
 
@@ -224,7 +236,7 @@ def best_all_reduce(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, co
         return CollectiveCost(algorithm="none", time_s=0.0, candidates_s={"none": 0.0})
     fit = links.measured.get("all_reduce")
     if fit is not None:
-        time_s = _scaled_fit(fit, nbytes, lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n, links.n)
+        time_s = measured_collective_s("all_reduce", fit, nbytes, links.n)
         return CollectiveCost(algorithm="measured", time_s=time_s, candidates_s={"measured": time_s})
     candidates = {
         "ring": _ring_all_reduce_s(nbytes, links.n, links.ring_latency_s, links.ring_bw_bytes_per_s),
@@ -269,7 +281,7 @@ def _ring_collective_s(name: str, nbytes: float, ranks: Sequence[int], cluster: 
         return 0.0
     fit = links.measured.get(name)
     if fit is not None:
-        return _scaled_fit(fit, nbytes, lambda m: m - 1, lambda m: (m - 1) / m, n)
+        return measured_collective_s(name, fit, nbytes, n)
     return (n - 1) * links.ring_latency_s + (n - 1) / n * nbytes / links.ring_bw_bytes_per_s
 
 
@@ -334,7 +346,7 @@ def broadcast_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, c
         return 0.0
     fit = links.measured.get("broadcast")
     if fit is not None:
-        return _scaled_fit(fit, nbytes, lambda m: m - 1, lambda m: 1, n)
+        return measured_collective_s("broadcast", fit, nbytes, n)
     latency, bw = links.ring_latency_s, links.ring_bw_bytes_per_s
     chain = (n - 1) * latency + nbytes / bw
     binomial = _log2_ceil(n) * (latency + nbytes / bw)

@@ -219,22 +219,39 @@ def reference_step_time(world: int, *, repeats: int) -> dict:
     return {"steps": steps, "passes": passes, "batch_size": reference_model.BATCH, "workers": world}
 
 
+def tp_probe_degree(world: int) -> int:
+    """The tensor-parallel degree at which ``world`` workers time DTensor: groups of 2,
+    all at once, as a data-parallel x tensor-parallel-2 program runs them (all workers
+    in one group when ``world`` is odd). Over 4 workers on 2 cores, one 4-rank group
+    times the host's scheduling more than DTensor: each collective waits until all four
+    ranks have run, two at a time."""
+    return 2 if world % 2 == 0 else world
+
+
+def _tp_mesh(world: int):
+    """This worker's group of ``tp_probe_degree(world)`` ranks (consecutive ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = tp_probe_degree(world)
+    if tp == world:
+        return init_device_mesh("cpu", (world,))
+    return init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
+
+
 def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: int) -> dict:
     """Seconds of a whole training step of runtime/reference_model.py with tensor
-    parallelism over all ``world`` workers, as the generated program runs one (the
+    parallelism over groups of ``tp_probe_degree(world)`` workers, all at once, as the generated program runs one (the
     sharding the planner chose for it, DTensor through runtime.shard, hetpar's executor,
     AdamW over the sharded parameters, the reported loss's all-reduce), at each of
     ``REFERENCE_MICROBATCHES`` micro-batches of ``BATCH`` samples, timed in sections:
     [micro-batches, the schedule's forwards and backwards, the optimizer step]
     (medians; cost_models/calibrate.py, [Note: calibrated fits])."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from runtime import reference_model, shard
 
     stage, model_file = _reference_stage()
-    shard.apply_tensor_parallel(stage.module, init_device_mesh("cpu", (world,)), tp_sharding)
+    shard.apply_tensor_parallel(stage.module, _tp_mesh(world), tp_sharding)
     steps, _ = _timed_reference_steps(stage, model_file, None, repeats=repeats)
-    return {"steps": steps, "batch_size": reference_model.BATCH, "tp": world}
+    return {"steps": steps, "batch_size": reference_model.BATCH, "tp": tp_probe_degree(world)}
 
 
 def _reference_stage():
@@ -503,16 +520,17 @@ class _TinyTPBlock(nn.Module):
 
 
 def _tp_op_overhead(world: int, *, blocks: int, repeats: int) -> dict[str, float]:
-    """Seconds per op, forward plus backward, of tiny blocks sharded with DTensor over all workers.
+    """Seconds per op, forward plus backward, of tiny blocks sharded with DTensor over
+    groups of ``tp_probe_degree(world)`` workers, all at once.
 
     cost_models/calibrate.py fits ``tp_module_overhead_s`` from it: DTensor's cost per
     sharded module (redistribution, dispatch), beyond the ops and all-reduces.
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = nn.Sequential(*[_TinyTPBlock(8, world) for _ in range(blocks)])
+    tp = tp_probe_degree(world)
+    mesh = _tp_mesh(world)
+    model = nn.Sequential(*[_TinyTPBlock(8, tp) for _ in range(blocks)])
     styles = {f"{i}.up": ColwiseParallel() for i in range(blocks)} | {f"{i}.down": RowwiseParallel() for i in range(blocks)}
     parallelize_module(model, mesh, styles)
     x = torch.randn(2, 8, requires_grad=True)
@@ -523,7 +541,7 @@ def _tp_op_overhead(world: int, *, blocks: int, repeats: int) -> dict[str, float
     dist.barrier()
     both = median_time_s(train_step, repeats=repeats)
     return {"fwd_bwd_s_per_op": both / (blocks * _TinyTPBlock.OPS), "ops_per_block": _TinyTPBlock.OPS,
-            "all_reduces_per_block": _TinyTPBlock.ALL_REDUCES}
+            "all_reduces_per_block": _TinyTPBlock.ALL_REDUCES, "tp": tp}
 
 
 def _worker(rank: int, world: int, port: int, plan: dict, out_dir: str) -> None:
@@ -592,7 +610,7 @@ def host_measurements(world: int, *, matmul_sizes: list[int], sizes_bytes: list[
         repeats: timed repeats of each measurement; the median is kept.
         tp_sharding: the planner's tensor-parallel sharding of runtime/reference_model.py
             (module path -> style); with it the reference step is timed again with
-            tensor parallelism over all workers (``reference_tp_step_time``).
+            tensor parallelism (``reference_tp_step_time``).
         model: ``{"path", "args", "batch_sizes"}`` of a model file whose layers every
             worker times at once (``layer_times``), or None.
         progress: called with a description as each benchmark starts.

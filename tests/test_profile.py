@@ -97,6 +97,20 @@ def test_fit_profile_recovers_the_optimizer_and_tensor_parallel_costs():
         assert p.sources[key].startswith("fitted from hetpar profile")
 
 
+def test_a_dispatch_probe_in_groups_of_two_is_charged_the_all_reduce_of_two_ranks():
+    # Four workers probe DTensor in two groups of two: the block's all-reduces are
+    # 2-rank all-reduces, charged from the 4-rank fit scaled down (a third of its alpha).
+    module_s = 2e-3
+    data = {**record(), "workers": 4}
+    per_op, alpha4 = data["op_overhead"]["fwd_bwd_s_per_op"], 200e-6
+    block_s = 3 * per_op + 2 * (alpha4 * 2 / 6) + 2 * module_s
+    data["tp_op_overhead"] = {"fwd_bwd_s_per_op": block_s / 3, "ops_per_block": 3, "all_reduces_per_block": 2, "tp": 2}
+    assert fit_profile(data, get_device("cpu")).tp_module_overhead_s == pytest.approx(module_s)
+    # A record from before the groups probed over all workers: the 4-rank alpha.
+    del data["tp_op_overhead"]["tp"]
+    assert fit_profile(data, get_device("cpu")).tp_module_overhead_s == pytest.approx(module_s - 2 * alpha4 * 2 / 3 / 2)
+
+
 def test_the_reference_workload_sets_forward_and_backward_efficiencies():
     from cost_models.compute import layer_timing
     layers = [LayerProfile(name=f"l{i}", fwd_flops=4e6 * (i + 1), bwd_flops=8e6 * (i + 1), params=1000,
@@ -280,6 +294,21 @@ def test_quick_profile_writes_a_loadable_profile(tmp_path):
     p = load_profile(out)
     assert p.fingerprint and p.op_overhead_s > 0 and "all_reduce" in p.collectives
     assert (tmp_path / "host.measurements.json").is_file()
+
+
+@pytest.mark.slow
+def test_four_workers_probe_tensor_parallelism_in_groups_of_two_and_time_each_pass(tmp_path):
+    out = tmp_path / "four.json"
+    result = hetpar("profile", "-o", str(out), "--quick", "--nproc", "4", "--passes", "1")
+    assert result.returncode == 0, result.stderr
+    measured = json.loads((tmp_path / "four.measurements.json").read_text())
+    assert measured["workers"] == 4
+    assert measured["tp_op_overhead"]["tp"] == 2 and measured["reference_tp_step"]["tp"] == 2
+    passes = measured["reference_step"]["passes"]
+    assert [row[0] for row in passes] == [row[0] for row in measured["reference_step"]["steps"]]
+    for (m, fwd_s, bwd_s), (_, compute_s, *_) in zip(passes, measured["reference_step"]["steps"]):
+        assert 0 < fwd_s < compute_s and 0 < bwd_s < compute_s  # the passes inside the step's compute
+    assert load_profile(out).tp_module_overhead_s is not None
 
 
 def test_matmul_rows_are_measured_rates_over_the_fitted_peak(tmp_path):
