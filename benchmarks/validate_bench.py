@@ -10,9 +10,10 @@ group's plans with the fresh profile, so that each plan runs minutes, not a whol
 round, after the profile that predicts it (one or two with ``--model-layers``, up to
 four for the last 2-worker row without), and a busy minute of the shared machine does
 not hit one plan only; with ``--profile-each`` it profiles right before every plan (a
-plan then runs seconds after its profile). A plan's predicted step time is the median of its rounds' predictions,
-its measured one the median over all measured steps of all rounds. Prints a Markdown
-table and the summary (median and worst |error|, Spearman).
+plan then runs seconds after its profile). A plan's predicted step time is the median
+of its rounds' predictions, its measured one the median over all measured steps of all
+rounds. Prints a Markdown table, the summary (median and worst |error|, Spearman) and
+the median error of the stages' forwards and backwards.
 """
 
 from __future__ import annotations

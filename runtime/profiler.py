@@ -240,8 +240,9 @@ def _tp_mesh(world: int):
 
 def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: int) -> dict:
     """Seconds of a whole training step of runtime/reference_model.py with tensor
-    parallelism over groups of ``tp_probe_degree(world)`` workers, all at once, as the generated program runs one (the
-    sharding the planner chose for it, DTensor through runtime.shard, hetpar's executor,
+    parallelism over groups of ``tp_probe_degree(world)`` workers, all at once, as the
+    generated program runs one (the sharding the planner chose for it, DTensor through
+    runtime.shard, hetpar's executor,
     AdamW over the sharded parameters, the reported loss's all-reduce), at each of
     ``REFERENCE_MICROBATCHES`` micro-batches of ``BATCH`` samples, timed in sections:
     [micro-batches, the schedule's forwards and backwards, the optimizer step]
