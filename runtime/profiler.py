@@ -242,8 +242,8 @@ def reference_tp_step_time(world: int, tp_sharding: dict[str, str], *, repeats: 
     """Seconds of a whole training step of runtime/reference_model.py with tensor
     parallelism over groups of ``tp_probe_degree(world)`` workers, all at once, as the
     generated program runs one (the sharding the planner chose for it, DTensor through
-    runtime.shard, hetpar's executor,
-    AdamW over the sharded parameters, the reported loss's all-reduce), at each of
+    runtime.shard, hetpar's executor, AdamW over the sharded parameters, the reported
+    loss's all-reduce), at each of
     ``REFERENCE_MICROBATCHES`` micro-batches of ``BATCH`` samples, timed in sections:
     [micro-batches, the schedule's forwards and backwards, the optimizer step]
     (medians; cost_models/calibrate.py, [Note: calibrated fits])."""
