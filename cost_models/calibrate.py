@@ -18,7 +18,8 @@ runtime/profiler.py's benchmarks produce (docs/profiling.md lists its keys):
                         "passes": [[microbatches, fwd_s, bwd_s], ...],         (optional)
                         "batch_size": n, "workers": w},                        (optional)
      "tp_op_overhead": {"fwd_bwd_s_per_op": s, "ops_per_block": n,
-                        "all_reduces_per_block": n},                          (optional)
+                        "all_reduces_per_block": n, "tp": n},                 (optional;
+                        "tp", the probe's group size, since 2026-12-03: before, all workers)
      "reference_tp_step": {"steps": [[microbatches, compute_s, optimizer_s], ...],
                            "batch_size": n,
                            "tp": w},                                           (optional)
@@ -62,8 +63,9 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   forward costs, and the forward's factor makes the estimator's forward charge for it
   equal; the same for the backward. So the efficiencies carry what the program adds
   around the kernels, pass by pass: on this host the step's forwards fell further
-  short of the loop's than its backwards (a forward in a loop of forwards finds the
-  weights in the cache; the step's first follows the optimizer's writes), and one
+  short of the loop's than its backwards (likely because a forward in a loop of
+  forwards finds the weights in the cache, and the step's first follows the
+  optimizer's writes; not measured apart), and one
   factor on both put a small GPT's stage forward 25-45% short in
   ``hetpar validate`` (docs/BENCHMARKS.md). A record without the passes gets one
   factor on both, from the forwards and backwards together;
@@ -322,7 +324,7 @@ def _with_kernel_efficiencies(fitted: DeviceProfile, measurements: dict[str, Any
         (fwd_scale, bwd_scale), sync_scale = _runtime_fit(
             replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, sources=sources), step, reference_layers)
         fwd_eff, bwd_eff = _clamp(fwd_eff * fwd_scale), _clamp(bwd_eff * bwd_scale)
-        apart = ", each pass timed apart" if fwd_scale != bwd_scale else ""
+        apart = ", each pass timed apart" if "passes" in step else ""
         for key, scale in (("kernel_efficiency", fwd_scale), ("backward_kernel_efficiency", bwd_scale)):
             sources[key] += f", times {scale:.3f}: each micro-batch of its training step through the program's runtime{apart}"
         sources["grad_sync_scale"] = (f"{stamp}: runtime/reference_model.py's data-parallel training step, what its "
