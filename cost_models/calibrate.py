@@ -7,6 +7,7 @@ runtime/profiler.py's benchmarks produce (docs/profiling.md lists its keys):
     {"fingerprint": str, "date": "YYYY-MM-DD", "workers": int,
      "matmul": {"fp32": [[flops, seconds], ...], "bf16": [...]},
      "matmul_rows": {"forward": [[rows, flops, seconds], ...], "backward": [...]},  (optional)
+     "matmul_rows_narrow": {"width": k, "forward": [...], "backward": [...]},     (optional)
      "copy": [bytes_moved, seconds],
      "op_overhead": {"fwd_s_per_op": s, "fwd_bwd_s_per_op": s},
      "optimizer": {"optimizer": "adamw", "tensor_s": s, "param_s": s},        (optional)
@@ -48,6 +49,9 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   counts 1 to 512, forward and backward apart, each rate over the fitted fp32 peak:
   the curve by which a layer's small matmuls fall short ([Note: matmul rows] in
   planner.measure). Not a fit: the measured points, interpolated in log rows;
+- ``matmul_narrow_efficiency``: the same at K = N = ``matmul_narrow_width`` (128), as
+  nn.Linear lays the matmuls out (a transposed weight, a bias) at both widths: a
+  matmul between the widths interpolates in log width;
 - ``kernel_efficiency`` and ``backward_kernel_efficiency``: what the kernels of a
   small training workload reach of the fitted rates, forward and backward apart (on a
   CPU the backward's autograd and elementwise kernels fall further short). The
@@ -211,6 +215,13 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
     rows = measurements.get("matmul_rows")
     if rows and "fp32" in peaks:
         fields["matmul_rows_efficiency"] = rows_curves(rows, peaks["fp32"])
+        narrow = measurements.get("matmul_rows_narrow")
+        if narrow:
+            fields["matmul_narrow_efficiency"] = rows_curves(narrow, peaks["fp32"])
+            try:
+                fields["matmul_narrow_width"] = int(narrow["width"])
+            except (KeyError, TypeError, ValueError):
+                raise ProfileError("profile measurements: matmul_rows_narrow lacks its width") from None
     if "p2p" in fits:
         fields["intra_node_latency_s"], fields["intra_node_bw_bytes_per_s"] = fits["p2p"]
     fields["kernel_efficiency"] = 1.0
@@ -241,6 +252,8 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
         "optimizer_bytes_per_s": "AdamW step over large tensors, bytes moved per second",
         "tp_module_overhead_s": "DTensor colwise/rowwise block less its ops and all-reduces, per sharded module",
         "matmul_rows_efficiency": "fp32 matmuls of M x 512 by 512 x 512 (forward; backward: both gradients) over the fitted fp32 peak",
+        "matmul_narrow_efficiency": "the same at the narrow width, over the fitted fp32 peak",
+        "matmul_narrow_width": "K = N of the narrow matmuls timed",
     }
     for key, note in notes.items():
         if key in fields:

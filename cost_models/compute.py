@@ -44,6 +44,10 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Guide, "kernel launch overhead ... a few microseconds"); a calibrated profile replaces it.
 DEFAULT_OP_OVERHEAD_S = 5e-6
 
+# K = N of the matmuls of a profile's rows curve (``DeviceProfile.matmul_rows_efficiency``,
+# runtime/profiler.py ``matmul_row_times``); wider matmuls take that curve as it is.
+ROWS_CURVE_WIDTH = 512
+
 
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a training dtype name ("fp32", "bf16", "fp16").
@@ -175,17 +179,35 @@ def matmul_rows_slowdown(layer: LayerProfile, device, micro_batch_size: int, cur
     """How many times longer the layer's FLOPs take than at the device's large-matmul rate.
 
     Each forward matmul's share of the FLOPs runs at the device's efficiency for its
-    row count (``DeviceProfile.matmul_rows_efficiency[curve]``, interpolated in log
-    rows; [Note: matmul rows] in planner.measure); the backward's matmuls take the
-    shares of their forward ones. 1.0 when the device has no such curve.
+    row count and width (``matmul_efficiency``; [Note: matmul rows] in planner.measure);
+    the backward's matmuls take the shares of their forward ones. 1.0 when the device
+    has no such curve. The widths are the unsharded layer's: a tensor-parallel rank's
+    matmuls are narrower, which the tensor-parallel fits absorb ([Note: calibrated fits]).
     """
-    points = getattr(device, "matmul_rows_efficiency", {}).get(curve)
-    if not points or not layer.matmul_rows:
+    if not getattr(device, "matmul_rows_efficiency", {}).get(curve) or not layer.matmul_rows:
         return 1.0
-    covered = sum(share for _, _, share in layer.matmul_rows)
-    slowdown = sum(share / rows_efficiency(points, rows * micro_batch_size if grows else rows)
-                   for rows, grows, share in layer.matmul_rows)
+    covered = sum(entry[2] for entry in layer.matmul_rows)
+    slowdown = sum(entry[2] / matmul_efficiency(device, curve, entry[0] * micro_batch_size if entry[1] else entry[0],
+                                                entry[3] if len(entry) > 3 else None)
+                   for entry in layer.matmul_rows)
     return max(0.0, 1.0 - covered) + slowdown
+
+
+def matmul_efficiency(device, curve: str, rows: float, width: float | None) -> float:
+    """The fraction of the device's peak that a matmul of ``rows`` rows and ``width`` (sqrt(K N))
+    reaches: the rows curve (measured at width ``ROWS_CURVE_WIDTH``), and for a narrower
+    matmul on a device that measured a narrow curve too, linear in log width between the
+    two curves at those rows, flat below the narrow one ([Note: matmul rows] in planner.measure)."""
+    wide = rows_efficiency(device.matmul_rows_efficiency[curve], rows)
+    narrow_points = getattr(device, "matmul_narrow_efficiency", {}).get(curve)
+    narrow_width = getattr(device, "matmul_narrow_width", None)
+    if width is None or not narrow_points or not narrow_width or width >= ROWS_CURVE_WIDTH:
+        return wide
+    narrow = rows_efficiency(narrow_points, rows)
+    if width <= narrow_width:
+        return narrow
+    t = math.log(width / narrow_width) / math.log(ROWS_CURVE_WIDTH / narrow_width)
+    return narrow + t * (wide - narrow)
 
 
 def rows_efficiency(points: dict[int, float], rows: float) -> float:

@@ -50,11 +50,13 @@ _NUMERIC_FIELDS = (
 # Measured by ``hetpar profile`` (docs/profiling.md); absent from datasheet profiles.
 _CALIBRATED_FIELDS = ("op_overhead_s", "step_overhead_s", "kernel_efficiency", "backward_kernel_efficiency",
                       "tp_module_overhead_s", "tp_collective_overhead_s", "grad_sync_scale", "optimizer_bytes_per_s",
-                      "optimizer_tensor_overhead_s", "tp_optimizer_tensor_overhead_s", "weight_stream_bytes_per_s")
+                      "optimizer_tensor_overhead_s", "tp_optimizer_tensor_overhead_s", "weight_stream_bytes_per_s",
+                      "matmul_narrow_width")
 _OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",) + _CALIBRATED_FIELDS
 _STRING_FIELDS = ("name", "vendor", "intra_node_link")
 _OPTIONAL_STRING_FIELDS = ("fingerprint",)
-_TABLE_FIELDS = ("peak_flops_per_s", "collectives", "sources", "matmul_rows_efficiency", "layer_corrections")
+_TABLE_FIELDS = ("peak_flops_per_s", "collectives", "sources", "matmul_rows_efficiency", "matmul_narrow_efficiency",
+                 "layer_corrections")
 _ROWS_CURVES = ("forward", "backward")  # also the passes of a layer correction
 
 
@@ -141,6 +143,11 @@ class DeviceProfile:
     # efficiency}, "backward": {...}} ([Note: matmul rows] in planner.measure); measured
     # by `hetpar profile`, empty in datasheet profiles (every matmul at matmul_efficiency).
     matmul_rows_efficiency: dict[str, dict[int, float]] = field(default_factory=dict)
+    # The same curves for matmuls of K = N = matmul_narrow_width (a narrow Linear's);
+    # a matmul between the two widths interpolates (cost_models/compute.py
+    # ``matmul_efficiency``). Both measured by `hetpar profile` since 2026-12-03.
+    matmul_narrow_efficiency: dict[str, dict[int, float]] = field(default_factory=dict)
+    matmul_narrow_width: int | None = None
     # Layers of a model timed on the host (`hetpar profile --model`): LayerProfile.cost_key
     # -> {"layer": its name, "forward": {micro-batch: measured / modelled seconds},
     # "backward": {...}} ([Note: measured layers] in cost_models/compute.py); empty otherwise.
@@ -200,6 +207,7 @@ class DeviceProfile:
         keys += [f"peak_flops_per_s.{d}" for d in self.peak_flops_per_s]
         keys += [f"collectives.{c}" for c in self.collectives]
         keys += ["matmul_rows_efficiency"] if self.matmul_rows_efficiency else []
+        keys += ["matmul_narrow_efficiency"] if self.matmul_narrow_efficiency else []
         keys += ["layer_corrections"] if self.layer_corrections else []
         return keys
 
@@ -254,11 +262,16 @@ def _check_profile(p: DeviceProfile) -> None:
         value = getattr(p, key)
         if value is not None and not value > 0:
             raise ProfileError(f"{who}: {key} must be positive when given, got {value}")
-    for curve, points in p.matmul_rows_efficiency.items():
-        if curve not in _ROWS_CURVES:
-            raise ProfileError(f"{who}: unknown matmul_rows_efficiency curve '{curve}'; known: {', '.join(_ROWS_CURVES)}")
-        if not points or any(not (isinstance(r, int) and r >= 1 and 0 < e <= 1) for r, e in points.items()):
-            raise ProfileError(f"{who}: matmul_rows_efficiency.{curve} needs rows >= 1 mapped to efficiencies in (0, 1]")
+    for table in ("matmul_rows_efficiency", "matmul_narrow_efficiency"):
+        for curve, points in getattr(p, table).items():
+            if curve not in _ROWS_CURVES:
+                raise ProfileError(f"{who}: unknown {table} curve '{curve}'; known: {', '.join(_ROWS_CURVES)}")
+            if not points or any(not (isinstance(r, int) and r >= 1 and 0 < e <= 1) for r, e in points.items()):
+                raise ProfileError(f"{who}: {table}.{curve} needs rows >= 1 mapped to efficiencies in (0, 1]")
+    if bool(p.matmul_narrow_efficiency) != (p.matmul_narrow_width is not None) or (
+            p.matmul_narrow_efficiency and not p.matmul_rows_efficiency):
+        raise ProfileError(f"{who}: matmul_narrow_efficiency needs matmul_narrow_width and matmul_rows_efficiency, "
+                           "and matmul_narrow_width needs matmul_narrow_efficiency")
     for key, entry in p.layer_corrections.items():
         ratios = [r for curve in _ROWS_CURVES for r in entry.get(curve, {}).values()]
         if set(entry) - {"layer", *_ROWS_CURVES} or not all(entry.get(c) for c in _ROWS_CURVES) or not all(
@@ -336,6 +349,9 @@ def profile_from_dict(data: dict[str, Any]) -> DeviceProfile:
     kwargs["peak_flops_per_s"] = {k: float(v) for k, v in data["peak_flops_per_s"].items()}
     kwargs["collectives"] = {name: _measured_collective(name, fit) for name, fit in data.get("collectives", {}).items()}
     kwargs["matmul_rows_efficiency"] = _rows_curves(data.get("matmul_rows_efficiency", {}))
+    kwargs["matmul_narrow_efficiency"] = _rows_curves(data.get("matmul_narrow_efficiency", {}), "matmul_narrow_efficiency")
+    if "matmul_narrow_width" in kwargs:
+        kwargs["matmul_narrow_width"] = int(kwargs["matmul_narrow_width"])
     kwargs["layer_corrections"] = _layer_corrections(data.get("layer_corrections", {}))
     kwargs["sources"] = _flatten_sources(data["sources"])
     for key in ("mem_bw_bytes_per_s", "intra_node_bw_bytes_per_s", "default_nic_bw_bytes_per_s"):
@@ -352,14 +368,14 @@ def _measured_collective(name: str, fit: Any) -> MeasuredCollective:
     )
 
 
-def _rows_curves(table: Any) -> dict[str, dict[int, float]]:
+def _rows_curves(table: Any, name: str = "matmul_rows_efficiency") -> dict[str, dict[int, float]]:
     """``{"forward": {"4": 0.3, ...}}`` (TOML keys are strings) -> ``{"forward": {4: 0.3, ...}}``."""
     if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
-        raise ProfileError("[matmul_rows_efficiency] needs sub-tables forward and backward of rows = efficiency")
+        raise ProfileError(f"[{name}] needs sub-tables forward and backward of rows = efficiency")
     try:
         return {curve: {int(rows): float(e) for rows, e in points.items()} for curve, points in table.items()}
     except (TypeError, ValueError):
-        raise ProfileError("[matmul_rows_efficiency] keys must be row counts and values efficiencies") from None
+        raise ProfileError(f"[{name}] keys must be row counts and values efficiencies") from None
 
 
 def _layer_corrections(table: Any) -> dict[str, dict[str, Any]]:
@@ -400,9 +416,10 @@ def dump_profile(profile: DeviceProfile) -> str:
     lines = [f"{k} = {_toml_value(getattr(profile, k))}" for k in keys if getattr(profile, k) is not None]
     lines += ["", "[peak_flops_per_s]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in profile.peak_flops_per_s.items()]
-    for curve, points in profile.matmul_rows_efficiency.items():
-        lines += ["", f"[matmul_rows_efficiency.{curve}]"]
-        lines += [f'"{rows}" = {_toml_value(e)}' for rows, e in sorted(points.items())]
+    for table in ("matmul_rows_efficiency", "matmul_narrow_efficiency"):
+        for curve, points in getattr(profile, table).items():
+            lines += ["", f"[{table}.{curve}]"]
+            lines += [f'"{rows}" = {_toml_value(e)}' for rows, e in sorted(points.items())]
     for key, entry in profile.layer_corrections.items():
         if "layer" in entry:
             lines += ["", f"[layer_corrections.{key}]", f"layer = {_toml_value(entry['layer'])}"]

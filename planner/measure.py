@@ -22,6 +22,7 @@ runs under saved-tensor hooks that see every tensor autograd keeps.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,8 +77,8 @@ class NodeCounts:
     saved_bytes: float = 0.0
     output_bytes: float = 0.0
     param_bytes: float = 0.0
-    # Forward matmul FLOPs by (rows, rows grow with the batch); see [Note: matmul rows].
-    matmul_rows: dict[tuple[int, bool], float] = field(default_factory=dict)
+    # Forward matmul FLOPs by (rows, rows grow with the batch, width); see [Note: matmul rows].
+    matmul_rows: dict[tuple[int, bool, int], float] = field(default_factory=dict)
 
 
 @dataclass
@@ -208,24 +209,34 @@ class _KernelCounter(TorchDispatchMode):
 # they do not grow), and a convolution's output positions per image (they grow). Other
 # FLOP-counted kernels record none. The backward's matmuls of a forward matmul run
 # with the same M (the input gradient has M rows; the weight gradient sums over M).
-def matmul_rows(op: str, args: tuple, out: Any) -> tuple[int, bool] | None:
-    """(rows M at the traced batch, whether M grows with the batch) of a FLOP-counted kernel; see [Note: matmul rows]."""
+# It falls with the matmul's width too: a Linear of 128 inputs and outputs reached
+# 103-117 GFLOP/s here where one of 512 reached 133-147 (a transposed weight and a
+# bias to add weigh more on fewer FLOPs per output), so each matmul also records its
+# width, the geometric mean of its inner dimension K and its output columns N (of
+# attention: the head size and the key length), and the cost model interpolates
+# between curves measured at two widths (cost_models/compute.py ``matmul_efficiency``).
+def matmul_rows(op: str, args: tuple, out: Any) -> tuple[int, bool, int] | None:
+    """(rows M at the traced batch, whether M grows with the batch, width sqrt(K N)) of a
+    FLOP-counted kernel; see [Note: matmul rows]."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if op == "mm" and tensors:
-        return int(tensors[0].shape[0]), True
-    if op == "addmm" and len(tensors) >= 2:
-        return int(tensors[1].shape[0]), True
-    if op == "bmm" and tensors:
-        return int(tensors[0].shape[-2]), False
-    if op == "baddbmm" and len(tensors) >= 2:
-        return int(tensors[1].shape[-2]), False
-    if op.startswith("_scaled_dot_product") and tensors:
-        return int(tensors[0].shape[-2]), False
-    if op == "convolution":
+    if op in ("mm", "bmm") and len(tensors) >= 2:
+        a, b = tensors[0], tensors[1]
+        return int(a.shape[-2]), op == "mm", _width(a.shape[-1], b.shape[-1])
+    if op in ("addmm", "baddbmm") and len(tensors) >= 3:
+        a, b = tensors[1], tensors[2]
+        return int(a.shape[-2]), op == "addmm", _width(a.shape[-1], b.shape[-1])
+    if op.startswith("_scaled_dot_product") and len(tensors) >= 2:
+        return int(tensors[0].shape[-2]), False, _width(tensors[0].shape[-1], tensors[1].shape[-2])
+    if op == "convolution" and len(tensors) >= 2:
         result = _tensors(out)
         if result and result[0].dim() > 2:
-            return int(result[0][0, 0].numel()), True
+            weight = tensors[1]
+            return int(result[0][0, 0].numel()), True, _width(weight[0].numel(), weight.shape[0])
     return None
+
+
+def _width(inner: int, columns: int) -> int:
+    return max(1, round(math.sqrt(int(inner) * int(columns))))
 
 
 def _count_kernels(module: fx.GraphModule, inputs: list[torch.Tensor], result: Measurement) -> None:

@@ -231,14 +231,15 @@ class _Measured:
         )
 
 
-def _matmul_rows(measured: Measurement) -> tuple[tuple[int, bool, float], ...]:
-    """The layer's forward matmul FLOPs by (rows, grows with batch), as shares of its forward FLOPs."""
+def _matmul_rows(measured: Measurement) -> tuple[tuple[int, bool, float, int], ...]:
+    """The layer's forward matmul FLOPs by (rows, grows with the batch, width), as
+    (rows, grows, share of its forward FLOPs, width); see [Note: matmul rows] in planner.measure."""
     total = measured.total("fwd_flops")
-    merged: dict[tuple[int, bool], float] = {}
+    merged: dict[tuple[int, bool, int], float] = {}
     for counts in measured.nodes.values():
         for key, flops in counts.matmul_rows.items():
             merged[key] = merged.get(key, 0.0) + flops
-    return tuple((rows, grows, flops / total) for (rows, grows), flops in sorted(merged.items())) if total > 0 else ()
+    return tuple((rows, grows, flops / total, width) for (rows, grows, width), flops in sorted(merged.items())) if total > 0 else ()
 
 
 def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str) -> _Measured:

@@ -83,27 +83,30 @@ def matmul_times(sizes: list[int], dtype: str, *, repeats: int) -> list[tuple[fl
 
 
 MATMUL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # the row counts of ``matmul_row_times``
-_ROWS_WIDTH = 512  # K = N of those matmuls: a mid-sized Linear's
+# K = N of the rows curve (cost_models/compute.py ROWS_CURVE_WIDTH) and of the narrow one.
+MATMUL_WIDTH, MATMUL_NARROW_WIDTH = 512, 128
 
 
-def matmul_row_times(rows: tuple[int, ...] = MATMUL_ROWS, *, repeats: int) -> dict[str, list[list[float]]]:
-    """Seconds of a Linear's matmuls at each row count M, fp32, K = N = ``_ROWS_WIDTH``.
+def matmul_row_times(rows: tuple[int, ...] = MATMUL_ROWS, *, width: int = MATMUL_WIDTH,
+                     repeats: int) -> dict[str, list[list[float]]]:
+    """Seconds of a Linear's matmuls at each row count M, fp32, K = N = ``width``, laid
+    out as nn.Linear runs them (the weight N x K, a bias).
 
-    ``forward``: ``x @ w`` (M x K times K x N). ``backward``: the input gradient
-    ``g @ w.T`` and the weight gradient ``g.T @ x`` together. cost_models/calibrate.py
-    divides the rates by the fitted peak ([Note: matmul rows] in planner.measure).
+    ``forward``: ``x @ w.T + b`` (addmm). ``backward``: the input gradient ``g @ w`` and
+    the weight gradient ``g.T @ x`` together. cost_models/calibrate.py divides the rates
+    by the fitted peak ([Note: matmul rows] in planner.measure).
 
     Returns:
         ``{"forward": [[M, flops, s], ...], "backward": [[M, flops, s], ...]}``.
     """
-    k = n = _ROWS_WIDTH
-    w = torch.randn(k, n)
+    k = n = width
+    w, b = torch.randn(n, k), torch.randn(n)
     out: dict[str, list[list[float]]] = {"forward": [], "backward": []}
     for m in rows:
         x, g = torch.randn(m, k), torch.randn(m, n)
         inner = max(1, int(4e6 // (m * k * n)))
-        fwd = median_time_s(lambda: torch.mm(x, w), repeats=repeats, inner=inner)
-        bwd = median_time_s(lambda: (torch.mm(g, w.t()), torch.mm(g.t(), x)), repeats=repeats, inner=inner)
+        fwd = median_time_s(lambda: torch.nn.functional.linear(x, w, b), repeats=repeats, inner=inner)
+        bwd = median_time_s(lambda: (torch.mm(g, w), torch.mm(g.t(), x)), repeats=repeats, inner=inner)
         out["forward"].append([float(m), 2.0 * m * k * n, fwd])
         out["backward"].append([float(m), 4.0 * m * k * n, bwd])
     return out
@@ -493,6 +496,7 @@ def _compute_benchmarks(plan: dict, progress: Callable[[str], None]) -> dict:
         out["matmul"][dtype] = [list(p) for p in matmul_times(plan["matmul_sizes"], dtype, repeats=repeats)]
     progress("matmul by rows")
     out["matmul_rows"] = matmul_row_times(repeats=repeats)
+    out["matmul_rows_narrow"] = {"width": MATMUL_NARROW_WIDTH, **matmul_row_times(width=MATMUL_NARROW_WIDTH, repeats=repeats)}
     progress("memory bandwidth")
     out["copy"] = list(copy_bandwidth(64 << 20, repeats=repeats))
     progress("elementwise")

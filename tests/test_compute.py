@@ -1,5 +1,7 @@
 """The estimator's layer time ([Note: layer time]) against hand-derived values."""
 
+import math
+
 import pytest
 
 from cost_models.compute import DEFAULT_OP_OVERHEAD_S, HBM_STREAM_EFFICIENCY, layer_timing
@@ -68,6 +70,27 @@ def test_small_matmuls_run_at_the_measured_row_efficiency():
     assert slow.fwd_s == pytest.approx(fast.fwd_s * (0.25 + 0.5 / 0.375 + 0.25 / 0.75))
     assert slow.bwd_s == pytest.approx(fast.bwd_s * 1.75)
     assert matmul_rows_slowdown(block(), cpu, 4, "forward") == 1.0  # no rows recorded: the large-matmul rate
+
+
+def test_narrow_matmuls_run_between_the_two_measured_widths():
+    from dataclasses import replace
+    from cost_models.compute import ROWS_CURVE_WIDTH, matmul_efficiency, matmul_rows_slowdown
+    wide, narrow = {1: 0.5, 256: 1.0}, {1: 0.25, 256: 0.5}
+    cpu = replace(get_device("cpu"), matmul_rows_efficiency={"forward": wide, "backward": wide},
+                  matmul_narrow_efficiency={"forward": narrow, "backward": narrow}, matmul_narrow_width=128,
+                  sources={**get_device("cpu").sources, "matmul_rows_efficiency": "test", "matmul_narrow_efficiency": "test",
+                           "matmul_narrow_width": "test"})
+    # Linear in log width between 128 and the wide curve's width, flat outside.
+    middle = round(math.sqrt(128 * ROWS_CURVE_WIDTH))
+    assert matmul_efficiency(cpu, "forward", 256, middle) == pytest.approx(0.75, rel=1e-3)
+    assert matmul_efficiency(cpu, "forward", 256, 64) == 0.5 and matmul_efficiency(cpu, "forward", 256, 4096) == 1.0
+    assert matmul_efficiency(cpu, "forward", 256, None) == 1.0  # no width recorded: a wide matmul
+    # A layer whose matmuls are all 128 wide at 256 rows takes twice the FLOP time of a wide one.
+    layer = replace(block(num_ops=0, saved=0.0), matmul_rows=((256, False, 1.0, 128),))
+    assert matmul_rows_slowdown(layer, cpu, 4, "forward") == pytest.approx(2.0)
+    assert matmul_rows_slowdown(replace(layer, matmul_rows=((256, False, 1.0, 512),)), cpu, 4, "forward") == 1.0
+    # A profile without the narrow curve runs every width at the rows curve.
+    assert matmul_rows_slowdown(layer, replace(cpu, matmul_narrow_efficiency={}, matmul_narrow_width=None), 4, "forward") == 1.0
 
 
 def test_a_measured_host_pays_each_pass_its_weight_traffic():

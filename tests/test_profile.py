@@ -328,6 +328,26 @@ def test_matmul_rows_are_measured_rates_over_the_fitted_peak(tmp_path):
     assert fit_profile(record(), get_device("cpu")).matmul_rows_efficiency == {}  # not measured: none
 
 
+def test_the_narrow_rows_curve_is_fitted_kept_and_needs_its_width(tmp_path):
+    data = record()  # fp32 peak 100 GFLOP/s
+    for key, k, rate in (("matmul_rows", 512, 80e9), ("matmul_rows_narrow", 128, 40e9)):
+        data[key] = {"forward": [[m, 2.0 * m * k * k, 2.0 * m * k * k / rate] for m in (1, 256)],
+                     "backward": [[m, 4.0 * m * k * k, 4.0 * m * k * k / rate] for m in (1, 256)]}
+    data["matmul_rows_narrow"]["width"] = 128
+    p = fit_profile(data, get_device("cpu"))
+    assert p.matmul_narrow_width == 128 and p.matmul_narrow_efficiency["forward"] == pytest.approx({1: 0.4, 256: 0.4})
+    assert p.matmul_rows_efficiency["backward"] == pytest.approx({1: 0.8, 256: 0.8})
+    for path, text in ((tmp_path / "host.toml", dump_profile(p)), (tmp_path / "host.json", json.dumps(profile_to_dict(p)))):
+        path.write_text(text)
+        assert load_profile(path) == p
+    (tmp_path / "bad.toml").write_text(dump_profile(p).replace("matmul_narrow_width = 128\n", ""))
+    with pytest.raises(ProfileError, match="matmul_narrow_efficiency needs matmul_narrow_width"):
+        load_profile(tmp_path / "bad.toml")
+    del data["matmul_rows_narrow"]["width"]
+    with pytest.raises(ProfileError, match="matmul_rows_narrow lacks its width"):
+        fit_profile(data, get_device("cpu"))
+
+
 def test_a_row_curve_outside_zero_to_one_is_refused(tmp_path):
     p = fit_profile(record(), get_device("cpu"))
     text = dump_profile(p) + '\n[matmul_rows_efficiency.forward]\n"4" = 1.5\n'

@@ -1,6 +1,7 @@
 """Node-by-node meta measurement: consistent with itself, with torch's counter, with closed
 forms and with real CPU runs; repeated blocks measured once."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -158,21 +159,29 @@ def test_matmul_rows_of_a_gpt_block_separate_linears_from_attention():
     # [Note: matmul rows]: Linears run T rows per sample (growing with the batch), the
     # attention matmuls T rows per head whatever the batch. Per block at batch 1 the
     # Linears cost 24 T H^2 FLOPs (q, k, v, o and a 4H MLP) and attention 4 T^2 H.
-    seq, hidden = 16, 64
-    graph = trace_model(load_model_file(GPT, {"n_layers": 1, "hidden": hidden, "seq_len": seq}))
+    # Each records its width sqrt(K N): the Linears' inputs by outputs (H x H for q, k, v
+    # and o; H x 4H and 4H x H for the MLP), attention's head size by key length.
+    seq, hidden, heads = 16, 64, 4
+    graph = trace_model(load_model_file(GPT, {"n_layers": 1, "hidden": hidden, "seq_len": seq, "heads": heads}))
     block = graph.layers[1]
-    rows = {(r, grows): share for r, grows, share in block.matmul_rows}
+    rows: dict[tuple[int, bool], float] = {}
+    for r, grows, share, _ in block.matmul_rows:
+        rows[(r, grows)] = rows.get((r, grows), 0.0) + share
     assert set(rows) == {(seq, True), (seq, False)}
     assert rows[(seq, False)] == pytest.approx(seq / (6 * hidden + seq))
     assert sum(rows.values()) == pytest.approx(1.0)
+    widths = {width for r, grows, _, width in block.matmul_rows if grows}
+    assert widths == {hidden, round(math.sqrt(hidden * 4 * hidden))}
+    assert {width for _, grows, _, width in block.matmul_rows if not grows} == {round(math.sqrt(hidden // heads * seq))}
     assert graph.layers[0].matmul_rows == ()  # embeddings: gathers, no matmul
 
 
 def test_matmul_rows_of_each_kernel_kind():
     from planner.measure import matmul_rows
     meta = lambda *shape: torch.empty(shape, device="meta")
-    assert matmul_rows("mm", (meta(12, 8), meta(8, 4)), meta(12, 4)) == (12, True)
-    assert matmul_rows("addmm", (meta(4), meta(12, 8), meta(8, 4)), meta(12, 4)) == (12, True)
-    assert matmul_rows("bmm", (meta(6, 12, 8), meta(6, 8, 12)), meta(6, 12, 12)) == (12, False)
-    assert matmul_rows("convolution", (meta(1, 3, 9, 9), meta(16, 3, 3, 3)), meta(1, 16, 7, 7)) == (49, True)
+    assert matmul_rows("mm", (meta(12, 8), meta(8, 2)), meta(12, 2)) == (12, True, 4)
+    assert matmul_rows("addmm", (meta(2), meta(12, 8), meta(8, 2)), meta(12, 2)) == (12, True, 4)
+    assert matmul_rows("bmm", (meta(6, 12, 8), meta(6, 8, 18)), meta(6, 12, 18)) == (12, False, 12)
+    # A convolution's inner dimension is its input channels times the kernel's area.
+    assert matmul_rows("convolution", (meta(1, 3, 9, 9), meta(12, 3, 3, 3)), meta(1, 12, 7, 7)) == (49, True, 18)
     assert matmul_rows("add", (meta(3), meta(3)), meta(3)) is None
