@@ -157,6 +157,8 @@ def main() -> None:
                 row["plans"].append(str(plan))
                 row.setdefault("profiles", []).append(str(profile))
                 row.setdefault("stages", []).append(result.get("stages", []))
+                # So far, in case a later run fails: what the finished rounds measured.
+                (ns.out / "partial.json").write_text(json.dumps(rows, indent=2))
     if ns.model_layers:
         for row in rows:  # the same plans and profiles, the profiles refitted without the timed layers
             row["layer_model"] = statistics.median(_layer_model_prediction(Path(plan), Path(profile))

@@ -630,10 +630,30 @@ def host_measurements(world: int, *, matmul_sizes: list[int], sizes_bytes: list[
     with tempfile.TemporaryDirectory(prefix="hetpar-profile-") as tmp:
         context = mp.spawn(_worker, args=(world, _free_port(), plan, tmp), nprocs=world, join=False)
         seen = 0
-        while not context.join(timeout=0.2):
-            seen = _report_progress(Path(tmp) / "progress.txt", seen, progress)
+        try:
+            while not context.join(timeout=0.2):
+                seen = _report_progress(Path(tmp) / "progress.txt", seen, progress)
+        except mp.ProcessExitedException as exc:
+            raise WorkerDied(f"a profiling worker died ({_last_line(exc)})") from None
+        except mp.ProcessRaisedException as exc:
+            raise WorkerFailed(f"a profiling worker failed: {_last_line(exc)}") from None
         _report_progress(Path(tmp) / "progress.txt", seen, progress)
         return json.loads((Path(tmp) / "results.json").read_text())
+
+
+class WorkerFailed(RuntimeError):
+    """A worker of ``host_measurements`` raised; the message is its error's last line."""
+
+
+class WorkerDied(WorkerFailed):
+    """A worker of ``host_measurements`` exited without finishing (a signal, an exit code):
+    on a shared host, gloo can abort on a peer's late connection; measuring again usually
+    succeeds."""
+
+
+def _last_line(exc: Exception) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(exc).__name__
 
 
 def median_record(records: list) -> object:

@@ -438,3 +438,33 @@ def test_passes_keep_the_median_of_every_number_and_the_sizes_as_they_are():
 def test_passes_below_one_are_refused(tmp_path):
     one_line_error(hetpar("profile", "-o", str(tmp_path / "p.json"), "--passes", "0"), "--passes")
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_pass_whose_worker_died_is_measured_once_more(monkeypatch):
+    # gloo can abort a worker on a busy host; one more pass with fresh workers is taken,
+    # a second death (or a worker that raised) is a one-line error.
+    from hetpar.commands.profile import _one_pass
+    from runtime import profiler
+    calls, shown = [], []
+
+    def dies_once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise profiler.WorkerDied("a profiling worker died (process 1 terminated with signal SIGABRT)")
+        return {"measured": len(calls)}
+
+    monkeypatch.setattr(profiler, "host_measurements", dies_once)
+    assert _one_pass(2, [64], [4096], 1, None, None, shown.append) == {"measured": 2}
+    assert shown == ["a profiling worker died (process 1 terminated with signal SIGABRT); measuring this pass again"]
+
+    def fails(error):
+        def host_measurements(*args, **kwargs):
+            raise error
+        return host_measurements
+
+    monkeypatch.setattr(profiler, "host_measurements", fails(profiler.WorkerDied("a profiling worker died (signal)")))
+    with pytest.raises(ProfileError, match=r"died \(signal\); run hetpar profile again"):
+        _one_pass(2, [64], [4096], 1, None, None, shown.append)
+    monkeypatch.setattr(profiler, "host_measurements", fails(profiler.WorkerFailed("a profiling worker failed: boom")))
+    with pytest.raises(ProfileError, match="^a profiling worker failed: boom$"):
+        _one_pass(2, [64], [4096], 1, None, None, shown.append)

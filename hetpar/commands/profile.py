@@ -58,13 +58,35 @@ def measure(*, nproc: int, quick: bool, tp_sharding: dict[str, str] | None = Non
         def progress(what: str, k: int = k) -> None:
             step(f"pass {k + 1}/{passes}: {what}" if passes > 1 else what)
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            records.append(profiler.host_measurements(nproc, matmul_sizes=sizes, sizes_bytes=comm_sizes, repeats=repeats,
-                                                      tp_sharding=tp_sharding, model=model, progress=progress))
+        records.append(_one_pass(nproc, sizes, comm_sizes, repeats, tp_sharding, model, progress))
     record.update(profiler.median_record(records))
     record["passes"] = passes
     return record
+
+
+def _one_pass(nproc: int, sizes: list[int], comm_sizes: list[int], repeats: int, tp_sharding: dict[str, str] | None,
+              model: dict | None, progress: Callable[[str], None]) -> dict[str, Any]:
+    """One measurement with fresh workers; a pass whose worker died is measured once more.
+
+    Raises:
+        ProfileError: a worker raised, or died twice.
+    """
+    def once() -> dict[str, Any]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return profiler.host_measurements(nproc, matmul_sizes=sizes, sizes_bytes=comm_sizes, repeats=repeats,
+                                              tp_sharding=tp_sharding, model=model, progress=progress)
+
+    try:
+        return once()
+    except profiler.WorkerDied as exc:
+        progress(f"{exc}; measuring this pass again")
+    except profiler.WorkerFailed as exc:
+        raise ProfileError(str(exc)) from None
+    try:
+        return once()
+    except profiler.WorkerFailed as exc:
+        raise ProfileError(f"{exc}; run hetpar profile again when the machine is quieter") from None
 
 
 def load_measured_profile(path: Path) -> DeviceProfile:
