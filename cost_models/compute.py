@@ -186,10 +186,11 @@ def matmul_rows_slowdown(layer: LayerProfile, device, micro_batch_size: int, cur
     """
     if not getattr(device, "matmul_rows_efficiency", {}).get(curve) or not layer.matmul_rows:
         return 1.0
-    covered = sum(entry[2] for entry in layer.matmul_rows)
-    slowdown = sum(entry[2] / matmul_efficiency(device, curve, entry[0] * micro_batch_size if entry[1] else entry[0],
-                                                entry[3] if len(entry) > 3 else None)
-                   for entry in layer.matmul_rows)
+    covered, slowdown = 0.0, 0.0
+    for rows, grows, share, *width in layer.matmul_rows:  # no width: recorded before widths were
+        covered += share
+        slowdown += share / matmul_efficiency(device, curve, rows * micro_batch_size if grows else rows,
+                                              width[0] if width else None)
     return max(0.0, 1.0 - covered) + slowdown
 
 

@@ -646,9 +646,10 @@ class WorkerFailed(RuntimeError):
 
 
 class WorkerDied(WorkerFailed):
-    """A worker of ``host_measurements`` exited without finishing (a signal, an exit code):
-    on a shared host, gloo can abort on a peer's late connection; measuring again usually
-    succeeds."""
+    """A worker of ``host_measurements`` exited without finishing (a signal, an exit code).
+    Once on the busy development host a worker died of SIGABRT mid-profile and the same
+    profile ran clean right after (cause not found), so ``hetpar profile`` measures such a
+    pass again."""
 
 
 def _last_line(exc: Exception) -> str:
