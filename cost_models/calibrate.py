@@ -251,7 +251,7 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
         "optimizer_tensor_overhead_s": "AdamW step seconds per tiny parameter tensor",
         "optimizer_bytes_per_s": "AdamW step over large tensors, bytes moved per second",
         "tp_module_overhead_s": "DTensor colwise/rowwise block less its ops and all-reduces, per sharded module",
-        "matmul_rows_efficiency": "fp32 matmuls of M x 512 by 512 x 512 (forward; backward: both gradients) over the fitted fp32 peak",
+        "matmul_rows_efficiency": "fp32 Linear of 512 inputs and outputs on M rows (forward x @ w.T + b; backward: both gradients) over the fitted fp32 peak",
         "matmul_narrow_efficiency": "the same at the narrow width, over the fitted fp32 peak",
         "matmul_narrow_width": "K = N of the narrow matmuls timed",
     }
