@@ -36,7 +36,7 @@ from runtime.model_file import load_model_file, parse_model_args  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / "examples/gpt.py"))
-    parser.add_argument("-a", "--model-arg", action="append", default=["n_layers=4", "hidden=128"])
+    parser.add_argument("-a", "--model-arg", action="append", help="key=value (default: n_layers=4 hidden=128)")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--schedules", default="1f1b,gpipe,1f1b,gpipe")
@@ -48,7 +48,7 @@ def main() -> None:
     if dist.get_world_size() != 2:
         sys.exit("pipeline_trace: run with torchrun --nproc_per_node 2")
     torch.manual_seed(0)
-    spec = load_model_file(Path(ns.model), parse_model_args(ns.model_arg))
+    spec = load_model_file(Path(ns.model), parse_model_args(ns.model_arg or ["n_layers=4", "hidden=128"]))
     model = spec.build_model()
     names = list(trace_layers(model, example_inputs=spec.example_inputs(1)).layer_names)
     half = len(names) // 2

@@ -1,9 +1,9 @@
 """Predict a finished validate_bench run again from its own measurements, with another fit.
 
-Each plan of the run is estimated again (planner.explain) under the profile refitted
-from the raw measurements (``*.measurements.json``) it was planned with, by the cost
-models of ``--code`` (a checkout of hetpar, default this one), and set against the
-steps the run measured. So two versions of the fits compare on the very same runs:
+Each plan of the run is estimated again under the profile refitted from the raw
+measurements it was planned with, less any timed layers (validate_bench.py's
+``_layer_model_prediction``, as ``--code``, a checkout of hetpar, default this one,
+has it), and set against the steps the run measured. So two versions of the fits compare on the very same runs:
 
     git worktree add --detach /tmp/before <commit>
     .venv/bin/python benchmarks/refit_run.py out/vb15 --code /tmp/before
@@ -31,29 +31,18 @@ def main() -> None:
     parser.add_argument("--cwd", type=Path, help="where the run was started (default: two levels above RUN)")
     ns = parser.parse_args()
     sys.path.insert(0, str(ns.code.resolve()))
-    from benchmarks.validate_bench import spearman
-    from cost_models.calibrate import fit_profile
-    from cost_models.devices import get_device
-    from hetpar.commands.profile import reference_graph
-    from planner.explain import explain_plan
-    from planner.plan import ParallelPlan
+    from benchmarks.validate_bench import _layer_model_prediction, spearman
 
     results = ns.run / "results.json"
     if not results.is_file():
         sys.exit(f"refit_run: {results} not found; give a finished validate_bench --out directory")
     base = ns.cwd or ns.run.resolve().parent.parent
-    layers = reference_graph().layers
     rows = json.loads(results.read_text())
     predicted, measured = [], []
     print("| plan | predicted | measured | error |\n|---|---|---|---|")
     for row in rows:
-        estimates = []
-        for plan, profile in zip(row["plans"], row["profiles"], strict=True):
-            record = json.loads((base / profile).with_suffix(".measurements.json").read_text())
-            record.pop("model_layers", None)
-            fitted = fit_profile(record, get_device("cpu"), layers)
-            estimates.append(explain_plan(ParallelPlan.load(base / plan), profiles={fitted.name: fitted}).estimate.time.step_s)
-        predicted.append(statistics.median(estimates))
+        predicted.append(statistics.median(_layer_model_prediction(base / plan, base / profile)
+                                           for plan, profile in zip(row["plans"], row["profiles"], strict=True)))
         measured.append(statistics.median(row["steps"]))
         print(f"| {row['name']} | {predicted[-1] * 1e3:.1f} ms | {measured[-1] * 1e3:.1f} ms | {predicted[-1] / measured[-1] - 1:+.1%} |")
     errors = [abs(p / m - 1) for p, m in zip(predicted, measured)]

@@ -187,10 +187,9 @@ def matmul_rows_slowdown(layer: LayerProfile, device, micro_batch_size: int, cur
     if not getattr(device, "matmul_rows_efficiency", {}).get(curve) or not layer.matmul_rows:
         return 1.0
     covered, slowdown = 0.0, 0.0
-    for rows, grows, share, *width in layer.matmul_rows:  # no width: recorded before widths were
+    for rows, grows, share, width in layer.matmul_rows:
         covered += share
-        slowdown += share / matmul_efficiency(device, curve, rows * micro_batch_size if grows else rows,
-                                              width[0] if width else None)
+        slowdown += share / matmul_efficiency(device, curve, rows * micro_batch_size if grows else rows, width)
     return max(0.0, 1.0 - covered) + slowdown
 
 

@@ -272,6 +272,8 @@ def _check_profile(p: DeviceProfile) -> None:
             p.matmul_narrow_efficiency and not p.matmul_rows_efficiency):
         raise ProfileError(f"{who}: matmul_narrow_efficiency needs matmul_narrow_width and matmul_rows_efficiency, "
                            "and matmul_narrow_width needs matmul_narrow_efficiency")
+    if p.matmul_narrow_width is not None and not p.matmul_narrow_width >= 1:
+        raise ProfileError(f"{who}: matmul_narrow_width must be at least 1, got {p.matmul_narrow_width}")
     for key, entry in p.layer_corrections.items():
         ratios = [r for curve in _ROWS_CURVES for r in entry.get(curve, {}).values()]
         if set(entry) - {"layer", *_ROWS_CURVES} or not all(entry.get(c) for c in _ROWS_CURVES) or not all(
@@ -350,8 +352,6 @@ def profile_from_dict(data: dict[str, Any]) -> DeviceProfile:
     kwargs["collectives"] = {name: _measured_collective(name, fit) for name, fit in data.get("collectives", {}).items()}
     kwargs["matmul_rows_efficiency"] = _rows_curves(data.get("matmul_rows_efficiency", {}))
     kwargs["matmul_narrow_efficiency"] = _rows_curves(data.get("matmul_narrow_efficiency", {}), "matmul_narrow_efficiency")
-    if "matmul_narrow_width" in kwargs:
-        kwargs["matmul_narrow_width"] = int(kwargs["matmul_narrow_width"])
     kwargs["layer_corrections"] = _layer_corrections(data.get("layer_corrections", {}))
     kwargs["sources"] = _flatten_sources(data["sources"])
     for key in ("mem_bw_bytes_per_s", "intra_node_bw_bytes_per_s", "default_nic_bw_bytes_per_s"):

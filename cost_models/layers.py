@@ -52,8 +52,8 @@ class LayerProfile:
     tied_params: int = 0  # parameters this layer uses that an earlier layer holds and counts (tied embeddings)
     # The forward matmuls by row count and width ([Note: matmul rows] in planner.measure):
     # (rows per matmul at batch 1, whether they grow with the micro-batch, share of
-    # fwd_flops, width sqrt(K N)); without the width, a matmul as wide as the rows curve's.
-    matmul_rows: tuple[tuple[int, bool, float] | tuple[int, bool, float, int], ...] = ()
+    # fwd_flops, width sqrt(K N)).
+    matmul_rows: tuple[tuple[int, bool, float, int], ...] = ()
 
     def flops_at(self, tp: int) -> tuple[float, float]:
         """(forward, backward) FLOPs one tensor-parallel rank runs, per sample."""

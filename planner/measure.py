@@ -209,9 +209,10 @@ class _KernelCounter(TorchDispatchMode):
 # they do not grow), and a convolution's output positions per image (they grow). Other
 # FLOP-counted kernels record none. The backward's matmuls of a forward matmul run
 # with the same M (the input gradient has M rows; the weight gradient sums over M).
-# It falls with the matmul's width too: a Linear of 128 inputs and outputs reached
-# 103-117 GFLOP/s here where one of 512 reached 133-147 (a transposed weight and a
-# bias to add weigh more on fewer FLOPs per output), so each matmul also records its
+# It falls with the matmul's width too: in a profile of the development host a Linear
+# of 128 inputs and outputs on 64 rows reached 108 GFLOP/s where one of 512 reached
+# 136 (docs/BENCHMARKS.md, "Matmul width in the layer model"; a transposed weight and
+# a bias weigh more on fewer FLOPs per output), so each matmul also records its
 # width, the geometric mean of its inner dimension K and its output columns N (of
 # attention: the head size and the key length), and the cost model interpolates
 # between curves measured at two widths (cost_models/compute.py ``matmul_efficiency``).

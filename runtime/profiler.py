@@ -596,6 +596,22 @@ def _worker(rank: int, world: int, port: int, plan: dict, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+class WorkerFailed(RuntimeError):
+    """A worker of ``host_measurements`` raised; the message is its error's last line."""
+
+
+class WorkerDied(WorkerFailed):
+    """A worker of ``host_measurements`` exited without finishing (a signal, an exit code).
+    Once on the busy development host a worker died of SIGABRT mid-profile and the same
+    profile ran clean right after (cause not found), so ``hetpar profile`` measures such a
+    pass again."""
+
+
+def _last_line(exc: Exception) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(exc).__name__
+
+
 def host_measurements(world: int, *, matmul_sizes: list[int], sizes_bytes: list[int], repeats: int,
                       tp_sharding: dict[str, str] | None = None, model: dict | None = None,
                       progress: Callable[[str], None] = lambda _: None) -> dict:
@@ -639,22 +655,6 @@ def host_measurements(world: int, *, matmul_sizes: list[int], sizes_bytes: list[
             raise WorkerFailed(f"a profiling worker failed: {_last_line(exc)}") from None
         _report_progress(Path(tmp) / "progress.txt", seen, progress)
         return json.loads((Path(tmp) / "results.json").read_text())
-
-
-class WorkerFailed(RuntimeError):
-    """A worker of ``host_measurements`` raised; the message is its error's last line."""
-
-
-class WorkerDied(WorkerFailed):
-    """A worker of ``host_measurements`` exited without finishing (a signal, an exit code).
-    Once on the busy development host a worker died of SIGABRT mid-profile and the same
-    profile ran clean right after (cause not found), so ``hetpar profile`` measures such a
-    pass again."""
-
-
-def _last_line(exc: Exception) -> str:
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else type(exc).__name__
 
 
 def median_record(records: list) -> object:

@@ -61,7 +61,7 @@ def test_small_matmuls_run_at_the_measured_row_efficiency():
                   sources={**get_device("cpu").sources, "matmul_rows_efficiency": "test"})
     # Half the FLOPs in matmuls of one row per sample (4 rows at micro-batch 4), a quarter
     # in attention-like matmuls of 64 rows whatever the batch, a quarter in no matmul.
-    layer = replace(block(num_ops=0, saved=0.0), matmul_rows=((1, True, 0.5), (64, False, 0.25)))
+    layer = replace(block(num_ops=0, saved=0.0), matmul_rows=((1, True, 0.5, 512), (64, False, 0.25, 512)))
     assert matmul_rows_slowdown(layer, cpu, 4, "forward") == pytest.approx(0.25 + 0.5 / 0.375 + 0.25 / 0.75)
     assert matmul_rows_slowdown(layer, cpu, 4, "backward") == pytest.approx(0.25 + 0.75 / 0.5)
     plain = replace(cpu, matmul_rows_efficiency={})

@@ -468,3 +468,14 @@ def test_a_pass_whose_worker_died_is_measured_once_more(monkeypatch):
     monkeypatch.setattr(profiler, "host_measurements", fails(profiler.WorkerFailed("a profiling worker failed: boom")))
     with pytest.raises(ProfileError, match="^a profiling worker failed: boom$"):
         _one_pass(2, [64], [4096], 1, None, None, shown.append)
+
+
+def test_a_narrow_width_below_one_is_refused(tmp_path):
+    data = record()
+    for key, k in (("matmul_rows", 512), ("matmul_rows_narrow", 128)):
+        data[key] = {curve: [[m, 2.0 * m * k * k, 2.0 * m * k * k / 50e9] for m in (1, 256)] for curve in ("forward", "backward")}
+    data["matmul_rows_narrow"]["width"] = 128
+    text = dump_profile(fit_profile(data, get_device("cpu"))).replace("matmul_narrow_width = 128\n", "matmul_narrow_width = 0\n")
+    (tmp_path / "zero.toml").write_text(text)
+    with pytest.raises(ProfileError, match="matmul_narrow_width must be at least 1, got 0"):
+        load_profile(tmp_path / "zero.toml")
