@@ -13,6 +13,7 @@ runtime/profiler.py's benchmarks produce (docs/profiling.md lists its keys):
      "optimizer": {"optimizer": "adamw", "tensor_s": s, "param_s": s},        (optional)
      "collectives": {"all_reduce": [[nbytes, seconds], ...], ...},
      "step_overhead_s": s,
+     "late_receive": {"mean_s": s, "median_s": s, "bytes": n, "repeats": n},  (optional)
      "reference": {"batch_size": n, "fwd_s": s, "fwd_bwd_s": s},              (optional)
      "reference_step": {"steps": [[microbatches, compute_s, sync_wait_s,
                                    optimizer_s], ...],
@@ -49,6 +50,8 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   counts 1 to 512, forward and backward apart, each rate over the fitted fp32 peak:
   the curve by which a layer's small matmuls fall short ([Note: matmul rows] in
   planner.measure). Not a fit: the measured points, interpolated in log rows;
+- ``late_receive_s``: not a fit: the mean wait the probe measured ([Note: late
+  receives] in runtime/schedule.py);
 - ``matmul_narrow_efficiency``: the same at K = N = ``matmul_narrow_width`` (128), as
   nn.Linear lays the matmuls out (a transposed weight, a bias) at both widths: a
   matmul between the widths interpolates in log width;
@@ -224,6 +227,12 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
                 raise ProfileError("profile measurements: matmul_rows_narrow lacks its width") from None
     if "p2p" in fits:
         fields["intra_node_latency_s"], fields["intra_node_bw_bytes_per_s"] = fits["p2p"]
+    late = measurements.get("late_receive")
+    if late:
+        try:
+            fields["late_receive_s"] = float(late["mean_s"])
+        except (KeyError, TypeError, ValueError):
+            raise ProfileError("profile measurements: late_receive lacks its mean_s") from None
     fields["kernel_efficiency"] = 1.0
     optimizer = measurements.get("optimizer")
     if optimizer:
@@ -254,6 +263,7 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
         "matmul_rows_efficiency": "fp32 Linear of 512 inputs and outputs on M rows (forward x @ w.T + b; backward: both gradients) over the fitted fp32 peak",
         "matmul_narrow_efficiency": "the same at the narrow width, over the fitted fp32 peak",
         "matmul_narrow_width": "K = N of the narrow matmuls timed",
+        "late_receive_s": "mean wait of a 64 KB receive posted 2 ms after its send while the sender computes",
     }
     for key, note in notes.items():
         if key in fields:

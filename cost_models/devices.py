@@ -51,7 +51,7 @@ _NUMERIC_FIELDS = (
 _CALIBRATED_FIELDS = ("op_overhead_s", "step_overhead_s", "kernel_efficiency", "backward_kernel_efficiency",
                       "tp_module_overhead_s", "tp_collective_overhead_s", "grad_sync_scale", "optimizer_bytes_per_s",
                       "optimizer_tensor_overhead_s", "tp_optimizer_tensor_overhead_s", "weight_stream_bytes_per_s",
-                      "matmul_narrow_width")
+                      "matmul_narrow_width", "late_receive_s")
 _OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",) + _CALIBRATED_FIELDS
 _STRING_FIELDS = ("name", "vendor", "intra_node_link")
 _OPTIONAL_STRING_FIELDS = ("fingerprint",)
@@ -128,6 +128,9 @@ class DeviceProfile:
     backward_kernel_efficiency: float | None = None  # the backward's, where measured apart; else kernel_efficiency
     tp_module_overhead_s: float | None = None  # per tensor-parallel module and micro-batch, fwd + bwd
     tp_collective_overhead_s: float | None = None  # per tensor-parallel collective, between kernels
+    # Mean wait of a pipeline receive posted after its send while the sender computes
+    # ([Note: late receives] in runtime/schedule.py); None: no such wait.
+    late_receive_s: float | None = None
     # How many times its collectives' time the data-parallel synchronisation (the gradient
     # all-reduce, ZeRO's reduce-scatters and gathers) takes inside a training step; None: 1
     # ([Note: calibrated fits] in cost_models/calibrate.py).

@@ -497,7 +497,10 @@ def _play(model, cluster, config, layouts, bounds, costs: list[_ChunkCost]) -> _
     def duration(action: Action) -> float:
         return sum(parts[action])
 
-    return _Played(schedule=plan, run=simulate_timed(plan, duration, transfer),
+    # [Note: late receives] in runtime/schedule.py: measured on the sender's host
+    late = [getattr(cluster.profile(layouts[k % config.pp].device_type), "late_receive_s", None) or 0.0
+            for k in range(len(bounds))]
+    return _Played(schedule=plan, run=simulate_timed(plan, duration, transfer, (lambda a: late[a.stage]) if any(late) else None),
                    run_without_transfers=simulate_timed(plan, duration), parts=parts)
 
 

@@ -455,6 +455,50 @@ def _bench_collective(name: str, numel: int, rank: int, world: int, repeats: int
     return statistics.median(samples)
 
 
+LATE_RECEIVE_REPEATS = 60  # the waits' tail needs many: about 0.5 s
+LATE_RECEIVE_BYTES = 64 * 1024  # a small model's boundary tensor (4 samples x 32 tokens x 128 wide, fp32)
+LATE_RECEIVE_LEAD_S = 0.002  # the receiver computes this long after the send before it posts its receive
+LATE_RECEIVE_SENDER_BUSY_S = 0.006  # the sender computes this long after its send
+
+
+def _compute_for(seconds: float, a: torch.Tensor) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.mm(a, a)
+
+
+def late_receive_times(rank: int, repeats: int) -> dict:
+    """Rank 1's waits for a message from rank 0 whose receive it posts after the send,
+    while rank 0 computes: the case of [Note: late receives] in runtime/schedule.py.
+
+    Rank 0 sends ``LATE_RECEIVE_BYTES`` and computes for ``LATE_RECEIVE_SENDER_BUSY_S``;
+    rank 1 computes for ``LATE_RECEIVE_LEAD_S``, then receives and times the wait. Other
+    ranks only keep the barriers. Their waits have a long tail (a third of them several
+    milliseconds on the development host), so the mean is what a pipeline step pays.
+
+    Returns:
+        ``{"mean_s", "median_s", "bytes", "repeats"}``, the same on every rank.
+    """
+    a = torch.randn(128, 128)
+    message = torch.ones(LATE_RECEIVE_BYTES // 4)
+    waits = []
+    for k in range(repeats + 2):
+        dist.barrier()
+        if rank == 0:
+            sent = dist.isend(message, 1, tag=k)
+            _compute_for(LATE_RECEIVE_SENDER_BUSY_S, a)
+            sent.wait()
+        elif rank == 1:
+            _compute_for(LATE_RECEIVE_LEAD_S, a)
+            start = time.perf_counter()
+            dist.irecv(message, 0, tag=k).wait()
+            if k >= 2:
+                waits.append(time.perf_counter() - start)
+    stats = torch.tensor([statistics.mean(waits), statistics.median(waits)] if waits else [0.0, 0.0], dtype=torch.float64)
+    dist.broadcast(stats, src=1)
+    return {"mean_s": float(stats[0]), "median_s": float(stats[1]), "bytes": LATE_RECEIVE_BYTES, "repeats": repeats}
+
+
 def _parts(numel: int, count: int) -> list[int]:
     """``numel`` split into ``count`` near-equal positive sizes (fewer when it is smaller)."""
     count = max(1, min(count, numel))
@@ -575,7 +619,9 @@ def _worker(rank: int, world: int, port: int, plan: dict, out_dir: str) -> None:
             for nbytes in plan["sizes_bytes"]:
                 numel = max(world, nbytes // 4 // world * world)
                 results["collectives"][name].append([numel * 4.0, _bench_collective(name, numel, rank, world, plan["repeats"])])
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available():  # a gloo rendezvous; NCCL's kernels need no host thread
+            progress("late pipeline receives")
+            results["late_receive"] = late_receive_times(rank, LATE_RECEIVE_REPEATS)
             progress("tensor-parallel per-op overhead")
             results["tp_op_overhead"] = _tp_op_overhead(world, blocks=10, repeats=plan["repeats"])
         progress("per-step overhead")

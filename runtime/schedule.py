@@ -412,10 +412,28 @@ class TimedRun:
         return max_in_flight([t.action for t in self.ranks[rank]])
 
 
+# [Note: late receives]
+# The executor posts a receive when it reaches the action that reads it
+# ([Note: pipeline communication] in runtime/executor.py), and gloo moves a message
+# only once its receive is posted: a rendezvous, in which the sender's transport thread
+# answers the receiver's request. When the receive comes after the send and the sender
+# is then computing, that thread has to be scheduled beside the sender's compute; on a
+# host whose cores are all busy (several CPU workers per socket) it waits for the OS
+# scheduler. ``hetpar profile`` measures the mean wait of exactly that case
+# (runtime/profiler.py ``late_receive_times``; on the development host 1.1-1.6 ms, a
+# third of such receives waiting 3-4 ms, against 0.15 ms when the sender is idle), and
+# ``simulate_timed`` charges it to every message the timeline finds in that case:
+# the message arrives no earlier than the receiver's arrival at the action plus the
+# charge. GPipe runs into it on every micro-batch (its first stage sends forwards
+# back to back while the next is still computing the previous ones), 1F1B rarely (its
+# late receives mostly find the sender waiting itself). Ranks are played in the order
+# of their actions' start times, so the sender's timeline is known up to the moment
+# the receiver arrives. Without a measured charge nothing changes.
 def simulate_timed(
     schedule: list[list[Action]],
     duration_s: Callable[[Action], float],
     transfer_s: Callable[[Action, Action], float] | None = None,
+    late_receive_s: Callable[[Action], float] | None = None,
 ) -> TimedRun:
     """Run the ranks' action lists with real durations: the step time of a schedule.
 
@@ -430,6 +448,9 @@ def simulate_timed(
         duration_s: seconds of one action.
         transfer_s: seconds from the end of a sending action to the arrival of its
             output at the receiving action's rank; none when omitted.
+        late_receive_s: seconds, per sending action, from the receiver's arrival at the
+            action to the message when the send came first and the sender is then
+            computing another action; see [Note: late receives]. None when omitted.
 
     Returns:
         Every action's start and end.
@@ -442,23 +463,41 @@ def simulate_timed(
     end: dict[Action, float] = {}
     runs: list[list[TimedAction]] = [[] for _ in schedule]
     position, free = [0] * len(schedule), [0.0] * len(schedule)
-    progress = True
-    while progress:
-        progress = False
-        for r, actions in enumerate(schedule):
-            while position[r] < len(actions):
-                action = actions[position[r]]
-                needs = _dependency(action, num_stages)
-                if needs is not None and needs not in end:
-                    break
-                start = free[r]
-                if needs is not None:
-                    delay = transfer_s(needs, action) if transfer_s and rank_of[needs.stage] != r else 0.0
-                    start = max(start, end[needs] + delay)
-                end[action] = free[r] = start + duration_s(action)
-                runs[r].append(TimedAction(action=action, start_s=start, end_s=end[action]))
-                position[r] += 1
-                progress = True
+
+    def computing(r: int, at: float) -> bool:
+        for t in reversed(runs[r]):  # in time order: the first that ended by ``at`` ends the search
+            if t.end_s <= at:
+                return False
+            if t.start_s < at:  # an action that starts as the receiver arrives waited for it
+                return True
+        return False
+
+    def start_of(r: int) -> float | None:
+        action = schedule[r][position[r]]
+        needs = _dependency(action, num_stages)
+        if needs is None:
+            return free[r]
+        if needs not in end:
+            return None
+        if rank_of[needs.stage] == r:
+            return max(free[r], end[needs])
+        arrival = end[needs] + (transfer_s(needs, action) if transfer_s else 0.0)
+        if late_receive_s and free[r] > end[needs] and computing(rank_of[needs.stage], free[r]):
+            arrival = max(arrival, free[r] + late_receive_s(needs))
+        return max(free[r], arrival)
+
+    while True:
+        # The ready action that starts first: every action starting before it is
+        # already played, so ``computing`` sees the sender's whole past.
+        ready = [(start, r) for r in range(len(schedule)) if position[r] < len(schedule[r])
+                 for start in [start_of(r)] if start is not None]
+        if not ready:
+            break
+        start, r = min(ready)
+        action = schedule[r][position[r]]
+        end[action] = free[r] = start + duration_s(action)
+        runs[r].append(TimedAction(action=action, start_s=start, end_s=end[action]))
+        position[r] += 1
     if any(position[r] < len(schedule[r]) for r in range(len(schedule))):
         raise _deadlock(schedule, position, num_stages)
     return TimedRun(ranks=runs)

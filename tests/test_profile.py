@@ -293,6 +293,7 @@ def test_quick_profile_writes_a_loadable_profile(tmp_path):
     assert result.returncode == 0, result.stderr
     p = load_profile(out)
     assert p.fingerprint and p.op_overhead_s > 0 and "all_reduce" in p.collectives
+    assert p.late_receive_s > 0
     assert (tmp_path / "host.measurements.json").is_file()
 
 
@@ -326,6 +327,37 @@ def test_matmul_rows_are_measured_rates_over_the_fitted_peak(tmp_path):
         path.write_text(text)
         assert load_profile(path) == p
     assert fit_profile(record(), get_device("cpu")).matmul_rows_efficiency == {}  # not measured: none
+
+
+def test_the_late_receive_wait_is_kept_round_trips_and_slows_gpipe_not_1f1b(tmp_path):
+    data = {**record(), "late_receive": {"mean_s": 2e-3, "median_s": 1.5e-3, "bytes": 65536, "repeats": 60}}
+    p = fit_profile(data, get_device("cpu"))
+    assert p.late_receive_s == pytest.approx(2e-3)
+    assert p.sources["late_receive_s"].startswith("fitted from hetpar profile")
+    assert fit_profile(record(), get_device("cpu")).late_receive_s is None  # not measured: none
+    for path, text in ((tmp_path / "host.toml", dump_profile(p)), (tmp_path / "host.json", json.dumps(profile_to_dict(p)))):
+        path.write_text(text)
+        assert load_profile(path) == p
+    (tmp_path / "bad.toml").write_text(dump_profile(p).replace("late_receive_s = 0.002\n", "late_receive_s = -1.0\n"))
+    with pytest.raises(ProfileError, match="late_receive_s must be >= 0 when given, got -1.0"):
+        load_profile(tmp_path / "bad.toml")
+    del data["late_receive"]["mean_s"]
+    with pytest.raises(ProfileError, match="late_receive lacks its mean_s"):
+        fit_profile(data, get_device("cpu"))
+    # Two equal stages whose last stage is a little slower (the loss): GPipe's second
+    # stage reaches each forward after it was sent, while the first still computes.
+    layers = [LayerProfile(name=f"l{i}", fwd_flops=2e8 * (1.2 if i == 3 else 1.0), bwd_flops=4e8, params=1000,
+                           saved_activation_bytes=1e4, boundary_bytes=1e3, num_ops=10) for i in range(4)]
+    model = ModelGraph(file="synthetic.py", args={}, fingerprint="", layers=layers)
+    plain = fit_profile(record(), get_device("cpu"))
+
+    def step(profile, schedule: str) -> float:
+        config = EstimateConfig(global_batch_size=8, dp=1, tp=1, pp=2, micro_batch_size=2, dtype="fp32", schedule=schedule)
+        cluster = parse_cluster("1x2xcpu", profiles={profile.name: profile})
+        return estimate(model, cluster, config).predicted.step_time_s
+
+    assert step(p, "1f1b") == pytest.approx(step(plain, "1f1b"))
+    assert step(p, "gpipe") > step(plain, "gpipe") + 2e-3
 
 
 def test_the_narrow_rows_curve_is_fitted_kept_and_needs_its_width(tmp_path):

@@ -66,6 +66,36 @@ def test_unequal_stages_and_transfers_by_hand():
     assert run.makespan_s == 16.0 and run.busy_s(1) == 12.0 and run.end_s(1) == 13.5
 
 
+def test_a_late_receive_from_a_computing_sender_waits_for_it_by_hand():
+    # GPipe, 3 micro-batches, every action 1 s on rank 0 and 1.5 s on rank 1, no transfer
+    # time, 0.5 s per late receive ([Note: late receives]). Rank 0: F0 [0,1] F1 [1,2]
+    # F2 [2,3]. Rank 1: F0 waits from 0 for the send at 1 (posted first: free) -> [1,2.5];
+    # F1 arrives at 2.5, after the send at 2, while rank 0 computes F2 -> [3,4.5]; F2
+    # arrives at 4.5, after the send at 3, with rank 0 idle -> [4.5,6]; B0 [6,7.5] B1
+    # [7.5,9] B2 [9,10.5]. Rank 0 waits for each gradient before it is sent: B0 [7.5,8.5]
+    # B1 [9,10] B2 [10.5,11.5].
+    plan = schedule.build_schedule("gpipe", 2, 3)
+    run = schedule.simulate_timed(plan, lambda a: [1.0, 1.5][a.stage], late_receive_s=lambda sender: 0.5)
+    assert [(str(t.action), t.start_s) for t in run.ranks[1]] == [
+        ("1F0", 1.0), ("1F1", 3.0), ("1F2", 4.5), ("1B0", 6.0), ("1B1", 7.5), ("1B2", 9.0)]
+    assert [(str(t.action), t.start_s) for t in run.ranks[0][3:]] == [("0B0", 7.5), ("0B1", 9.0), ("0B2", 10.5)]
+    assert run.makespan_s == 11.5
+    assert schedule.simulate_timed(plan, lambda a: [1.0, 1.5][a.stage]).makespan_s == 11.0  # uncharged: 1F1 at 2.5
+
+
+def test_a_late_receive_is_charged_only_where_the_sender_computes():
+    # Equal stages, B = 2 F, a transfer of 0.1 s: under 1F1B each receive of rank 1
+    # comes while rank 0 waits for rank 1's own gradient, so nothing is charged; under
+    # GPipe rank 0 sends its forwards back to back and rank 1 arrives at them late.
+    def step(name: str, late: float) -> float:
+        run = schedule.simulate_timed(schedule.build_schedule(name, 2, 4), durations(1.0, 2.0), lambda s, r: 0.1,
+                                      (lambda sender: late) if late else None)
+        return run.makespan_s
+
+    assert step("1f1b", 0.5) == pytest.approx(step("1f1b", 0.0))
+    assert step("gpipe", 0.5) > step("gpipe", 0.0) + 0.5
+
+
 def test_one_f_one_b_beats_the_alpa_bound_on_unequal_stages():
     """sum(t) + (m - 1) max(t) (Alpa's Eq. 2) is reached by GPipe-like timing; 1F1B never does worse."""
     rng = random.Random(0)

@@ -206,6 +206,7 @@ def _print_summary(p: DeviceProfile, record: dict[str, Any]) -> None:
         "matmul " + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in p.peak_flops_per_s.items())
         + f"; memory {p.mem_bw_bytes_per_s / 1e9:.1f} GB/s; op overhead {p.op_overhead_s * 1e6:.1f} us; "
         f"step overhead {seconds(p.step_overhead_s)}"
+        + (f"; late pipeline receive {seconds(p.late_receive_s)}" if p.late_receive_s is not None else "")
     )
     table = Table(title=f"collectives, {record['workers']} workers", title_justify="left")
     for column in ("collective", "alpha", "beta"):
