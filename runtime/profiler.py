@@ -459,9 +459,11 @@ LATE_RECEIVE_REPEATS = 60  # the waits' tail needs many: about 0.5 s
 LATE_RECEIVE_BYTES = 64 * 1024  # a small model's boundary tensor (4 samples x 32 tokens x 128 wide, fp32)
 LATE_RECEIVE_LEAD_S = 0.002  # the receiver computes this long after the send before it posts its receive
 LATE_RECEIVE_SENDER_BUSY_S = 0.006  # the sender computes this long after its send
+LATE_RECEIVE_WIDTH = 128  # n of the n x n matmuls both compute: dispatch-bound, as a small model's ops are
 
 
-def _compute_for(seconds: float, a: torch.Tensor) -> None:
+def compute_for(seconds: float, a: torch.Tensor) -> None:
+    """Keep this thread computing ``a @ a`` for ``seconds``."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         torch.mm(a, a)
@@ -479,17 +481,17 @@ def late_receive_times(rank: int, repeats: int) -> dict:
     Returns:
         ``{"mean_s", "median_s", "bytes", "repeats"}``, the same on every rank.
     """
-    a = torch.randn(128, 128)
+    a = torch.randn(LATE_RECEIVE_WIDTH, LATE_RECEIVE_WIDTH)
     message = torch.ones(LATE_RECEIVE_BYTES // 4)
     waits = []
     for k in range(repeats + 2):
         dist.barrier()
         if rank == 0:
             sent = dist.isend(message, 1, tag=k)
-            _compute_for(LATE_RECEIVE_SENDER_BUSY_S, a)
+            compute_for(LATE_RECEIVE_SENDER_BUSY_S, a)
             sent.wait()
         elif rank == 1:
-            _compute_for(LATE_RECEIVE_LEAD_S, a)
+            compute_for(LATE_RECEIVE_LEAD_S, a)
             start = time.perf_counter()
             dist.irecv(message, 0, tag=k).wait()
             if k >= 2:
