@@ -25,6 +25,7 @@ and runtime/executor.py).
 
 from __future__ import annotations
 
+import heapq
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -418,17 +419,18 @@ class TimedRun:
 # only once its receive is posted: a rendezvous, in which the sender's transport thread
 # answers the receiver's request. When the receive comes after the send and the sender
 # is then computing, that thread has to be scheduled beside the sender's compute; on a
-# host whose cores are all busy (several CPU workers per socket) it waits for the OS
-# scheduler. ``hetpar profile`` measures the mean wait of exactly that case
-# (runtime/profiler.py ``late_receive_times``; on the development host 1.1-1.6 ms, a
-# third of such receives waiting 3-4 ms, against 0.15 ms when the sender is idle), and
-# ``simulate_timed`` charges it to every message the timeline finds in that case:
-# the message arrives no earlier than the receiver's arrival at the action plus the
-# charge. GPipe runs into it on every micro-batch (its first stage sends forwards
+# host whose cores are all busy (CPU workers computing on every core) it waits for the
+# OS scheduler. ``hetpar profile`` measures the mean wait of exactly that case
+# (runtime/profiler.py ``late_receive_times``; 1.0-2.9 ms on the development host, where
+# a receive posted late to an idle sender waits about 0.13 ms; docs/BENCHMARKS.md,
+# "Late pipeline receives"), and ``simulate_timed`` charges it to every message the
+# timeline finds in that case: the message arrives no earlier than the receiver's
+# arrival at the action plus the charge. GPipe runs into it on every micro-batch (its first stage sends forwards
 # back to back while the next is still computing the previous ones), 1F1B rarely (its
 # late receives mostly find the sender waiting itself). Ranks are played in the order
 # of their actions' start times, so the sender's timeline is known up to the moment
-# the receiver arrives. Without a measured charge nothing changes.
+# the receiver arrives. Without a measured charge nothing changes. (Posting receives
+# earlier in the executor was tried: it sped GPipe up less than it slowed 1F1B down.)
 def simulate_timed(
     schedule: list[list[Action]],
     duration_s: Callable[[Action], float],
@@ -486,18 +488,37 @@ def simulate_timed(
             arrival = max(arrival, free[r] + late_receive_s(needs))
         return max(free[r], arrival)
 
-    while True:
-        # The ready action that starts first: every action starting before it is
-        # already played, so ``computing`` sees the sender's whole past.
-        ready = [(start, r) for r in range(len(schedule)) if position[r] < len(schedule[r])
-                 for start in [start_of(r)] if start is not None]
-        if not ready:
-            break
-        start, r = min(ready)
+    # Each rank's next action, keyed by its start as far as the played actions tell:
+    # more of a sender's past can only make a receive later, so a popped entry whose
+    # start has grown goes back, and the entry that stays on top starts first. Every
+    # action starting before it is then played, so ``computing`` sees the sender's whole
+    # past. A rank whose next action waits for an unplayed one has no entry until it is played.
+    queue: list[tuple[float, int]] = []
+    blocked: dict[Action, int] = {}
+
+    def enqueue(r: int) -> None:
+        if position[r] < len(schedule[r]):
+            start = start_of(r)
+            if start is None:
+                blocked[_dependency(schedule[r][position[r]], num_stages)] = r
+            else:
+                heapq.heappush(queue, (start, r))
+
+    for r in range(len(schedule)):
+        enqueue(r)
+    while queue:
+        start, r = heapq.heappop(queue)
+        now = start_of(r)
+        if now > start:
+            heapq.heappush(queue, (now, r))
+            continue
         action = schedule[r][position[r]]
         end[action] = free[r] = start + duration_s(action)
         runs[r].append(TimedAction(action=action, start_s=start, end_s=end[action]))
         position[r] += 1
+        enqueue(r)
+        if action in blocked:
+            enqueue(blocked.pop(action))
     if any(position[r] < len(schedule[r]) for r in range(len(schedule))):
         raise _deadlock(schedule, position, num_stages)
     return TimedRun(ranks=runs)
