@@ -475,8 +475,8 @@ def late_receive_times(rank: int, repeats: int) -> dict:
 
     Rank 0 sends ``LATE_RECEIVE_BYTES`` and computes for ``LATE_RECEIVE_SENDER_BUSY_S``;
     rank 1 computes for ``LATE_RECEIVE_LEAD_S``, then receives and times the wait. Other
-    ranks only keep the barriers. Their waits have a long tail (a third of them several
-    milliseconds on the development host), so the mean is what a pipeline step pays.
+    ranks only keep the barriers. Their waits have a long tail (a fifth to over half over 1
+    ms on the development host), so the mean is what a pipeline step pays.
 
     Returns:
         ``{"mean_s", "median_s", "bytes", "repeats"}``, the same on every rank.
