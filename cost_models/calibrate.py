@@ -50,11 +50,11 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   counts 1 to 512, forward and backward apart, each rate over the fitted fp32 peak:
   the curve by which a layer's small matmuls fall short ([Note: matmul rows] in
   planner.measure). Not a fit: the measured points, interpolated in log rows;
-- ``late_receive_s``: not a fit: the mean wait the probe measured ([Note: late
-  receives] in runtime/schedule.py);
 - ``matmul_narrow_efficiency``: the same at K = N = ``matmul_narrow_width`` (128), as
   nn.Linear lays the matmuls out (a transposed weight, a bias) at both widths: a
   matmul between the widths interpolates in log width;
+- ``late_receive_s``: not a fit: the mean wait the probe measured ([Note: late
+  receives] in runtime/schedule.py);
 - ``kernel_efficiency`` and ``backward_kernel_efficiency``: what the kernels of a
   small training workload reach of the fitted rates, forward and backward apart (on a
   CPU the backward's autograd and elementwise kernels fall further short). The
@@ -263,7 +263,7 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
         "matmul_rows_efficiency": "fp32 Linear of 512 inputs and outputs on M rows (forward x @ w.T + b; backward: both gradients) over the fitted fp32 peak",
         "matmul_narrow_efficiency": "the same at the narrow width, over the fitted fp32 peak",
         "matmul_narrow_width": "K = N of the narrow matmuls timed",
-        "late_receive_s": "mean wait of a 64 KB receive posted 2 ms after its send while the sender computes",
+        "late_receive_s": "mean wait of a receive posted after its send while the sender computes (runtime/profiler.py late_receive_times)",
     }
     for key, note in notes.items():
         if key in fields:

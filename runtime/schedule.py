@@ -15,8 +15,9 @@ r, r + p, ..., r + (v - 1) p, and an action names its stage, not its rank.
 ``simulate`` plays the lists against each other with one tick per action, the way the
 executor runs them (sends never block, a receive waits for its send), so it finds
 deadlocks and draws timelines. ``simulate_timed`` plays them with real durations per
-action and a transfer time per send: the step time of a schedule, also for stages of
-unequal speed.
+action and a transfer time per send (and, where a profile measured it, the wait of a
+receive posted late: [Note: late receives]): the step time of a schedule, also for
+stages of unequal speed.
 
 The runtime executes every schedule of ``make_schedule``: 1F1B, GPipe, interleaved
 1F1B (a rank runs several stages) and ZB-H1 (W actions; see [Note: zero-bubble split]

@@ -61,6 +61,13 @@ def test_fit_line_survives_one_outlier_that_tips_the_weighted_fit():
     assert fixed == pytest.approx(1e-4, rel=1e-3)
 
 
+def assert_round_trips(p, tmp_path):
+    """``p`` reads back equal from TOML and from JSON."""
+    for path, text in ((tmp_path / "host.toml", dump_profile(p)), (tmp_path / "host.json", json.dumps(profile_to_dict(p)))):
+        path.write_text(text)
+        assert load_profile(path) == p
+
+
 def test_fit_profile_takes_each_parameter_from_its_measurement():
     p = fit_profile(record(), get_device("cpu"))
     assert p.peak_flops_per_s["fp32"] == pytest.approx(100e9)
@@ -323,9 +330,7 @@ def test_matmul_rows_are_measured_rates_over_the_fitted_peak(tmp_path):
     assert p.matmul_rows_efficiency["forward"] == pytest.approx({1: 0.2, 16: 0.6, 256: 1.0})
     assert p.matmul_rows_efficiency["backward"] == pytest.approx({1: 0.1, 16: 0.3, 256: 0.6})
     assert "matmul_rows_efficiency" in p.sources and p.weight_stream_bytes_per_s == pytest.approx(8e9)
-    for path, text in ((tmp_path / "host.toml", dump_profile(p)), (tmp_path / "host.json", json.dumps(profile_to_dict(p)))):
-        path.write_text(text)
-        assert load_profile(path) == p
+    assert_round_trips(p, tmp_path)
     assert fit_profile(record(), get_device("cpu")).matmul_rows_efficiency == {}  # not measured: none
 
 
@@ -335,9 +340,7 @@ def test_the_late_receive_wait_is_kept_round_trips_and_slows_gpipe_not_1f1b(tmp_
     assert p.late_receive_s == pytest.approx(2e-3)
     assert p.sources["late_receive_s"].startswith("fitted from hetpar profile")
     assert fit_profile(record(), get_device("cpu")).late_receive_s is None  # not measured: none
-    for path, text in ((tmp_path / "host.toml", dump_profile(p)), (tmp_path / "host.json", json.dumps(profile_to_dict(p)))):
-        path.write_text(text)
-        assert load_profile(path) == p
+    assert_round_trips(p, tmp_path)
     (tmp_path / "bad.toml").write_text(dump_profile(p).replace("late_receive_s = 0.002\n", "late_receive_s = -1.0\n"))
     with pytest.raises(ProfileError, match="late_receive_s must be >= 0 when given, got -1.0"):
         load_profile(tmp_path / "bad.toml")
@@ -369,9 +372,7 @@ def test_the_narrow_rows_curve_is_fitted_kept_and_needs_its_width(tmp_path):
     p = fit_profile(data, get_device("cpu"))
     assert p.matmul_narrow_width == 128 and p.matmul_narrow_efficiency["forward"] == pytest.approx({1: 0.4, 256: 0.4})
     assert p.matmul_rows_efficiency["backward"] == pytest.approx({1: 0.8, 256: 0.8})
-    for path, text in ((tmp_path / "host.toml", dump_profile(p)), (tmp_path / "host.json", json.dumps(profile_to_dict(p)))):
-        path.write_text(text)
-        assert load_profile(path) == p
+    assert_round_trips(p, tmp_path)
     (tmp_path / "bad.toml").write_text(dump_profile(p).replace("matmul_narrow_width = 128\n", ""))
     with pytest.raises(ProfileError, match="matmul_narrow_efficiency needs matmul_narrow_width"):
         load_profile(tmp_path / "bad.toml")
