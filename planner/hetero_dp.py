@@ -274,7 +274,10 @@ def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, op
         shares = balance_shares(time_s, replica_class, gbs // m)
         if shares is None:
             continue
-        chosen = {(k, b): runs[(classes[k].group, b, m)] for k, b in zip(replica_class, shares)}
+        # The trim in balance_shares leaves sizes its bisection never estimated: estimate them here.
+        chosen = {(k, b): _replica_run(model, classes[k], layout, options, b, m, runs) for k, b in zip(replica_class, shares)}
+        if any(run is None for run in chosen.values()):
+            continue
         predicted = _predicted(model, cluster, classes, layout, options, replica_class, shares, chosen)
         if best is None or predicted.step_time_s < best.predicted.step_time_s:
             best = _Choice(layout=layout, num_microbatches=m, shares=shares, runs=chosen, classes=replica_class, predicted=predicted)

@@ -318,7 +318,7 @@ def _unreachable(model, options: SearchOptions, candidates: list[_Candidate], so
     if best is None:
         raise PlanningError("no sub-cluster of the cluster fits the model; add devices, lower --global-batch or use --dtype bf16")
     return (f"no sub-cluster reaches --min-throughput {target:g} samples/s: the most any reaches is "
-            f"{best.predicted.throughput_samples_per_s:.4g} samples/s (on {best.cluster.spec})")
+            f"{best.predicted.throughput_samples_per_s:.4g} samples/s (on {best.cluster.spec}); add devices or lower the target")
 
 
 def _with_runners_up(plan: ParallelPlan, tried: dict, prices: dict[str, float], options: SearchOptions, wall_s: float) -> ParallelPlan:

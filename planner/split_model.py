@@ -131,6 +131,8 @@ def budget_reaches(steps: list[list[tuple[int, np.ndarray]]], types: list[str], 
             best[0] = reached
         nxt = np.full(share + 1, -1)
         for devices, ahead in options:
+            if devices > share:  # a degree wider than the type's share per replica cannot be this type's
+                continue
             start = best[: share + 1 - devices]
             far = np.where(start >= 0, ahead[np.maximum(start, 0)], -1)
             # every chunk holds a layer; once all are held, later chunks could take some from earlier ones
