@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan  # noqa: E402
 from rewriters import compile_plan  # noqa: E402
 from runtime.model_file import file_fingerprint  # noqa: E402
+from runtime.training import read_metrics  # noqa: E402
 
 MLP = ROOT / "examples" / "mlp.py"
 
@@ -148,7 +149,7 @@ def bench(kind: str, work: Path, opts: argparse.Namespace) -> dict:
         metrics = build / f"m{run}.jsonl"
         args = ["--steps", str(opts.steps), "--optimizer", "adamw", "--lr", "1e-3", "--metrics", metrics.name]
         _torchrun(build / "train.py", args, opts.timeout_s)
-        times = [r["step_time_s"] for r in map(json.loads, metrics.read_text().splitlines()) if "step_time_s" in r]
+        times = [r["step_time_s"] for r in read_metrics(metrics)]
         generated.append(_median_after_warmup(times, opts.warmup))
         out = build / f"h{run}.json"
         _torchrun(build / "hand.py", [kind, str(opts.steps), str(opts.microbatches), str(opts.micro_batch_size),

@@ -86,6 +86,13 @@ class LossReport:
 class StepLogger:
     """A progress line per step on stderr, and one JSON line per step in ``metrics``.
 
+    [Note: metrics file]
+    The metrics file holds one JSON object per line. A step's line is
+    ``{"kind": "step", "step", "loss", "step_time_s", "samples_per_s"}``; every other
+    record names another ``kind`` (``"stages"``: each pipeline rank's seconds per
+    micro-batch, which ``hetpar validate`` reads), and a reader of steps skips it
+    (``step_records``). docs/running.md documents the contract.
+
     Only the rank that logs (rank 0) writes. The metrics file is truncated at start; a
     run resumed after step ``start_step`` keeps the records of steps up to it and drops
     later ones (steps the interrupted run did after its last checkpoint), so the file
@@ -118,7 +125,7 @@ class StepLogger:
             flush=True,
         )
         if self._file is not None:
-            record = {"step": step, "loss": loss, "step_time_s": step_time_s, "samples_per_s": samples_per_s}
+            record = {"kind": "step", "step": step, "loss": loss, "step_time_s": step_time_s, "samples_per_s": samples_per_s}
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
 
@@ -129,7 +136,7 @@ class StepLogger:
         times = ", ".join(f"stage {s['stage']} forward {s['fwd_s'] * 1e3:.2f} ms backward {s['bwd_s'] * 1e3:.2f} ms" for s in stages)
         print(f"per micro-batch: {times}", file=sys.stderr, flush=True)
         if self._file is not None:
-            self._file.write(json.dumps({"stages": stages}) + "\n")
+            self._file.write(json.dumps({"kind": "stages", "stages": stages}) + "\n")
             self._file.flush()
 
     def close(self) -> None:
@@ -156,6 +163,22 @@ def report_stage_times(me: Placement, times: list[tuple[float, float]], num_micr
         logger.log_stages(sorted((g for g in gathered if g is not None), key=lambda g: g["stage"]))
 
 
+def read_metrics(metrics: Path, kind: str = "step") -> list[dict]:
+    """The records of one ``kind`` in a metrics file, in file order ([Note: metrics file]).
+
+    A line cut short (a crash mid-write) is skipped.
+    """
+    records = []
+    for line in Path(metrics).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("kind") == kind:
+            records.append(record)
+    return records
+
+
 def _records_up_to(metrics: Path, step: int) -> list[str]:
     if not metrics.is_file():
         return []
@@ -165,7 +188,8 @@ def _records_up_to(metrics: Path, step: int) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by the crash
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+        if isinstance(record, dict) and record.get("kind") == "step" and isinstance(record.get("step"), int) \
+                and record["step"] <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
     return kept
 
@@ -209,4 +233,4 @@ def save_atomic(obj: object, path: Path) -> None:
         raise
 
 
-__all__ = ["LossReport", "StepLogger", "announce", "make_optimizer", "report_stage_times", "save_atomic", "save_full_state"]
+__all__ = ["LossReport", "StepLogger", "announce", "make_optimizer", "read_metrics", "report_stage_times", "save_atomic", "save_full_state"]

@@ -18,7 +18,8 @@ from rewriters import compile_plan
 from runtime.checkpoint import MARKER, CheckpointError, Checkpointer, list_complete
 from runtime.model_file import load_model_file
 from runtime.precision import LossScaler
-from test_distributed import LR, MLP_ARGS, reference_run
+from runtime.training import read_metrics
+from test_distributed import LR, MLP_ARGS, assert_matches_reference, reference_run
 
 
 def make_state(seed: int = 0):
@@ -151,12 +152,10 @@ def compiled(tmp_path: Path, model_path: Path, plan_kwargs: dict) -> tuple[objec
 
 def assert_final_matches_reference(out: Path, plan, init_state: dict, optimizer: str, steps: int) -> None:
     final = torch.load(out / "final.pt", weights_only=True)
-    ref_losses, ref_state = reference_run(plan, init_state, optimizer, steps)
-    records = [r for r in map(json.loads, (out / "m.jsonl").read_text().splitlines()) if "step" in r]
+    _, ref_state = reference_run(plan, init_state, optimizer, steps)
+    records = read_metrics(out / "m.jsonl")
     assert [r["step"] for r in records] == list(range(1, steps + 1))
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in records]), torch.tensor(ref_losses), rtol=1e-4, atol=0)
-    for key, ref in ref_state.items():
-        torch.testing.assert_close(final[key], ref, atol=1e-5, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
+    assert_matches_reference(plan, init_state, optimizer, steps, [r["loss"] for r in records], final, ref_state)
 
 
 def run_args(steps: int, optimizer: str, every: int) -> list[str]:

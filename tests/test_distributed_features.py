@@ -59,7 +59,7 @@ def test_fp16_autocast_with_loss_scaling_tracks_float32(tmp_path, gpt_path):
     """fp16 compute, fp32 master weights, dynamic loss scale 2**16 in a pipeline. Compared
     with the float32 reference, so only as close as fp16's 11 bits allow."""
     plan = build_plan(gpt_path, GPT_ARGS, splits=[[0, 1], [2, 3]], num_microbatches=2, dtype="fp16")
-    losses, final, ref_losses, ref_state, _ = run_compiled(plan, tmp_path, "sgd")
+    losses, final, ref_losses, ref_state, *_ = run_compiled(plan, tmp_path, "sgd")
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
     assert max_param_diff(final, ref_state) < 2e-3  # measured 4e-6
 
@@ -68,7 +68,7 @@ def test_fp16_autocast_with_loss_scaling_tracks_float32(tmp_path, gpt_path):
 def test_fp16_gradient_compression_trains_within_fp16_rounding(tmp_path, mlp_path):
     """Lossy by design: each averaged gradient is rounded to fp16 (11 significant bits)."""
     plan = build_plan(mlp_path, MLP_ARGS, splits=[[0, 1, 2, 3]], data_parallel=2, num_microbatches=2)
-    losses, final, ref_losses, ref_state, stderr = run_compiled(
+    losses, final, ref_losses, ref_state, stderr, _ = run_compiled(
         dataclasses.replace(plan, grad_compression="fp16"), tmp_path, "sgd")
     assert "all-reduce over 2 replicas through fp16_compress_hook" in stderr
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
@@ -82,7 +82,7 @@ def test_powersgd_compresses_after_its_warm_up(tmp_path, mlp_path):
     before its step's update) match the reference exactly, and the parameters after the
     compressed third update differ from it, by a fraction of one update."""
     plan = build_plan(mlp_path, MLP_ARGS, splits=[[0, 1, 2, 3]], data_parallel=2, num_microbatches=2)
-    losses, final, ref_losses, ref_state, stderr = run_compiled(
+    losses, final, ref_losses, ref_state, stderr, _ = run_compiled(
         dataclasses.replace(plan, grad_compression="powersgd"), tmp_path, "sgd")
     assert "all-reduce over 2 replicas through powerSGD_hook" in stderr
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -21,6 +20,7 @@ from planner.plan import ParallelPlan, PlanError
 from rewriters.launchers import PROGRAM
 from rewriters.torchrun import compile_plan
 from runtime import devices
+from runtime.training import read_metrics
 
 # Steps whose time is dropped: the first builds the process groups' buffers and warms
 # the allocator and the autograd graph; the second still pays some of it.
@@ -115,11 +115,10 @@ def _run(build: Path, world: int, steps: int, timeout_s: float) -> tuple[list[fl
         raise ValidateError(f"the run failed with exit code {done.returncode}: {last[0].strip()}")
     if not metrics.is_file():
         raise ValidateError("the run wrote no metrics")
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    times = [r["step_time_s"] for r in records if "step_time_s" in r]
+    times = [r["step_time_s"] for r in read_metrics(metrics, "step")]
     if not times:
         raise ValidateError("the run wrote no step times")
-    stages = next((r["stages"] for r in records if "stages" in r), [])
+    stages = next((r["stages"] for r in read_metrics(metrics, "stages")), [])
     return times, stages
 
 
