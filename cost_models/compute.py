@@ -156,15 +156,13 @@ def layer_timing(
 # measured: a tensor-parallel rank runs other matmul shapes, and its DTensor dispatch
 # and collectives are fitted from the tensor-parallel reference step against the layer
 # model itself ([Note: calibrated fits]), so a ratio measured on the whole layer does not
-# carry over. (Scaling the rank's share by it predicted the larger validation GPT's tp2
-# forward at 93 ms against 120 ms measured, where the layer model alone gives 120 ms;
-# docs/BENCHMARKS.md.) The layer model keeps what a measurement cannot see (dtype,
-# tensor-parallel degree, the B/W split); the measurement is there for what the model
-# misses on some layers (the shapes of small matmuls, framework time per op) that the
-# reference workload's fits average away. On the development machine it did not beat
-# the layer model: the host's speed moves more within minutes than the layers' error
-# (docs/profiling.md). An explicit ``kernel_efficiency`` (hetpar estimate
-# --kernel-efficiency) turns it off.
+# carry over (docs/benchmarks-log.md, "Profiles next to their runs, three rounds").
+# The layer model keeps what a measurement cannot see (dtype, tensor-parallel degree,
+# the B/W split); the measurement is there for what the model misses on some layers
+# (the shapes of small matmuls, framework time per op) that the reference workload's
+# fits average away. On a host whose speed moves more within minutes than the layers'
+# error it does not beat the layer model (docs/profiling.md). An explicit
+# ``kernel_efficiency`` (hetpar estimate --kernel-efficiency) turns it off.
 def layer_correction(layer: LayerProfile, device, micro_batch_size: int) -> tuple[float, float]:
     """(forward, backward) factors on the modelled time of ``layer`` from the device's
     measured layers; (1, 1) for a layer the profile did not measure. See [Note: measured layers]."""
@@ -235,13 +233,12 @@ def log_interpolate(points: dict[int, float], x: float) -> float:
 # to the next, that is memory traffic on top of the FLOPs, and at small micro-batches
 # it is most of a Linear's time. A measured profile sets ``weight_stream_bytes_per_s``
 # to its copy bandwidth and the layer pays the weights' fp32 bytes at that rate, less
-# the same kernel and stream efficiencies as its activation traffic. On the 2-core CPU
-# host, with it and the row curves, the validation models' layers are predicted
-# within 13% forward and 6% backward (benchmarks/layer_bench.py, docs/BENCHMARKS.md
-# "The layer model against this machine"); without it, GPT blocks of 512 rows and MLP
-# blocks of 16 rows were off in opposite directions (+32%, -20%). Datasheet profiles
-# leave it unset: on a GPU at training sizes a matmul's weight reads hide under its
-# FLOPs, and TRAINING_KERNEL_EFFICIENCY was fitted without them.
+# the same kernel and stream efficiencies as its activation traffic.
+# benchmarks/layer_bench.py compares the layers, with it and the row curves, against
+# the same layers timed on the host (docs/BENCHMARKS.md, "The layer model against this
+# machine"). Datasheet profiles leave it unset: on a GPU at training sizes a matmul's
+# weight reads hide under its FLOPs, and TRAINING_KERNEL_EFFICIENCY was fitted without
+# them.
 @dataclass(frozen=True)
 class OptimizerRates:
     """What an optimizer step costs on a device; see ``optimizer_rates``."""

@@ -201,7 +201,7 @@ class _KernelCounter(TorchDispatchMode):
 
 # [Note: matmul rows]
 # A matmul's throughput on a CPU (and, less so, on a GPU) falls with its row count M:
-# a 4-row matmul reaches a third of what a 256-row one does here (docs/profiling.md).
+# the profile measures that curve (docs/profiling.md, "matmul by rows").
 # The layer cost model therefore needs each forward matmul's M, not only its FLOPs:
 # the rows of the left operand of mm/addmm (a Linear's batch and sequence positions
 # flattened, so they grow with the micro-batch), the rows of each matrix of bmm/baddbmm
@@ -209,13 +209,12 @@ class _KernelCounter(TorchDispatchMode):
 # they do not grow), and a convolution's output positions per image (they grow). Other
 # FLOP-counted kernels record none. The backward's matmuls of a forward matmul run
 # with the same M (the input gradient has M rows; the weight gradient sums over M).
-# It falls with the matmul's width too: in a profile of the development host a Linear
-# of 128 inputs and outputs on 64 rows reached 108 GFLOP/s where one of 512 reached
-# 136 (docs/BENCHMARKS.md, "Matmul width in the layer model"; a transposed weight and
-# a bias weigh more on fewer FLOPs per output), so each matmul also records its
-# width, the geometric mean of its inner dimension K and its output columns N (of
-# attention: the head size and the key length), and the cost model interpolates
-# between curves measured at two widths (cost_models/compute.py ``matmul_efficiency``).
+# It falls with the matmul's width too (a transposed weight and a bias weigh more on
+# fewer FLOPs per output; docs/BENCHMARKS.md, "Matmul width in the layer model"), so
+# each matmul also records its width, the geometric mean of its inner dimension K and
+# its output columns N (of attention: the head size and the key length), and the cost
+# model interpolates between curves measured at two widths (cost_models/compute.py
+# ``matmul_efficiency``).
 def matmul_rows(op: str, args: tuple, out: Any) -> tuple[int, bool, int] | None:
     """(rows M at the traced batch, whether M grows with the batch, width sqrt(K N)) of a
     FLOP-counted kernel; see [Note: matmul rows]."""

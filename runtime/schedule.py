@@ -422,11 +422,10 @@ class TimedRun:
 # is then computing, that thread has to be scheduled beside the sender's compute; on a
 # host whose cores are all busy (CPU workers computing on every core) it waits for the
 # OS scheduler. ``hetpar profile`` measures the mean wait of exactly that case
-# (runtime/profiler.py ``late_receive_times``; 1.0-2.9 ms on the development host, where
-# a receive posted late to an idle sender waits about 0.13 ms; docs/BENCHMARKS.md,
-# "Late pipeline receives"), and ``simulate_timed`` charges it to every message the
-# timeline finds in that case: the message arrives no earlier than the receiver's
-# arrival at the action plus the charge. GPipe runs into it on every micro-batch (its first stage sends forwards
+# (runtime/profiler.py ``late_receive_times``; docs/BENCHMARKS.md, "Late pipeline
+# receives", sets it beside a receive posted late to an idle sender), and
+# ``simulate_timed`` charges it to every message the timeline finds in that case: the
+# message arrives no earlier than the receiver's arrival at the action plus the charge. GPipe runs into it on every micro-batch (its first stage sends forwards
 # back to back while the next is still computing the previous ones), 1F1B rarely (its
 # late receives mostly find the sender waiting itself). Ranks are played in the order
 # of their actions' start times, so the sender's timeline is known up to the moment
