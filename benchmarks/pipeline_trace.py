@@ -27,7 +27,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime import executor, schedule, shard  # noqa: E402
+from runtime import executor, schedule, shard, timing  # noqa: E402
 from runtime.distributed import Peers  # noqa: E402
 from runtime.graph import trace_layers  # noqa: E402
 from runtime.model_file import load_model_file, parse_model_args  # noqa: E402
@@ -59,12 +59,15 @@ def main() -> None:
     batches = iter(spec.batches(ns.micro_batch_size, 0))
     data = [next(batches) for _ in range(ns.microbatches)]
     stamps: list[tuple[str, int, float, float, float]] = []
+    timer = timing.StepTimer(torch.device("cpu"))  # only its receives' waits are read
 
     def timed(kind: str, run):
         def wrapper(self, microbatch, *args, **kwargs):
-            start, waited = time.perf_counter(), self.waited_s
+            self.timer = timer
+            start, seen = time.perf_counter(), len(timer.spans)
             result = run(self, microbatch, *args, **kwargs)
-            stamps.append((kind, microbatch, start, time.perf_counter(), self.waited_s - waited))
+            waited = sum(span.seconds() for span in timer.spans[seen:] if span.excluded)
+            stamps.append((kind, microbatch, start, time.perf_counter(), waited))
             return result
         return wrapper
 
@@ -78,6 +81,7 @@ def main() -> None:
         for k in range(4 + ns.steps):
             optimizer.zero_grad(set_to_none=True)
             stamps.clear()
+            timer.spans.clear()
             dist.barrier()
             start = time.perf_counter()
             executor.run_actions(pipeline, actions, data, torch.device("cpu"))

@@ -41,7 +41,6 @@ rather than the third of it the schedule assumes.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -53,6 +52,7 @@ from runtime.graph import Stage, TensorSpec
 from runtime.precision import LossScaler
 from runtime.schedule import Action, Kind
 from runtime.shard import Microbatch
+from runtime.timing import StepTimer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -93,7 +93,7 @@ class StageExecutor:
     _in_flight: dict[int, _InFlight] = field(default_factory=dict, init=False, repr=False)
     _pending_sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list, init=False, repr=False)
     _awaiting_weights: dict[int, tuple[list, list]] = field(default_factory=dict, init=False, repr=False)
-    waited_s: float = field(default=0.0, init=False, repr=False)  # seconds blocked on receives, ever
+    timer: StepTimer | None = field(default=None, init=False, repr=False)  # set by run_actions when timing
 
     def run(self, actions: list[Action], data: list[Microbatch]) -> torch.Tensor:
         """Run one step's actions on this step's micro-batches.
@@ -182,9 +182,10 @@ class StageExecutor:
         tensors = []
         for spec in specs:
             buffer = torch.empty(spec.shape, dtype=_wire_dtype(spec.dtype), device=self.device)
-            start = time.perf_counter()
+            start = self.timer.mark() if self.timer is not None else None
             dist.irecv(buffer, src=src, tag=tag).wait()
-            self.waited_s += time.perf_counter() - start
+            if self.timer is not None:
+                self.timer.exclude(start, self.timer.mark())
             tensors.append(buffer.to(spec.dtype) if spec.dtype == torch.bool else buffer)
         return tuple(tensors)
 
@@ -195,7 +196,7 @@ class StageExecutor:
 
 
 def run_actions(stages: dict[int, StageExecutor], actions: list[Action], data: list[Microbatch],
-                device: torch.device, times: list[tuple[float, float]] | None = None) -> torch.Tensor:
+                device: torch.device, times: StepTimer | None = None) -> torch.Tensor:
     """Run one step's actions of this rank, each on the stage it names (a rank holds
     several stages under the interleaved schedule), then wait for every send.
 
@@ -203,9 +204,9 @@ def run_actions(stages: dict[int, StageExecutor], actions: list[Action], data: l
     in the step. In a list with W actions, backwards leave parameter gradients to the
     W actions ([Note: W actions]).
 
-    With ``times``, appends this step's (forward, backward) seconds of the rank: its
-    actions' wall time less what they waited for their receives (W actions count as
-    backward), as ``hetpar validate`` compares them with the predicted stage times.
+    With ``times``, marks each action and each receive's wait on the device's timeline
+    ([Note: device timing]); ``times.stop()`` at the step's end settles this step's
+    (forward, backward) seconds of the rank, receives' waits left out.
 
     Returns:
         The last stage's summed scaled micro-batch losses (see ``StageExecutor.run``);
@@ -217,10 +218,13 @@ def run_actions(stages: dict[int, StageExecutor], actions: list[Action], data: l
     loss_sum = torch.zeros((), device=device)
     weights_later = any(a.kind is Kind.WEIGHT for a in actions)
     last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD}
-    spent = {Kind.FORWARD: 0.0, Kind.BACKWARD: 0.0, Kind.WEIGHT: 0.0}
+    for stage in stages.values():
+        stage.timer = times
     for i, action in enumerate(actions):
         stage = stages[action.stage]
-        start, waited = time.perf_counter(), stage.waited_s
+        if times is not None:
+            times.action(forward=action.kind is Kind.FORWARD)
+            start = times.mark()
         inputs, targets = data[action.microbatch]
         if action.kind is Kind.FORWARD:
             loss = stage.forward(action.microbatch, inputs, targets)
@@ -232,11 +236,10 @@ def run_actions(stages: dict[int, StageExecutor], actions: list[Action], data: l
             stage.backward(action.microbatch, weights_later=weights_later)
         else:
             stage.weight(action.microbatch)
-        spent[action.kind] += time.perf_counter() - start - (stage.waited_s - waited)
+        if times is not None:
+            times.include(start, times.mark())
     for stage in stages.values():
         stage.finish()
-    if times is not None:
-        times.append((spent[Kind.FORWARD], spent[Kind.BACKWARD] + spent[Kind.WEIGHT]))
     return loss_sum
 
 

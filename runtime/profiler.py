@@ -280,7 +280,7 @@ def _timed_reference_steps(stage, model_file, sync, *, repeats: int) -> tuple[li
         ``sync``) the wait for its all-reduce, optimizer step], and of [micro-batches,
         the forwards, the backwards] as the executor times them apart inside the step.
     """
-    from runtime import executor, reference_model, schedule
+    from runtime import executor, reference_model, schedule, timing
     from runtime.distributed import Peers
 
     none = Peers(recv_activations_from=None, send_activations_to=(), recv_grads_from=None, send_grads_to=())
@@ -295,9 +295,11 @@ def _timed_reference_steps(stage, model_file, sync, *, repeats: int) -> tuple[li
 
         def train_step() -> list[float]:
             optimizer.zero_grad(set_to_none=True)
-            start, split = time.perf_counter(), []
+            split = timing.StepTimer(torch.device("cpu"))
+            start = time.perf_counter()
             loss = executor.run_actions(pipeline, actions, data, torch.device("cpu"), times=split)
             computed = time.perf_counter()
+            split.settle()
             if sync:
                 sync.reduce()
             synced = time.perf_counter()
@@ -306,7 +308,7 @@ def _timed_reference_steps(stage, model_file, sync, *, repeats: int) -> tuple[li
             reported = loss.reshape(1).clone()
             dist.all_reduce(reported)
             float(reported)
-            return [computed - start, *([synced - computed] if sync else []), stepped - synced, *split[0]]
+            return [computed - start, *([synced - computed] if sync else []), stepped - synced, *split.steps[0]]
 
         dist.barrier()
         *sections, fwd, bwd = median_sections_s(train_step, repeats=repeats)

@@ -27,6 +27,7 @@ What a rank reads depends on where the data comes from (``ModelFile.batches``):
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -113,6 +114,38 @@ class Chunks(nn.ModuleList):
 def rank_module(stage_modules: list[nn.Module]) -> nn.Module:
     """The module of this rank's parameters: its one stage, or its chunks as ``Chunks``."""
     return stage_modules[0] if len(stage_modules) == 1 else Chunks(stage_modules)
+
+
+def compile_stages(modules: list[nn.Module], device: torch.device, mode: str, *, announce: bool = False) -> str:
+    """``torch.compile`` each stage module in place (``nn.Module.compile``), per ``mode``
+    ("on", "off", or "auto": on for CUDA devices). Compiling is lazy: a graph that does
+    not compile falls back to eager code at its first call with dynamo's warning, and
+    training goes on (``suppress_errors``).
+
+    Returns:
+        One line for the log, printed on stderr with ``announce``: compiled, or why not.
+    """
+    line = _compile_stages(modules, device, mode)
+    if announce:
+        print(f"hetpar: {line}", file=sys.stderr, flush=True)
+    return line
+
+
+def _compile_stages(modules: list[nn.Module], device: torch.device, mode: str) -> str:
+    wanted = mode == "on" or (mode == "auto" and device.type == "cuda")
+    if not wanted:
+        return f"stages run eagerly (--compile {mode})"
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "stages run eagerly: torch.compile needs triton on CUDA, which is not installed"
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True
+    for module in modules:
+        module.compile()
+    return f"stages compiled with torch.compile (--compile {mode}; a graph that fails runs eagerly)"
 
 
 def chunk_modules(module: nn.Module) -> list[nn.Module]:
@@ -301,8 +334,16 @@ def microbatches(
     out = []
     for i in range(num_microbatches):
         lo, hi = start + i * size, start + (i + 1) * size
-        out.append((tuple(t[lo:hi].to(device) for t in inputs), targets[lo:hi].to(device)))
+        out.append((tuple(_to_device(t[lo:hi], device) for t in inputs), _to_device(targets[lo:hi], device)))
     return out
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; a host batch bound for a GPU goes through pinned memory, so
+    the copy runs on the stream without holding the host (``non_blocking``)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def loss_weight(micro_batch_sizes: list[int], replica: int) -> float:
@@ -318,6 +359,6 @@ def loss_weight(micro_batch_sizes: list[int], replica: int) -> float:
 
 
 __all__ = [
-    "Chunks", "Microbatch", "ShardError", "apply_tensor_parallel", "chunk_modules", "cut_stage", "rank_module", "load_full_state",
+    "Chunks", "Microbatch", "ShardError", "apply_tensor_parallel", "chunk_modules", "compile_stages", "cut_stage", "rank_module", "load_full_state",
     "loss_weight", "microbatches", "replica_batches", "replica_rows",
 ]

@@ -22,12 +22,18 @@ from runtime.shard import chunk_modules
 
 
 def make_optimizer(name: str, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """Plain SGD (no momentum) or AdamW with torch's defaults, at learning rate ``lr``."""
+    """Plain SGD (no momentum) or AdamW with torch's defaults, at learning rate ``lr``.
+
+    AdamW on GPU parameters is torch's fused kernel (one launch for all tensors, as
+    torchtitan does); on a CPU the default implementation, whose arithmetic the
+    distributed tests compare with one process.
+    """
     params = list(params)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
+        fused = bool(params) and all(p.device.type == "cuda" for p in params)
+        return torch.optim.AdamW(params, lr=lr, fused=fused or None)
     raise ValueError(f"unknown optimizer {name!r}; choose sgd or adamw")
 
 
@@ -149,7 +155,7 @@ def report_stage_times(me: Placement, times: list[tuple[float, float]], num_micr
     """Log each pipeline rank's forward and backward seconds per micro-batch (collective).
 
     ``times`` holds this rank's (forward, backward) seconds of each step, receives'
-    waits left out (``executor.run_actions``); a rank's figure is the median over the
+    waits left out (``StepTimer.steps``); a rank's figure is the median over the
     steps divided by the micro-batches. Replica 0, tensor-parallel index 0 of each
     pipeline rank reports; rank 0 logs them (``StepLogger.log_stages``).
     """

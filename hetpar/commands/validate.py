@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -48,7 +49,14 @@ class Validation:
     stages: list[dict] = field(default_factory=list)
 
 
-def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Path | None = None) -> Validation:
+class Compile(str, Enum):
+    off = "off"
+    on = "on"
+    auto = "auto"
+
+
+def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Path | None = None,
+                  compile: str = "off") -> Validation:
     """Compile ``plan_path`` into a temporary directory, run it with torchrun, and compare.
 
     Args:
@@ -56,6 +64,7 @@ def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Pat
         steps: measured steps; WARMUP_STEPS more are run and dropped.
         timeout_s: the run is killed after this many seconds.
         workdir: where to build (a temporary directory when None).
+        compile: the program's ``--compile`` (off by default: the cost model predicts eager stages).
 
     Returns:
         The comparison.
@@ -71,7 +80,7 @@ def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Pat
     with tempfile.TemporaryDirectory(prefix="hetpar-validate-") as tmp:
         build = Path(workdir or tmp) / "build"
         compile_plan(plan, build)
-        times, stage_times = _run(build, plan.cluster.world_size, steps + WARMUP_STEPS, timeout_s)
+        times, stage_times = _run(build, plan.cluster.world_size, steps + WARMUP_STEPS, timeout_s, compile)
     measured = times[WARMUP_STEPS:] or times
     median = statistics.median(measured)
     predicted = plan.predicted.step_time_s
@@ -101,10 +110,11 @@ def _check_this_host(plan: ParallelPlan) -> None:
             f"here, so plan it for this host (for example -c 1x{plan.cluster.world_size}xcpu with --profile)")
 
 
-def _run(build: Path, world: int, steps: int, timeout_s: float) -> tuple[list[float], list[dict]]:
+def _run(build: Path, world: int, steps: int, timeout_s: float, compile: str) -> tuple[list[float], list[dict]]:
     metrics = build / "metrics.jsonl"
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--rdzv-backend=c10d",
-               "--rdzv-endpoint=localhost:0", PROGRAM, "--steps", str(steps), "--metrics", str(metrics)]
+               "--rdzv-endpoint=localhost:0", PROGRAM, "--steps", str(steps), "--metrics", str(metrics),
+               "--compile", compile]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         done = subprocess.run(command, cwd=build, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -129,6 +139,8 @@ def validate(
     timeout: Annotated[float, typer.Option(help="Kill the run after this many seconds.")] = 300.0,
     nproc_check: Annotated[bool, typer.Option("--nproc-check/--no-nproc-check", help="Refuse plans with more ranks than this host has cores.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON to stdout.")] = False,
+    compile: Annotated[Compile, typer.Option(help="The program's --compile: torch.compile each stage. Off by default: "
+                                                  "the cost model predicts eager stages.")] = Compile.off,
 ) -> None:
     """Run PLAN_FILE with torchrun on this host and report predicted against measured step time."""
     if nproc_check:
@@ -136,7 +148,7 @@ def validate(
         if world > (os.cpu_count() or 1):
             raise ValidateError(f"the plan has {world} ranks and this host {os.cpu_count()} cores; timings would be meaningless")
     with console.status(f"running {plan_file} with torchrun"):
-        result = validate_plan(plan_file, steps=steps, timeout_s=timeout)
+        result = validate_plan(plan_file, steps=steps, timeout_s=timeout, compile=compile.value)
     console.print(f"predicted {seconds(result.predicted_step_time_s)}, measured {seconds(result.measured_step_time_s)} "
                   f"(median of {result.measured_steps} steps, {result.world_size} ranks): error {result.relative_error:+.1%}")
     if result.stages:
