@@ -335,6 +335,16 @@ def _degrees(layer: LayerProfile) -> str:
     return ", ".join(map(str, layer.tp_degrees or ())) or "no"
 
 
+def stage_devices_of(ranks: list[list[list[int]]], device_types: list[str]) -> tuple[str, ...] | None:
+    """``EstimateConfig.stage_devices`` of a plan whose pipeline rank s runs on ``ranks[s]`` ([replica][tp index]):
+    each rank's device type where every one runs on a single type of a mixed cluster; None where the cluster has
+    one type or a stage spans types (Megatron's rank order over mixed devices, which None gives)."""
+    per_rank = [{device_types[r] for replica in stage for r in replica} for stage in ranks]
+    if len(set(device_types)) == 1 or any(len(types) > 1 for types in per_rank):
+        return None
+    return tuple(types.pop() for types in per_rank)
+
+
 def stage_layout(cluster: Cluster, config: EstimateConfig) -> list[StageLayout]:
     """The ranks of each pipeline rank; see [Note: estimate rank layout].
 
@@ -646,7 +656,8 @@ def _assemble(model, cluster, config, layouts, bounds, played: _Played, stages: 
     sharded = [count(s, "tp_sharded_tensors") if c.tp_of(s.index) > 1 else 0 for s in stages]
     optimizer = max(_optimizer_s(params[r], tensors[r], sharded[r], cluster.profile(layouts[r].device_type), c, c.zero_of(r))
                     for r in range(c.pp))
-    time = TimeBreakdown(compute_s=compute, bubble_s=pipeline_end - compute - tp - zero3 - pp, tp_comm_s=tp, pp_comm_s=pp,
+    # The busiest rank's busy time never exceeds the makespan; max() drops a rounding error's -1e-21.
+    time = TimeBreakdown(compute_s=compute, bubble_s=max(0.0, pipeline_end - compute - tp - zero3 - pp), tp_comm_s=tp, pp_comm_s=pp,
                          dp_comm_s=dp + zero3, optimizer_s=optimizer)
     step = time.step_s
     flops = sum(l.fwd_flops + l.bwd_flops for l in model.layers) * c.global_batch_size
@@ -676,4 +687,4 @@ def _exposed_dp_s(sync_s: float, played: _Played, r: int, config: EstimateConfig
     return max(0.0, sync_s - (last.end_s - last.start_s))
 
 
-__all__ = ["Estimate", "EstimateConfig", "EstimateError", "StageEstimate", "TimeBreakdown", "estimate", "stage_layout"]
+__all__ = ["Estimate", "EstimateConfig", "EstimateError", "StageEstimate", "TimeBreakdown", "estimate", "stage_devices_of", "stage_layout"]

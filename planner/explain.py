@@ -10,7 +10,7 @@ from html import escape
 from pathlib import Path
 
 from cost_models.cluster import parse_cluster
-from planner.estimate import Estimate, EstimateConfig, estimate
+from planner.estimate import Estimate, EstimateConfig, estimate, stage_devices_of
 from planner.plan import ParallelPlan, PlanError
 from planner.trace import trace_model
 from runtime.model_file import file_fingerprint, load_model_file
@@ -39,7 +39,6 @@ def explain_plan(plan: ParallelPlan, profiles: dict | None = None) -> Explanatio
         raise PlanError(f"model file {str(path)!r} changed since planning; re-run hetpar plan")
     graph = trace_model(load_model_file(path, plan.model.args), tuple(plan.model.leaf_modules))
     cluster = parse_cluster(plan.cluster.spec, profiles=profiles)
-    mixed = len(set(plan.cluster.device_types)) > 1
     ranks = plan.stages[: plan.pipeline_parallel]  # with virtual stages, stages[s] runs on ranks[s % pp]
     config = EstimateConfig(
         global_batch_size=plan.global_batch_size,
@@ -51,7 +50,7 @@ def explain_plan(plan: ParallelPlan, profiles: dict | None = None) -> Explanatio
         schedule=plan.schedule.value,
         virtual_stages=plan.virtual_stages,
         stage_layers=tuple(len(s.layers) for s in plan.stages),
-        stage_devices=tuple(s.device_type for s in ranks) if mixed else None,
+        stage_devices=stage_devices_of([s.ranks for s in ranks], plan.cluster.device_types),
         stage_recompute=tuple(s.recompute for s in plan.stages),
         stage_zero=tuple(s.zero_stage for s in ranks),
         stage_tp=tuple(s.tensor_parallel for s in ranks) if len({s.tensor_parallel for s in ranks}) > 1 else None,

@@ -194,7 +194,7 @@ def cheapest_plan(
     if progress:
         progress(len(candidates), len(candidates), "done")
     if best is None:
-        raise PlanningError(_unreachable(model, options, candidates, solve, tried, target, hetero_dp))
+        raise PlanningError(_unreachable(model, cluster, options, candidates, solve, tried, target, hetero_dp))
     return _with_runners_up(best[1], tried, prices, options, time.perf_counter() - start)
 
 
@@ -302,9 +302,10 @@ def _solve(model, cluster: Cluster, options, solve, tried: dict) -> ParallelPlan
     return tried[cluster.spec]
 
 
-def _unreachable(model, options: SearchOptions, candidates: list[_Candidate], solve, tried: dict, target: float,
+def _unreachable(model, cluster: Cluster, options: SearchOptions, candidates: list[_Candidate], solve, tried: dict, target: float,
                  hetero_dp: str) -> str:
-    """Why no sub-cluster meets the target, with the best throughput any reaches (searched in order of its bound)."""
+    """Why no sub-cluster meets the target, with the best throughput any reaches (searched in order of its bound);
+    where none has a plan at all, why the whole cluster has none (the pins, the batch, the dtype, memory)."""
     best: ParallelPlan | None = None
     reached = lambda: 0.0 if best is None else best.predicted.throughput_samples_per_s  # noqa: E731
     for cand in sorted(candidates, key=lambda c: c.step_lb_s):
@@ -316,6 +317,10 @@ def _unreachable(model, options: SearchOptions, candidates: list[_Candidate], so
         if plan is not None and (best is None or plan.predicted.throughput_samples_per_s > best.predicted.throughput_samples_per_s):
             best = plan
     if best is None:
+        try:
+            solve(model, cluster, options)
+        except PlanningError as exc:
+            raise PlanningError(f"no sub-cluster of {cluster.spec} has a plan; on all of it: {exc}") from None
         raise PlanningError("no sub-cluster of the cluster fits the model; add devices, lower --global-batch or use --dtype bf16")
     return (f"no sub-cluster reaches --min-throughput {target:g} samples/s: the most any reaches is "
             f"{best.predicted.throughput_samples_per_s:.4g} samples/s (on {best.cluster.spec}); add devices or lower the target")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
+from cost_models.devices import ProfileError
 from cost_models.layers import tp_misfit
 from cost_models.pipeline import SCHEDULES
 from planner.bounds import budget_may_beat, lower_bound_s, memory_may_fit
@@ -167,7 +168,7 @@ def _layouts(model: ModelGraph, cluster, options: SearchOptions, dp: int, tp_ok:
         mine = {t: tuple(d for d in degrees if width[t] % d == 0 and d <= share[t]) for t in by_type}
         if not all(mine.values()):
             continue
-        for per_type in _stage_counts(share, mine, width, len(model.layers)):
+        for per_type in _stage_counts(share, mine, width, len(model.layers), pinned_pp(options)):
             used = tuple(sorted({d for t, p in per_type for d in degree_split(share[t], p, mine[t])}))
             if options.stage_devices is None or all(options.stage_devices.count(t) == p for t, p in per_type):
                 yield used, tuple(sorted(share.items())), per_type
@@ -192,8 +193,17 @@ def _layouts(model: ModelGraph, cluster, options: SearchOptions, dp: int, tp_ok:
 # first split found largest first. Offering every degree that could sum right was
 # tried: with 24 modes per stage CP-SAT's relaxation was weak (a bound of a third of
 # the optimum after 2 s on the 1T benchmark's candidates), and the search took minutes.
-def _stage_counts(share: dict[str, int], degrees: dict[str, tuple[int, ...]], width: dict[str, int], num_layers: int):
-    """The (device type, stages) tuples of [Note: stage counts]."""
+# A pinned pipeline depth (--pp, --stage-layers, --stage-devices) fixes the total, so
+# there every split of it over the types whose degrees can sum to their shares is
+# taken: few, and the counts above need not reach the pinned depth (on
+# 2x4xH100-80GB+2x8xA100-40GB, --pp 4 is 1 + 1 stages on the H100s and 1 + 1 on the
+# A100s at dp 4, which none of the uniform counts is).
+def _stage_counts(share: dict[str, int], degrees: dict[str, tuple[int, ...]], width: dict[str, int], num_layers: int,
+                  pinned: int | None = None):
+    """The (device type, stages) tuples of [Note: stage counts]; with a ``pinned`` depth, those that sum to it."""
+    if pinned is not None:
+        yield from _pinned_stage_counts(share, degrees, pinned)
+        return
     seen = set()
     for d in sorted({d for mine in degrees.values() for d in mine}):
         base = {t: -(-share[t] // max((e for e in mine if e <= d), default=min(mine))) for t, mine in degrees.items()}
@@ -205,6 +215,15 @@ def _stage_counts(share: dict[str, int], degrees: dict[str, tuple[int, ...]], wi
             seen.add(key)
             if all(degree_split(share[t], n, degrees[t]) is not None for t, n in counts.items()):
                 yield key
+
+
+def _pinned_stage_counts(share: dict[str, int], degrees: dict[str, tuple[int, ...]], pp: int):
+    """Every ((device type, stages), ...) with ``pp`` stages in all whose degrees can sum to each type's share."""
+    types = sorted(share)
+    for head in itertools.product(range(1, pp + 1), repeat=len(types) - 1):
+        counts = (*head, pp - sum(head))
+        if counts[-1] >= 1 and all(degree_split(share[t], n, degrees[t]) is not None for t, n in zip(types, counts)):
+            yield tuple(zip(types, counts))
 
 
 def _degree_ok(model: ModelGraph, options: SearchOptions, tp: int, tp_ok: bool) -> bool:
@@ -253,9 +272,10 @@ def _no_candidate_reason(model: ModelGraph, cluster, options: SearchOptions, tp_
         return (f"the interleaved schedule needs tp 1, micro-batches a multiple of pp and pp * virtual stages <= "
                 f"{len(model.layers)} layers; nothing fits world_size({world}) with global batch {gbs} and the other pins")
     return (
-        f"no (dp, tp, pp) fits world_size({world}) with global batch {gbs}"
-        + ("" if tp_ok else " (the model has no tensor-parallel layers, so tp is 1)")
-        + "; change the pins or --global-batch"
+        f"no (dp, tp, pp) fits world_size({world}) with global batch {gbs}: dp must divide the batch, tp every node's "
+        f"devices, and pp is at most the model's {len(model.layers)} layers"
+        + ("" if tp_ok else " (and tp is 1: the model has no tensor-parallel layers)")
+        + "; change the pins, --global-batch or the cluster"
     )
 
 
@@ -291,6 +311,11 @@ def _check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
         raise PlanningError(f"unknown --recompute {options.recompute!r}; use none, selective or full")
     if options.schedule and options.schedule not in SCHEDULES:
         raise PlanningError(f"unknown --schedule {options.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    for device_type in cluster.count_by_type():  # else every time is infinite and nothing seems to fit
+        try:
+            cluster.profile(device_type).peak_flops(options.dtype)
+        except ProfileError as exc:
+            raise PlanningError(str(exc)) from None
     _check_schedule_pins(model, options)
     _check_stage_pins(model, cluster, options)
 
@@ -662,7 +687,7 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
 # simulated action by action, the optimizer step, Megatron's p2p scatter/gather. The
 # linear objective is the fallback when the estimator cannot express a plan.
 def _simulated_prediction(model: ModelGraph, cluster, options: SearchOptions, cand: Candidate, bounds, stages: list[StagePlan]) -> Predicted | None:
-    from planner.estimate import EstimateConfig, EstimateError, estimate
+    from planner.estimate import EstimateConfig, EstimateError, estimate, stage_devices_of
 
     ranks = stages[: cand.pp]
     degrees = tuple(s.tensor_parallel for s in ranks)
@@ -670,7 +695,7 @@ def _simulated_prediction(model: ModelGraph, cluster, options: SearchOptions, ca
         global_batch_size=options.global_batch_size, dp=cand.dp, tp=degrees[0], pp=cand.pp,
         micro_batch_size=cand.micro_batch_size, dtype=options.dtype, schedule=cand.schedule, virtual_stages=cand.virtual_stages,
         optimizer=options.optimizer, stage_layers=tuple(b - a + 1 for a, b in bounds),
-        stage_devices=tuple(s.device_type for s in ranks) if len(set(cluster.device_types())) > 1 else None,
+        stage_devices=stage_devices_of([s.ranks for s in ranks], cluster.device_types()),
         stage_recompute=tuple(s.recompute for s in stages), stage_zero=tuple(s.zero_stage for s in ranks),
         stage_tp=degrees if len(set(degrees)) > 1 else None,
     )
