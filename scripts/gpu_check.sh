@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The GPU check anyone with one CUDA GPU can run (about 8 minutes on an H200):
+#   1. the `gpu` tests (timing with CUDA events against a synchronised step);
+#   2. `hetpar profile` of this GPU;
+#   3. six single-GPU plans of examples/gpt.py (350M and 1.3B parameters, several
+#      micro-batch sizes, with and without recompute) planned with the datasheet
+#      profile, validated with `hetpar validate` (eager stages), and re-predicted with
+#      the measured profile;
+#   4. the 1.3B plan at micro-batch 8 against hand-written loops (eager AdamW, fused
+#      AdamW, torch.compile with fused AdamW; benchmarks/gpu_loop_bench.py) and the
+#      generated program with --compile on;
+#   5. one table of predicted against measured step times.
+# Each part is time-boxed and writes under OUT_DIR as it goes, so a part that fails
+# leaves the others' results.
+#
+#   scripts/gpu_check.sh [OUT_DIR]        (default out/gpu_check; PY=python3 by default)
+#
+# hetpar runs from this checkout (PYTHONPATH), so nothing needs installing beyond
+# torch, ortools, typer, rich and pytest.
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT_DIR=${1:-out/gpu_check}
+PY=${PY:-python3}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+cd "$REPO"
+hetpar() { "$PY" -m hetpar "$@"; }
+part() { echo; echo "== $* ($(date +%T))"; }
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: no CUDA device visible to $PY" >&2
+    exit 1
+fi
+"$PY" -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0))" | tee "$OUT_DIR/device.txt"
+CLUSTER=${CLUSTER:-1x1xH200-141GB}
+
+part "gpu tests"
+timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -n 15 | tee "$OUT_DIR/gpu_tests.log"
+
+part "hetpar profile -o $OUT_DIR/profile.json"
+timeout 240 "$PY" -m hetpar profile -o "$OUT_DIR/profile.json" 2>&1 | tail -n 25 | tee "$OUT_DIR/profile.log"
+PROFILE_ARGS=()
+[ -s "$OUT_DIR/profile.json" ] && PROFILE_ARGS=(--profile "$OUT_DIR/profile.json")
+
+M350=(-a n_layers=24 -a hidden=1024 -a heads=16 -a seq_len=1024 -a vocab=50304)
+M1300=(-a n_layers=24 -a hidden=2048 -a heads=16 -a seq_len=1024 -a vocab=50304)
+# name model micro-batch recompute; the global batch is two micro-batches
+CONFIGS="350m_mb4_none M350 4 none
+350m_mb16_none M350 16 none
+350m_mb16_full M350 16 full
+1p3b_mb4_none M1300 4 none
+1p3b_mb8_none M1300 8 none
+1p3b_mb8_full M1300 8 full"
+
+while read -r name model mb recompute; do
+    declare -n margs=$model
+    part "$name: plan, validate"
+    common=(examples/gpt.py "${margs[@]}" -c "$CLUSTER" -b $((2 * mb)) --micro-batch-size "$mb" --recompute "$recompute")
+    hetpar plan "${common[@]}" -o "$OUT_DIR/plan_$name.json" >/dev/null || continue
+    if [ ${#PROFILE_ARGS[@]} -gt 0 ]; then
+        hetpar plan "${common[@]}" "${PROFILE_ARGS[@]}" -o "$OUT_DIR/plan_${name}_profiled.json" >/dev/null
+    fi
+    timeout 150 "$PY" -m hetpar validate "$OUT_DIR/plan_$name.json" --steps 6 --json >"$OUT_DIR/validate_$name.json" \
+        2>"$OUT_DIR/validate_$name.log" || tail -n 3 "$OUT_DIR/validate_$name.log"
+    unset -n margs
+done <<<"$CONFIGS"
+
+part "1.3B, micro-batch 8: hand-written loops and the compiled program"
+timeout 200 "$PY" benchmarks/gpu_loop_bench.py examples/gpt.py "${M1300[@]}" --micro-batch-size 8 --microbatches 2 \
+    | tee "$OUT_DIR/loops.jsonl"
+timeout 200 "$PY" -m hetpar validate "$OUT_DIR/plan_1p3b_mb8_none.json" --steps 6 --compile on --json \
+    >"$OUT_DIR/validate_1p3b_mb8_compiled.json" 2>"$OUT_DIR/validate_1p3b_mb8_compiled.log" \
+    || tail -n 3 "$OUT_DIR/validate_1p3b_mb8_compiled.log"
+
+part "summary"
+"$PY" - "$OUT_DIR" <<'EOF'
+import json, statistics, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+
+
+def load(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+rows, errors = [], {"datasheet": [], "profiled": []}
+print(f"{'plan':18s} {'measured':>10s} {'datasheet':>10s} {'error':>7s} {'profiled':>10s} {'error':>7s}   fwd/bwd per micro-batch")
+for plan in sorted(out.glob("plan_*.json")):
+    name = plan.stem[len("plan_"):]
+    if name.endswith("_profiled"):
+        continue
+    v = load(out / f"validate_{name}.json")
+    if not v:
+        print(f"{name:18s} {'failed':>10s}")
+        continue
+    measured = v["measured_step_time_s"]
+    cells = [f"{measured * 1e3:8.1f}ms"]
+    for kind, path in (("datasheet", plan), ("profiled", out / f"plan_{name}_profiled.json")):
+        p = load(path)
+        if p:
+            predicted = p["predicted"]["step_time_s"]
+            err = (predicted - measured) / measured
+            errors[kind].append(abs(err))
+            cells += [f"{predicted * 1e3:8.1f}ms", f"{err:+7.1%}"]
+        else:
+            cells += [f"{'-':>10s}", f"{'-':>7s}"]
+    st = v.get("stages") or [{}]
+    split = f"{st[0].get('measured_fwd_s', 0) * 1e3:.1f}/{st[0].get('measured_bwd_s', 0) * 1e3:.1f} ms"
+    print(f"{name:18s} " + " ".join(cells) + f"   {split}")
+for kind, errs in errors.items():
+    if errs:
+        print(f"{kind}: median |error| {statistics.median(errs):.1%}, worst {max(errs):.1%} over {len(errs)} plans")
+loops = [json.loads(line) for line in (out / "loops.jsonl").read_text().splitlines()] if (out / "loops.jsonl").is_file() else []
+generated = load(out / "validate_1p3b_mb8_none.json")
+compiled = load(out / "validate_1p3b_mb8_compiled.json")
+for loop in loops:
+    ours = compiled if loop["variant"] == "compiled" else generated
+    ratio = f"{ours['measured_step_time_s'] / loop['step_time_s']:.3f}x" if ours else "-"
+    print(f"hand-written loop {loop['variant']:8s} {loop['step_time_s'] * 1e3:8.1f} ms; generated program / loop: {ratio}")
+EOF
