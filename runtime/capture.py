@@ -32,6 +32,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,8 +179,15 @@ def locate(tracer: str, exc: BaseException, model: nn.Module) -> Failure:
 
 
 def _message(model: nn.Module, fx_failure: Failure, export_failure: Failure | None) -> str:
+    """One line that names the cause first: an output torch.export cannot return, else
+    torch.export's failure (it ran the model's real Python) before torch.fx's; then the fix."""
     culprit = (export_failure.module if export_failure else None) or fx_failure.module
-    failures = fx_failure.describe() + (f"; {export_failure.describe()}" if export_failure else "")
+    failures = f"{export_failure.describe()}; {fx_failure.describe()}" if export_failure else fx_failure.describe()
+    unreturnable = _unreturnable_output(export_failure.error) if export_failure else None
+    if unreturnable:
+        cause = (f"forward's output holds a value of type {unreturnable}, which torch.export cannot return: return "
+                 f"tensors (in tuples, lists, dicts or ModelOutputs){_CACHE_HINT if 'Cache' in unreturnable else ''}")
+        return f"cannot trace {type(model).__name__}: {cause}; {failures}"
     if data_dependent((export_failure or fx_failure).error):
         where = f"{culprit} " if culprit else ""
         hint = (f"{where}branches on tensor values, which no tracer can follow on the meta device: branch on shapes "
@@ -189,6 +197,19 @@ def _message(model: nn.Module, fx_failure: Failure, export_failure: Failure | No
     else:
         hint = "mark the failing submodule opaque with --leaf-module PATH"
     return f"cannot trace {type(model).__name__}: {failures}; {hint}"
+
+
+# hetpar turns the KV cache off in the configs a model file's model holds ([Note: no KV
+# cache in training] in runtime/model_file.py); a cache still returned comes from a
+# model built another way or a flag of another name.
+_CACHE_HINT = " (a KV cache: build the model with use_cache=False)"
+
+
+def _unreturnable_output(exc: BaseException) -> str | None:
+    """The type torch.export found in the output and cannot flatten, from its message
+    ``Found <class 'X'> in output, which is not a known type``; None for other errors."""
+    match = re.search(r"Found <class '([^']+)'> in output", str(exc))
+    return match.group(1).rpartition(".")[2] if match else None
 
 
 def data_dependent(exc: BaseException) -> bool:

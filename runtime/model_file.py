@@ -78,6 +78,7 @@ class ModelFile:
         model = self._call("build_model", self.module.build_model)
         if not isinstance(model, torch.nn.Module):
             raise ModelFileError(f"{self.path}: build_model() returned {type(model).__name__}, not torch.nn.Module")
+        turn_off_kv_cache(model)
         return model
 
     def example_inputs(self, batch_size: int) -> tuple:
@@ -128,6 +129,32 @@ class ModelFile:
             )
         kwargs = {k: v for k, v in self.model_args.items() if k in accepted or takes_kwargs}
         return fn(*args, **kwargs)
+
+
+# [Note: no KV cache in training]
+# A Hugging Face causal LM built from its default config has ``config.use_cache`` True:
+# its forward builds a KV cache (a ``DynamicCache``) and returns it with the logits.
+# Training never reads it, torch.export cannot return it ("Found <class DynamicCache>
+# in output"), and a pipeline stage could not send it. So every model a model file
+# builds, for the planner's trace, the generated program and the tests' reference
+# alike, gets ``use_cache = False`` in each config it holds, and the program says so
+# once on stderr; the model then computes what it computed before, without the cache.
+_SAID_NO_CACHE: set[str] = set()  # the model classes already announced in this process
+
+
+def turn_off_kv_cache(model: torch.nn.Module) -> None:
+    """Set ``use_cache = False`` in every config ``model`` and its modules hold; see
+    [Note: no KV cache in training]. Says so on stderr, once per process and class."""
+    changed = False
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False
+            changed = True
+    name = type(model).__name__
+    if changed and name not in _SAID_NO_CACHE:
+        _SAID_NO_CACHE.add(name)
+        print(f"hetpar: {name}: config.use_cache set to False (training keeps no KV cache)", file=sys.stderr, flush=True)
 
 
 def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None) -> ModelFile:

@@ -87,9 +87,42 @@ class NoExport(nn.Module):
         return {"out": self.lin(x), "tag": object()}
 
 
-def test_both_failures_are_reported_when_neither_tracer_works():
+def test_both_failures_are_reported_when_neither_tracer_works_export_first():
     with pytest.raises(TraceError) as info:
         trace_layers(NoExport(), example_inputs=(torch.randn(2, 4),))
     message = str(info.value)
-    assert message.startswith("cannot trace NoExport: torch.fx failed")
-    assert "; torch.export failed" in message and "--leaf-module" in message and "\n" not in message
+    # the cause first: what torch.export could not return
+    assert message.startswith("cannot trace NoExport: forward's output holds a value of type object, "
+                              "which torch.export cannot return")
+    assert message.index("torch.export failed") < message.index("torch.fx failed") and "\n" not in message
+
+
+class ShapeBranchNoExport(nn.Module):
+    """torch.fx fails on the branch on a shape; torch.export on the numpy round trip."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            x = torch.from_numpy(x.numpy())
+        return self.inner(x)
+
+
+def test_export_failure_comes_before_the_fx_one():
+    with pytest.raises(TraceError) as info:
+        trace_layers(ShapeBranchNoExport(), example_inputs=(torch.randn(2, 4),))
+    message = str(info.value)
+    assert message.startswith("cannot trace ShapeBranchNoExport: torch.export failed"), message
+    assert "test_trace_errors.py" in message and "; torch.fx failed" in message and "\n" not in message
+
+
+def test_a_returned_kv_cache_is_named_with_its_fix():
+    tf = pytest.importorskip("transformers")
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, use_cache=True))
+    with pytest.raises(TraceError) as info:  # built outside a model file, so nobody turned the cache off
+        trace_layers(model, example_inputs=(torch.zeros(1, 8, dtype=torch.long),))
+    message = str(info.value)
+    assert message.startswith("cannot trace GPT2LMHeadModel: forward's output holds a value of type DynamicCache")
+    assert "use_cache=False" in message.split(";")[0] and "--leaf-module" not in message

@@ -5,9 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_helpers import hetpar
 from cost_models.cluster import parse_cluster
+from planner.api import plan_model
 from planner.search import SearchOptions, search
 from planner.trace import trace_model
+from runtime import model_file as model_file_module
 from runtime.model_file import load_model_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,3 +101,41 @@ def test_resnet_stage_boundaries_are_feature_maps():
     shapes = [[t.shape for t in b] for b in graph.boundaries]
     assert shapes[1:5] == [[(1, 16, 16, 16)], [(1, 32, 8, 8)], [(1, 64, 4, 4)], [(1, 128, 2, 2)]]
     assert torch.Size(shapes[0][0]) == torch.Size((1, 16, 16, 16))
+
+
+# Causal LMs as users write them: default configs (use_cache True), only sizes shrunk.
+HF_DEFAULT_CONFIGS = """
+import torch
+import transformers as tf
+
+
+def build_model(kind="llama"):
+    if kind == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    return tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128))
+
+
+def example_inputs(batch_size, **_):
+    return (torch.randint(0, 128, (batch_size, 16)),)
+"""
+NO_CACHE_LINE = "config.use_cache set to False (training keeps no KV cache)"
+
+
+@pytest.mark.parametrize("kind,model_class", [("llama", "LlamaForCausalLM"), ("gpt2", "GPT2LMHeadModel")])
+def test_default_config_causal_lms_trace_and_plan_without_kv_cache(tmp_path, capfd, monkeypatch, kind, model_class):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(model_file_module, "_SAID_NO_CACHE", set())  # as in a fresh process
+    path = tmp_path / "hf_default.py"
+    path.write_text(HF_DEFAULT_CONFIGS)
+    assert load_model_file(path, {"kind": kind}).build_model().config.use_cache is False
+    plan = plan_model(path, parse_cluster("1x2xcpu"), SearchOptions(global_batch_size=4, dtype="fp32", time_limit_s=10),
+                      model_args={"kind": kind})
+    assert [l for s in plan.stages for l in s.layers] == list(range(4))
+    said = [line for line in capfd.readouterr().err.splitlines() if NO_CACHE_LINE in line]
+    assert said == [f"hetpar: {model_class}: {NO_CACHE_LINE}"]  # once per process, however often it is built
+
+    result = hetpar("trace", str(path), "--model-arg", f"kind={kind}", "--json")
+    assert result.returncode == 0, result.stderr
+    assert '"capture": "export"' in result.stdout
+    assert result.stderr.count(NO_CACHE_LINE) == 1
