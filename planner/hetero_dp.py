@@ -203,6 +203,9 @@ def hetero_dp_plan(model: ModelGraph, cluster: Cluster, options: SearchOptions) 
     if options.micro_batch_size is not None or options.stage_devices is not None:
         raise PlanningError("heterogeneous data parallelism chooses each replica's micro-batch size and device type; "
                             "drop --micro-batch-size and --stage-devices")
+    if options.zero or (options.virtual_stages or 1) > 1:
+        raise PlanningError("heterogeneous data parallelism runs ZeRO 0 and one model chunk per pipeline rank; "
+                            "drop --zero and --virtual-stages")
     sizes = replica_sizes(cluster, options)
     if not sizes:
         raise PlanningError(
