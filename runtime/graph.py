@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from runtime.capture import TraceError, capture, data_dependent, locate, module_paths
 
@@ -371,6 +373,7 @@ def build_stage(lg: LayeredGraph, values: dict[str, Any], first_layer: int, last
         env[node.name] = graph.node_copy(node, lookup)
     if is_last:
         graph.output(fx.map_arg(output_node.args[0], lookup))
+        _return_like_the_model(lg.gm.graph, graph)
         send: list[str] = []
     else:
         send = boundary_values(lg, values, last_layer)
@@ -385,6 +388,27 @@ def build_stage(lg: LayeredGraph, values: dict[str, Any], first_layer: int, last
         recv=tuple(_spec(values[n]) for n in recv),
         send=tuple(_spec(values[n]) for n in send),
     )
+
+
+# [Note: the last stage returns what the model returns]
+# ``loss_fn(outputs, targets)`` must see the same ``outputs`` whether the model runs
+# whole in one process or as a pipeline. A torch.fx graph's output node holds the
+# model's own structure (a tuple, a dict of nodes), so a last stage cut from it returns
+# that structure already. torch.export flattens the output: its graph returns the flat
+# list of tensors, and the unlifted module's code generator (``_PyTreeCodeGen``) rebuilds
+# the model's structure from the pytree spec it keeps (``out_spec``: a Hugging Face
+# ``CausalLMOutputWithPast(logits=...)``, which transformers registers as a pytree node;
+# a bare tensor is a leaf spec). The last stage's graph gets a code generator with the
+# same ``out_spec``, and an ``in_spec`` of its own flat positional inputs, so it returns
+# the ModelOutput (or tuple, dict, tensor) the whole model returns.
+def _return_like_the_model(model_graph: fx.Graph, stage_graph: fx.Graph) -> None:
+    """Give ``stage_graph`` the output structure of ``model_graph``; see [Note: the last stage returns what the model returns]."""
+    info = getattr(model_graph._codegen, "pytree_info", None)
+    if not isinstance(model_graph._codegen, _PyTreeCodeGen) or info is None or info.out_spec is None:
+        return
+    names = [n.name for n in stage_graph.nodes if n.op == "placeholder"]
+    in_spec = pytree.tree_structure(tuple(range(len(names))))  # the stage's inputs as they are: flat and positional
+    stage_graph.set_codegen(_PyTreeCodeGen(_PyTreeInfo(orig_args=names, in_spec=in_spec, out_spec=info.out_spec)))
 
 
 def _node(lg: LayeredGraph, name: str) -> fx.Node:

@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 class ModelFileError(Exception):
@@ -90,8 +92,10 @@ class ModelFile:
             raise ModelFileError(f"{self.path}: example_inputs() must return a tuple of tensors")
         return inputs
 
-    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The model file's ``loss_fn``, or the default loss."""
+    def loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """The model file's ``loss_fn``, or the default loss, of what the model returned
+        (a tensor, or the tuple, dict or ModelOutput the model returns, on every rank
+        layout; see [Note: the last stage returns what the model returns] in runtime/graph.py)."""
         user_loss = getattr(self.module, "loss_fn", None)
         if user_loss is not None:
             return user_loss(outputs, targets)
@@ -196,9 +200,26 @@ def _innermost_line(exc: BaseException, path: Path) -> str:
     return f" at line {line}" if line else ""
 
 
-def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy when ``outputs`` has one more dimension than integer ``targets``;
-    mean squared error otherwise. Both are means over the batch."""
+def first_tensor(outputs: Any) -> torch.Tensor:
+    """The first tensor of what a model returns: the tensor itself, else the first
+    tensor leaf of its tuple, list, dict or ``ModelOutput`` (the logits of a Hugging
+    Face causal LM's ``CausalLMOutput``).
+
+    Raises:
+        ModelFileError: the output holds no tensor.
+    """
+    leaves = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        raise ModelFileError(f"the model returned {type(outputs).__name__} with no tensor in it; return the logits or a "
+                             f"tuple, dict or ModelOutput of tensors")
+    return leaves[0]
+
+
+def default_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy when the output (its first tensor: ``first_tensor``) has one more
+    dimension than integer ``targets``; mean squared error otherwise. Both are means
+    over the batch."""
+    outputs = first_tensor(outputs)
     if outputs.dim() == targets.dim() + 1 and not targets.is_floating_point():
         return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]).float(), targets.reshape(-1))
     return F.mse_loss(outputs.float(), targets.float())
@@ -215,7 +236,7 @@ def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 # standard normal; integer inputs are uniform in [0, max(example) + 1), over
 # ``example_inputs(batch_size)`` made under ``seed``, so token ids stay inside the
 # example's range. Targets follow the output of the model on the example (computed on
-# the meta device): integer class labels over the last output dimension when the first
+# the meta device, as fake tensors): integer class labels over the last output dimension when the first
 # input is integer (token models), standard normal values shaped like the output
 # otherwise. Dimension 0 of every input and of the output is the batch.
 def synthetic_batches(model_file: ModelFile, batch_size: int, seed: int, *, rows: range | None = None,
@@ -230,9 +251,9 @@ def synthetic_batches(model_file: ModelFile, batch_size: int, seed: int, *, rows
         example = model_file.example_inputs(batch_size)
         with torch.device("meta"):
             model = model_file.build_model()
-        out = model(*(t.to("meta") for t in example))
-    if isinstance(out, (tuple, list)):
-        out = out[0]
+        with FakeTensorMode(allow_non_fake_inputs=True):  # fake tensors: transformers skips its checks that read values
+            out = model(*(t.to("meta") for t in example))
+    out = first_tensor(out)
     highs = [max(int(t.max().item()) + 1 if t.numel() else 2, 2) for t in example]
     token_model = not example[0].is_floating_point()
     gen = torch.Generator()

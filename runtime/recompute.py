@@ -70,6 +70,7 @@ def apply_recompute(module: fx.GraphModule, node_layer: dict[str, int], mode: st
     graph = module.graph
     segments = _layer_segments(graph, node_layer)
     new = fx.Graph()
+    new.set_codegen(graph._codegen)  # the model's output structure ([Note: the last stage returns what the model returns])
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
         if node.op == "placeholder":

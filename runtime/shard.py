@@ -85,23 +85,8 @@ def cut_stage(
         )
     values = record_values(layered, example)
     stage = build_stage(layered, values, layers[0], layers[1])
-    if layered.capture == "export" and stage.is_last:
-        _return_the_only_output(stage.module)
     apply_recompute(stage.module, layered.node_layer, recompute)
     return stage
-
-
-def _return_the_only_output(module: nn.Module) -> None:
-    """An exported graph's last stage returns the flat tuple of the model's output
-    tensors (``(logits,)`` for a Hugging Face ``CausalLMOutput`` without cache); when
-    that is one tensor, return it bare, as the model file's ``loss_fn`` (and the
-    default loss) expects of a model that returns one tensor or whose output's first
-    field is what the loss reads."""
-    output = next(n for n in module.graph.nodes if n.op == "output")
-    values = output.args[0]
-    if isinstance(values, (tuple, list)) and len(values) == 1:
-        output.args = (values[0],)
-        module.recompile()
 
 
 class Chunks(nn.ModuleList):

@@ -326,8 +326,9 @@ def test_uneven_split_of_1_and_3_layers_one_f_one_b(tmp_path, gpt_path):
     assert_trains_like_one_process(plan, tmp_path)
 
 
-# A Hugging Face Llama (tests/models/hf_zoo.py's config) that torch.fx cannot trace: the
-# program cuts its stages from a torch.export graph.
+# A Hugging Face Llama as users write it (its default config, use_cache included, with
+# small sizes) that torch.fx cannot trace: the program cuts its stages from a
+# torch.export graph, and the loss reads the CausalLMOutput's logits on every layout.
 HF_LLAMA = """
 import torch
 import torch.nn.functional as F
@@ -338,8 +339,7 @@ VOCAB, SEQ = 128, 16
 
 def build_model(n_layers=2):
     return tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=n_layers, hidden_size=64, intermediate_size=128,
-                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                              use_cache=False))
+                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB))
 
 
 def example_inputs(batch_size, **_):
@@ -347,8 +347,7 @@ def example_inputs(batch_size, **_):
 
 
 def loss_fn(outputs, targets):
-    logits = outputs if isinstance(outputs, torch.Tensor) else outputs[0]  # a CausalLMOutput when run whole
-    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+    return F.cross_entropy(outputs.logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def batches(batch_size, seed, **_):
@@ -376,4 +375,5 @@ def test_exported_hugging_face_llama_pipeline_2(tmp_path, monkeypatch):
 
     monkeypatch.setattr(conftest, "layer_names", exported_layer_names)
     plan = build_plan(model_path, {}, splits=[[0, 1], [2, 3]], num_microbatches=2, schedule="1f1b")
-    assert_trains_like_one_process(plan, tmp_path, optimizer="adamw")
+    stderr = assert_trains_like_one_process(plan, tmp_path, optimizer="adamw")
+    assert stderr.count("hetpar: LlamaForCausalLM: config.use_cache set to False") == 2  # once on each rank

@@ -67,6 +67,30 @@ def test_default_loss_mse_otherwise():
     torch.testing.assert_close(default_loss(out, target), ((out - target) ** 2).mean())
 
 
+def test_default_loss_reads_the_first_tensor_of_a_model_output():
+    tf = pytest.importorskip("transformers")
+    logits = torch.randn(2, 5, 7)
+    targets = torch.randint(0, 7, (2, 5))
+    for outputs in (tf.modeling_outputs.CausalLMOutputWithPast(logits=logits), {"logits": logits}, (logits, None)):
+        torch.testing.assert_close(default_loss(outputs, targets), default_loss(logits, targets))
+    with pytest.raises(ModelFileError, match="no tensor"):
+        default_loss({"tag": "x"}, targets)
+
+
+def test_synthetic_targets_follow_a_model_output(tmp_path):
+    pytest.importorskip("transformers")
+    f = tmp_path / "hf.py"
+    f.write_text(
+        "import torch, transformers as tf\n"
+        "def build_model():\n"
+        "    return tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,\n"
+        "                                              num_attention_heads=2, num_key_value_heads=1, vocab_size=11))\n"
+        "def example_inputs(b):\n    return (torch.zeros(b, 4, dtype=torch.long),)\n"
+    )
+    inputs, targets = next(load_model_file(f).batches(3, seed=0))  # the model returns a CausalLMOutputWithPast
+    assert targets.shape == (3, 4) and int(targets.max()) < 11
+
+
 def test_synthetic_batches_are_deterministic_and_shaped():
     mf = load_model_file(f"{EXAMPLES}/mlp.py")
     a = next(mf.batches(6, seed=1))
