@@ -217,7 +217,7 @@ from pathlib import Path
 
 import torch
 
-from runtime import checkpoint, cli, data_parallel, devices, distributed, executor, precision, schedule, shard, timing, training
+from runtime import checkpoint, cli, data_parallel, devices, distributed, executor, precision, schedule, shard, tied, timing, training
 from runtime.distributed import StageSpec
 from runtime.model_file import load_model_file
 
@@ -267,6 +267,7 @@ stages = {{  # recompute: each layer of the stage under torch.utils.checkpoint
     for s in my_stages
 }}
 module = shard.rank_module([stages[s].module for s in my_stages])  # the stage, or its chunks as one module
+tied_grads = tied.TiedGradients(model, module, my_stages, STAGES, me, announce=me.rank == 0)  # GPT-2's wte = lm_head
 module.to(device)
 
 # tensor parallel: shard the stage's Linears column- or row-wise over its tp ranks
@@ -290,11 +291,9 @@ pipeline = {{  # one executor per stage this rank holds; actions name their stag
         peers=distributed.peers_of(STAGES, replace(me, stage=s)),
         loss_fn=model_file.loss,
         num_microbatches=NUM_MICROBATCHES,
-        device=device,
-        compute_dtype=DTYPE,
+        device=device, compute_dtype=DTYPE,
         loss_weight=shard.loss_weight(REPLICA_MICRO_BATCH_SIZES, me.replica),  # 1.0 unless replicas' shares differ
-        loss_scaler=scaler,
-        before_backward=grad_sync.before_backward,
+        loss_scaler=scaler, before_backward=grad_sync.before_backward,
         index=s,
     )
     for s in my_stages
@@ -320,6 +319,7 @@ for step in range(start_step + 1, args.steps + 1):
     optimizer.zero_grad(set_to_none=True)
     local_loss = executor.run_actions(pipeline, actions, micro, device, timer)  # micro-batch losses / NUM_MICROBATCHES
     grad_sync.reduce()  # average over the replicas (FSDP2 already has)
+    tied_grads.reduce()  # sum the gradients of a weight two stages hold, so its copies stay equal
     if scaler.unscale_and_check(module.parameters()):  # False only when fp16 overflowed on some rank
         optimizer.step()
     losses.submit(step, local_loss, timer.stop())  # logs the step before; see [Note: loss report]
@@ -334,7 +334,7 @@ logger.close()
 # save the trained full state_dict (rank 0) and tear down
 if args.save_final:
     training.save_full_state(args.save_final, model, module, me)
-del optimizer, pipeline, grad_sync, stages, module, model
+del optimizer, pipeline, grad_sync, tied_grads, stages, module, model
 distributed.shutdown()
 '''
 

@@ -358,22 +358,86 @@ def batches(batch_size, seed, **_):
 """
 
 
-@pytest.mark.slow
-def test_exported_hugging_face_llama_pipeline_2(tmp_path, monkeypatch):
+@pytest.fixture
+def exported_layers(monkeypatch):
+    """build_plan names the layers of the torch.export graph (torch.fx cannot trace transformers)."""
     pytest.importorskip("transformers")
     import conftest
     from runtime.graph import trace_layers
 
-    model_path = tmp_path / "hfllama.py"
-    model_path.write_text(HF_LLAMA)
-
     def exported_layer_names(path, args):
         model_file = load_model_file(path, args)
         layered = trace_layers(model_file.build_model(), example_inputs=model_file.example_inputs(2))
-        assert layered.capture == "export"  # torch.fx cannot trace transformers' Llama
+        assert layered.capture == "export"
         return list(layered.layer_names)
 
     monkeypatch.setattr(conftest, "layer_names", exported_layer_names)
+
+
+@pytest.mark.slow
+def test_exported_hugging_face_llama_pipeline_2(tmp_path, exported_layers):
+    model_path = tmp_path / "hfllama.py"
+    model_path.write_text(HF_LLAMA)
     plan = build_plan(model_path, {}, splits=[[0, 1], [2, 3]], num_microbatches=2, schedule="1f1b")
     stderr = assert_trains_like_one_process(plan, tmp_path, optimizer="adamw")
     assert stderr.count("hetpar: LlamaForCausalLM: config.use_cache set to False") == 2  # once on each rank
+
+
+# GPT-2 as users write it: its default config (lm_head.weight tied to transformer.wte.weight,
+# use_cache on) with small sizes, and no dropout, whose random masks one process and a
+# pipeline draw differently.
+HF_GPT2 = """
+import torch
+import torch.nn.functional as F
+import transformers as tf
+
+VOCAB, SEQ = 128, 16
+
+
+def build_model():
+    return tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB,
+                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def example_inputs(batch_size, **_):
+    return (torch.zeros(batch_size, SEQ, dtype=torch.long),)
+
+
+def loss_fn(outputs, targets):
+    return F.cross_entropy(outputs.logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def batches(batch_size, seed, **_):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=gen)
+        yield (tokens[:, :-1],), tokens[:, 1:]
+"""
+
+
+@pytest.mark.slow
+def test_tied_gpt2_pipeline_2_keeps_its_tied_weights_equal(tmp_path, exported_layers):
+    model_path = tmp_path / "hfgpt2.py"
+    model_path.write_text(HF_GPT2)
+    # stage 0: the embeddings and block 0 (transformer.wte.weight); stage 1: block 1 and the head (lm_head.weight)
+    plan = build_plan(model_path, {}, splits=[[0, 1], [2, 3]], num_microbatches=2, schedule="1f1b")
+    run = run_compiled(plan, tmp_path, "adamw")
+    assert "weights tied across stages, gradients summed over their copies: transformer.wte.weight = " \
+           "lm_head.weight in stages 0, 1" in run.stderr
+    # Both copies are in the saved state: transformer.wte.weight only rank 0 (stage 0) saves,
+    # lm_head.weight rank 1 (stage 1) too, and rank 1's keys come last (save_full_state).
+    assert not torch.equal(run.final["lm_head.weight"], run.init_state["lm_head.weight"])  # trained
+    assert torch.equal(run.final["transformer.wte.weight"], run.final["lm_head.weight"])
+    assert_matches_reference(plan, run.init_state, "adamw", STEPS, run.losses, run.final, run.ref_state)
+
+
+@pytest.mark.slow
+def test_tied_gpt2_data_parallel_2_by_pipeline_2(tmp_path, exported_layers):
+    # one group per replica sums its two copies: ranks 0 and 2 (replica 0), 1 and 3 (replica 1)
+    model_path = tmp_path / "hfgpt2.py"
+    model_path.write_text(HF_GPT2)
+    plan = build_plan(model_path, {}, splits=[[0, 1], [2, 3]], data_parallel=2, num_microbatches=2, schedule="gpipe")
+    assert [s.ranks for s in plan.stages] == [[[0], [1]], [[2], [3]]]
+    run = run_compiled(plan, tmp_path, "sgd")
+    assert torch.equal(run.final["transformer.wte.weight"], run.final["lm_head.weight"])
+    assert_matches_reference(plan, run.init_state, "sgd", STEPS, run.losses, run.final, run.ref_state)
