@@ -3,7 +3,7 @@
     .venv/bin/torchrun --standalone --nproc_per_node=2 benchmarks/chained_layers.py
 
 In every worker at once (as the profile runs): the reference model's data-parallel
-training step through hetpar's executor (runtime/profiler.py reference_step_time) and
+training step through hetpar's executor (profiler/reference.py reference_step_time) and
 the same model's layers chained (layer_times), then the small validation GPT's layers
 chained at micro-batch 8, twice each. Rank 0 prints the ratio of the step's seconds per
 micro-batch to the chained layers' (the "program factor" the measured layers leave out)
@@ -22,7 +22,9 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime import profiler, reference_model  # noqa: E402
+from profiler import reference_model  # noqa: E402
+from profiler.layers import layer_times  # noqa: E402
+from profiler.reference import reference_step_time  # noqa: E402
 
 SMALL_GPT = {"n_layers": 4, "hidden": 128}
 
@@ -31,9 +33,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     for _ in range(2):
-        steps = profiler.reference_step_time(dist.get_world_size(), repeats=10)["steps"]
-        chained = profiler.layer_times(reference_model.__file__, {}, [reference_model.BATCH], repeats=10)
-        gpt = profiler.layer_times(str(ROOT / "examples/gpt.py"), SMALL_GPT, [8], repeats=10)
+        steps = reference_step_time(dist.get_world_size(), repeats=10, device=torch.device("cpu"))["steps"]
+        chained = layer_times(reference_model.__file__, {}, [reference_model.BATCH["cpu"]], repeats=10)
+        gpt = layer_times(str(ROOT / "examples/gpt.py"), SMALL_GPT, [8], repeats=10)
         if dist.get_rank() == 0:
             layers_s = sum(fwd + bwd for layer in chained["layers"] for _, fwd, bwd in layer["times"])
             (m0, s0, *_), (m1, s1, *_) = steps[0], steps[-1]

@@ -8,7 +8,7 @@ model's boundary tensor, in three situations, each ``--repeats`` times after a b
   wait less the 2 ms).
 - ``late, sender idle``: rank 0 sends and sleeps; rank 1 computes 2 ms, then receives.
 - ``late, sender computing``: rank 0 sends and computes 6 ms (128 x 128 matmuls, as
-  ``hetpar profile`` does, runtime/profiler.py ``late_receive_times``); rank 1 computes
+  ``hetpar profile`` does, profiler/collectives.py ``late_receive_times``); rank 1 computes
   2 ms, then receives. The case [Note: late receives] in runtime/schedule.py charges.
 
 Prints the median and mean wait of each and how many took over 1 ms:
@@ -33,7 +33,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime.profiler import (  # noqa: E402
+from profiler.collectives import (  # noqa: E402
     LATE_RECEIVE_BYTES, LATE_RECEIVE_LEAD_S, LATE_RECEIVE_SENDER_BUSY_S, LATE_RECEIVE_WIDTH, compute_for)
 
 

@@ -5,7 +5,7 @@
 
 Each model of the validation matrix (benchmarks/validate_bench.py) is traced by the
 planner and built for real; the forward and backward of each of its layers are timed
-by hooks in one process with one thread (runtime/profiler.py ``module_times``, median
+by hooks in one process with one thread (profiler/layers.py ``module_times``, median
 of ``--repeats``) and compared with cost_models.compute.layer_timing under a profile
 fitted from the raw measurements `hetpar profile` wrote (its row curves, weight traffic
 and the reference model's kernel efficiencies), without the runtime reference step:
@@ -31,9 +31,9 @@ from cost_models.calibrate import fit_profile  # noqa: E402
 from cost_models.compute import layer_timing  # noqa: E402
 from cost_models.devices import get_device  # noqa: E402
 from planner.trace import trace_model  # noqa: E402
-from runtime import reference_model  # noqa: E402
+from profiler import reference_model  # noqa: E402
 from runtime.model_file import load_model_file  # noqa: E402
-from runtime.profiler import module_times  # noqa: E402
+from profiler.layers import module_times  # noqa: E402
 
 # (name, model file, model args, micro-batch size, traced layer -> the modules it times)
 CASES = [

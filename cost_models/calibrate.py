@@ -2,30 +2,34 @@
 
 Pure arithmetic on numbers (no torch, nothing of ours but the profile type), so the
 fits are tested on synthetic measurements. The measurement record is the dict that
-runtime/profiler.py's benchmarks produce (docs/profiling.md lists its keys):
+the profiler package's benchmarks produce (docs/profiling.md lists its keys):
 
     {"fingerprint": str, "date": "YYYY-MM-DD", "workers": int,
-     "matmul": {"fp32": [[flops, seconds], ...], "bf16": [...]},
+     "device": "cpu" | "cuda",                                                (optional; "cpu")
+     "matmul": {"fp32": [[flops, seconds], ...], "bf16": [...], ...},
      "matmul_rows": {"forward": [[rows, flops, seconds], ...], "backward": [...]},  (optional)
      "matmul_rows_narrow": {"width": k, "forward": [...], "backward": [...]},     (optional)
      "copy": [bytes_moved, seconds],
      "op_overhead": {"fwd_s_per_op": s, "fwd_bwd_s_per_op": s},
      "optimizer": {"optimizer": "adamw", "tensor_s": s, "param_s": s},        (optional)
-     "collectives": {"all_reduce": [[nbytes, seconds], ...], ...},
+     "collectives": {"all_reduce": [[nbytes, seconds], ...], ...},           (optional:
+                                                        two or more workers)
      "step_overhead_s": s,
      "late_receive": {"mean_s": s, "median_s": s, "bytes": n, "repeats": n},  (optional)
-     "reference": {"batch_size": n, "fwd_s": s, "fwd_bwd_s": s},              (optional)
+     "reference": {"batch_size": n, "fwd_s": s, "fwd_bwd_s": s,
+                   "dtype": "bf16", "model_args": {...}},                      (optional;
+                   dtype and model_args since 2026-12-04: before, fp32 and {})
      "reference_step": {"steps": [[microbatches, compute_s, sync_wait_s,
                                    optimizer_s], ...],
                         "passes": [[microbatches, fwd_s, bwd_s], ...],         (optional)
-                        "batch_size": n, "workers": w},                        (optional)
+                        "batch_size": n, "workers": w, "dtype": ...},          (optional)
      "tp_op_overhead": {"fwd_bwd_s_per_op": s, "ops_per_block": n,
                         "all_reduces_per_block": n, "tp": n},                 (optional;
                         "tp", the probe's group size, since 2026-12-03: before, all workers)
      "reference_tp_step": {"steps": [[microbatches, compute_s, optimizer_s], ...],
                            "batch_size": n,
                            "tp": w},                                           (optional)
-     "model_layers": {"model": file name, "model_args": {...},
+     "model_layers": {"model": file name, "model_args": {...}, "dtype": ...,
                       "layers": [{"name": str, "times": [[micro_batch, fwd_s,
                                                           bwd_s], ...]}, ...]}}  (optional)
 
@@ -36,9 +40,11 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   ``matmul_efficiency`` 1 (the rate is already what a matmul reaches), and the
   intercept is the per-call cost that makes small matmuls slow;
 - collectives: size = bytes; ``fixed`` is alpha (latency_s), ``rate`` is beta
-  (bw_bytes_per_s), as nccl-tests reports them;
-- ``weight_stream_bytes_per_s``: the copy bandwidth, at which every pass of a layer
-  reads its weights ([Note: weight traffic] in cost_models/compute.py);
+  (bw_bytes_per_s), as nccl-tests reports them. A record of one worker has none: the
+  base profile's links and collectives stay, with their sources;
+- ``weight_stream_bytes_per_s`` (CPU records only): the copy bandwidth, at which every
+  pass of a layer reads its weights ([Note: weight traffic] in cost_models/compute.py;
+  on a GPU a matmul's weight reads hide under its FLOPs);
 - ``op_overhead_s``: the cost model charges each op of a layer three times per
   micro-batch (forward, input gradient, weight gradient; cost_models/compute.py), so
   it is a third of the measured forward-plus-backward seconds per tiny op;
@@ -58,11 +64,12 @@ squares of the relative error, ``seconds = fixed + size / rate``:
 - ``kernel_efficiency`` and ``backward_kernel_efficiency``: what the kernels of a
   small training workload reach of the fitted rates, forward and backward apart (on a
   CPU the backward's autograd and elementwise kernels fall further short). The
-  workload is runtime/reference_model.py, a fixed model unlike any example, timed in
-  every worker at once; the efficiency is the layer cost model's FLOP and byte seconds
+  workload is profiler/reference_model.py, a fixed model unlike any example, timed in
+  every worker at once, in the dtype a program of that device computes in (the
+  record's ``dtype``: bf16 autocast on a GPU); the efficiency is the layer cost model's FLOP and byte seconds
   at efficiency 1 (the row curve applied) over the measured seconds less the per-op
   overheads it charges. Each is then scaled by a factor from the same model's whole
-  training step as the generated program runs it (runtime/profiler.py
+  training step as the generated program runs it (profiler/reference.py
   ``reference_step_time``: hetpar's executor, the gradient all-reduce, AdamW, the
   loss report, in every worker at once) at several micro-batch counts, its sections
   timed apart and the executor's forwards and backwards apart ("passes"): a line
@@ -80,22 +87,22 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   the forwards and backwards plus the wait for the gradient all-reduce), i.e. what the
   all-reduce adds to the step, over its charge at the fitted alpha and beta: on a CPU
   its threads share the cores with the last backward it runs under, so inside a step
-  it costs more than in a loop of its own.
+  it costs more than in a loop of its own. One worker has no all-reduce: none.
   Without that timing both are 1 (the rates above are what kernels reach here; the
   global 0.75 of cost_models/compute.py stands for GPU runs, not for this host);
 - ``optimizer_tensor_overhead_s`` and ``optimizer_bytes_per_s``: an AdamW step's
   seconds per parameter tensor and its memory traffic (OPTIMIZER_BYTES_PER_PARAM per
-  parameter) per second, from two steps (runtime/profiler.py ``optimizer_times``);
+  parameter) per second, from two steps (profiler/micro.py ``optimizer_times``);
 - ``tp_module_overhead_s`` ([Note: tensor-parallel dispatch] in cost_models/compute.py):
   a tiny colwise/rowwise block's forward plus backward, less what the estimator
   already charges for it (its ops' overhead and its all-reduces at the fitted alpha,
   scaled to the group), per sharded module: DTensor's own work, with no kernels around
-  it. Timed in groups of 2 workers, all groups at once (runtime/profiler.py
+  it. Timed in groups of 2 workers, all groups at once (profiler/reference.py
   ``tp_probe_degree``), as are the tensor-parallel steps below;
 - ``tp_collective_overhead_s`` and ``tp_optimizer_tensor_overhead_s``: the reference
   model's whole training step with tensor parallelism in those groups, as the
   generated program runs it (the planner's own sharding of it, hetpar's executor,
-  DTensor, AdamW), at several micro-batch counts (runtime/profiler.py
+  DTensor, AdamW), at several micro-batch counts (profiler/reference.py
   ``reference_tp_step_time``), its sections timed apart. The slope of the line
   through (micro-batches, seconds of the forwards and backwards) less the estimator's
   charge for one micro-batch (the layers at that degree with the efficiencies above
@@ -127,9 +134,9 @@ from cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
 
 # The cost model charges each op three launches per micro-batch; see [Note: calibrated fits].
 LAUNCHES_PER_OP = 3
-# Parameter tensors of runtime/profiler.py's step-overhead model (two Linear layers).
+# Parameter tensors of profiler/collectives.py's step-overhead model (two Linear layers).
 _STEP_PROBE_TENSORS = 4
-# Sharded modules of runtime/profiler.py's tensor-parallel block (one colwise, one rowwise).
+# Sharded modules of profiler/reference.py's tensor-parallel block (one colwise, one rowwise).
 _TP_PROBE_SHARDED_MODULES = 2
 # Bounds on a fitted kernel efficiency: a fit outside them is noise, not a machine.
 _MIN_EFFICIENCY, _MAX_EFFICIENCY = 0.05, 2.0
@@ -178,9 +185,11 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
 
     Args:
         measurements: the record described in the module docstring.
-        base: the profile whose unmeasured fields (memory, NICs, inter-node) are kept,
-            e.g. the built-in "cpu" profile.
-        reference_layers: the traced layers of runtime/reference_model.py; with the
+        base: the profile whose unmeasured fields (memory, NICs, inter-node; links and
+            collectives when one worker timed none) are kept, e.g. the built-in "cpu"
+            profile, or the GPU's datasheet profile.
+        reference_layers: the traced layers of profiler/reference_model.py (at the
+            record's size); with the
             record's ``reference`` timing they set the kernel efficiencies (else 1).
         model_layers: the traced layers of the model whose layers the record's
             ``model_layers`` timed (``hetpar profile --model``); with them the profile
@@ -197,10 +206,12 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
         stamp = f"fitted from hetpar profile on {measurements['date']}, {measurements['fingerprint']}"
         matmul, copy = measurements["matmul"], measurements["copy"]
         per_op = measurements["op_overhead"]["fwd_bwd_s_per_op"]
-        collectives, step_s = measurements["collectives"], measurements["step_overhead_s"]
+        step_s = measurements["step_overhead_s"]
     except (KeyError, TypeError) as exc:
         raise ProfileError(f"profile measurements lack {exc}") from None
-    sources = {k: v for k, v in base.sources.items() if not k.startswith(("peak_flops_per_s.", "collectives."))}
+    collectives = measurements.get("collectives") or {}  # none from one worker: the base's stay
+    replaced = ("peak_flops_per_s.", "collectives.") if collectives else ("peak_flops_per_s.",)
+    sources = {k: v for k, v in base.sources.items() if not k.startswith(replaced)}
     peaks = {dtype: fit_line([tuple(p) for p in points])[1] for dtype, points in matmul.items()}
     fits = {name: fit_line([tuple(p) for p in points]) for name, points in collectives.items()}
     measured = {name: MeasuredCollective(latency_s=a, bw_bytes_per_s=bw, ranks=int(measurements["workers"]))
@@ -209,12 +220,13 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
         "peak_flops_per_s": peaks,
         "matmul_efficiency": 1.0,
         "mem_bw_bytes_per_s": copy[0] / copy[1],
-        "weight_stream_bytes_per_s": copy[0] / copy[1],
         "op_overhead_s": per_op / LAUNCHES_PER_OP,
         "step_overhead_s": float(step_s),
-        "collectives": measured,
+        "collectives": measured or base.collectives,
         "fingerprint": str(measurements["fingerprint"]),
     }
+    if measurements.get("device", "cpu") == "cpu":  # [Note: weight traffic] in cost_models/compute.py
+        fields["weight_stream_bytes_per_s"] = copy[0] / copy[1]
     rows = measurements.get("matmul_rows")
     if rows and "fp32" in peaks:
         fields["matmul_rows_efficiency"] = rows_curves(rows, peaks["fp32"])
@@ -263,7 +275,7 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
         "matmul_rows_efficiency": "fp32 Linear of 512 inputs and outputs on M rows (forward x @ w.T + b; backward: both gradients) over the fitted fp32 peak",
         "matmul_narrow_efficiency": "the same at the narrow width, over the fitted fp32 peak",
         "matmul_narrow_width": "K = N of the narrow matmuls timed",
-        "late_receive_s": "mean wait of a receive posted after its send while the sender computes (runtime/profiler.py late_receive_times)",
+        "late_receive_s": "mean wait of a receive posted after its send while the sender computes (profiler/collectives.py late_receive_times)",
     }
     for key, note in notes.items():
         if key in fields:
@@ -296,6 +308,7 @@ def layer_corrections(profile: DeviceProfile, timed: dict[str, Any], layers: Seq
     """
     by_name = {layer.name: layer for layer in layers}
     ratios: dict[str, dict[str, Any]] = {}
+    dtype = timed.get("dtype", "fp32")  # the autocast dtype the layers ran in
     try:
         for row in timed["layers"]:
             layer = by_name.get(row["name"])
@@ -304,7 +317,7 @@ def layer_corrections(profile: DeviceProfile, timed: dict[str, Any], layers: Seq
                                    f"({', '.join(by_name)}); profile the model again")
             entry = ratios.setdefault(layer.cost_key, {"layer": layer.name, "forward": {}, "backward": {}})
             for batch, fwd_s, bwd_s in row["times"]:
-                modelled = layer_timing(layer, profile, tp=1, micro_batch_size=int(batch), dtype="fp32")
+                modelled = layer_timing(layer, profile, tp=1, micro_batch_size=int(batch), dtype=dtype)
                 for curve, measured_s, model_s in (("forward", fwd_s, modelled.fwd_s), ("backward", bwd_s, modelled.bwd_s)):
                     if model_s > 0 and measured_s > 0:
                         ratio = min(_MAX_LAYER_RATIO, max(1 / _MAX_LAYER_RATIO, measured_s / model_s))
@@ -339,8 +352,8 @@ def _with_kernel_efficiencies(fitted: DeviceProfile, measurements: dict[str, Any
     sources = dict(fitted.sources)
     reference = measurements["reference"]
     fwd_eff, bwd_eff = _reference_efficiencies(fitted, reference, reference_layers)
-    sources["kernel_efficiency"] = f"{stamp}: forward of runtime/reference_model.py against the layer cost model"
-    sources["backward_kernel_efficiency"] = f"{stamp}: backward of runtime/reference_model.py against the layer cost model"
+    sources["kernel_efficiency"] = f"{stamp}: forward of profiler/reference_model.py against the layer cost model"
+    sources["backward_kernel_efficiency"] = f"{stamp}: backward of profiler/reference_model.py against the layer cost model"
     step = measurements.get("reference_step")
     sync_scale = None
     if step:
@@ -350,8 +363,9 @@ def _with_kernel_efficiencies(fitted: DeviceProfile, measurements: dict[str, Any
         apart = ", each pass timed apart" if "passes" in step else ""
         for key, scale in (("kernel_efficiency", fwd_scale), ("backward_kernel_efficiency", bwd_scale)):
             sources[key] += f", times {scale:.3f}: each micro-batch of its training step through the program's runtime{apart}"
-        sources["grad_sync_scale"] = (f"{stamp}: runtime/reference_model.py's data-parallel training step, what its "
-                                      "gradient all-reduce adds (intercept) against the all-reduce's charge")
+        if sync_scale is not None:
+            sources["grad_sync_scale"] = (f"{stamp}: profiler/reference_model.py's data-parallel training step, what its "
+                                          "gradient all-reduce adds (intercept) against the all-reduce's charge")
     return replace(fitted, kernel_efficiency=fwd_eff, backward_kernel_efficiency=bwd_eff, grad_sync_scale=sync_scale, sources=sources)
 
 
@@ -359,7 +373,7 @@ def _clamp(efficiency: float) -> float:
     return min(_MAX_EFFICIENCY, max(_MIN_EFFICIENCY, efficiency))
 
 
-def _runtime_fit(profile: DeviceProfile, step: dict[str, Any], layers: Sequence[LayerProfile]) -> tuple[tuple[float, float], float]:
+def _runtime_fit(profile: DeviceProfile, step: dict[str, Any], layers: Sequence[LayerProfile]) -> tuple[tuple[float, float], float | None]:
     """((the factors on the forward and backward kernel efficiencies), ``grad_sync_scale``)
     from the reference model's data-parallel training step; see [Note: calibrated fits].
     The slope of the forwards against micro-batches is set against the layers' forward
@@ -367,16 +381,16 @@ def _runtime_fit(profile: DeviceProfile, step: dict[str, Any], layers: Sequence[
     byte seconds scale (a record without the passes timed apart sets their sum against
     the sum: one factor on both); the intercept of the forwards, backwards and the
     all-reduce's wait together against one all-reduce of the gradients at the fitted
-    alpha and beta."""
+    alpha and beta (None for one worker, which has no all-reduce)."""
     try:
-        batch, workers = int(step["batch_size"]), int(step["workers"])
+        batch, workers, dtype = int(step["batch_size"]), int(step["workers"]), step.get("dtype", "fp32")
         slopes = [1.0 / fit_line([(float(m), float(compute)) for m, compute, _, _ in step["steps"]])[1]]
         if "passes" in step:
             slopes = [1.0 / fit_line([(float(row[0]), float(row[1 + k])) for row in step["passes"]])[1] for k in (0, 1)]
         sync_s, _ = fit_line([(float(m), float(compute) + float(wait)) for m, compute, wait, _ in step["steps"]])
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise ProfileError(f"profile measurements: reference_step is malformed ({exc})") from None
-    times = [layer_timing(l, profile, tp=1, micro_batch_size=batch, dtype="fp32") for l in layers]
+    times = [layer_timing(l, profile, tp=1, micro_batch_size=batch, dtype=dtype) for l in layers]
     launch = sum(l.num_ops for l in layers) * (profile.op_overhead_s or 0.0)
     # (charged seconds, of them per-op launches) per micro-batch: forward and backward, or both together
     charges = [(sum(t.fwd_s for t in times), launch), (sum(t.bwd_s for t in times), (LAUNCHES_PER_OP - 1) * launch)]
@@ -388,9 +402,11 @@ def _runtime_fit(profile: DeviceProfile, step: dict[str, Any], layers: Sequence[
             raise ProfileError("the reference training step ran faster than its overheads; the machine is too noisy, "
                                "run hetpar profile again")
         factors.append((charged - launches) / (measured - launches))
+    if workers == 1:  # no gradient all-reduce to scale
+        return (factors[0], factors[-1]), None
     params = sum(l.params for l in layers)
     reduce = profile.collectives.get("all_reduce")
-    charged_s = reduce.latency_s + 4.0 * params / reduce.bw_bytes_per_s if reduce and workers > 1 else 0.0
+    charged_s = reduce.latency_s + 4.0 * params / reduce.bw_bytes_per_s if reduce else 0.0
     sync_scale = sync_s / charged_s if charged_s > 0 else 1.0
     return (factors[0], factors[-1]), min(_MAX_SYNC_SCALE, max(_MIN_SYNC_SCALE, sync_scale))
 
@@ -412,8 +428,8 @@ def _reference_efficiencies(profile: DeviceProfile, reference: dict[str, Any], l
     """(forward, backward) fractions of the fitted rates that the reference model's
     kernels reach: the layer cost model's FLOP and byte seconds at efficiency 1 over the
     measured seconds less the per-op overheads it charges; see [Note: calibrated fits]."""
-    batch = int(reference["batch_size"])
-    times = [layer_timing(l, profile, tp=1, micro_batch_size=batch, dtype="fp32", kernel_efficiency=1.0) for l in layers]
+    batch, dtype = int(reference["batch_size"]), reference.get("dtype", "fp32")
+    times = [layer_timing(l, profile, tp=1, micro_batch_size=batch, dtype=dtype, kernel_efficiency=1.0) for l in layers]
     launch = sum(l.num_ops for l in layers) * (profile.op_overhead_s or 0.0)
     fwd_work = sum(t.fwd_s for t in times) - launch
     bwd_work = sum(t.bwd_s for t in times) - 2 * launch

@@ -16,6 +16,6 @@ Modules, in the order a program uses them:
 - ``checkpoint``: atomic torch.distributed.checkpoint checkpoints and resume.
 - ``training``: optimizer, reported loss, metrics, final state_dict.
 
-Used by ``hetpar profile`` rather than by a program: ``profiler`` (this host's
-microbenchmarks) and ``reference_model`` (the fixed training workload it times).
+``hetpar profile``'s microbenchmarks and reference workload live in the ``profiler``
+package, which imports runtime.
 """

@@ -15,7 +15,7 @@ from cost_models.devices import ProfileError, dump_profile, get_device, load_pro
 from cost_models.layers import LayerProfile
 from planner.trace import trace_model
 from runtime.model_file import load_model_file
-from runtime.profiler import chained_pass_s, layer_stages, layer_times
+from profiler.layers import chained_pass_s, layer_stages, layer_times
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"

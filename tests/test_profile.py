@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from cli_helpers import assert_one_line_error, hetpar
 
 from cost_models.calibrate import LAUNCHES_PER_OP, fit_line, fit_profile
@@ -285,7 +286,7 @@ def test_estimate_with_a_foreign_profile_warns_in_one_line(tmp_path):
 
 def test_bad_inputs_are_one_line_errors(tmp_path):
     one_line_error(hetpar("profile", "-o", str(tmp_path / "p.txt")), ".json or .toml")
-    one_line_error(hetpar("profile", "-o", str(tmp_path / "p.json"), "--nproc", "1"), "--nproc")
+    one_line_error(hetpar("profile", "-o", str(tmp_path / "p.json"), "--nproc", "0"), "--nproc must be at least 1")
     one_line_error(hetpar("estimate", GPT, "-c", "1x2xcpu", "-b", "4", "--dp", "2", "--tp", "1", "--pp", "1",
                           "--micro-batch-size", "2", "--profile", str(tmp_path / "missing.json")), "not found")
     bad = tmp_path / "bad.json"
@@ -459,7 +460,7 @@ def test_the_reference_step_timed_pass_by_pass_sets_each_efficiency_apart():
 
 
 def test_passes_keep_the_median_of_every_number_and_the_sizes_as_they_are():
-    from runtime.profiler import median_record
+    from profiler import median_record
     a = {"copy": [2e9, 0.25], "matmul": {"fp32": [[1e6, 1.0], [1e7, 5.0]]}, "workers": 2, "model": "m.py"}
     b = {"copy": [2e9, 0.35], "matmul": {"fp32": [[1e6, 3.0], [1e7, 4.0]]}, "workers": 2, "model": "m.py"}
     c = {"copy": [2e9, 0.30], "matmul": {"fp32": [[1e6, 2.0], [1e7, 9.0]]}, "workers": 2, "model": "m.py"}
@@ -476,8 +477,8 @@ def test_passes_below_one_are_refused(tmp_path):
 def test_a_pass_whose_worker_died_is_measured_once_more(monkeypatch):
     # gloo can abort a worker on a busy host; one more pass with fresh workers is taken,
     # a second death (or a worker that raised) is a one-line error.
+    import profiler
     from hetpar.commands.profile import _one_pass
-    from runtime import profiler
     calls, shown = [], []
 
     def dies_once(*args, **kwargs):
@@ -512,3 +513,108 @@ def test_a_narrow_width_below_one_is_refused(tmp_path):
     (tmp_path / "zero.toml").write_text(text)
     with pytest.raises(ProfileError, match="matmul_narrow_width must be at least 1, got 0"):
         load_profile(tmp_path / "zero.toml")
+
+
+def one_worker_gpu_record():
+    """What one GPU worker measures: no collectives, no row curves, bf16 reference steps."""
+    data = {key: value for key, value in record("test host x16 cores, torch 0, NVIDIA H200").items() if key != "collectives"}
+    return {**data, "device": "cuda", "workers": 1}
+
+
+def test_one_gpu_worker_keeps_the_datasheet_links_and_the_gpu_name(tmp_path):
+    h200 = get_device("H200-141GB")
+    p = fit_profile(one_worker_gpu_record(), h200)
+    assert p.name == "H200-141GB" and p.fingerprint.endswith("NVIDIA H200")
+    assert p.collectives == h200.collectives
+    for key in ("intra_node_latency_s", "intra_node_bw_bytes_per_s", "memory_bytes", "default_nic_bw_bytes_per_s"):
+        assert getattr(p, key) == getattr(h200, key) and p.sources[key] == h200.sources[key]
+    assert p.peak_flops_per_s["bf16"] == pytest.approx(200e9)  # measured, not the datasheet's
+    assert p.op_overhead_s == pytest.approx(15e-6 / LAUNCHES_PER_OP)
+    assert p.sources["op_overhead_s"].startswith("fitted from hetpar profile")
+    assert p.weight_stream_bytes_per_s is None  # a GPU's weight reads hide under its FLOPs
+    assert_round_trips(p, tmp_path)
+    # A measured CPU record with collectives replaces the base's, as before.
+    assert "all_reduce" in fit_profile(record(), get_device("cpu")).collectives
+
+
+def test_one_worker_reference_step_sets_efficiencies_in_its_dtype_and_no_sync_scale():
+    from cost_models.compute import layer_timing
+    layers = [LayerProfile(name=f"l{i}", fwd_flops=4e9 * (i + 1), bwd_flops=8e9 * (i + 1), params=1000,
+                           saved_activation_bytes=2e6, boundary_bytes=1e3, num_ops=12, param_tensors=2) for i in range(3)]
+    data = one_worker_gpu_record()
+    plain = fit_profile(data, get_device("H200-141GB"))
+    batch, fwd_eff, bwd_eff = 4, 0.6, 0.35
+    at = lambda eff: [layer_timing(l, plain, tp=1, micro_batch_size=batch, dtype="bf16", kernel_efficiency=eff) for l in layers]
+    fwd_s, bwd_s = sum(t.fwd_s for t in at(fwd_eff)), sum(t.bwd_s for t in at(bwd_eff))
+    data["reference"] = {"batch_size": batch, "fwd_s": fwd_s, "fwd_bwd_s": fwd_s + bwd_s, "dtype": "bf16"}
+    data["reference_step"] = {"steps": [[m, m * (fwd_s + bwd_s), 0.0, 5e-3] for m in (1, 2, 4)],
+                              "passes": [[m, m * fwd_s, m * bwd_s] for m in (1, 2, 4)],
+                              "batch_size": batch, "workers": 1, "dtype": "bf16"}
+    p = fit_profile(data, get_device("H200-141GB"), layers)
+    assert p.kernel_efficiency == pytest.approx(fwd_eff)
+    assert p.backward_kernel_efficiency == pytest.approx(bwd_eff)
+    assert p.grad_sync_scale is None and "grad_sync_scale" not in p.sources
+
+
+def test_nproc_defaults_to_the_visible_gpus_and_may_not_exceed_them(monkeypatch):
+    from hetpar.commands.profile import workers
+    assert workers(None, "cpu") == 2 and workers(1, "cpu") == 1
+    with pytest.raises(ProfileError, match="--nproc must be at least 1, got 0"):
+        workers(0, "cpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert workers(None, "cuda") == 1
+    with pytest.raises(ProfileError, match="--nproc 2 is more than the 1 visible GPU "):
+        workers(2, "cuda")
+
+
+def test_a_gpu_host_profiles_as_its_builtin_type(monkeypatch):
+    from hetpar.commands import profile as command
+    from runtime.devices import FoundDevice
+    found = {0: FoundDevice(name="NVIDIA H200", memory_bytes=150_106_652_672),
+             1: FoundDevice(name="NVIDIA H200", memory_bytes=150_106_652_672)}
+    monkeypatch.setattr(command.devices, "this_device", lambda device: found[device.index])
+    assert command.host_profile("cuda", 2).name == "H200-141GB"
+    assert command.host_profile("cpu", 2).name == "cpu"
+    found[1] = FoundDevice(name="NVIDIA A100-SXM4-80GB", memory_bytes=85_100_000_000)
+    assert command.host_profile("cuda", 1).name == "H200-141GB"
+    with pytest.raises(ProfileError, match="the GPUs differ"):
+        command.host_profile("cuda", 2)
+    found[0] = FoundDevice(name="NVIDIA RTX 9000", memory_bytes=48_000_000_000)
+    with pytest.raises(ProfileError, match=r"no built-in profile matches this GPU \(NVIDIA RTX 9000 .*--base NAME"):
+        command.host_profile("cuda", 1)
+
+
+@pytest.mark.slow
+def test_one_cpu_worker_profiles_without_collectives_and_says_so_once(tmp_path):
+    out = tmp_path / "one.json"
+    result = hetpar("profile", "-o", str(out), "--quick", "--nproc", "1")
+    assert result.returncode == 0, result.stderr
+    said = [l for l in result.stderr.splitlines() if "collectives" in l]
+    assert said == ["hetpar: one worker: collectives not measured, keeping the cpu profile's links"]
+    measured = json.loads((tmp_path / "one.measurements.json").read_text())
+    assert measured["workers"] == 1 and "collectives" not in measured and "late_receive" not in measured
+    assert measured["reference_step"]["workers"] == 1
+    p = load_profile(out)
+    assert p.collectives == get_device("cpu").collectives and p.op_overhead_s > 0
+    estimated = hetpar("estimate", GPT, *SMALL_GPT, "-c", "1x1xcpu", "-b", "4", "--dp", "1", "--tp", "1", "--pp", "1",
+                       "--micro-batch-size", "2", "--profile", str(out), "--json")
+    assert estimated.returncode == 0, estimated.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_microbenchmarks_wait_for_the_device_and_the_host_maps_to_its_type():
+    """Rates timed with a synchronize around each region stay below the datasheet's
+    peaks (a host clock without one would time the launches: far above them)."""
+    from hetpar.commands.profile import host_profile
+    from profiler import micro
+    from profiler.clock import compute_dtype
+    device = torch.device("cuda", 0)
+    datasheet = host_profile("cuda", 1)
+    dtype = compute_dtype(device)
+    (flops, seconds), = micro.matmul_times([8192], dtype, repeats=5, device=device, region_flops=1e12)
+    assert 0.2 * datasheet.peak_flops(dtype) < flops / seconds < 1.1 * datasheet.peak_flops(dtype)
+    nbytes, seconds = micro.copy_bandwidth(1 << 30, repeats=5, device=device, inner=5)
+    assert 0.2 * datasheet.mem_bw_bytes_per_s < nbytes / seconds < 1.1 * datasheet.mem_bw_bytes_per_s
+    per_op = micro.op_overhead_times(blocks=20, repeats=5, device=device)
+    assert 1e-6 < per_op["fwd_s_per_op"] < per_op["fwd_bwd_s_per_op"] < 1e-3

@@ -8,41 +8,52 @@ import warnings
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
+import torch
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+import profiler
 from cost_models.calibrate import fit_profile
-from cost_models.devices import DeviceProfile, ProfileError, dump_profile, get_device, load_profile, profile_to_dict
+from cost_models.devices import DeviceProfile, ProfileError, dump_profile, get_device, known_devices, load_profile, profile_to_dict
 from hetpar.commands.common import console, domain_errors, seconds
 from planner.trace import ModelGraph, trace_model
-from runtime import profiler, reference_model
+from profiler import reference_model
+from runtime import devices
 from runtime.model_file import load_model_file, parse_model_args
 
-# (matmul sizes, collective sizes in bytes, repeats): the default stays under 3 minutes
-# on a 2-core host; --quick is for tests and a first look.
-_FULL = ([64, 128, 256, 384, 512, 768], [4096, 65536, 1 << 20, 4 << 20, 16 << 20], 9)
-_QUICK = ([64, 256, 512], [4096, 1 << 20, 4 << 20], 3)
+# (matmul sizes, collective sizes in bytes, repeats) by device and --quick. The default
+# stays under 3 minutes on a 2-core host and on one GPU (CUDA timings are steady, so 10
+# repeats of each); --quick is for tests and a first look.
+_SIZES = {
+    ("cpu", False): ([64, 128, 256, 384, 512, 768], [4096, 65536, 1 << 20, 4 << 20, 16 << 20], 9),
+    ("cpu", True): ([64, 256, 512], [4096, 1 << 20, 4 << 20], 3),
+    ("cuda", False): ([512, 1024, 2048, 4096, 8192], [4096, 65536, 1 << 20, 16 << 20, 128 << 20], 10),
+    ("cuda", True): ([1024, 4096, 8192], [4096, 1 << 20, 64 << 20], 5),
+}
 
 
 # Whole measurements per profile by default: each pass spawns fresh workers, and the
-# record keeps the median of every number over the passes (runtime/profiler.py
+# record keeps the median of every number over the passes (profiler/workers.py
 # ``median_record``), so one slow minute of the shared host or one unlucky set of
-# processes does not set the profile.
-PASSES = 3
+# processes does not set the profile. A GPU's timings are steady from one pass to the
+# next; one pass keeps its profile within the 3 minutes.
+PASSES = {"cpu": 3, "cuda": 1}
 
 
-def measure(*, nproc: int, quick: bool, tp_sharding: dict[str, str] | None = None, model: dict | None = None,
-            passes: int = 1, step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def measure(*, nproc: int, quick: bool, device: str = "cpu", tp_sharding: dict[str, str] | None = None,
+            model: dict | None = None, passes: int = 1, step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Run every microbenchmark of this host ``passes`` times; the record cost_models/calibrate.py fits.
 
     Args:
-        nproc: local workers that run the benchmarks at once (2 or more), as the ranks
-            of a plan for this many devices would.
+        nproc: local workers that run the benchmarks at once, as the ranks of a plan for
+            this many devices would (1 or more; on CUDA one per GPU).
         quick: fewer sizes and repeats.
-        tp_sharding: the reference model's tensor-parallel sharding (``reference_graph``).
+        device: "cuda" or "cpu": what the workers compute on.
+        tp_sharding: the reference model's tensor-parallel sharding (``reference_graph``),
+            for two or more CPU workers.
         model: ``{"path", "args", "batch_sizes"}``: also time that model file's layers
-            (runtime/profiler.py ``layer_times``).
+            (profiler/layers.py ``layer_times``).
         passes: whole measurements, each with fresh workers; the record holds the
             median of each number over them.
         step: called with a description as each benchmark starts (progress display).
@@ -50,22 +61,23 @@ def measure(*, nproc: int, quick: bool, tp_sharding: dict[str, str] | None = Non
     Returns:
         The measurement record (cost_models/calibrate.py documents its keys).
     """
-    sizes, comm_sizes, repeats = _QUICK if quick else _FULL
+    sizes, comm_sizes, repeats = _SIZES[device, quick]
+    threads = 1 if nproc > 1 else torch.get_num_threads()  # as the workers set it
     record: dict[str, Any] = {"fingerprint": profiler.fingerprint(), "date": datetime.date.today().isoformat(),
-                              "workers": nproc, "threads_per_worker": 1}
+                              "device": device, "workers": nproc, "threads_per_worker": threads}
     records = []
     for k in range(passes):
         def progress(what: str, k: int = k) -> None:
             step(f"pass {k + 1}/{passes}: {what}" if passes > 1 else what)
 
-        records.append(_one_pass(nproc, sizes, comm_sizes, repeats, tp_sharding, model, progress))
+        records.append(_one_pass(nproc, sizes, comm_sizes, repeats, tp_sharding, model, progress, device=device))
     record.update(profiler.median_record(records))
     record["passes"] = passes
     return record
 
 
 def _one_pass(nproc: int, sizes: list[int], comm_sizes: list[int], repeats: int, tp_sharding: dict[str, str] | None,
-              model: dict | None, progress: Callable[[str], None]) -> dict[str, Any]:
+              model: dict | None, progress: Callable[[str], None], *, device: str = "cpu") -> dict[str, Any]:
     """One measurement with fresh workers; a pass whose worker died is measured once more.
 
     Raises:
@@ -74,8 +86,8 @@ def _one_pass(nproc: int, sizes: list[int], comm_sizes: list[int], repeats: int,
     def once() -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            return profiler.host_measurements(nproc, matmul_sizes=sizes, sizes_bytes=comm_sizes, repeats=repeats,
-                                              tp_sharding=tp_sharding, model=model, progress=progress)
+            return profiler.host_measurements(nproc, device=device, matmul_sizes=sizes, sizes_bytes=comm_sizes,
+                                              repeats=repeats, tp_sharding=tp_sharding, model=model, progress=progress)
 
     try:
         return once()
@@ -111,32 +123,41 @@ def profiles_option(paths: Optional[list[Path]]) -> dict[str, DeviceProfile]:
 @domain_errors
 def profile(
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the profile (.json or .toml).")],
-    nproc: Annotated[int, typer.Option(help="Local workers to time collectives between (2 for timing on a 2-core host).")] = 2,
+    nproc: Annotated[Optional[int], typer.Option(
+        help="Local workers measured at once, as a plan's ranks run; with 2 or more they time collectives too "
+             "[default: every visible GPU on CUDA, 2 on a CPU].", show_default=False)] = None,
     model: Annotated[Optional[Path], typer.Option(help="Also time each layer of this model file, forward and backward; "
                                                    "plans of models with such layers then use the times.")] = None,
     model_arg: Annotated[Optional[list[str]], typer.Option("--model-arg", "-a", help="key=value passed to build_model(); repeatable.")] = None,
     batch_sizes: Annotated[str, typer.Option(help="Micro-batch sizes at which to time the --model layers, comma-separated.")] = "1,2,4,8,16,32",
     quick: Annotated[bool, typer.Option(help="Fewer sizes and repeats, one pass (a first look; noisier).")] = False,
-    passes: Annotated[Optional[int], typer.Option(help=f"Whole measurements to take the median of [default: {PASSES}, 1 with --quick].",
-                                                  show_default=False)] = None,
-    base: Annotated[str, typer.Option(help="Built-in profile whose unmeasured fields (memory, NICs) are kept.")] = "cpu",
+    passes: Annotated[Optional[int], typer.Option(
+        help=f"Whole measurements to take the median of [default: {PASSES['cpu']} on a CPU, {PASSES['cuda']} on GPUs, "
+             "1 with --quick].", show_default=False)] = None,
+    base: Annotated[Optional[str], typer.Option(
+        help="Built-in profile whose unmeasured fields (memory, NICs, links not timed) are kept, and whose name the "
+             "profile takes [default: this host's GPU type on CUDA, cpu on a CPU].", show_default=False)] = None,
 ) -> None:
     """Measure this host (matmul, memory, per-op overhead, collectives) and fit a device profile."""
-    if nproc < 2:
-        raise ProfileError(f"--nproc must be at least 2 to time collectives, got {nproc}")
     if output.suffix.lower() not in (".json", ".toml"):
         raise ProfileError(f"--output {str(output)!r} must end in .json or .toml")
-    passes = passes if passes is not None else (1 if quick else PASSES)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    nproc = workers(nproc, device)
+    passes = passes if passes is not None else (1 if quick else PASSES[device])
     if passes < 1:
         raise ProfileError(f"--passes must be at least 1, got {passes}")
-    base_profile = get_device(base)
+    base_profile = get_device(base) if base is not None else host_profile(device, nproc)
     sizes = _batch_sizes(batch_sizes)
     target = _model_target(model, parse_model_args(model_arg or []), sizes) if model is not None else None
-    reference = reference_graph()
+    reference = reference_graph(device)
+    tp_sharding = reference_sharding(reference, nproc) if device == "cpu" and nproc > 1 else {}
+    if nproc == 1:
+        console.print(f"hetpar: one worker: collectives not measured, keeping the {base_profile.name} profile's links",
+                      soft_wrap=True)
     # A neighbour's burst can spoil one round past what the fit tolerates; one more round
     # usually is clean, and a second failure is reported.
     for attempt in (1, 2):
-        record = _measure_with_progress(nproc, quick, passes, target and target[0], reference_sharding(reference, nproc))
+        record = _measure_with_progress(nproc, quick, device, passes, target and target[0], tp_sharding)
         try:
             fitted = fit_profile(record, base_profile, reference.layers, target[1].layers if target else ())
             break
@@ -154,9 +175,53 @@ def profile(
     typer.echo(str(output))
 
 
-def reference_graph() -> ModelGraph:
-    """The model the profile times as its reference workload, traced by the planner."""
-    return trace_model(load_model_file(Path(reference_model.__file__), {}))
+def workers(nproc: int | None, device: str) -> int:
+    """How many workers measure at once: ``--nproc``, else every visible GPU on CUDA and
+    2 on a CPU (two workers that share the cores, as the cpu profile describes).
+
+    Raises:
+        ProfileError: fewer than 1, or more than the visible GPUs on CUDA.
+    """
+    if device == "cuda":
+        visible = torch.cuda.device_count()
+        if nproc is None:
+            return visible
+        if nproc > visible:
+            raise ProfileError(f"--nproc {nproc} is more than the {visible} visible GPU{'s' if visible != 1 else ''} "
+                               "(one worker per GPU)")
+    nproc = 2 if nproc is None else nproc
+    if nproc < 1:
+        raise ProfileError(f"--nproc must be at least 1, got {nproc}")
+    return nproc
+
+
+def host_profile(device: str, nproc: int) -> DeviceProfile:
+    """The built-in profile this host's measured one stands in for: ``cpu`` on a CPU; on
+    CUDA the one that matches the GPUs' name and memory (runtime.devices ``matches``:
+    ``NVIDIA H200`` with 140 GiB is ``H200-141GB``), so that ``--profile`` replaces that
+    type in a cluster.
+
+    Raises:
+        ProfileError: the workers' GPUs differ, or no built-in profile matches them.
+    """
+    if device != "cuda":
+        return get_device("cpu")
+    found = [devices.this_device(torch.device("cuda", k)) for k in range(nproc)]
+    if len({(f.name, f.memory_bytes) for f in found}) > 1:
+        kinds = ", ".join(sorted({f.describe() for f in found}))
+        raise ProfileError(f"the GPUs differ ({kinds}); profile one type at a time (CUDA_VISIBLE_DEVICES, --nproc)")
+    matching = [p for p in known_devices() if not devices.is_cpu_type(p.name) and devices.matches(p.name, found[0])]
+    if not matching:
+        raise ProfileError(f"no built-in profile matches this GPU ({found[0].describe()}); pass --base NAME "
+                           "(hetpar devices lists them)")
+    return matching[0]
+
+
+def reference_graph(device: str = "cpu") -> ModelGraph:
+    """The model the profile times as its reference workload on ``device`` ("cpu" or
+    "cuda": its size, profiler/reference_model.py), traced by the planner."""
+    args = {"size": reference_model.size_for(device)}
+    return trace_model(load_model_file(Path(reference_model.__file__), args))
 
 
 def reference_sharding(graph: ModelGraph, tp: int) -> dict[str, str]:
@@ -183,9 +248,11 @@ def _model_target(path: Path, args: dict[str, Any], sizes: list[int]) -> tuple[d
     return {"path": str(path.resolve()), "args": args, "batch_sizes": sizes}, graph
 
 
-def _measure_with_progress(nproc: int, quick: bool, passes: int, model: dict[str, Any] | None,
+def _measure_with_progress(nproc: int, quick: bool, device: str, passes: int, model: dict[str, Any] | None,
                            tp_sharding: dict[str, str]) -> dict[str, Any]:
-    total = (12 + (1 if tp_sharding else 0) + (1 if model else 0)) * passes
+    steps = profiler.progress_steps(nproc, torch.device(device, 0) if device == "cuda" else torch.device("cpu"),
+                                    model=bool(model), tensor_parallel=bool(tp_sharding))
+    total = steps * passes
     with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.description}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("", total=total)
@@ -195,7 +262,8 @@ def _measure_with_progress(nproc: int, quick: bool, passes: int, model: dict[str
             done["n"] += 1
             bar.update(task, completed=done["n"], description=what)
 
-        record = measure(nproc=nproc, quick=quick, tp_sharding=tp_sharding, model=model, passes=passes, step=step)
+        record = measure(nproc=nproc, quick=quick, device=device, tp_sharding=tp_sharding, model=model, passes=passes,
+                         step=step)
         bar.update(task, completed=total)
     return record
 
@@ -208,12 +276,13 @@ def _print_summary(p: DeviceProfile, record: dict[str, Any]) -> None:
         f"step overhead {seconds(p.step_overhead_s)}"
         + (f"; late pipeline receive {seconds(p.late_receive_s)}" if p.late_receive_s is not None else "")
     )
-    table = Table(title=f"collectives, {record['workers']} workers", title_justify="left")
-    for column in ("collective", "alpha", "beta"):
-        table.add_column(column)
-    for name, fit in p.collectives.items():
-        table.add_row(name, f"{fit.latency_s * 1e6:.0f} us", f"{fit.bw_bytes_per_s / 1e9:.2f} GB/s")
-    console.print(table)
+    if "collectives" in record:  # one worker times none
+        table = Table(title=f"collectives, {record['workers']} workers", title_justify="left")
+        for column in ("collective", "alpha", "beta"):
+            table.add_column(column)
+        for name, fit in p.collectives.items():
+            table.add_row(name, f"{fit.latency_s * 1e6:.0f} us", f"{fit.bw_bytes_per_s / 1e9:.2f} GB/s")
+        console.print(table)
     if "model_layers" in record:
         timed = record["model_layers"]
         sizes = [int(t[0]) for t in timed["layers"][0]["times"]]
