@@ -21,7 +21,11 @@ traffic, not a guess. ``matmul_efficiency`` is the device profile's best-case ma
 published end-to-end measurements: what real training kernels reach of those
 microbenchmark rates (shapes that are not the best one, the attention matmuls, launch
 gaps, the data loader); see TRAINING_KERNEL_EFFICIENCY and docs/cost-model.md for the
-data it was fitted on.
+data it was fitted on. The launch overhead is the profile's ``op_overhead_s`` (a
+public per-op measurement in the GPU datasheet profiles, docs/devices.md; what
+``hetpar profile`` measured in a measured one), else DEFAULT_OP_OVERHEAD_S: every op of
+the layer pays it in the forward, in the input gradient and in the weight gradient, so
+work made of many small kernels costs what its launches cost.
 
 Zero-bubble schedules need the backward in two parts ([Note: zero-bubble split] in
 runtime/schedule.py): W, the weight gradients, costs as many FLOPs as the layer's
@@ -39,13 +43,15 @@ from cost_models.layers import LayerProfile
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
-# Per-op launch/dispatch cost when a profile does not state one. 5 us is the usual
-# order of a CUDA kernel launch plus PyTorch dispatch (NVIDIA CUDA C++ Best Practices
-# Guide, "kernel launch overhead ... a few microseconds"); a calibrated profile replaces it.
+# Per-op launch/dispatch cost when a profile does not state one (the built-in cpu
+# profile; a measured one and the GPU datasheet profiles state ``op_overhead_s``, charged
+# per op in each pass: [Note: layer time]). 5 us is the usual order of a CUDA kernel
+# launch plus PyTorch dispatch (NVIDIA CUDA C++ Best Practices Guide, "kernel launch
+# overhead ... a few microseconds").
 DEFAULT_OP_OVERHEAD_S = 5e-6
 
 # K = N of the matmuls of a profile's rows curve (``DeviceProfile.matmul_rows_efficiency``,
-# runtime/profiler.py ``matmul_row_times``); wider matmuls take that curve as it is.
+# profiler/micro.py ``matmul_row_times``); wider matmuls take that curve as it is.
 ROWS_CURVE_WIDTH = 512
 
 
@@ -146,7 +152,7 @@ def layer_timing(
 # [Note: measured layers]
 # `hetpar profile --model FILE` times each layer of that model on the host, forward and
 # backward, at several micro-batch sizes, in every worker at once and cut as the
-# generated program cuts stages (runtime/profiler.py ``layer_times``).
+# generated program cuts stages (profiler/layers.py ``layer_times``).
 # cost_models/calibrate.py stores, per layer cost (LayerProfile.cost_key, so the blocks
 # of a transformer share one entry and any model with the same layer reuses it), the
 # ratio of the measured seconds to what ``layer_timing`` models at tp 1 on the same
@@ -288,7 +294,7 @@ def training_efficiency(device) -> float:
 # checks and redistributes its input, runs the op on distributed tensors (sharding
 # propagation in Python) and unwraps the output, in the forward and again in the
 # backward. On a GPU this hides behind the kernels; on a CPU it is milliseconds per
-# module. `hetpar profile` measures it (runtime/profiler.py, a tiny colwise/rowwise
+# module. `hetpar profile` measures it (profiler/reference.py, a tiny colwise/rowwise
 # block whose kernels cost nothing) and cost_models/calibrate.py fits
 # ``tp_module_overhead_s`` per sharded module and micro-batch, forward plus backward;
 # datasheet profiles leave it unset (zero). It is charged where the DTensor work runs:

@@ -47,7 +47,8 @@ _NUMERIC_FIELDS = (
     "default_nics_per_node",
     "inter_node_latency_s",
 )
-# Measured by ``hetpar profile`` (docs/profiling.md); absent from datasheet profiles.
+# Measured by ``hetpar profile`` (docs/profiling.md); absent from datasheet profiles but
+# for ``op_overhead_s``, which the accelerator profiles state from public measurements.
 _CALIBRATED_FIELDS = ("op_overhead_s", "step_overhead_s", "kernel_efficiency", "backward_kernel_efficiency",
                       "tp_module_overhead_s", "tp_collective_overhead_s", "grad_sync_scale", "optimizer_bytes_per_s",
                       "optimizer_tensor_overhead_s", "tp_optimizer_tensor_overhead_s", "weight_stream_bytes_per_s",
@@ -118,7 +119,9 @@ class DeviceProfile:
     collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
     # Calibrated by `hetpar profile` on the host itself; None in datasheet profiles, where
     # cost_models/compute.py's defaults apply. See docs/profiling.md.
-    op_overhead_s: float | None = None  # dispatch + autograd cost of one small op
+    # Dispatch, autograd and kernel-launch cost of one op, per pass; the accelerator
+    # datasheet profiles state a public measurement (docs/devices.md).
+    op_overhead_s: float | None = None
     step_overhead_s: float | None = None  # fixed per training step: data, loss all-reduce, optimizer calls
     # Fraction of the microbenchmark rates training kernels reach; None: the estimator's
     # global TRAINING_KERNEL_EFFICIENCY (fitted on published GPU runs). A measured

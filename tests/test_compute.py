@@ -22,7 +22,7 @@ def test_layer_timing_by_hand():
     flop_rate = 312e12 * 0.869 * 0.5
     byte_rate = 2.039e12 * HBM_STREAM_EFFICIENCY * 0.5
     saved = 4e8 * 2 / 2  # per sample fp32 -> bf16, two samples
-    launch = 10 * DEFAULT_OP_OVERHEAD_S
+    launch = 10 * A100.op_overhead_s
     assert t.fwd_s == pytest.approx(6e12 / flop_rate + saved / byte_rate + launch)
     # W: the forward's matmul FLOPs again; B: the rest of the backward and all its elementwise traffic.
     assert t.bwd_weight_s == pytest.approx(6e12 / flop_rate + launch)
@@ -107,3 +107,22 @@ def test_a_measured_host_pays_each_pass_its_weight_traffic():
     assert paid.bwd_weight_s - base.bwd_weight_s == pytest.approx(2 * read)
     half = layer_timing(layer, streaming, tp=2, micro_batch_size=1, dtype="fp32", kernel_efficiency=0.5)
     assert half.fwd_s - layer_timing(layer, cpu, tp=2, micro_batch_size=1, dtype="fp32", kernel_efficiency=0.5).fwd_s == pytest.approx(read / 2)
+
+
+@pytest.mark.parametrize("name", ["A100-80GB", "H200-141GB", "V100-32GB", "MI300X"])
+def test_gpu_profiles_charge_a_sourced_launch_per_op_in_every_pass(name, tmp_path):
+    """A datasheet GPU profile states its per-op cost, and the layer model charges it
+    once per op in the forward, the input gradient and the weight gradient."""
+    import json
+
+    from cost_models.devices import dump_profile, load_profile, profile_to_dict
+
+    gpu = get_device(name)
+    assert gpu.op_overhead_s > 0 and gpu.op_overhead_s != DEFAULT_OP_OVERHEAD_S and gpu.sources["op_overhead_s"]
+    none, ten, thirty = (layer_timing(block(num_ops=n), gpu, tp=1, micro_batch_size=2, dtype="fp16") for n in (0, 10, 30))
+    for part in ("fwd_s", "bwd_input_s", "bwd_weight_s"):
+        assert getattr(ten, part) - getattr(none, part) == pytest.approx(10 * gpu.op_overhead_s)
+        assert getattr(thirty, part) - getattr(none, part) == pytest.approx(30 * gpu.op_overhead_s)
+    for path, text in ((tmp_path / "gpu.toml", dump_profile(gpu)), (tmp_path / "gpu.json", json.dumps(profile_to_dict(gpu)))):
+        path.write_text(text)
+        assert load_profile(path) == gpu
