@@ -3,7 +3,8 @@
     hetpar trace tests/models/hf_zoo.py --model-arg kind=llama
 
 Kinds: gpt2, llama, mistral, qwen2, bert, t5, vit, resnet. Causal LMs are built with
-``use_cache=False`` (torch.export rejects a returned KV cache). Attention dropout is 0
+``use_cache=False``, which hetpar would set anyway (torch.export rejects a returned KV
+cache; [Note: no KV cache in training] in runtime/model_file.py). Attention dropout is 0
 so that a CPU run takes the fused attention kernel the planner assumes (with dropout,
 CPU falls back to the math path, which saves the T x T probabilities).
 """
