@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # The GPU check anyone with one CUDA GPU can run (about 8 minutes on an H200):
-#   1. the `gpu` tests (timing with CUDA events against a synchronised step);
-#   2. `hetpar profile` of this GPU;
-#   3. six single-GPU plans of examples/gpt.py (350M and 1.3B parameters, several
-#      micro-batch sizes, with and without recompute) planned with the datasheet
-#      profile, validated with `hetpar validate` (eager stages), and re-predicted with
-#      the measured profile;
-#   4. the 1.3B plan at micro-batch 8 against hand-written loops (eager AdamW, fused
-#      AdamW, torch.compile with fused AdamW; benchmarks/gpu_loop_bench.py) and the
-#      generated program with --compile on;
-#   5. one table of predicted against measured step times.
-# Each part is time-boxed and writes under OUT_DIR as it goes, so a part that fails
-# leaves the others' results.
+#   tests     the `gpu` tests (timing with CUDA events against a synchronised step);
+#   validate  six single-GPU plans of examples/gpt.py (350M and 1.3B parameters, several
+#             micro-batch sizes, with and without recompute) planned with the datasheet
+#             profile and run by `hetpar validate` (eager stages);
+#   loops     the 1.3B plan at micro-batch 8 against hand-written loops (eager AdamW,
+#             fused AdamW, torch.compile with fused AdamW; benchmarks/gpu_loop_bench.py)
+#             and the generated program with --compile on;
+#   profile   `hetpar profile` of this GPU;
+#   repredict the six plans predicted again with the measured profile;
+# then one table of predicted against measured step times. GPU_CHECK_PARTS=a,b runs
+# only those parts (the summary always), e.g. GPU_CHECK_PARTS=repredict on another
+# host over a copied OUT_DIR. Each part is time-boxed and writes under OUT_DIR as it
+# goes, so a part that fails leaves the others' results.
 #
 #   scripts/gpu_check.sh [OUT_DIR]        (default out/gpu_check; PY=python3 by default)
+#   GPU_CHECK_SMOKE=1 scripts/gpu_check.sh  the same steps on this CPU with tiny models, a
+#                                           quick one-worker profile and no loop bench:
+#                                           checks the script itself in a minute or two
 #
 # hetpar runs from this checkout (PYTHONPATH), so nothing needs installing beyond
 # torch, ortools, typer, rich and pytest.
@@ -28,23 +32,27 @@ cd "$REPO"
 hetpar() { "$PY" -m hetpar "$@"; }
 part() { echo; echo "== $* ($(date +%T))"; }
 
-if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "gpu_check: no CUDA device visible to $PY" >&2
-    exit 1
-fi
-"$PY" -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0))" | tee "$OUT_DIR/device.txt"
-CLUSTER=${CLUSTER:-1x1xH200-141GB}
-
-part "gpu tests"
-timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -n 15 | tee "$OUT_DIR/gpu_tests.log"
-
-part "hetpar profile -o $OUT_DIR/profile.json"
-timeout 240 "$PY" -m hetpar profile -o "$OUT_DIR/profile.json" 2>&1 | tail -n 25 | tee "$OUT_DIR/profile.log"
-PROFILE_ARGS=()
-[ -s "$OUT_DIR/profile.json" ] && PROFILE_ARGS=(--profile "$OUT_DIR/profile.json")
-
+SMOKE=${GPU_CHECK_SMOKE:-0}
+PARTS=,${GPU_CHECK_PARTS:-tests,validate,loops,profile,repredict},
+want() { [[ $PARTS == *,$1,* ]]; }
 M350=(-a n_layers=24 -a hidden=1024 -a heads=16 -a seq_len=1024 -a vocab=50304)
 M1300=(-a n_layers=24 -a hidden=2048 -a heads=16 -a seq_len=1024 -a vocab=50304)
+PROFILE_OPTS=()
+if [ "$SMOKE" = 1 ]; then
+    M350=(-a n_layers=2 -a hidden=32 -a heads=4 -a seq_len=16 -a vocab=64)
+    M1300=(-a n_layers=2 -a hidden=64 -a heads=4 -a seq_len=16 -a vocab=64)
+    PROFILE_OPTS=(--quick --nproc 1)
+    CLUSTER=${CLUSTER:-1x1xcpu}
+elif ! { want tests || want validate || want loops || want profile; }; then
+    :  # re-prediction and the summary need no GPU
+elif ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: no CUDA device visible to $PY (GPU_CHECK_SMOKE=1 checks the script on a CPU)" >&2
+    exit 1
+else
+    "$PY" -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0))" | tee "$OUT_DIR/device.txt"
+fi
+CLUSTER=${CLUSTER:-1x1xH200-141GB}
+
 # name model micro-batch recompute; the global batch is two micro-batches
 CONFIGS="350m_mb4_none M350 4 none
 350m_mb16_none M350 16 none
@@ -53,25 +61,53 @@ CONFIGS="350m_mb4_none M350 4 none
 1p3b_mb8_none M1300 8 none
 1p3b_mb8_full M1300 8 full"
 
-while read -r name model mb recompute; do
-    declare -n margs=$model
+# each_config FUNCTION: calls FUNCTION name plan-arguments... for each configuration
+each_config() {
+    while read -r name model mb recompute; do
+        declare -n margs=$model
+        "$1" "$name" examples/gpt.py "${margs[@]}" -c "$CLUSTER" -b $((2 * mb)) --micro-batch-size "$mb" \
+            --recompute "$recompute"
+        unset -n margs
+    done <<<"$CONFIGS"
+}
+
+plan_and_validate() {
+    local name=$1; shift
     part "$name: plan, validate"
-    common=(examples/gpt.py "${margs[@]}" -c "$CLUSTER" -b $((2 * mb)) --micro-batch-size "$mb" --recompute "$recompute")
-    hetpar plan "${common[@]}" -o "$OUT_DIR/plan_$name.json" >/dev/null || continue
-    if [ ${#PROFILE_ARGS[@]} -gt 0 ]; then
-        hetpar plan "${common[@]}" "${PROFILE_ARGS[@]}" -o "$OUT_DIR/plan_${name}_profiled.json" >/dev/null
-    fi
+    hetpar plan "$@" -o "$OUT_DIR/plan_$name.json" >/dev/null || return
     timeout 150 "$PY" -m hetpar validate "$OUT_DIR/plan_$name.json" --steps 6 --json >"$OUT_DIR/validate_$name.json" \
         2>"$OUT_DIR/validate_$name.log" || tail -n 3 "$OUT_DIR/validate_$name.log"
-    unset -n margs
-done <<<"$CONFIGS"
+}
 
-part "1.3B, micro-batch 8: hand-written loops and the compiled program"
-timeout 200 "$PY" benchmarks/gpu_loop_bench.py examples/gpt.py "${M1300[@]}" --micro-batch-size 8 --microbatches 2 \
-    | tee "$OUT_DIR/loops.jsonl"
-timeout 200 "$PY" -m hetpar validate "$OUT_DIR/plan_1p3b_mb8_none.json" --steps 6 --compile on --json \
-    >"$OUT_DIR/validate_1p3b_mb8_compiled.json" 2>"$OUT_DIR/validate_1p3b_mb8_compiled.log" \
-    || tail -n 3 "$OUT_DIR/validate_1p3b_mb8_compiled.log"
+repredict() {
+    local name=$1; shift
+    hetpar plan "$@" --profile "$OUT_DIR/profile.json" -o "$OUT_DIR/plan_${name}_profiled.json" >/dev/null
+}
+
+if want tests; then
+    part "gpu tests"
+    timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -n 15 | tee "$OUT_DIR/gpu_tests.log"
+fi
+want validate && each_config plan_and_validate
+if want loops; then
+    part "1.3B, micro-batch 8: hand-written loops and the compiled program"
+    if [ "$SMOKE" != 1 ]; then
+        timeout 200 "$PY" benchmarks/gpu_loop_bench.py examples/gpt.py "${M1300[@]}" --micro-batch-size 8 \
+            --microbatches 2 | tee "$OUT_DIR/loops.jsonl"
+    fi
+    timeout 200 "$PY" -m hetpar validate "$OUT_DIR/plan_1p3b_mb8_none.json" --steps 6 --compile on --json \
+        >"$OUT_DIR/validate_1p3b_mb8_compiled.json" 2>"$OUT_DIR/validate_1p3b_mb8_compiled.log" \
+        || tail -n 3 "$OUT_DIR/validate_1p3b_mb8_compiled.log"
+fi
+if want profile; then
+    part "hetpar profile -o $OUT_DIR/profile.json"
+    timeout 240 "$PY" -m hetpar profile -o "$OUT_DIR/profile.json" "${PROFILE_OPTS[@]}" 2>&1 | tail -n 25 \
+        | tee "$OUT_DIR/profile.log"
+fi
+if want repredict && [ -s "$OUT_DIR/profile.json" ]; then
+    part "the plans predicted again with the measured profile"
+    each_config repredict
+fi
 
 part "summary"
 "$PY" - "$OUT_DIR" <<'EOF'
