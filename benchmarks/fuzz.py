@@ -43,18 +43,24 @@ class Result:
 
 
 def draw_cases(count: int, seed_value: int, max_world: int | None) -> list[Case]:
-    """``count`` cases from the generators, the same ones for the same seed."""
-    drawn: list[Case] = []
+    """``count`` distinct cases from the generators, the same ones for the same seed.
+
+    Hypothesis draws some inputs more than once (it mutates earlier ones), so it is asked
+    for three times as many and the first ``count`` distinct ones are kept.
+    """
+    drawn: dict[Case, None] = {}
 
     @seed(seed_value)
-    @settings(max_examples=count, database=None, phases=[Phase.generate], deadline=None,
+    @settings(max_examples=3 * count, database=None, phases=[Phase.generate], deadline=None,
               suppress_health_check=list(HealthCheck))
     @given(cases(max_world=max_world))
     def collect(case: Case) -> None:
-        drawn.append(case)
+        drawn.setdefault(case)
 
     collect()
-    return drawn[:count]
+    if len(drawn) < count:
+        raise SystemExit(f"the generators gave only {len(drawn)} distinct cases of the {count} asked for")
+    return list(drawn)[:count]
 
 
 def _worker(conn, time_limit_s: float) -> None:
@@ -181,7 +187,7 @@ def main() -> int:
     parser.add_argument("--cases", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
-    parser.add_argument("--time-limit", type=float, default=1.0, help="CP-SAT time limit per candidate, seconds")
+    parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit per candidate, seconds (hetpar plan's default)")
     parser.add_argument("--case-timeout", type=float, default=600.0, help="seconds after which a case counts as a hang")
     parser.add_argument("--max-world", type=int, default=None, help="cap on the devices of a cluster")
     parser.add_argument("--log", action="store_true", help="one line per case on stderr as it finishes")

@@ -624,6 +624,8 @@ def _explain_misfit(model: ModelGraph, options: SearchOptions, tables: CostTable
     modes = greedy_modes(tables, bounds)
     cost = evaluate_split(tables, bounds, modes)
     r = max(range(cand.pp), key=lambda i: cost.stage_memory_bytes[i] / tables.capacity_bytes[i])
+    if not math.isfinite(cost.stage_memory_bytes[r]):  # not memory: the closest layout has a layer on a degree it cannot split
+        return _explain_degree_misfit(model, tables, bounds, modes)
     mode = cand.modes[modes[r]]
     breakdown = stage_memory_breakdown(model, tables, r, *bounds[r], options.dtype, options.optimizer, mode=mode)
     gib = 2**30
@@ -633,6 +635,20 @@ def _explain_misfit(model: ModelGraph, options: SearchOptions, tables: CostTable
         f"{cost.stage_memory_bytes[r] / gib:.1f} GiB on stage {r}, {tables.device_types[r]} has "
         f"{tables.capacity_bytes[r] / gib:.1f} GiB (mostly {breakdown.dominant_term()}); "
         "add devices, lower --global-batch or use --dtype bf16"
+    )
+
+
+def _explain_degree_misfit(model: ModelGraph, tables: CostTables, bounds, modes: list[int]) -> str:
+    """Why the closest candidate fails when it is a layer's tensor-parallel splits, not memory."""
+    cand = tables.candidate
+    c, l = next((c, l) for c, (first, last) in enumerate(bounds) for l in range(first, last + 1)
+                if not np.isfinite(tables.memory_bytes[modes[c], l, c]))
+    layer = model.layers[l]
+    ways = ", ".join(map(str, layer.tp_degrees or ())) or "no"
+    return (
+        f"no plan: layer {layer.name} splits only {ways} ways, and every layout of the cluster's devices the search "
+        f"tries needs a larger tensor-parallel degree somewhere (the closest: {cand.describe()}, tp {cand.modes[modes[c]].tp} "
+        "on its stage); pin --dp, --pp or --tp, or change the cluster or --global-batch"
     )
 
 

@@ -149,8 +149,9 @@ def hint_degrees(tables: CostTables, bounds: list[tuple[int, int]]) -> list[int]
     out = [degrees[-1]] * P
     if len(degrees) == 1:
         return out
-    work = [sum(float(np.nanmin(np.where(np.isfinite(tables.time_s[:, a : b + 1, c]), tables.time_s[:, a : b + 1, c], np.nan), axis=0).sum())
-                for c, (a, b) in enumerate(bounds) if c % P == r) for r in range(P)]
+    cheapest = np.where(np.isfinite(tables.time_s), tables.time_s, np.inf).min(axis=0)  # [L, C]
+    cheapest[~np.isfinite(cheapest)] = 0.0  # a layer no mode runs weighs nothing here: every mode misfits it anyway
+    work = [sum(float(cheapest[a : b + 1, c].sum()) for c, (a, b) in enumerate(bounds) if c % P == r) for r in range(P)]
     for device_type, total in cand.tp_sum:
         ranks = sorted((r for r in range(P) if tables.device_types[r] == device_type), key=lambda r: -work[r])
         picks = degree_split(total, len(ranks), degrees)

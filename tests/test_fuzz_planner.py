@@ -146,6 +146,36 @@ def test_issue_22_commands_plan_or_say_why(name, tmp_path):
         assert outcome.details["world"] < 16  # a sub-cluster is cheaper than all 16 devices
 
 
+# Cases the fuzzer found, each a broken invariant or crash once; a plan now (the invariant checked in full).
+FOUND = {
+    # a bubble of -7e-21 s, the makespan less the busy time rounded
+    "one_stage_bubble": Case(model="mlp.py", model_args=(("depth", 1),), num_layers=2, groups=(Group(2, 8, "T4-16GB", 200, 1),),
+                             toml=False, global_batch=256, min_throughput=50),
+    # stages on Megatron's layout over two device types: explain refused the plan (stage devices A100, A100)
+    "megatron_over_mixed": Case(model="mlp.py", model_args=(("depth", 1),), num_layers=2,
+                                groups=(Group(1, 2, "GH200-96GB", 12.5, 4), Group(3, 2, "A100-80GB")), toml=False, global_batch=24,
+                                pins=(("schedule", "1f1b"), ("recompute", "full")), dtype="fp32"),
+    # heterogeneous data parallelism dropped the --zero pin
+    "zero_pin_mixed": Case(model="gpt.py", model_args=MODELS[0][1], num_layers=3, groups=(Group(3, 1, "A100-40GB"), Group(1, 3, "A100-80GB")),
+                           toml=False, global_batch=2, pins=(("zero", 1),)),
+}
+
+
+@pytest.mark.parametrize("name", list(FOUND))
+def test_fuzzer_findings_plan(name, tmp_path):
+    outcome = run_case(FOUND[name], tmp_path, time_limit_s=1.0)
+    assert outcome.kind == "plan", outcome.message
+
+
+def test_degree_misfit_is_not_called_memory(tmp_path):
+    """A layout that fails on a layer's tensor-parallel splits once read "needs inf GiB on stage 1"."""
+    case = Case(model="gpt.py", model_args=MODELS[0][1], num_layers=3, groups=(Group(1, 8, "H200-141GB"), Group(3, 8, "Ascend910B")),
+                toml=False, global_batch=12, pins=(("dp", 2), ("schedule", "1f1b")), dtype="fp32")
+    outcome = run_case(case, tmp_path)
+    assert outcome.kind == "error"
+    assert outcome.message.startswith("no plan: layer blocks.0 splits only 2 ways") and "inf" not in outcome.message
+
+
 def test_unreachable_cost_target_names_the_best_throughput(tmp_path):
     case = Case(model="gpt.py", model_args=GPT_2, num_layers=4, groups=(Group(1, 2, "A100-80GB"), Group(1, 2, "V100-32GB")),
                 toml=False, global_batch=8, objective="cost", prices=(("A100-80GB", 1.8), ("V100-32GB", 0.6)), min_throughput=1e9)
