@@ -47,11 +47,12 @@ def matmul_times(sizes: list[int], dtype: str, *, repeats: int, device: torch.de
                  region_flops: float = 4e7) -> list[tuple[float, float]]:
     """(FLOPs, seconds) of an ``n x n @ n x n`` matmul for each n in ``sizes``.
 
-    ``dtype`` "tf32" is fp32 tensors with TF32 tensor cores allowed (on a GPU that has
-    them); "fp32" times them with TF32 off, as torch's default is.
+    ``dtype`` "tf32" is fp32 tensors with TF32 tensor cores allowed (float32 matmul
+    precision "high", on a GPU that has them); "fp32" times them at "highest", torch's
+    default.
     """
-    allowed = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if dtype == "tf32" else "highest")
     try:
         out = []
         for n in sizes:
@@ -62,7 +63,7 @@ def matmul_times(sizes: list[int], dtype: str, *, repeats: int, device: torch.de
             out.append((flops, median_time_s(lambda: torch.mm(a, b), repeats=repeats, device=device, inner=inner)))
         return out
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = allowed
+        torch.set_float32_matmul_precision(previous)
 
 
 MATMUL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # the row counts of ``matmul_row_times``
