@@ -236,14 +236,16 @@ def _degree_ok(model: ModelGraph, options: SearchOptions, tp: int, tp_ok: bool) 
 def schedules_for(options: SearchOptions, *, tp: int, pp: int, num_microbatches: int, num_layers: int) -> list[tuple[str, int]]:
     """(schedule, virtual stages) pairs searched for one (tp, pp, m); see [Note: search space]."""
     names = [options.schedule] if options.schedule else ["1f1b", "zb", "interleaved"]
-    if options.virtual_stages is not None:
-        names = [n for n in names if (n == "interleaved") == (options.virtual_stages > 1)]
+    # --stage-layers without --virtual-stages gives one chunk per pipeline rank (pinned_pp counts them so).
+    virtual = options.virtual_stages or (1 if options.stage_layers is not None else None)
+    if virtual is not None:
+        names = [n for n in names if (n == "interleaved") == (virtual > 1)]
     out = []
     for name in names:
         if name == "interleaved":
             pinned = options.schedule == "interleaved"
-            top = options.virtual_stages or options.max_virtual_stages
-            low = options.virtual_stages or 2
+            top = virtual or options.max_virtual_stages
+            low = virtual or 2
             for v in range(low, top + 1):
                 if (pp > 1 or pinned) and tp == 1 and num_microbatches % pp == 0 and pp * v <= num_layers:
                     out.append((name, v))
@@ -284,6 +286,8 @@ def _check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
     gbs = options.global_batch_size
     if gbs < 1:
         raise PlanningError(f"--global-batch must be positive, got {gbs}")
+    if not options.time_limit_s > 0:
+        raise PlanningError(f"--time-limit must be a positive number of seconds, got {options.time_limit_s:g}")
     for name, value in (("dp", options.dp), ("tp", options.tp)):
         if value is not None and (value < 1 or world % value):
             raise PlanningError(f"--{name} {value} does not divide the cluster's world size ({world})")
@@ -324,6 +328,9 @@ def _check_schedule_pins(model: ModelGraph, options: SearchOptions) -> None:
     v, schedule, zero, dp = options.virtual_stages, options.schedule, options.zero, options.dp
     if zero is not None and zero not in (0, 1, 2, 3):
         raise PlanningError(f"unknown --zero {zero}; use 0, 1, 2 or 3")
+    if schedule == "interleaved" and v is None and options.stage_layers is not None:
+        raise PlanningError(f"--stage-layers with --schedule interleaved needs --virtual-stages: how many of the "
+                            f"{len(options.stage_layers)} stages each pipeline rank runs")
     if v is not None:
         if v < 1:
             raise PlanningError(f"--virtual-stages must be at least 1, got {v}")

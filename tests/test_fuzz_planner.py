@@ -51,23 +51,29 @@ def test_cost_objective_is_a_valid_plan_or_one_line(case):
 
 @st.composite
 def estimate_configs(draw):
-    """What `hetpar estimate` takes: a model, a cluster and one configuration, uniform or per stage."""
+    """What `hetpar estimate` takes: a model, a cluster and one configuration; mostly one that fits the cluster."""
     model, args, num_layers = draw(st.sampled_from(MODELS[:4] + MODELS[6:8]))
     groups = draw(st.lists(st.tuples(st.integers(1, 2), st.sampled_from((1, 2, 4, 8)),
                                      st.sampled_from(("A100-80GB", "V100-32GB", "H100-80GB", "T4-16GB", "Ascend910B", "cpu"))),
                            min_size=1, max_size=2))
     pick = lambda values: draw(st.sampled_from(values))  # noqa: E731
+    mostly = lambda: draw(st.integers(0, 5)) > 0  # noqa: E731 - a consistent choice, now and then not
     world = sum(n * d for n, d, _ in groups)
-    dp, tp = pick((1, 2, 4)), pick((1, 2, 4))
-    pp = world // (dp * tp) if world % (dp * tp) == 0 and draw(st.integers(0, 5)) else pick((1, 2, 3))  # mostly degrees that fit
-    config = dict(global_batch_size=pick((1, 2, 4, 8, 16)) * dp, dp=dp, tp=tp, pp=pp,
-                  micro_batch_size=pick((1, 2, 4)), schedule=pick(("1f1b", "gpipe", "interleaved", "zb")),
-                  virtual_stages=pick((1, 1, 2)), recompute=pick(("none", "selective", "full")), zero_stage=pick((0, 0, 1, 2, 3)),
+    dp = pick([d for d in (1, 2, 4, 8) if world % d == 0])
+    tp = pick([d for d in (1, 2, 4) if world // dp % d == 0])
+    pp = world // (dp * tp) if mostly() else pick((1, 2, 3))
+    mbs = pick((1, 2, 4))
+    schedule = pick(("1f1b", "gpipe", "interleaved", "zb"))
+    v = pick((2, 3)) if schedule == "interleaved" and mostly() else 1
+    config = dict(global_batch_size=dp * mbs * pick((1, 2, 3, 4)) * (pp if schedule == "interleaved" else 1),
+                  dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, schedule=schedule, virtual_stages=v,
+                  recompute=pick(("none", "selective", "full")), zero_stage=pick((0, 0, 1, 2, 3)),
                   optimizer=pick(("adamw", "adam", "sgd")), overlap_grad_reduce=draw(st.booleans()))
+    if draw(st.booleans()) and pp * v <= num_layers:
+        cuts = sorted(draw(st.lists(st.integers(1, num_layers - 1), min_size=pp * v - 1, max_size=pp * v - 1, unique=True)))
+        config["stage_layers"] = tuple(b - a for a, b in zip([0, *cuts], [*cuts, num_layers]))
     if draw(st.booleans()):
-        config["stage_layers"] = tuple(draw(st.lists(st.integers(1, num_layers), min_size=1, max_size=4)))
-    if draw(st.booleans()):
-        config["stage_devices"] = tuple(pick([g[2] for g in groups]) for _ in range(config["pp"]))
+        config["stage_devices"] = tuple(pick([g[2] for g in groups]) for _ in range(pp))
     return model, args, "+".join(f"{n}x{d}x{t}" for n, d, t in groups), config
 
 
@@ -155,6 +161,9 @@ FOUND = {
     "megatron_over_mixed": Case(model="mlp.py", model_args=(("depth", 1),), num_layers=2,
                                 groups=(Group(1, 2, "GH200-96GB", 12.5, 4), Group(3, 2, "A100-80GB")), toml=False, global_batch=24,
                                 pins=(("schedule", "1f1b"), ("recompute", "full")), dtype="fp32"),
+    # --stage-layers without --virtual-stages: interleaved candidates had twice the chunks the pin gives (max() of nothing)
+    "stage_layers_unpinned_v": Case(model="gpt.py", model_args=MODELS[2][1], num_layers=6, groups=(Group(1, 2, "cpu"),), toml=False,
+                                    global_batch=8, pins=(("stage_layers", (3, 3)),)),
     # heterogeneous data parallelism dropped the --zero pin
     "zero_pin_mixed": Case(model="gpt.py", model_args=MODELS[0][1], num_layers=3, groups=(Group(3, 1, "A100-40GB"), Group(1, 3, "A100-80GB")),
                            toml=False, global_batch=2, pins=(("zero", 1),)),
@@ -165,6 +174,13 @@ FOUND = {
 def test_fuzzer_findings_plan(name, tmp_path):
     outcome = run_case(FOUND[name], tmp_path, time_limit_s=1.0)
     assert outcome.kind == "plan", outcome.message
+
+
+def test_non_positive_time_limit_is_one_line(tmp_path):
+    """CP-SAT given a negative time limit answered as if nothing fit ("needs 0.0 GiB")."""
+    case = Case(model="gpt.py", model_args=MODELS[0][1], num_layers=3, groups=(Group(1, 2, "cpu"),), toml=False, global_batch=8)
+    outcome = run_case(case, tmp_path, time_limit_s=-1.0)
+    assert outcome.message == "--time-limit must be a positive number of seconds, got -1"
 
 
 def test_degree_misfit_is_not_called_memory(tmp_path):
