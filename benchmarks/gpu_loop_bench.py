@@ -30,8 +30,10 @@ from runtime.model_file import load_model_file, parse_model_args  # noqa: E402
 
 
 def time_loop(model, model_file, batches, *, fused: bool, compiled: bool, microbatches: int, steps: int,
-              warmup: int) -> dict:
-    """Median seconds per step of the hand-written loop, and the first step's (compile time)."""
+              warmup: int, events: bool = False) -> dict:
+    """Median seconds per step of the hand-written loop, and the first step's (compile time).
+    With ``events``, a CUDA event pair around each forward and backward, as the generated
+    program's StepTimer records them: the price of timing actions."""
     device = torch.device("cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None, foreach=None if fused else True)
     forward = torch.compile(model) if compiled else model
@@ -40,15 +42,27 @@ def time_loop(model, model_file, batches, *, fused: bool, compiled: bool, microb
         torch.cuda.synchronize()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
+        marks = []
         for inputs, targets in batches:
+            marks.append(_event(events))
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model_file.loss(forward(*inputs), targets) / microbatches
+            marks.append(_event(events))
             loss.backward()
+            marks.append(_event(events))
         optimizer.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     del optimizer
     return {"step_time_s": statistics.median(times[warmup:]), "first_step_s": times[0]}
+
+
+def _event(enabled: bool):
+    if not enabled:
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def main() -> None:
@@ -59,7 +73,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--variants", default="eager,fused,compiled")
+    parser.add_argument("--variants", default="eager,fused,compiled",
+                        help="eager, fused, compiled, fused-events (fused with CUDA events around each pass)")
     ns = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_loop_bench: needs a CUDA device")
@@ -73,7 +88,8 @@ def main() -> None:
         batches.append((tuple(t.cuda() for t in inputs), targets.cuda()))
     for variant in ns.variants.split(","):
         result = time_loop(model, model_file, batches, fused=variant != "eager", compiled=variant == "compiled",
-                           microbatches=ns.microbatches, steps=ns.steps, warmup=ns.warmup)
+                           microbatches=ns.microbatches, steps=ns.steps, warmup=ns.warmup,
+                           events=variant == "fused-events")
         print(json.dumps({"variant": variant, "micro_batch_size": ns.micro_batch_size,
                           "microbatches": ns.microbatches, **result}), flush=True)
 

@@ -43,20 +43,24 @@ def test_a_cpu_step_is_host_time_and_holds_its_actions():
     assert 0 < forward_s <= step_s and backward_s == 0
 
 
-GPU_MODEL_ARGS = {"n_layers": 8, "hidden": 1024, "heads": 16, "seq_len": 512, "vocab": 8192}
+# 400M parameters, 8192 tokens per micro-batch: compute-bound on a datacenter GPU (a
+# forward of about 6.5 TFLOP against a few hundred kernel launches), so the backward's
+# share of the step is its arithmetic's.
+GPU_MODEL_ARGS = {"n_layers": 8, "hidden": 2048, "heads": 16, "seq_len": 1024, "vocab": 8192}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_forwards_and_backwards_add_up_to_the_step():
-    """A one-stage pipeline of 4 micro-batches of a 100M-parameter GPT in bf16: what the
+    """A one-stage pipeline of 2 micro-batches of a 400M-parameter GPT in bf16: what the
     events give the forwards and backwards is within 10% of the synchronised step, and a
-    backward costs more than its forward (host timers gave the forward its launches only)."""
+    backward costs about twice its forward, as its arithmetic does (host timers gave the
+    forward its launches only)."""
     device = torch.device("cuda")
     model_file = load_model_file(ROOT / "examples" / "gpt.py", GPU_MODEL_ARGS)
     model = model_file.build_model()
     names = list(trace_layers(model, example_inputs=model_file.example_inputs(1)).layer_names)
-    micro, count = 4, 4
+    micro, count = 8, 2
     stage = shard.cut_stage(model, model_file, micro, (0, len(names) - 1), names)
     stage.module.to(device)
     none = Peers(recv_activations_from=None, send_activations_to=(), recv_grads_from=None, send_grads_to=())
@@ -77,4 +81,4 @@ def test_on_cuda_forwards_and_backwards_add_up_to_the_step():
     step_s = sorted(steps[2:])[len(steps[2:]) // 2]
     forward_s, backward_s = sorted(timer.steps[2:], key=sum)[len(timer.steps[2:]) // 2]
     assert abs(forward_s + backward_s - step_s) <= 0.10 * step_s, (forward_s, backward_s, step_s)
-    assert 1.2 < backward_s / forward_s < 4.0, (forward_s, backward_s)
+    assert 1.4 < backward_s / forward_s < 3.5, (forward_s, backward_s)
