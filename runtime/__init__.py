@@ -7,6 +7,7 @@ Modules, in the order a program uses them:
 - ``devices``: each rank's device type (HETPAR_DEVICE_TYPE or detection) checked against the plan's.
 - ``model_file``: the model-file contract (build, loss, data).
 - ``graph``: fx capture, layers, and stage cuts.
+- ``module_stage``: stages of Hugging Face decoder-only LMs cut at module boundaries (the model's own modules).
 - ``shard``: this rank's stage, tensor parallel, its replica's rows of each batch, its micro-batches.
 - ``recompute``: each layer of a stage under torch.utils.checkpoint.
 - ``data_parallel``: gradients of a stage's replicas: all-reduce, DDP comm hooks, ZeRO through FSDP2.

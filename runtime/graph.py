@@ -315,9 +315,11 @@ class Stage:
     ``module(*inputs)`` takes the model inputs named in ``model_inputs`` (positions of
     ``forward``'s arguments) followed by the received tensors ``recv``, and returns a
     tuple of the tensors ``send`` (or, for the last stage, the model's output).
+    ``module`` is a graph module cut from the model's graph, or a module that calls the
+    model's own modules ([Note: stages of the eager model] in runtime/module_stage.py).
     """
 
-    module: fx.GraphModule
+    module: nn.Module
     first_layer: int
     last_layer: int
     is_last: bool

@@ -142,4 +142,14 @@ def _checkpointed(fn: Callable[..., tuple], module: torch.nn.Module, context_fn:
     return run
 
 
-__all__ = ["MODES", "apply_recompute"]
+def checkpoint_call(fn: Callable[..., Any], *inputs: Any, mode: str) -> Any:
+    """``fn(*inputs)``, under torch.utils.checkpoint unless ``mode`` is "none": a module
+    stage's way to recompute a block it calls as a module (runtime.module_stage)."""
+    if mode == "none":
+        return fn(*inputs)
+    kwargs = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)} \
+        if mode == "selective" else {}
+    return checkpoint(fn, *inputs, use_reentrant=False, **kwargs)
+
+
+__all__ = ["MODES", "apply_recompute", "checkpoint_call"]

@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from runtime.graph import Stage, build_stage, record_values, trace_layers
 from runtime.model_file import ModelFile
+from runtime.module_stage import cut_module_stage
 from runtime.recompute import apply_recompute
 
 
@@ -67,9 +68,11 @@ def cut_stage(
 
     The stage module shares its parameters with ``model`` and keeps their qualified
     names (``blocks.0.attn.q.weight``). Shapes of the tensors between stages come from
-    the model run on a micro-batch of ``micro_batch_size`` on the meta device. A model
-    torch.fx cannot trace is captured with torch.export for that micro-batch shape
-    (then without tensor parallelism; see docs/model-file.md).
+    the model run on a micro-batch of ``micro_batch_size`` on the meta device. A Hugging
+    Face decoder-only LM hetpar knows is cut at module boundaries instead
+    (runtime.module_stage); another model torch.fx cannot trace is captured with
+    torch.export for that micro-batch shape (then without tensor parallelism; see
+    docs/model-file.md).
     ``recompute`` ("selective" or "full") runs each layer of the stage under
     torch.utils.checkpoint; see [Note: recompute by layer] in runtime/recompute.py.
 
@@ -77,6 +80,9 @@ def cut_stage(
         ShardError: the model's layers are not the ones the program was compiled for.
     """
     example = model_file.example_inputs(micro_batch_size)
+    stage = cut_module_stage(model, example, layers, layer_names, recompute=recompute)
+    if stage is not None:  # a Hugging Face decoder: the model's own modules ([Note: stages of the eager model])
+        return stage
     layered = trace_layers(model, leaf_modules, example_inputs=example)  # torch.fx, else torch.export
     if list(layered.layer_names) != list(layer_names):
         raise ShardError(
