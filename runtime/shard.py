@@ -28,6 +28,7 @@ What a rank reads depends on where the data comes from (``ModelFile.batches``):
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from runtime.graph import Stage, build_stage, record_values, trace_layers
@@ -210,12 +211,49 @@ class _Colwise(ColwiseParallel):
             return x
         return DTensor.from_local(self._shared.wrap(x), device_mesh, input_layouts, run_check=False, grad_placements=(Partial(),))
 
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not _is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        return distribute_module(
+            module, device_mesh, _conv1d_partition(Shard(1), Shard(0), self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class _Rowwise(RowwiseParallel):
+    """RowwiseParallel that also splits a Conv1D (a Linear whose weight is stored transposed)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not _is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, _conv1d_partition(Shard(0), Replicate(), self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2): ``x @ weight + bias`` with ``weight`` [in, out]."""
+    return type(module).__name__ == "Conv1D" and module.weight.shape == (module.nx, module.nf)
+
+
+def _conv1d_partition(weight: Shard, bias: Shard | Replicate, src_data_rank: int | None):
+    def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for key, placement in (("weight", weight), ("bias", bias)):
+            param = getattr(module, key, None)
+            if param is not None:
+                module.register_parameter(key, nn.Parameter(
+                    distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank),
+                    requires_grad=param.requires_grad))
+    return partition
+
 
 _STYLES = {
     "colwise": lambda shared: _Colwise(shared),
-    "rowwise": lambda shared: RowwiseParallel(),
+    "rowwise": lambda shared: _Rowwise(),
     "colwise_gather": lambda shared: _Colwise(shared, output_layouts=Replicate()),
-    "rowwise_slice": lambda shared: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_slice": lambda shared: _Rowwise(input_layouts=Replicate()),
 }
 
 
@@ -226,7 +264,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
     local tensor); ``rowwise`` splits its input features and all-reduces the output.
     ``colwise_gather`` is colwise with the output all-gathered, so what follows (a norm,
     the layer's output) sees every feature; ``rowwise_slice`` is rowwise on a
-    replicated input, each rank taking its slice locally. Every rank already holds
+    replicated input, each rank taking its slice locally. A transformers ``Conv1D``
+    (GPT-2; a Linear whose weight is stored [in, out]) is split like a Linear along the
+    transposed dimensions. Every rank already holds
     identical weights, so each takes its shard locally (``src_data_rank=None``)
     instead of receiving it from rank 0. Colwise modules that read one tensor
     all-reduce their input gradients once ([Note: one all-reduce per shared input]).
