@@ -12,7 +12,10 @@ slower or out of memory, without a word. So every rank finds out what it runs on
   (a profile name; compared case-insensitively), else
 - detection: ``cpu`` on a rank that computes on the CPU; on a GPU, torch's device
   name and memory, which match a profile name when the name holds its model
-  (``A100`` in ``NVIDIA A100-SXM4-80GB``, as a whole word) and the memory its size
+  (``A100`` in ``NVIDIA A100-SXM4-80GB``, as a whole word; the parts of a run-together
+  model may stand apart, ``RTX4090`` in ``NVIDIA GeForce RTX 4090``, ``TitanRTX`` in
+  ``NVIDIA TITAN RTX``; a variant word after it, ``Ti``, ``SUPER`` or ``D``, names
+  another card: ``RTX 3090 Ti`` is not an ``RTX3090``) and the memory its size
   (``-80GB``: 0.85 x 80e9 to 1.05 x 80 GiB, so a MIG slice is another device).
 
 The ranks gather what they found (one collective) and, when any differs from the
@@ -35,6 +38,9 @@ ENV_VAR = "HETPAR_DEVICE_TYPE"
 # Detected memory within [LOW * size * 1e9, HIGH * size * 2**30] of a "-<size>GB" type:
 # vendors print either unit, and torch reports a little less than the whole memory.
 _MEMORY_LOW, _MEMORY_HIGH = 0.85, 1.05
+# Words after a model that make it another card with other numbers (GeForce RTX 3090 Ti,
+# RTX 4090 D, RTX 2080 SUPER).
+_VARIANT_WORDS = ("ti", "super", "d")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,11 +99,20 @@ def matches(planned: str, found: FoundDevice) -> bool:
     # The model as a whole word: A100 is not in A1000, H200 is not in GH200. A model
     # ending in a letter may carry a variant digit (Ascend910B2 is an Ascend910B).
     after = r"(?![a-z])" if model[-1:].isalpha() else r"(?![a-z0-9])"
-    if not re.search(rf"(?<![a-z0-9]){re.escape(model.lower())}{after}", found.name.lower()):
+    variant = rf"(?![ _-]?(?:{'|'.join(_VARIANT_WORDS)})\b)"
+    if not re.search(rf"(?<![a-z0-9]){_model_pattern(model)}{after}{variant}", found.name.lower()):
         return False
     if size_gb is None or found.memory_bytes is None:
         return True
     return _MEMORY_LOW * size_gb * 1e9 <= found.memory_bytes <= _MEMORY_HIGH * size_gb * 2**30
+
+
+def _model_pattern(model: str) -> str:
+    """A regex for ``model`` as torch may spell it: its parts (letters, digits, a
+    lower-to-upper case change) joined by an optional separator, so ``RTX4090``
+    matches ``rtx 4090`` and ``TitanRTX`` matches ``titan rtx``."""
+    parts = re.split(r"[ _-]+|(?<=[A-Za-z])(?=\d)|(?<=\d)(?=[A-Za-z])|(?<=[a-z])(?=[A-Z])", model)
+    return "[ _-]?".join(re.escape(part.lower()) for part in parts if part)
 
 
 def _model_and_size(device_type: str) -> tuple[str, int | None]:
