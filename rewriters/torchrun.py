@@ -217,7 +217,8 @@ from pathlib import Path
 
 import torch
 
-from runtime import checkpoint, cli, data_parallel, devices, distributed, executor, precision, schedule, shard, tied, timing, training
+from runtime import (checkpoint, cli, data_parallel, devices, distributed, executor, materialize, precision, schedule, shard,
+                     tied, timing, training)
 from runtime.distributed import StageSpec
 from runtime.model_file import load_model_file
 
@@ -255,12 +256,10 @@ my_stages = list(range(me.stage, len(STAGES), PIPELINE_RANKS))  # VIRTUAL_STAGES
 my_stage = STAGES[me.stage]
 
 # -----------------------------------------------------------------------------
-# the model shard: the whole model, identical on every rank, cut to this rank's stage
+# the model shard: the whole model built on the meta device (no memory), cut to this rank's stages
 model_file = load_model_file(Path(__file__).with_name(MODEL_FILE), MODEL_ARGS)
 torch.manual_seed(args.seed)
-model = model_file.build_model()
-if args.init_from:
-    shard.load_full_state(model, args.init_from)
+model, construction = materialize.build_on_meta(model_file.build_model)  # with the log of how it is built
 stages = {{  # recompute: each layer of the stage under torch.utils.checkpoint
     s: shard.cut_stage(model, model_file, REPLICA_MICRO_BATCH_SIZES[me.replica], STAGES[s].layers, LAYER_NAMES,
                        LEAF_MODULES, recompute=STAGES[s].recompute)
@@ -268,11 +267,12 @@ stages = {{  # recompute: each layer of the stage under torch.utils.checkpoint
 }}
 module = shard.rank_module([stages[s].module for s in my_stages])  # the stage, or its chunks as one module
 tied_grads = tied.TiedGradients(model, module, my_stages, STAGES, me, announce=me.rank == 0)  # GPT-2's wte = lm_head
-module.to(device)
 
-# tensor parallel: shard the stage's Linears column- or row-wise over its tp ranks
+# tensor parallel: shard the stage's Linears column- or row-wise over its tp ranks (on meta: nothing allocated yet)
 if my_stage.tensor_parallel > 1:
     shard.apply_tensor_parallel(module, groups.tp_mesh, my_stage.tp_sharding)
+# this rank's tensors (tp shards) alone are made, as build_model() under --seed makes them, or read from --init-from
+materialize.materialize_stages(model, module, construction, device, init_from=args.init_from, keep_unused=me.rank == 0)
 shard.compile_stages([stages[s].module for s in my_stages], device, args.compile, announce=me.rank == 0)  # --compile
 # data parallel: all-reduce, a compression hook, or ZeRO through FSDP2 (my_stage.zero_stage)
 grad_sync = data_parallel.wrap(module, my_stage, groups, GRAD_COMPRESSION,

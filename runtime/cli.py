@@ -23,7 +23,7 @@ class TrainArgs:
     lr: float
     optimizer: str  # "sgd" or "adamw"
     seed: int
-    init_from: Path | None  # a full single-file state_dict loaded before the model is cut
+    init_from: Path | None  # a full state_dict (torch.save file or DCP directory): each rank reads its tensors
     save_final: Path | None  # where rank 0 writes the trained full state_dict
     metrics: Path | None  # one JSON line per step
     dist_timeout_s: float  # bound on every collective and on rendezvous
@@ -45,7 +45,9 @@ def parse_args(description: str | None = None, argv: list[str] | None = None) ->
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw", help="plain SGD or AdamW (torch defaults)")
     parser.add_argument("--seed", type=int, default=0, help="seeds model init (torch.manual_seed) and the data")
-    parser.add_argument("--init-from", type=Path, metavar="FILE", help="full state_dict (torch.save) to start from")
+    parser.add_argument("--init-from", type=Path, metavar="PATH",
+                        help="full state_dict to start from: a torch.save file or a torch.distributed.checkpoint directory; "
+                             "each rank reads only its own tensors")
     parser.add_argument("--save-final", type=Path, metavar="FILE", help="write the trained full state_dict here (rank 0)")
     parser.add_argument("--metrics", type=Path, metavar="FILE", help="append one JSON line per step (rank 0)")
     parser.add_argument("--dist-timeout-s", type=float, default=300.0, help="timeout of collectives and rendezvous")
@@ -72,8 +74,8 @@ def parse_args(description: str | None = None, argv: list[str] | None = None) ->
             parser.error(f"--{name.replace('_', '-')} {getattr(ns, name)} must be >= 1")
     if ns.powersgd_start_step < 2:
         parser.error(f"--powersgd-start-step {ns.powersgd_start_step} must be >= 2 (PowerSGD needs warm-up steps)")
-    if ns.init_from is not None and not ns.init_from.is_file():
-        parser.error(f"--init-from {str(ns.init_from)!r}: no such file")
+    if ns.init_from is not None and not ns.init_from.exists():
+        parser.error(f"--init-from {str(ns.init_from)!r}: no such file or directory")
     return TrainArgs(
         steps=ns.steps,
         lr=ns.lr,

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import sys
 from functools import partial
-from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
@@ -47,12 +47,6 @@ from runtime.recompute import apply_recompute
 
 class ShardError(Exception):
     """The program does not fit the model it was given (layers or module paths differ)."""
-
-
-def load_full_state(model: nn.Module, path: Path) -> None:
-    """Load a full single-file state_dict (``torch.save``) into the whole model, strictly."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict(state, strict=True)
 
 
 def cut_stage(
@@ -76,6 +70,8 @@ def cut_stage(
     docs/model-file.md).
     ``recompute`` ("selective" or "full") runs each layer of the stage under
     torch.utils.checkpoint; see [Note: recompute by layer] in runtime/recompute.py.
+    ``model`` may be on the meta device (``runtime.materialize.build_on_meta``): the
+    stage then holds meta tensors until ``materialize_stages`` computes them.
 
     Raises:
         ShardError: the model's layers are not the ones the program was compiled for.
@@ -92,8 +88,21 @@ def cut_stage(
         )
     values = record_values(layered, example)
     stage = build_stage(layered, values, layers[0], layers[1])
+    if layered.capture == "export" and any(p.is_meta for p in model.parameters()):
+        _meta_ops_on_cpu(stage.module)
     apply_recompute(stage.module, layered.node_layer, recompute)
     return stage
+
+
+def _meta_ops_on_cpu(module: torch.fx.GraphModule) -> None:
+    """Make the ops of a graph exported on the meta device (``build_on_meta``'s model)
+    name the CPU, where its tensors are materialised, as an export on the CPU does
+    (``arange(..., device=meta)``); see [Note: building only this rank's tensors]."""
+    cpu = torch.device("cpu")
+    for node in module.graph.nodes:
+        node.args, node.kwargs = pytree.tree_map_only(
+            torch.device, lambda d: cpu if d.type == "meta" else d, (node.args, node.kwargs))
+    module.recompile()
 
 
 class Chunks(nn.ModuleList):
@@ -390,6 +399,6 @@ def loss_weight(micro_batch_sizes: list[int], replica: int) -> float:
 
 
 __all__ = [
-    "Chunks", "Microbatch", "ShardError", "apply_tensor_parallel", "chunk_modules", "compile_stages", "cut_stage", "rank_module", "load_full_state",
+    "Chunks", "Microbatch", "ShardError", "apply_tensor_parallel", "chunk_modules", "compile_stages", "cut_stage", "rank_module",
     "loss_weight", "microbatches", "replica_batches", "replica_rows",
 ]
