@@ -48,7 +48,7 @@ import math
 import operator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -75,6 +75,54 @@ _FEATURE_WISE_METHODS = {
     "type_as", "chunk", "split", "softmax", "matmul",
 }
 _FEATURE_WISE_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Dropout, nn.Tanh, nn.Sigmoid, nn.Identity)
+# The same in an exported graph's ATen ops (dimension-sensitive ones included: the dry
+# run of a module stage checks them; see [Note: tensor parallelism of exported graphs]).
+_aten = torch.ops.aten
+_FEATURE_WISE_ATEN = {
+    _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.transpose.int,
+    _aten.permute.default, _aten.contiguous.default, _aten.clone.default, _aten.unsqueeze.default,
+    _aten.squeeze.dim, _aten.expand.default, _aten.slice.Tensor, _aten.cat.default, _aten.split.Tensor,
+    _aten.split_with_sizes.default, _aten.chunk.default, _aten.mul.Tensor, _aten.add.Tensor, _aten.sub.Tensor,
+    _aten.div.Tensor, _aten.neg.default, _aten.pow.Tensor_Scalar, _aten.silu.default, _aten.gelu.default,
+    _aten.relu.default, _aten.tanh.default, _aten.sigmoid.default, _aten.dropout.default, _aten.to.dtype,
+    _aten._to_copy.default, _aten.type_as.default, _aten.alias.default, _aten.scaled_dot_product_attention.default,
+    _aten.softmax.int, _aten.matmul.default,
+}
+
+
+@dataclass(frozen=True)
+class LinearSite:
+    """A Linear as the graph runs it: a call of the module (torch.fx), or an ``aten.linear``
+    on its weight, or GPT-2's Conv1D as ``aten.addmm(bias, x, weight)`` with the weight
+    stored [in, out] (torch.export)."""
+
+    path: str  # the module's qualified name
+    in_features: int
+    out_features: int
+    input: fx.Node  # the value it multiplies
+
+
+def linear_site(gm: fx.GraphModule, node: fx.Node) -> LinearSite | None:
+    """The Linear ``node`` runs, or None."""
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        if isinstance(module, nn.Linear):
+            return LinearSite(str(node.target), module.in_features, module.out_features, node.args[0])
+        return None
+    if node.op != "call_function" or node.target not in (_aten.linear.default, _aten.addmm.default):
+        return None
+    conv1d = node.target is _aten.addmm.default
+    weight = node.args[2] if conv1d else node.args[1]
+    if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and str(weight.target).endswith(".weight")):
+        return None
+    shape = _get_attr(gm, str(weight.target)).shape
+    out_f, in_f = (shape[1], shape[0]) if conv1d else (shape[0], shape[1])
+    return LinearSite(str(weight.target).removesuffix(".weight"), in_f, out_f, node.args[1] if conv1d else node.args[0])
+
+
+def _get_attr(module: nn.Module, path: str) -> Any:
+    owner, _, name = path.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, name)
 # Dimension-sensitive ops: (function or method name, position of ``dim``, its default).
 _DIM_ARGUMENT = {
     torch.cat: (1, 0), torch.chunk: (2, 0), torch.split: (2, 0), torch.softmax: (1, None),
@@ -216,9 +264,10 @@ def build_problem(gm: fx.GraphModule, inputs: list[torch.Tensor], cost: TpCostMo
         seconds[node.name] = cost.compute_s(c.fwd_flops + c.bwd_flops, memory_bytes) if c else 0.0
         tensors = tuple(a.name for a in node.all_input_nodes if _is_tensors(values.get(a.name)))
         if kind is _Kind.LINEAR:
-            path, tensors = str(node.target), (node.args[0].name,)
+            site = linear_site(gm, node)
+            path, tensors = site.path, (site.input.name,)
             x = values[tensors[0]]
-            linear_s[node.name] = _linear_seconds(gm.get_submodule(path), seconds[node.name], _nbytes(x),
+            linear_s[node.name] = _linear_seconds(site, seconds[node.name], _nbytes(x),
                                                   _nbytes(values[node.name]), getattr(x, "requires_grad", False), cost)
             if getattr(x, "requires_grad", False):
                 grad_reduce_s[tensors[0]] = cost.all_reduce_s(_nbytes(x))
@@ -246,7 +295,7 @@ def _ticks(seconds: float, tick_s: float) -> int:
     return round(seconds / tick_s)
 
 
-def _linear_seconds(linear: nn.Linear, compute_s: float, in_bytes: int, out_bytes: int, input_grad: bool,
+def _linear_seconds(linear: LinearSite, compute_s: float, in_bytes: int, out_bytes: int, input_grad: bool,
                     cost: TpCostModel) -> dict[Sharding | None, float]:
     """One rank's time for each choice a Linear can take (left out where its features do
     not divide). The backward collectives on the input gradient run only if the input
@@ -268,12 +317,11 @@ def _linear_seconds(linear: nn.Linear, compute_s: float, in_bytes: int, out_byte
 def _kind(gm: fx.GraphModule, node: fx.Node) -> _Kind:
     if node.op in ("placeholder", "get_attr"):
         return _Kind.SOURCE
+    if linear_site(gm, node) is not None:
+        return _Kind.LINEAR
     if node.op == "call_module":
-        module = gm.get_submodule(str(node.target))
-        if isinstance(module, nn.Linear):
-            return _Kind.LINEAR
-        return _Kind.FEATURE if isinstance(module, _FEATURE_WISE_MODULES) else _Kind.OTHER
-    if node.op == "call_function" and node.target in _FEATURE_WISE_FUNCTIONS:
+        return _Kind.FEATURE if isinstance(gm.get_submodule(str(node.target)), _FEATURE_WISE_MODULES) else _Kind.OTHER
+    if node.op == "call_function" and (node.target in _FEATURE_WISE_FUNCTIONS or node.target in _FEATURE_WISE_ATEN):
         return _Kind.FEATURE
     if node.op == "call_method" and node.target in _FEATURE_WISE_METHODS:
         return _Kind.FEATURE
@@ -401,20 +449,48 @@ def evaluate(problem: TpProblem, choices: dict[str, Sharding | None]) -> int | N
     return total
 
 
+def split_nodes(problem: TpProblem, choices: dict[str, Sharding | None]) -> tuple[set[str], set[str]]:
+    """Under valid ``choices``: the nodes that do a 1/tp share of their work on each rank
+    (split Linears, ops on split values), and those whose saved activations are split
+    (ops on split values, rowwise Linears: a colwise one saves its whole input)."""
+    split: dict[str, bool] = {}
+    work: set[str] = set()
+    saved: set[str] = set()
+    for s in problem.sites:
+        if s.kind is _Kind.LINEAR:
+            c = choices.get(s.name)
+            split[s.name] = c is Sharding.COLWISE
+            if c is not None:
+                work.add(s.name)
+            if c in (Sharding.ROWWISE, Sharding.ROWWISE_SLICE):
+                saved.add(s.name)
+        else:
+            split[s.name] = s.kind is _Kind.FEATURE and any(split.get(i, False) for i in s.inputs)
+            if split[s.name]:
+                work.add(s.name)
+                saved.add(s.name)
+    return work, saved
+
+
 # Dry run --------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class _DryRunFailure:
-    """Why a sharded layer cannot run: the op, and its inputs that were split."""
+class DryRunFailure:
+    """Why a sharded layer cannot run: the op, and its inputs that were split (the values
+    to forbid splitting: one alone, or several together; none: the whole assignment)."""
 
     node: str
     split_inputs: frozenset[str]
     reason: str
 
 
+DryRun = Callable[[dict[str, Sharding], int], "DryRunFailure | None"]
+
+
 def find_sharding(stage_module: fx.GraphModule, inputs: list[torch.Tensor], *,
                   measurement: Measurement | None = None, cost: TpCostModel | None = None,
-                  time_limit_s: float = 10.0, workers: int = 1, seed: int = 0) -> dict[str, Sharding]:
+                  time_limit_s: float = 10.0, workers: int = 1, seed: int = 0,
+                  dry_run_fn: DryRun | None = None) -> dict[str, Sharding]:
     """How tensor-parallel ranks split the Linears of one layer; see [Note: tensor-parallel ILP].
 
     Args:
@@ -423,6 +499,8 @@ def find_sharding(stage_module: fx.GraphModule, inputs: list[torch.Tensor], *,
         measurement: ``planner.measure.measure(stage_module, inputs)`` when already taken.
         cost: the cost model; ``TpCostModel.for_device()`` (A100, fp32, tp 2) by default.
         time_limit_s, workers, seed: CP-SAT's, per solve.
+        dry_run_fn: ``(sharding, tp) -> failure or None``, the check of a solution;
+            ``dry_run`` of the graph by default.
 
     Returns:
         Module path -> Sharding; modules left out stay replicated.
@@ -430,12 +508,14 @@ def find_sharding(stage_module: fx.GraphModule, inputs: list[torch.Tensor], *,
     cost = cost or TpCostModel.for_device()
     problem = build_problem(stage_module, inputs, cost, measurement)
     return solve_checked(stage_module, inputs, problem, time_limit_s=time_limit_s, workers=workers,
-                         seed=seed).sharding(problem)
+                         seed=seed, dry_run_fn=dry_run_fn).sharding(problem)
 
 
-def solve_checked(stage_module: fx.GraphModule, inputs: list[torch.Tensor], problem: TpProblem,
-                  **solver_args: Any) -> TpSolution:
-    """``solve``, then dry-run the answer on the meta device; forbid what fails and solve again."""
+def solve_checked(stage_module: fx.GraphModule, inputs: list[torch.Tensor], problem: TpProblem, *,
+                  dry_run_fn: DryRun | None = None, **solver_args: Any) -> TpSolution:
+    """``solve``, then dry-run the answer on the meta device (``dry_run``, or
+    ``dry_run_fn``); forbid what fails and solve again."""
+    check = dry_run_fn or (lambda sharding, tp: dry_run(stage_module, inputs, sharding, tp))
     splits: set[str] = set()
     together: list[frozenset[str]] = []
     assignments: list[dict[str, Sharding | None]] = []
@@ -443,7 +523,7 @@ def solve_checked(stage_module: fx.GraphModule, inputs: list[torch.Tensor], prob
         solution = solve(problem, forbidden_splits=frozenset(splits), forbidden_together=tuple(together),
                          forbidden_assignments=tuple(assignments), **solver_args)
         sharding = solution.sharding(problem)
-        failure = dry_run(stage_module, inputs, sharding, problem.tp) if sharding else None
+        failure = check(sharding, problem.tp) if sharding else None
         if failure is None:
             return TpSolution(choices=solution.choices, objective_ticks=solution.objective_ticks,
                               time_s=solution.time_s, status=solution.status, solves=attempt)
@@ -460,7 +540,7 @@ def solve_checked(stage_module: fx.GraphModule, inputs: list[torch.Tensor], prob
 
 
 def dry_run(stage_module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding],
-            tp: int) -> _DryRunFailure | None:
+            tp: int) -> DryRunFailure | None:
     """Run the layer as one rank holds it, next to the unsplit layer, on the meta device.
 
     Returns:
@@ -470,7 +550,7 @@ def dry_run(stage_module: fx.GraphModule, inputs: list[torch.Tensor], sharding: 
     try:
         sharded_module = shard_on_meta(stage_module, sharding, tp)
     except TpError as exc:
-        return _DryRunFailure(node="", split_inputs=frozenset(), reason=str(exc))
+        return DryRunFailure(node="", split_inputs=frozenset(), reason=str(exc))
     sharded: dict[str, Any] = {}
     try:
         _run(sharded_module, inputs, sharded)
@@ -487,10 +567,10 @@ def dry_run(stage_module: fx.GraphModule, inputs: list[torch.Tensor], sharding: 
     return None
 
 
-def _failure(node: fx.Node, reference: dict, sharded: dict, reason: str) -> _DryRunFailure:
+def _failure(node: fx.Node, reference: dict, sharded: dict, reason: str) -> DryRunFailure:
     split_inputs = frozenset(a.name for a in node.all_input_nodes
                              if a.name in sharded and _split_dims(reference[a.name], sharded[a.name]))
-    return _DryRunFailure(node=node.name, split_inputs=split_inputs, reason=reason)
+    return DryRunFailure(node=node.name, split_inputs=split_inputs, reason=reason)
 
 
 def _split_dims(full: Any, local: Any) -> list[int]:
@@ -649,10 +729,11 @@ def layer_collectives(module: fx.GraphModule, inputs: list[torch.Tensor], shardi
     out: list[tuple[str, str, float]] = []
     colwise_inputs: dict[str, float] = {}
     for node in module.graph.nodes:
-        how = sharding.get(str(node.target)) if node.op == "call_module" else None
+        site = linear_site(module, node)
+        how = sharding.get(site.path) if site is not None else None
         if how is None:
             continue
-        x = values[node.args[0].name]
+        x = values[site.input.name]
         input_grad = float(_nbytes(x)) if getattr(x, "requires_grad", False) else 0.0
         output = float(_nbytes(values[node.name]))
         if how in (Sharding.ROWWISE, Sharding.ROWWISE_SLICE):
@@ -660,7 +741,7 @@ def layer_collectives(module: fx.GraphModule, inputs: list[torch.Tensor], shardi
         if how is Sharding.COLWISE_GATHER:
             out.append(("forward", "all_gather", output))
         if how in (Sharding.COLWISE, Sharding.COLWISE_GATHER) and input_grad:
-            colwise_inputs[node.args[0].name] = input_grad
+            colwise_inputs[site.input.name] = input_grad
         if how is Sharding.ROWWISE_SLICE and input_grad:
             out.append(("backward", "all_gather", input_grad))
     out.extend(("backward", "all_reduce", nbytes) for nbytes in colwise_inputs.values())

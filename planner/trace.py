@@ -29,9 +29,11 @@ import torch.fx as fx
 from cost_models.layers import LayerProfile
 from planner.measure import UNATTRIBUTED, Measurement, NodeCounts, measure, node_label, node_module
 from planner.plan import Sharding
-from planner.tensor_parallel import check_sharded_shapes, find_sharding, layer_collectives, shard_on_meta
+from planner.module_tp import BlockDryRun, block_sharding
+from planner.tensor_parallel import check_sharded_shapes, find_sharding, layer_collectives, shard_on_meta, split_nodes
 from runtime.graph import LayeredGraph, Stage, boundary_values, build_stage, meta_run_error, record_values, trace_layers
 from runtime.model_file import ModelFile, file_fingerprint
+from runtime.module_stage import DecoderLayout, layout_for
 
 _NO_KERNEL_OPS = ("placeholder", "get_attr", "output")
 _PROBE_TP = 2  # the degree of the second measurement; see [Note: tensor-parallel scaling]
@@ -76,6 +78,8 @@ class ModelGraph:
     fingerprint: str
     layers: list[LayerProfile]
     tp_sharding: list[dict[str, Sharding]] = field(default_factory=list)  # per layer
+    # per layer: where its tp_sharding came from ("finder", "base_model_tp_plan"; "" unsplit)
+    tp_source: list[str] = field(default_factory=list)
     input_bytes: float = 0.0  # per sample
     capture: str = "fx"  # "fx" or "export"; see [Note: two ways to capture] in runtime.capture
     boundaries: list[list[BoundaryTensor]] = field(default_factory=list)  # per layer: what crosses the cut after it
@@ -103,9 +107,10 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
     example = model_file.example_inputs(1)
     meta_inputs = tuple(t.to("meta") for t in example)
     lg = trace_layers(model, leaf_modules, example_inputs=meta_inputs)
+    layout = layout_for(model, lg.layer_names, example) if lg.capture == "export" else None
     values = record_values(lg, example)
     needs_grad = differentiable_values(lg, values)
-    layers, shardings, boundaries, nodes = [], [], [], []
+    layers, shardings, sources, boundaries, nodes = [], [], [], [], []
     cache: dict[Any, _Measured] = {}
     held: set[int] = set()  # ids of the parameters earlier layers hold
     for index in range(lg.num_layers):
@@ -113,9 +118,13 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
         inputs = _layer_inputs(lg, values, stage, meta_inputs, needs_grad)
         name = lg.layer_names[index]
         key = _structure_key(stage, name, inputs)
+        block = layout.block_index(name) if layout is not None else None
         if key not in cache:
             try:
-                cache[key] = _measure_layer(stage, inputs, name)
+                if block is not None:  # [Note: tensor parallelism of exported graphs]
+                    cache[key] = _measure_block(stage, inputs, model, layout, block, example[0].shape[1])
+                else:
+                    cache[key] = _measure_layer(stage, inputs, name, split=lg.capture == "fx")
             except Exception as exc:  # noqa: BLE001 - located and reported as one line
                 raise meta_run_error(stage.module, exc, f"layer {name}") from exc
         measured = cache[key]
@@ -123,6 +132,7 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
         layers.append(measured.profile(name=name, params=params, tied_params=tied, param_tensors=tensors,
                                        boundary_bytes=float(sum(s.nbytes for s in stage.send))))
         shardings.append(_absolute(measured.relative_sharding, name))
+        sources.append(measured.tp_source if measured.relative_sharding else "")
         boundaries.append([BoundaryTensor(shape=t.shape, dtype=str(t.dtype).removeprefix("torch."), nbytes=t.nbytes)
                            for t in stage.send])
         nodes += _node_profiles(stage.module, index, measured.node_counts)
@@ -132,6 +142,7 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
         fingerprint=file_fingerprint(model_file.path),
         layers=layers,
         tp_sharding=shardings,
+        tp_source=sources,
         input_bytes=float(sum(t.numel() * t.element_size() for t in example)),
         capture=lg.capture,
         boundaries=boundaries,
@@ -199,6 +210,7 @@ class _Measured:
     collectives: tuple[tuple[str, str, float], ...] = ()
     sharded_tensors: int = 0
     tp_degrees: tuple[int, ...] | None = None
+    tp_source: str = "finder"  # or "base_model_tp_plan"; see [Note: tensor parallelism of exported graphs]
 
     @property
     def node_counts(self) -> list[NodeCounts]:
@@ -242,12 +254,13 @@ def _matmul_rows(measured: Measurement) -> tuple[tuple[int, bool, float, int], .
     return tuple((rows, grows, flops / total, width) for (rows, grows, width), flops in sorted(merged.items())) if total > 0 else ()
 
 
-def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str) -> _Measured:
-    """Measure one layer whole and, if it has a tensor-parallel pattern, as one of two ranks."""
+def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str, *, split: bool = True) -> _Measured:
+    """Measure one layer whole and, if it has a tensor-parallel pattern (and ``split``:
+    the program can split it), as one of two ranks."""
     module = stage.module
     whole = measure(module, inputs)
     num_ops = sum(1 for n in module.graph.nodes if n.op not in _NO_KERNEL_OPS)
-    sharding = find_sharding(module, inputs, measurement=whole)
+    sharding = find_sharding(module, inputs, measurement=whole) if split else {}
     if not sharding:
         return _Measured(whole=whole, num_ops=num_ops, relative_sharding={})
     try:
@@ -271,6 +284,45 @@ def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str) -> _Meas
         collectives=layer_collectives(module, inputs, sharding),
         sharded_tensors=sum(len(list(module.get_submodule(path).parameters(recurse=False))) for path in sharding),
         tp_degrees=tuple(tp for tp in range(2, _MAX_TP_CHECKED + 1) if _splits_at(module, inputs, sharding, whole.outputs, tp)),
+    )
+
+
+def _measure_block(stage: Stage, inputs: list[torch.Tensor], model: torch.nn.Module, layout: DecoderLayout,
+                   block: int, seq_len: int) -> _Measured:
+    """Measure a block of an exported model that the program runs as its own module, and
+    split it as [Note: tensor parallelism of exported graphs] says. What one rank's share
+    saves is counted on the graph from the ILP's layout (the ops on split values, the
+    split Linears), since the exported graph cannot run split."""
+    module = stage.module
+    whole = measure(module, inputs)
+    num_ops = sum(1 for n in module.graph.nodes if n.op not in _NO_KERNEL_OPS)
+    split = block_sharding(model, layout, block, seq_len, module, inputs, whole)
+    sharding = split.chosen
+    whole_flops = whole.total("fwd_flops") + whole.total("bwd_flops")
+    if not sharding or whole_flops <= 0:
+        return _Measured(whole=whole, num_ops=num_ops, relative_sharding={})
+    work, saved = split_nodes(split.problem, split.choices)
+    counts = whole.nodes
+    split_params = sharded_tensors = 0
+    for path, how in sharding.items():
+        for key in ("weight", "bias"):
+            param = getattr(module.get_submodule(path), key, None)
+            if isinstance(param, torch.Tensor):
+                sharded_tensors += 1
+                split_params += param.numel() if key == "weight" or how in (Sharding.COLWISE, Sharding.COLWISE_GATHER) else 0
+    check = BlockDryRun(model, layout, block, seq_len)
+    name = layout.block_path(block)
+    return _Measured(
+        whole=whole,
+        num_ops=num_ops,
+        relative_sharding=_relative(sharding, name),
+        split_fraction=min(1.0, sum(counts[n].fwd_flops + counts[n].bwd_flops for n in work if n in counts) / whole_flops),
+        split_params=split_params,
+        split_saved=sum(counts[n].saved_bytes for n in saved if n in counts),
+        collectives=layer_collectives(module, inputs, sharding),
+        sharded_tensors=sharded_tensors,
+        tp_degrees=tuple(tp for tp in range(2, _MAX_TP_CHECKED + 1) if check(sharding, tp) is None),
+        tp_source=split.source,
     )
 
 
