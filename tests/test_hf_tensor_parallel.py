@@ -1,0 +1,179 @@
+"""Tensor parallelism for Hugging Face decoder-only LMs: stages cut at module boundaries
+(runtime.module_stage), their blocks split by the finder on the exported graph or by
+the config's base_model_tp_plan (planner.module_tp), planned and trained like one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from test_distributed import HF_GPT2, HF_LLAMA, assert_trains_like_one_process
+
+tf = pytest.importorskip("transformers")
+
+from planner.plan import Sharding  # noqa: E402
+from runtime.model_file import turn_off_kv_cache  # noqa: E402
+from runtime.module_stage import cut_module_stage, decoder_layout  # noqa: E402
+
+SEQ = 16
+SMALL = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=128)
+
+
+def _decoder(kind: str) -> torch.nn.Module:
+    """Small decoders with default configs otherwise (Mistral and Qwen2 with sliding windows shorter than SEQ)."""
+    if kind == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL))
+    elif kind == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**SMALL, sliding_window=4))
+    elif kind == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=1))
+    else:
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=128, resid_pdrop=0.0,
+                                                 embd_pdrop=0.0, attn_pdrop=0.0))
+    turn_off_kv_cache(model)
+    return model
+
+
+def _layer_names(model: torch.nn.Module) -> list[str]:
+    """The planner's layering: a leading layer, the blocks, a trailing layer."""
+    layout = decoder_layout(model)
+    return ["embeddings", *(layout.block_path(i) for i in range(layout.num_blocks)), "head"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt2"])
+def test_module_stages_chain_to_the_models_own_output(kind):
+    torch.manual_seed(0)
+    model = _decoder(kind)
+    tokens = torch.randint(0, 128, (2, SEQ))
+    expected = model(tokens)
+    names = _layer_names(model)
+    for cuts in ([(0, 4)], [(0, 1), (2, 4)], [(0, 0), (1, 2), (3, 3), (4, 4)]):
+        x = tokens
+        for first, last in cuts:
+            stage = cut_module_stage(model, (tokens,), (first, last), names)
+            assert stage.model_inputs == ((0,) if first == 0 else ())
+            out = stage.module(x)
+            x = out if stage.is_last else out[0]
+            if not stage.is_last:
+                assert [s.shape for s in stage.send] == [(2, SEQ, 64)] and x.shape == (2, SEQ, 64)
+        assert type(x) is type(expected)  # loss_fn reads outputs.logits on every layout
+        torch.testing.assert_close(x.logits, expected.logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_module_stages_pin_no_device(kind):
+    """Every stage, moved to the meta device, runs forward and backward there: no op
+    names the CPU (a CPU constant would meet meta tensors and raise)."""
+    model = _decoder(kind)
+    names = _layer_names(model)
+    tokens = torch.randint(0, 128, (2, SEQ))
+    for first, last in [(0, 1), (2, 3), (4, 4)]:
+        stage = cut_module_stage(model, (tokens,), (first, last), names, recompute="selective")
+        stage.module.to("meta")
+        assert all(t.is_meta for t in (*stage.module.parameters(), *stage.module.buffers()))
+        x = tokens.to("meta") if first == 0 else torch.empty(2, SEQ, 64, device="meta", requires_grad=True)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            out = stage.module(x)
+            out = out.logits if stage.is_last else out[0]
+            assert out.device.type == "meta"
+            out.sum().backward()
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(RuntimeError, match="meta and cpu"):
+        torch.ones(2, SEQ, device="meta") + torch.arange(SEQ)  # what a pinned constant does
+
+
+def _block_sharding(source: str, tmp_path, block: int = 0):
+    """planner.module_tp.block_sharding of a model file's block, as the planner's trace calls it."""
+    from planner.module_tp import block_sharding
+    from planner.trace import differentiable_values
+    from runtime.graph import boundary_values, build_stage, record_values, trace_layers
+    from runtime.model_file import load_model_file
+    from runtime.module_stage import layout_for
+
+    path = tmp_path / "hfmodel.py"
+    path.write_text(source)
+    model_file = load_model_file(path, {})
+    with torch.device("meta"):
+        model = model_file.build_model()
+    example = model_file.example_inputs(1)
+    meta = tuple(t.to("meta") for t in example)
+    layered = trace_layers(model, example_inputs=meta)
+    values = record_values(layered, example)
+    needs_grad = differentiable_values(layered, values)
+    stage = build_stage(layered, values, block + 1, block + 1)
+    inputs = [meta[i] for i in stage.model_inputs] + [
+        torch.empty(spec.shape, dtype=spec.dtype, device="meta", requires_grad=needs_grad[name])
+        for spec, name in zip(stage.recv, boundary_values(layered, values, block), strict=True)]
+    layout = layout_for(model, layered.layer_names, example)
+    return block_sharding(model, layout, block, example[0].shape[1], stage.module, inputs)
+
+
+def test_finder_on_the_exported_llama_agrees_with_its_base_model_tp_plan(tmp_path):
+    split = _block_sharding(HF_LLAMA, tmp_path)
+    megatron = {f"model.layers.0.{path}": how for path, how in {
+        "self_attn.q_proj": Sharding.COLWISE, "self_attn.k_proj": Sharding.COLWISE, "self_attn.v_proj": Sharding.COLWISE,
+        "self_attn.o_proj": Sharding.ROWWISE, "mlp.gate_proj": Sharding.COLWISE, "mlp.up_proj": Sharding.COLWISE,
+        "mlp.down_proj": Sharding.ROWWISE}.items()}
+    assert split.config == megatron and split.found == megatron
+    assert split.source == "base_model_tp_plan" and split.chosen == megatron
+
+
+def test_gpt2_splits_its_conv1d_mlp_and_never_its_fused_qkv_colwise(tmp_path):
+    from planner.module_tp import BlockDryRun
+
+    split = _block_sharding(HF_GPT2, tmp_path)
+    assert split.config is None and split.source == "finder"  # GPT2Config has no base_model_tp_plan
+    assert split.found["transformer.h.0.mlp.c_fc"] is Sharding.COLWISE
+    assert split.found["transformer.h.0.mlp.c_proj"] is Sharding.ROWWISE
+    assert split.found.get("transformer.h.0.attn.c_attn") is not Sharding.COLWISE
+    # c_attn holds q, k and v side by side and the attention splits them by embed_dim:
+    # one rank's colwise share cannot be split that way, and the dry run says where.
+    nodes = {s.path: s.name for s in split.problem.linears}
+    model = _gpt2_meta()
+    failure = BlockDryRun(model, decoder_layout(model), 0, SEQ, nodes)(
+        {"transformer.h.0.attn.c_attn": Sharding.COLWISE, "transformer.h.0.attn.c_proj": Sharding.ROWWISE}, 2)
+    assert failure.node == "transformer.h.0.attn"
+    assert failure.split_inputs == {nodes["transformer.h.0.attn.c_attn"]}
+
+
+def _gpt2_meta() -> torch.nn.Module:
+    with torch.device("meta"):
+        return tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128))
+
+
+def _plan(tmp_path, source: str, *, tp: int, pp: int):
+    from cost_models.cluster import parse_cluster
+    from planner.api import plan_model
+    from planner.search import SearchOptions
+
+    path = tmp_path / "hfmodel.py"
+    path.write_text(source)
+    options = SearchOptions(global_batch_size=8, dtype="fp32", schedule="1f1b", micro_batch_size=2, tp=tp, pp=pp, dp=1)
+    return plan_model(path, parse_cluster(f"1x{tp * pp}xcpu"), options, model_args={})
+
+
+@pytest.mark.parametrize("source,splits", [
+    (HF_LLAMA, {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                "mlp.down_proj": "rowwise"}),
+    (HF_GPT2, {"attn.c_attn": "colwise_gather", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
+], ids=["llama", "gpt2"])
+def test_the_planner_plans_hugging_face_decoders_at_tp_2(tmp_path, source, splits):
+    plan = _plan(tmp_path, source, tp=2, pp=1)
+    (stage,) = plan.stages
+    blocks = plan.model.layer_names[1:-1]
+    assert stage.tensor_parallel == 2 and stage.ranks == [[0, 1]]
+    assert {path: how.value for path, how in stage.tp_sharding.items()} == {
+        f"{block}.{path}": how for block in blocks for path, how in splits.items()}
+    assert plan.predicted.tp_comm_time_s > 0  # the all-reduces of the split blocks are costed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source,pp,optimizer", [(HF_LLAMA, 1, "adamw"), (HF_LLAMA, 2, "sgd"), (HF_GPT2, 1, "sgd"),
+                                                 (HF_GPT2, 2, "sgd")],
+                         ids=["llama-tp2", "llama-tp2xpp2", "gpt2-tp2", "gpt2-tp2xpp2"])
+def test_planned_tensor_parallel_trains_like_one_process(tmp_path, source, pp, optimizer):
+    plan = _plan(tmp_path, source, tp=2, pp=pp)
+    assert plan.pipeline_parallel == pp and all(s.tensor_parallel == 2 and s.tp_sharding for s in plan.stages)
+    assert_trains_like_one_process(plan, tmp_path, optimizer)
