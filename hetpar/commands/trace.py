@@ -46,11 +46,17 @@ def trace(
 def trace_report(graph: ModelGraph, batch_size: int = 1, *, with_nodes: bool = False) -> dict[str, Any]:
     """The layer table of ``graph`` for ``batch_size`` samples, as ``hetpar trace --json`` prints it."""
     rows = []
-    for layer, boundary in zip(graph.layers, graph.boundaries or [[] for _ in graph.layers]):
+    shardings = graph.tp_sharding or [{} for _ in graph.layers]
+    sources = graph.tp_source or ["" for _ in graph.layers]
+    for layer, boundary, sharding, source in zip(graph.layers, graph.boundaries or [[] for _ in graph.layers], shardings,
+                                                 sources):
         row: dict[str, Any] = {"name": layer.name, "params": layer.params}
         row.update({k: getattr(layer, k) * batch_size for k in _SCALED_LAYER_KEYS})
         row["tied_params"] = layer.tied_params
         row["boundary_shapes_per_sample"] = [{"shape": list(t.shape), "dtype": t.dtype} for t in boundary]
+        # how tensor parallelism splits the layer, and who said so ("finder", "base_model_tp_plan")
+        row["tp_sharding"] = {path: how.value for path, how in sharding.items()}
+        row["tp_source"] = source
         rows.append(row)
     report: dict[str, Any] = {
         "batch_size": batch_size,
