@@ -327,8 +327,9 @@ def test_uneven_split_of_1_and_3_layers_one_f_one_b(tmp_path, gpt_path):
 
 
 # A Hugging Face Llama as users write it (its default config, use_cache included, with
-# small sizes) that torch.fx cannot trace: the program cuts its stages from a
-# torch.export graph, and the loss reads the CausalLMOutput's logits on every layout.
+# small sizes) that torch.fx cannot trace: the planner traces it with torch.export, the
+# program cuts its stages at module boundaries (runtime.module_stage), and the loss reads
+# the CausalLMOutput's logits on every layout.
 HF_LLAMA = """
 import torch
 import torch.nn.functional as F
