@@ -158,8 +158,7 @@ class _LlamaBlock:
         self.block, self.mask, self.rotary, self.positions = block, mask, rotary, positions
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return self.block(h, attention_mask=self.mask, position_embeddings=self.rotary, position_ids=self.positions,
-                          cache=None, use_cache=False)
+        return self.block(h, attention_mask=self.mask, position_embeddings=self.rotary, position_ids=self.positions)
 
 
 class _Gpt2Block:
@@ -169,8 +168,7 @@ class _Gpt2Block:
         self.block, self.mask, self.positions = block, mask, positions
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return self.block(h, None, self.mask, None, encoder_attention_mask=None, use_cache=False,
-                          position_ids=self.positions)
+        return self.block(h, None, self.mask, None, encoder_attention_mask=None, position_ids=self.positions)
 
 
 def _mask_kind(config: Any, block: int) -> str:
@@ -185,9 +183,15 @@ def _mask_kind(config: Any, block: int) -> str:
 def _causal_masks(config: Any, h: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
     """The masks the model's forward makes, by attention kind (None where attention is
     causal without one)."""
+    import inspect
+
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    kwargs = dict(config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=positions)
+    kwargs = dict(config=config, inputs_embeds=h, attention_mask=None, position_ids=positions)
+    names = inspect.signature(create_causal_mask).parameters
+    kwargs["cache" if "cache" in names else "past_key_values"] = None  # renamed in transformers 5.2x
+    if "cache_position" in names:  # transformers before 5.2x
+        kwargs["cache_position"] = positions[0]
     masks = {"full_attention": create_causal_mask(**kwargs)}
     if getattr(config, "sliding_window", None):
         masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
