@@ -71,7 +71,10 @@ def _worker(conn, time_limit_s: float) -> None:
 
     use_cached_traces()
     while True:
-        job = conn.recv()
+        try:
+            job = conn.recv()
+        except EOFError:  # the parent is gone
+            return
         if job is None:
             return
         index, case = job
