@@ -271,16 +271,13 @@ _OVERWRITES = {
 }
 
 
+# Random ops that read only their input's shape and dtype, never its values.
+_SHAPE_ONLY = {"aten::rand_like", "aten::randn_like", "aten::randint_like"}
+
+
 def _whole(t: torch.Tensor) -> bool:
     """True if ``t`` covers all of its storage, each element once."""
     return t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes()
-
-
-def _generator(func: torch._ops.OpOverload, kwargs: dict) -> torch.Generator | None:
-    """The generator a random op draws from: its ``generator`` argument, else the CPU's."""
-    if torch.Tag.nondeterministic_seeded not in func.tags:
-        return None
-    return kwargs.get("generator") or torch.default_generator
 
 
 class _Recorder(TorchDispatchMode):
@@ -317,12 +314,10 @@ class _Recorder(TorchDispatchMode):
         refs = {id(t): self.ref(t) for t in tensors}  # inputs first: a storage first seen here is external
         ref_args, ref_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: refs[id(t)], (args, kwargs))
         seen = len(self._storages)
-        generator = _generator(func, kwargs)
-        rng = None
-        if generator is not None:  # keep its state, then draw as the whole build does
-            self.generators[id(generator)] = generator
-            rng = (generator, generator.get_state())
-            func(*pytree.tree_map_only(torch.Tensor, _scratch, args), **pytree.tree_map_only(torch.Tensor, _scratch, kwargs))
+        written = _written_args(func, args, kwargs)
+        overwritten = {refs[id(t)].storage for t in written[:1] if func._schema.name in _OVERWRITES and _whole(t)}
+        reads = frozenset(r.storage for r in refs.values()) - overwritten
+        rng = self._draw(func, ref_args, ref_kwargs, reads) if torch.Tag.nondeterministic_seeded in func.tags else None
         try:
             with self.fake:
                 out = func(*args, **kwargs)
@@ -330,35 +325,49 @@ class _Recorder(TorchDispatchMode):
             out = self._run_for_real(func, ref_args, ref_kwargs)
         out_refs = pytree.tree_map_only(torch.Tensor, self.ref, out)
         created = {r.storage for r in pytree.tree_leaves(out_refs) if isinstance(r, TensorRef) and r.storage >= seen}
-        written = _written_args(func, args, kwargs)
-        overwritten = {self.number(t) for t in written[:1] if func._schema.name in _OVERWRITES and _whole(t)}
         self.log.ops.append(_Op(
-            func=func, args=ref_args, kwargs=ref_kwargs, outputs=out_refs,
-            reads=frozenset(r.storage for r in refs.values()) - overwritten,
-            writes=frozenset({self.number(t) for t in written} | created),
-            dead_before=frozenset(created | overwritten),
-            rng=rng,
+            func=func, args=ref_args, kwargs=ref_kwargs, outputs=out_refs, reads=reads,
+            writes=frozenset({refs[id(t)].storage for t in written} | created),
+            dead_before=frozenset(created | overwritten), rng=rng,
         ))
         return out
+
+    def _draw(self, func, ref_args: tuple, ref_kwargs: dict, reads: frozenset[int]) -> tuple[torch.Generator, torch.Tensor]:
+        """Keep the state of a random op's generator, then draw what the op draws in a
+        whole build, into scratch tensors; inputs it reads (``bernoulli``'s
+        probabilities: the count of draws may depend on them) are computed from the log."""
+        generator = ref_kwargs.get("generator") or torch.default_generator
+        self.generators[id(generator)] = generator
+        rng = (generator, generator.get_state())
+        values = set() if func._schema.name in _SHAPE_ONLY else set(reads)
+        real = self._real(values)
+
+        def arg(ref: TensorRef) -> torch.Tensor:
+            if ref.storage in values:
+                return real.view(ref)
+            return torch.empty_strided(ref.size, ref.stride, dtype=ref.dtype, device=self.log.devices[ref.storage])
+
+        func(*pytree.tree_map_only(TensorRef, arg, ref_args), **pytree.tree_map_only(TensorRef, arg, ref_kwargs))
+        return rng
+
+    def _real(self, storages: set[int]) -> _Storages:
+        """The storages computed from the log so far, every generator left as it was."""
+        if not storages - set(self.log.external):
+            return _Storages(self.log)
+        saved = [(g, g.get_state()) for g in self.generators.values()]
+        real = _replay(self.log, storages, len(self.log.ops), lambda i, s: None)
+        for generator, state in saved:
+            generator.set_state(state)
+        return real
 
     def _run_for_real(self, func, ref_args, ref_kwargs) -> Any:
         """Run an op whose result Python reads on the real values of its inputs, computed
         from the log so far; its tensors come back fake."""
-        saved = [(g, g.get_state()) for g in self.generators.values()]
         inputs = {r.storage for r in pytree.tree_leaves((ref_args, ref_kwargs)) if isinstance(r, TensorRef)}
-        storages = _replay(self.log, inputs, len(self.log.ops), lambda i, s: None)
-        for generator, state in saved:
-            generator.set_state(state)
-        args, kwargs = pytree.tree_map_only(TensorRef, storages.view, (ref_args, ref_kwargs))
+        real = self._real(inputs)
+        args, kwargs = pytree.tree_map_only(TensorRef, real.view, (ref_args, ref_kwargs))
         out = func(*args, **kwargs)
         return pytree.tree_map_only(torch.Tensor, self.fake.from_tensor, out)
-
-
-def _scratch(t: torch.Tensor) -> torch.Tensor:
-    """A real tensor of ``t``'s sizes, strides and dtype, for a random op to draw into."""
-    if not isinstance(t, FakeTensor):
-        return t
-    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
 
 
 def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
