@@ -54,6 +54,7 @@ class LayerProfile:
     # (rows per matmul at batch 1, whether they grow with the micro-batch, share of
     # fwd_flops, width sqrt(K N)).
     matmul_rows: tuple[tuple[int, bool, float, int], ...] = ()
+    matmul_ops: int = 0  # forward ops that run FLOPs (matmuls, attention): the kernels compiling keeps
 
     def flops_at(self, tp: int) -> tuple[float, float]:
         """(forward, backward) FLOPs one tensor-parallel rank runs, per sample."""

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from cost_models.cluster import Cluster
+from cost_models.compute import compiled_layer
 from planner.hetero_dp import hetero_dp_plan
 from planner.objective import Objective, cheapest_plan
 from planner.plan import ParallelPlan
@@ -49,6 +50,12 @@ def plan_model(
     return replace(plan, model=replace(plan.model, leaf_modules=list(leaf_modules)))
 
 
+def compiled_graph(graph: ModelGraph) -> ModelGraph:
+    """``graph`` as compiled stages run it: each layer's kernels after fusion
+    ([Note: compiled stages] in cost_models.compute)."""
+    return replace(graph, layers=[compiled_layer(layer) for layer in graph.layers])
+
+
 def plan_graph(
     graph: ModelGraph,
     cluster: Cluster,
@@ -64,6 +71,8 @@ def plan_graph(
         PlanningError: nothing fits, the pins are impossible, or the objective cannot be met; says why.
     """
     objective = objective or Objective()
+    if options.compiled:
+        graph = compiled_graph(graph)
     if hetero_dp not in HETERO_DP_CHOICES:
         raise PlanningError(f"unknown --hetero-dp {hetero_dp!r}; use one of {', '.join(HETERO_DP_CHOICES)}")
 
@@ -71,8 +80,9 @@ def plan_graph(
         return fastest_plan(model, on, opts, hetero_dp=hetero_dp, progress=progress)
 
     if objective.kind == "cost":
-        return cheapest_plan(graph, cluster, options, objective, solve=solve, hetero_dp=hetero_dp, progress=progress)
-    plan = solve(graph, cluster, options, progress)
+        plan = cheapest_plan(graph, cluster, options, objective, solve=solve, hetero_dp=hetero_dp, progress=progress)
+        return replace(plan, compiled=options.compiled)
+    plan = replace(solve(graph, cluster, options, progress), compiled=options.compiled)
     target = objective.min_throughput_samples_per_s
     if plan.predicted.throughput_samples_per_s < target:
         raise PlanningError(

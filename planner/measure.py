@@ -79,6 +79,7 @@ class NodeCounts:
     param_bytes: float = 0.0
     # Forward matmul FLOPs by (rows, rows grow with the batch, width); see [Note: matmul rows].
     matmul_rows: dict[tuple[int, bool, int], float] = field(default_factory=dict)
+    fwd_matmuls: int = 0  # forward ops with FLOPs (matmuls, convolutions, attention): kernels compiling keeps
 
 
 @dataclass
@@ -174,6 +175,7 @@ class _KernelCounter(TorchDispatchMode):
             counts.fwd_flops += flops
             counts.fwd_elementwise_flops += elementwise
             counts.fwd_bytes += moved
+            counts.fwd_matmuls += int(flops > 0)
             rows = matmul_rows(packet.__name__, args, out) if flops > 0 else None
             if rows is not None:
                 counts.matmul_rows[rows] = counts.matmul_rows.get(rows, 0.0) + flops

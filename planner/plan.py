@@ -148,6 +148,7 @@ class ParallelPlan:
     grad_compression: str = "none"  # "none" | "fp16" | "powersgd": compression of data-parallel gradients
     replica_batch_shares: list[int] | None = None  # micro-batch size of each replica; None: micro_batch_size each
     virtual_stages: int = 1  # model chunks per pipeline rank; stages[s] runs on the ranks of stages[s % pp]
+    compiled: bool = False  # stages run under torch.compile; the costs count fused kernels ([Note: compiled stages])
     schema_version: int = SCHEMA_VERSION
     kind: str = PLAN_KIND
 

@@ -85,6 +85,7 @@ class SearchOptions:
     workers: int = 2
     seed: int = 0
     top_k: int = 3
+    compiled: bool = False  # stages run under torch.compile ([Note: compiled stages] in cost_models.compute)
 
 
 def divisors(n: int) -> list[int]:

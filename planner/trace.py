@@ -240,6 +240,7 @@ class _Measured:
             bwd_bytes_accessed=w.total("bwd_bytes"),
             tied_params=tied_params,
             matmul_rows=_matmul_rows(w),
+            matmul_ops=int(w.total("fwd_matmuls")),
         )
 
 

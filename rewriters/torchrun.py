@@ -180,6 +180,7 @@ def program_source(plan: ParallelPlan) -> str:
         gbs=plan.global_batch_size,
         replica_mbs=plan.replica_micro_batch_sizes,
         compression=plan.grad_compression,
+        compiled=plan.compiled,
         dtype=_DTYPES[plan.dtype],
         plan_dtype=plan.dtype,
         stages=stages,
@@ -273,7 +274,7 @@ if my_stage.tensor_parallel > 1:
     shard.apply_tensor_parallel(module, groups.tp_mesh, my_stage.tp_sharding)
 # this rank's tensors (tp shards) alone are made, as build_model() under --seed makes them, or read from --init-from
 materialize.materialize_stages(model, module, construction, device, init_from=args.init_from, keep_unused=me.rank == 0)
-shard.compile_stages([stages[s].module for s in my_stages], device, args.compile, announce=me.rank == 0)  # --compile
+shard.compile_stages([stages[s].module for s in my_stages], device, args.compile, planned={compiled}, announce=me.rank == 0)
 # data parallel: all-reduce, a compression hook, or ZeRO through FSDP2 (my_stage.zero_stage)
 grad_sync = data_parallel.wrap(module, my_stage, groups, GRAD_COMPRESSION,
                                powersgd_rank=args.powersgd_rank, powersgd_start_step=args.powersgd_start_step)

@@ -33,7 +33,7 @@ class TrainArgs:
     powersgd_rank: int = 1  # plan.grad_compression "powersgd": rank of the gradient approximation
     powersgd_start_step: int = 2  # ... and plain all-reduce steps before it compresses
     allow_device_mismatch: bool = False  # warn, not stop, when a rank's device is not the plan's (runtime.devices)
-    compile: str = "auto"  # torch.compile each stage: "on", "off", or "auto" (on for CUDA devices)
+    compile: str = "auto"  # torch.compile each stage: "on", "off", or "auto" (as planned: plan.compiled)
 
 
 def parse_args(description: str | None = None, argv: list[str] | None = None) -> TrainArgs:
@@ -62,8 +62,8 @@ def parse_args(description: str | None = None, argv: list[str] | None = None) ->
     parser.add_argument("--allow-device-mismatch", action="store_true",
                         help="run even where a rank's device is not the plan's device type for it (one warning)")
     parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                        help="torch.compile each stage (auto: on CUDA devices, off on CPUs); a stage that does not "
-                             "compile runs eagerly")
+                        help="torch.compile each stage (auto: as the plan says, plan.compiled, which its costs "
+                             "assume); a stage that does not compile runs eagerly")
     ns = parser.parse_args(argv)
     if ns.steps < 0:
         parser.error(f"--steps {ns.steps} must be >= 0")

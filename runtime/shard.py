@@ -117,25 +117,26 @@ def rank_module(stage_modules: list[nn.Module]) -> nn.Module:
     return stage_modules[0] if len(stage_modules) == 1 else Chunks(stage_modules)
 
 
-def compile_stages(modules: list[nn.Module], device: torch.device, mode: str, *, announce: bool = False) -> str:
+def compile_stages(modules: list[nn.Module], device: torch.device, mode: str, *, planned: bool = False,
+                   announce: bool = False) -> str:
     """``torch.compile`` each stage module in place (``nn.Module.compile``), per ``mode``
-    ("on", "off", or "auto": on for CUDA devices). Compiling is lazy: a graph that does
+    ("on", "off", or "auto": as ``planned``, the plan's ``compiled``, whose costs assume it). Compiling is lazy: a graph that does
     not compile falls back to eager code at its first call with dynamo's warning, and
     training goes on (``suppress_errors``).
 
     Returns:
         One line for the log, printed on stderr with ``announce``: compiled, or why not.
     """
-    line = _compile_stages(modules, device, mode)
+    line = _compile_stages(modules, device, mode, planned)
     if announce:
         print(f"hetpar: {line}", file=sys.stderr, flush=True)
     return line
 
 
-def _compile_stages(modules: list[nn.Module], device: torch.device, mode: str) -> str:
-    wanted = mode == "on" or (mode == "auto" and device.type == "cuda")
+def _compile_stages(modules: list[nn.Module], device: torch.device, mode: str, planned: bool) -> str:
+    wanted = mode == "on" or (mode == "auto" and planned)
     if not wanted:
-        return f"stages run eagerly (--compile {mode})"
+        return f"stages run eagerly (--compile {mode}{', as planned' if mode == 'auto' else ''})"
     if device.type == "cuda":
         from torch.utils._triton import has_triton
 

@@ -126,3 +126,21 @@ def test_gpu_profiles_charge_a_sourced_launch_per_op_in_every_pass(name, tmp_pat
     for path, text in ((tmp_path / "gpu.toml", dump_profile(gpu)), (tmp_path / "gpu.json", json.dumps(profile_to_dict(gpu)))):
         path.write_text(text)
         assert load_profile(path) == gpu
+
+
+def test_a_compiled_layer_launches_a_kernel_per_matmul_and_one_per_gap_between_them():
+    """[Note: compiled stages]: 8 matmuls and 24 eager ops compile to 2 * 8 + 1 = 17
+    kernels; a layer with fewer eager ops than that keeps its own count."""
+    from dataclasses import replace
+
+    from cost_models.compute import compiled_layer
+
+    layer = replace(block(num_ops=24), matmul_ops=8)
+    assert compiled_layer(layer).num_ops == 17
+    assert compiled_layer(replace(block(num_ops=5), matmul_ops=8)).num_ops == 5
+    assert compiled_layer(replace(block(num_ops=7), matmul_ops=0)).num_ops == 1  # all pointwise: one fused kernel
+    eager = layer_timing(layer, A100, tp=1, micro_batch_size=2, dtype="bf16")
+    compiled = layer_timing(compiled_layer(layer), A100, tp=1, micro_batch_size=2, dtype="bf16")
+    saved = 7 * A100.op_overhead_s  # per pass: forward, input gradient, weight gradient
+    assert eager.fwd_s - compiled.fwd_s == pytest.approx(saved)
+    assert eager.bwd_s - compiled.bwd_s == pytest.approx(2 * saved)

@@ -74,6 +74,12 @@ class Recompute(str, Enum):
     full = "full"
 
 
+def default_compiled(device_types: list[str]) -> bool:
+    """Stages compiled by default where torch.compile generates GPU kernels: every device
+    an NVIDIA or AMD GPU (the program's ``--compile auto`` follows the plan)."""
+    return all(get_device(t).vendor in ("NVIDIA", "AMD") for t in set(device_types))
+
+
 def default_dtype(device_types: list[str]) -> str:
     """fp32 on a CPU-only cluster; bf16 where every device has it; fp16 otherwise (V100, T4)."""
     profiles = [get_device(t) for t in set(device_types)]

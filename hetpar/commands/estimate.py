@@ -13,8 +13,9 @@ from cost_models.cluster import parse_cluster
 from cost_models.compute import TRAINING_KERNEL_EFFICIENCY
 from hetpar.commands.profile import profiles_option
 from hetpar.commands.common import console, domain_errors, gib, print_json, seconds
-from hetpar.commands.common import DType, Recompute, default_dtype
+from hetpar.commands.common import DType, Recompute, default_compiled, default_dtype
 from planner.estimate import Estimate, EstimateConfig, EstimateError, estimate as estimate_plan
+from planner.api import compiled_graph
 from planner.trace import trace_model
 from runtime.model_file import load_model_file, parse_model_args
 
@@ -48,6 +49,7 @@ def estimate(
     recompute: Annotated[Recompute, typer.Option(help="Activation recomputation.")] = Recompute.none,
     zero: Annotated[int, typer.Option(help="ZeRO stage, 0 to 3.")] = 0,
     dtype: Annotated[Optional[DType], typer.Option(help="Training precision [default: fp32 on cpu, bf16 else, fp16 where a device lacks bf16].")] = None,
+    compiled: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="Stages under torch.compile (fewer, fused kernels) [default: on where every device is an NVIDIA or AMD GPU].", show_default=False)] = None,
     optimizer: Annotated[Optimizer, typer.Option(help="Optimizer whose state is held.")] = Optimizer.adamw,
     scatter_gather: Annotated[bool, typer.Option(help="Megatron's scatter/gather of pipeline sends over tensor-parallel ranks.")] = True,
     overlap_grad_reduce: Annotated[bool, typer.Option(help="Overlap the gradient all-reduce with the last backward.")] = False,
@@ -68,6 +70,8 @@ def estimate(
     )
     with console.status("tracing the model on the meta device"):
         graph = trace_model(load_model_file(model_file, parse_model_args(model_arg or [])), tuple(leaf_module or ()))
+    if default_compiled(the_cluster.device_types()) if compiled is None else compiled:
+        graph = compiled_graph(graph)
     result = estimate_plan(graph, the_cluster, config)
     print_summary(result, [layer.name for layer in graph.layers])
     if as_json:

@@ -13,7 +13,7 @@ from rich.table import Table
 from cost_models.cluster import parse_cluster
 from cost_models.devices import get_device
 from hetpar.commands.profile import profiles_option
-from hetpar.commands.common import DType, Recompute, console, default_dtype, domain_errors, fail, gib, print_json, seconds
+from hetpar.commands.common import DType, Recompute, console, default_compiled, default_dtype, domain_errors, fail, gib, print_json, seconds
 from planner.plan import ParallelPlan
 from planner.api import plan_model
 from planner.objective import Objective, resolve_prices, usd_per_step
@@ -59,6 +59,7 @@ def plan(
     stage_layers: Annotated[Optional[str], typer.Option(help="Pin layers per stage, e.g. 7,9,9,9 (see hetpar trace for the layers).")] = None,
     stage_devices: Annotated[Optional[str], typer.Option(help="Pin the device type of each stage, e.g. A100-80GB,A100-80GB,V100-32GB.")] = None,
     dtype: Annotated[Optional[DType], typer.Option(help="Training precision the costs assume [default: fp32 on cpu, bf16 else].")] = None,
+    compiled: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="Plan for stages under torch.compile (fewer, fused kernels) [default: on where every device is an NVIDIA or AMD GPU].", show_default=False)] = None,
     max_tp: Annotated[int, typer.Option(help="Largest tensor-parallel degree to consider.")] = 8,
     time_limit: Annotated[float, typer.Option(help="CP-SAT time limit per candidate, seconds.")] = 10.0,
     leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
@@ -81,6 +82,7 @@ def plan(
         stage_devices=tuple(get_device(name.strip()).name for name in stage_devices.split(",")) if stage_devices else None,
         max_tp=max_tp,
         time_limit_s=time_limit,
+        compiled=default_compiled(the_cluster.device_types()) if compiled is None else compiled,
     )
     notes: list[str] = []
     status = console.status("tracing the model on the meta device")
@@ -162,7 +164,7 @@ def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[d
     console.print(
         f"dp={plan.data_parallel} tp={plan.stages[0].tensor_parallel} pp={plan.pipeline_parallel}  "
         f"micro-batch {plan.micro_batch_size} x {plan.num_microbatches}  schedule {plan.schedule.value}"
-        f"{f' v={plan.virtual_stages}' if plan.virtual_stages > 1 else ''}  dtype {plan.dtype}"
+        f"{f' v={plan.virtual_stages}' if plan.virtual_stages > 1 else ''}  dtype {plan.dtype}{'  compiled' if plan.compiled else ''}"
     )
     console.print(
         f"predicted step {seconds(p.step_time_s)}  ({p.throughput_samples_per_s:.1f} samples/s; "

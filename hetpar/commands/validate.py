@@ -56,7 +56,7 @@ class Compile(str, Enum):
 
 
 def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Path | None = None,
-                  compile: str = "off") -> Validation:
+                  compile: str = "auto") -> Validation:
     """Compile ``plan_path`` into a temporary directory, run it with torchrun, and compare.
 
     Args:
@@ -64,7 +64,7 @@ def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Pat
         steps: measured steps; WARMUP_STEPS more are run and dropped.
         timeout_s: the run is killed after this many seconds.
         workdir: where to build (a temporary directory when None).
-        compile: the program's ``--compile`` (off by default: the cost model predicts eager stages).
+        compile: the program's ``--compile``; "auto" runs the stages as the plan's costs assume (``plan.compiled``).
 
     Returns:
         The comparison.
@@ -139,8 +139,8 @@ def validate(
     timeout: Annotated[float, typer.Option(help="Kill the run after this many seconds.")] = 300.0,
     nproc_check: Annotated[bool, typer.Option("--nproc-check/--no-nproc-check", help="Refuse plans with more ranks than this host has cores.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON to stdout.")] = False,
-    compile: Annotated[Compile, typer.Option(help="The program's --compile: torch.compile each stage. Off by default: "
-                                                  "the cost model predicts eager stages.")] = Compile.off,
+    compile: Annotated[Compile, typer.Option(help="The program's --compile: torch.compile each stage; auto runs them "
+                                                  "as planned (plan.compiled), as the prediction assumes.")] = Compile.auto,
 ) -> None:
     """Run PLAN_FILE with torchrun on this host and report predicted against measured step time."""
     if nproc_check:
