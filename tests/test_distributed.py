@@ -121,7 +121,12 @@ def assert_matches_reference(plan, init_state: dict, optimizer: str, steps: int,
     multiple of that distance of the float64 run, plus a floor of a few float32 ulps of
     the tensor's magnitude. AdamW divides by sqrt(v): an element whose gradient is near
     zero has an update that rounding can move by up to lr per step, and the float32
-    reference shows that sensitivity on the same tensors, so no fixed atol is needed.
+    reference shows that sensitivity on the same tensors, so no fixed atol is needed. Its
+    largest deviation is a maximum over few ill-conditioned elements, though, and another
+    order of summation may land one of them farther: under AdamW at most one element in a
+    thousand of a tensor may pass the multiple, and none the distance two trajectories
+    of Adam's updates can part (2 * lr * (1 - beta1) / sqrt(1 - beta2) per step, Kingma
+    and Ba 2015, section 2.1). SGD has no such division: every element is held to it.
     """
     exact_losses, exact_state = reference_run(plan, _to_state(init_state, torch.float64), optimizer, steps,
                                               dtype=torch.float64)
@@ -136,6 +141,14 @@ def assert_matches_reference(plan, init_state: dict, optimizer: str, steps: int,
         spread = (ref_state[key].double() - exact).abs().max().item()
         floor = 8 * torch.finfo(torch.float32).eps * max(exact.abs().max().item(), 1.0)
         atol = SPREAD_MULTIPLE * spread + floor
+        error = (final[key].double() - exact).abs()
+        if optimizer == "adamw":
+            # A few ill-conditioned elements may move farther, never past Adam's step bound.
+            beyond = error > atol
+            assert int(beyond.sum()) <= max(1, exact.numel() // 1000), \
+                f"{key}: {int(beyond.sum())} of {exact.numel()} elements beyond {atol:.3g} (spread {spread:.3g})"
+            assert error.max().item() <= ADAM_STEP_BOUND * LR["adamw"] * steps, key
+            continue
         torch.testing.assert_close(final[key].double(), exact, atol=atol, rtol=0,
                                    msg=lambda m, key=key, spread=spread: f"{key}: {m} (float32 reference spread {spread:.3g})")
 
@@ -147,6 +160,9 @@ def _to_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, t
 # How many times farther from the float64 run than the float32 reference a sharded run
 # may be ([Note: float tolerance]): its rounding is of the same kind, in another order.
 SPREAD_MULTIPLE = 4
+# Two AdamW trajectories part by at most twice its largest update per step, in units of
+# lr: (1 - beta1) / sqrt(1 - beta2) with torch's defaults (0.9, 0.999) ([Note: float tolerance]).
+ADAM_STEP_BOUND = 2 * (1 - 0.9) / (1 - 0.999) ** 0.5
 
 
 class Compared(NamedTuple):
