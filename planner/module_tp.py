@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from planner.measure import Measurement
 from planner.plan import Sharding
 from planner.tensor_parallel import (
-    DryRunFailure, TpCostModel, TpError, TpProblem, build_problem, evaluate, solve_checked,
+    DryRunFailure, TpCostModel, TpError, TpProblem, MetaGathered, MetaSliced, build_problem, evaluate, solve_checked,
 )
 from runtime.capture import locate
 from runtime.module_stage import DecoderLayout, DecoderStage
@@ -154,26 +154,8 @@ def _local_linear(module: nn.Module, how: Sharding, tp: int, path: str) -> nn.Mo
     else:
         local.in_features, local.out_features = in_f, out_f
     if how is Sharding.COLWISE_GATHER:
-        return _Gathered(local, tp)
-    return _Sliced(local, tp) if how is Sharding.ROWWISE_SLICE else local
-
-
-class _Gathered(nn.Module):
-    def __init__(self, local: nn.Module, tp: int):
-        super().__init__()
-        self.local, self.tp = local, tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.local(x)] * self.tp, dim=-1)
-
-
-class _Sliced(nn.Module):
-    def __init__(self, local: nn.Module, tp: int):
-        super().__init__()
-        self.local, self.tp = local, tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.local(x[..., : x.shape[-1] // self.tp])
+        return MetaGathered(local, tp)
+    return MetaSliced(local, tp) if how is Sharding.ROWWISE_SLICE else local
 
 
 def block_sharding(model: nn.Module, layout: DecoderLayout, block: int, seq_len: int, layer: fx.GraphModule,

@@ -654,7 +654,7 @@ def _nbytes(value: Any) -> int:
 
 # The layer as one rank holds it ---------------------------------------------------------------------------------
 
-class _Gathered(nn.Module):
+class MetaGathered(nn.Module):
     """A colwise_gather Linear on the meta device: the local slice, then the gathered width."""
 
     def __init__(self, local: nn.Linear, tp: int):
@@ -665,7 +665,7 @@ class _Gathered(nn.Module):
         return torch.cat([self.local(x)] * self.tp, dim=-1)
 
 
-class _Sliced(nn.Module):
+class MetaSliced(nn.Module):
     """A rowwise_slice Linear on the meta device: the rank's slice of the input, then the local Linear."""
 
     def __init__(self, local: nn.Linear, tp: int):
@@ -696,9 +696,9 @@ def shard_on_meta(stage_module: fx.GraphModule, sharding: dict[str, Sharding], t
             in_f //= tp
         local: nn.Module = nn.Linear(in_f, out_f, bias=linear.bias is not None, device="meta", dtype=linear.weight.dtype)
         if how is Sharding.COLWISE_GATHER:
-            local = _Gathered(local, tp)
+            local = MetaGathered(local, tp)
         elif how is Sharding.ROWWISE_SLICE:
-            local = _Sliced(local, tp)
+            local = MetaSliced(local, tp)
         parent_path, _, name = path.rpartition(".")
         parent = sharded.get_submodule(parent_path) if parent_path else sharded
         setattr(parent, name, local)
