@@ -148,8 +148,6 @@ def test_issue_22_commands_plan_or_say_why(name, tmp_path):
         assert "below --min-throughput 1e+06" in outcome.message and "samples/s" in outcome.message
     else:
         assert outcome.kind == "plan", outcome.message
-    if name == "cost_objective_mixed":
-        assert outcome.details["world"] < 16  # a sub-cluster is cheaper than all 16 devices
 
 
 # Cases the fuzzer found, each a broken invariant or crash once; a plan now (the invariant checked in full).
