@@ -221,3 +221,18 @@ def test_programs_start_from_the_seed_like_one_build(tmp_path, monkeypatch):
         expected = load_model_file(path, args).build_model().state_dict()
         assert list(final) == list(expected)
         assert all(torch.equal(final[k], expected[k]) for k in expected), [k for k in expected if not torch.equal(final[k], expected[k])]
+
+
+@pytest.mark.slow
+def test_a_program_reads_its_shards_from_a_checkpoint_directory(tmp_path):
+    gpt = ROOT / "examples" / "gpt.py"
+    plan = build_plan(gpt, GPT_ARGS, splits=[[0, 1, 2, 3]], tensor_parallel=2, tp_blocks=True)
+    compile_plan(plan, tmp_path / "build")
+    torch.manual_seed(11)
+    state = load_model_file(gpt, GPT_ARGS).build_model().state_dict()
+    dcp.save(state, checkpoint_id=str(tmp_path / "init-dcp"))
+    result = run_torchrun(tmp_path / "build" / "train.py", 2, ["--steps", "0", "--init-from", str(tmp_path / "init-dcp"),
+                                                               "--save-final", "final.pt"])
+    assert result.returncode == 0, result.stderr[-4000:]
+    final = torch.load(tmp_path / "build" / "final.pt", weights_only=True)
+    assert list(final) == list(state) and all(torch.equal(final[k], state[k]) for k in state)
