@@ -3,8 +3,9 @@
 [Note: tied weights across stages]
 A model may use one parameter in two places far apart: GPT-2's ``lm_head.weight`` is
 ``transformer.wte.weight``, T5's ``shared.weight`` feeds the encoder, the decoder and
-the head. Each rank builds the whole model and cuts its stages out of it, so when two
-stages use the parameter, each holds a copy of its own, and their gradients are only
+the head. Each rank cuts its stages out of the whole model (built on the meta device)
+and makes only their tensors, so when two stages use the parameter, each holds a copy
+of its own, and their gradients are only
 the part of the whole gradient that their stage's uses contribute. Megatron-LM's
 answer for the word embedding of its first and last stages (``_allreduce_word_embedding_grads``
 in megatron/core/distributed/finalize_model_grads.py) is the one taken here:
@@ -13,7 +14,8 @@ in megatron/core/distributed/finalize_model_grads.py) is the one taken here:
   model (by identity; its name is its first one in ``model.named_parameters()``) that
   the modules of two or more stages hold;
 - every stage that holds it keeps its copy, and all copies start equal (every rank
-  builds the model from the same seed, or loads the same ``--init-from``);
+  makes it as ``build_model()`` under the same seed does, or reads the same
+  ``--init-from``; [Note: building only this rank's tensors] in runtime/materialize.py);
 - after the backward of a step and the data-parallel reduction, before the optimizer
   step, the copies' gradients are summed over the ranks that hold them (one
   all-reduce per tied parameter over a group per data-parallel replica and tensor-
