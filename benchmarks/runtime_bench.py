@@ -129,7 +129,7 @@ def _plan(kind: str, depth: int, width: int, mbs: int, m: int) -> ParallelPlan:
         global_batch_size=dp * mbs * m, micro_batch_size=mbs, num_microbatches=m, schedule=Schedule.ONE_F_ONE_B,
         data_parallel=dp, dtype="fp32", stages=stages,
         predicted=Predicted(step_time_s=0.0, throughput_samples_per_s=0.0, peak_memory_bytes=[0] * len(stages)),
-        solver=SolverInfo(status="pinned", wall_time_s=0.0),
+        solver=SolverInfo(status="pinned", search_time_s=0.0),
     )
 
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ALL_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")  # what the estimator simulates and the search enumerates
-SCHEDULES = ALL_SCHEDULES  # the runtime runs them all
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")  # the schedules hetpar knows; runtime.schedule.SCHEDULES is this list, a test says so
 
 # [Note: pipeline bubble closed forms]
 # For p equal stages whose micro-batch takes t_f forward and t_b backward (t_b = B + W
@@ -83,8 +82,8 @@ def linear_step_weights(schedule: str, *, num_stages: int, num_microbatches: int
         ValueError: unknown schedule, or virtual stages with a schedule that has none.
     """
     p, m, v = num_stages, num_microbatches, virtual_stages
-    if schedule not in ALL_SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(ALL_SCHEDULES)}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     if v != 1 and schedule != "interleaved":
         raise ValueError(f"virtual stages ({v}) need the interleaved schedule, not {schedule!r}")
     scale = p * v
@@ -114,41 +113,6 @@ def linear_step_time_s(
     return total / wt.scale
 
 
-@dataclass(frozen=True, kw_only=True)
-class StepTime:
-    """A step's time and how it splits."""
-
-    step_time_s: float
-    compute_time_s: float  # m * slowest stage: the ideal, bubble-free part
-    bubble_time_s: float
-    dp_comm_time_s: float
-
-
-def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at the peak (GPipe, 1F1B; the
-    search counts the others from their action lists, planner.costs.activation_multipliers)."""
-    if schedule == "gpipe":
-        return num_microbatches
-    if schedule == "1f1b":
-        return min(num_microbatches, num_stages - stage)
-    raise ValueError(f"unknown schedule {schedule!r}; use one of gpipe, 1f1b")
-
-
-def pipeline_step_time(stage_times_s: list[float], num_microbatches: int, dp_sync_s: list[float]) -> StepTime:
-    """Step time of GPipe/1F1B; see [Note: pipeline step time].
-
-    Args:
-        stage_times_s: forward + backward (+ p2p) seconds of one micro-batch, per stage.
-        num_microbatches: m.
-        dp_sync_s: gradient all-reduce seconds per stage (0 without data parallelism).
-    """
-    slowest = max(stage_times_s)
-    total = sum(stage_times_s) + (num_microbatches - 1) * slowest
-    dp = max(dp_sync_s) if dp_sync_s else 0.0
-    compute = num_microbatches * slowest
-    return StepTime(step_time_s=total + dp, compute_time_s=compute, bubble_time_s=total - compute, dp_comm_time_s=dp)
-
-
 def bubble_time_s(
     schedule: str, *, num_stages: int, num_microbatches: int, fwd_s: float, bwd_s: float,
     weight_s: float = 0.0, virtual_stages: int = 1,
@@ -156,7 +120,7 @@ def bubble_time_s(
     """Closed-form bubble of ``schedule`` for equal stages; see [Note: pipeline bubble closed forms].
 
     Args:
-        schedule: one of ALL_SCHEDULES.
+        schedule: one of SCHEDULES.
         num_stages: pipeline ranks p.
         num_microbatches: m (only the ZB-H1 formula needs m >= p; it is not checked).
         fwd_s: forward seconds of one micro-batch on one stage (all of the rank's chunks together).
@@ -174,4 +138,4 @@ def bubble_time_s(
         return (p - 1) * (fwd_s + bwd_s) / virtual_stages
     if schedule == "zb":
         return (p - 1) * (fwd_s + bwd_s - 2 * weight_s)
-    raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(ALL_SCHEDULES)}")
+    raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -11,7 +12,8 @@ from cost_models.compute import compiled_layer
 from planner.hetero_dp import hetero_dp_plan
 from planner.objective import Objective, cheapest_plan
 from planner.plan import ParallelPlan
-from planner.search import PlanningError, SearchOptions, search
+from planner.options import PlanningError, SearchOptions
+from planner.search import search
 from planner.trace import ModelGraph, trace_model
 from runtime.model_file import load_model_file
 
@@ -43,11 +45,14 @@ def plan_model(
     Raises:
         runtime.model_file.ModelFileError, runtime.graph.TraceError, planner.search.PlanningError.
     """
+    start = time.perf_counter()
     graph = trace_model(load_model_file(model_path, model_args or {}), tuple(leaf_modules))
+    trace_time_s = round(time.perf_counter() - start, 3)
     if on_traced:
         on_traced(graph)
     plan = plan_graph(graph, cluster, options, objective=objective, hetero_dp=hetero_dp, progress=progress)
-    return replace(plan, model=replace(plan.model, leaf_modules=list(leaf_modules)))
+    return replace(plan, model=replace(plan.model, leaf_modules=list(leaf_modules)),
+                   solver=replace(plan.solver, trace_time_s=trace_time_s))
 
 
 def compiled_graph(graph: ModelGraph) -> ModelGraph:

@@ -35,7 +35,7 @@ from planner.split_model import budget_reaches
 from planner.trace import ModelGraph
 
 if TYPE_CHECKING:
-    from planner.search import SearchOptions
+    from planner.options import SearchOptions
 
 
 # [Note: candidate bound]

@@ -424,11 +424,6 @@ def collective_linear(time_s, ranks: list[int], cluster, concurrent: int = 1) ->
     return latency, max(per_byte, 0.0)
 
 
-def dp_linear(cluster, ranks: list[int], concurrent: int = 1) -> tuple[float, float]:
-    """(latency s, s per byte) of the gradient all-reduce among ``ranks``, read off the collective model."""
-    return collective_linear(all_reduce_time_s, ranks, cluster, concurrent)
-
-
 @dataclass(frozen=True)
 class _LayerColumns:
     """Per-layer numbers of one device type at one (tp, micro-batch size, dtype)."""

@@ -53,10 +53,11 @@ from cost_models.memory import (
     recompute_workspace_bytes,
     training_state_bytes,
 )
-from cost_models.pipeline import ALL_SCHEDULES
+from cost_models.pipeline import SCHEDULES
 from planner.plan import Predicted
 from planner.costs import boundary_seconds, pack_stage_ranks
-from planner.search import PlanningError, bounds_from_sizes, equal_split
+from planner.options import PlanningError
+from planner.split_model import bounds_from_sizes, equal_split
 from planner.trace import ModelGraph
 from runtime.schedule import Action, Kind, ScheduleError, TimedRun, build_schedule, simulate_timed
 
@@ -110,7 +111,7 @@ class EstimateConfig:
 
     def _check_choices(self) -> None:
         choices = (
-            ("schedule", self.schedule, ALL_SCHEDULES),
+            ("schedule", self.schedule, SCHEDULES),
             ("recompute", self.recompute, RECOMPUTE_CHOICES),
             ("zero", self.zero_stage, (0, 1, 2, 3)),
             ("optimizer", self.optimizer, OPTIMIZERS),
@@ -609,10 +610,8 @@ def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -> Est
         cost_models.devices.ProfileError: a device lacks the training dtype.
     """
     check_against(model, cluster, config)
-    if config.replica_batch_shares is not None:
-        from planner.hetero_dp import estimate_shares  # hetero_dp builds on this module
-
-        return estimate_shares(model, cluster, config)
+    if config.replica_batch_shares is not None:  # hetero_dp builds on this module, so it estimates those plans
+        raise EstimateError("replica_batch_shares: estimate the plan with planner.hetero_dp.estimate_shares")
     layouts = stage_layout(cluster, config)
     bounds = chunk_bounds(model, config)
     costs = [_chunk_cost(model, cluster, config, b, layouts[k % config.pp], k) for k, b in enumerate(bounds)]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cost_models.cluster import parse_cluster
 from planner.estimate import Estimate, EstimateConfig, estimate, stage_devices_of
+from planner.hetero_dp import estimate_shares
 from planner.plan import ParallelPlan, PlanError
 from planner.trace import trace_model
 from runtime.model_file import file_fingerprint, load_model_file
@@ -56,7 +57,8 @@ def explain_plan(plan: ParallelPlan, profiles: dict | None = None) -> Explanatio
         stage_tp=tuple(s.tensor_parallel for s in ranks) if len({s.tensor_parallel for s in ranks}) > 1 else None,
         replica_batch_shares=tuple(plan.replica_batch_shares) if plan.replica_batch_shares is not None else None,
     )
-    return Explanation(plan=plan, estimate=estimate(graph, cluster, config))
+    predict = estimate if plan.replica_batch_shares is None else estimate_shares  # replicas of different device types
+    return Explanation(plan=plan, estimate=predict(graph, cluster, config))
 
 
 _COLOURS = {Kind.FORWARD: "#4e79a7", Kind.BACKWARD: "#59a14f", Kind.WEIGHT: "#8cd17d"}

@@ -51,7 +51,9 @@ from cost_models.compute import dtype_bytes
 from cost_models.devices import ProfileError
 from planner.estimate import Estimate, EstimateConfig, EstimateError, estimate
 from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
-from planner.search import PlanningError, SearchOptions, divisors, equal_split, search
+from planner.options import PlanningError, SearchOptions, divisors
+from planner.search import search
+from planner.split_model import equal_split
 from planner.subcluster import shorthand
 from planner.trace import ModelGraph
 
@@ -224,7 +226,7 @@ def hetero_dp_plan(model: ModelGraph, cluster: Cluster, options: SearchOptions) 
                 best = choice
     if best is None:
         raise PlanningError(f"heterogeneous data parallelism: no replica layout fits on every device type of {cluster.spec}")
-    info = SolverInfo(status="heuristic", wall_time_s=round(time.perf_counter() - start, 3), candidates=layouts,
+    info = SolverInfo(status="heuristic", search_time_s=round(time.perf_counter() - start, 3), candidates=layouts,
                       objective_s=best.predicted.step_time_s)
     return _assemble(model, cluster, options, best, info)
 

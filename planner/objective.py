@@ -55,15 +55,9 @@ from cost_models.compute import layer_timing
 from cost_models.memory import stage_memory
 from planner.plan import ParallelPlan
 from planner.hetero_dp import sync_floor_s
-from planner.search import (
-    PlanningError,
-    SearchOptions,
-    divisors,
-    enumerate_candidates,
-    lower_bound_s,
-    memory_may_fit,
-    search,
-)
+from planner.bounds import lower_bound_s, memory_may_fit
+from planner.options import PlanningError, SearchOptions, divisors
+from planner.search import enumerate_candidates, search
 from planner.subcluster import GroupUse, group_uses, subcluster
 from planner.trace import ModelGraph
 
@@ -359,7 +353,7 @@ def _with_runners_up(plan: ParallelPlan, tried: dict, prices: dict[str, float], 
         for p in others[: options.top_k]
     ]
     return replace(plan, alternatives=list(plan.alternatives) + extra,
-                   solver=replace(plan.solver, wall_time_s=round(wall_s, 3)))
+                   solver=replace(plan.solver, search_time_s=round(wall_s, 3)))
 
 
 __all__ = ["Objective", "OBJECTIVES", "cheapest_plan", "resolve_prices", "usd_per_step", "SECONDS_PER_HOUR"]

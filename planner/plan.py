@@ -113,8 +113,10 @@ class Predicted:
 class SolverInfo:
     """How the search ended."""
 
-    status: str  # "optimal", "feasible", "pinned"
-    wall_time_s: float
+    status: str  # "optimal", "feasible", "pinned", "heuristic"
+    search_time_s: float  # wall-clock seconds of the search (machine-dependent; the plan itself is not)
+    reason: str = ""  # why the status is not "optimal", e.g. which limits stopped candidates and the gap left
+    trace_time_s: float = 0.0  # wall-clock seconds of tracing the model, when the plan came from a model file
     objective_gap: float = 0.0
     candidates: int = 0  # outer (dp, tp, pp, micro-batch) combinations solved
     objective_s: float = 0.0  # the linear step time the search minimised ([Note: plan prediction])
@@ -283,7 +285,7 @@ class ParallelPlan:
                     "schedule": Schedule(data["schedule"]),
                     "stages": stages,
                     "predicted": Predicted(**data["predicted"]),
-                    "solver": SolverInfo(**data["solver"]),
+                    "solver": SolverInfo(**_renamed(data["solver"], wall_time_s="search_time_s")),
                 }
             )
         except PlanError:
@@ -332,6 +334,11 @@ def write_text_atomic(path: Path, text: str) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
 
+
+
+def _renamed(fields: dict, **old_to_new: str) -> dict:
+    """``fields`` with keys of older plan files under their current names."""
+    return {old_to_new.get(k, k): v for k, v in fields.items()}
 
 __all__ = [
     "ParallelPlan",

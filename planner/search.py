@@ -14,14 +14,12 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from ortools.sat.python import cp_model
 
-from cost_models.devices import ProfileError
 from cost_models.layers import tp_misfit
-from cost_models.pipeline import SCHEDULES
 from planner.bounds import budget_may_beat, lower_bound_s, memory_may_fit
 from planner.costs import (
     Candidate,
@@ -40,6 +38,8 @@ from planner.costs import (
     type_sequence,
     type_width,
 )
+from planner.estimate import EstimateConfig, EstimateError, estimate, stage_devices_of
+from planner.options import PlanningError, SearchOptions, check_pins, cp_solver, divisors, limit_hit, pinned_pp, to_ticks
 from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
 from planner.split_model import (
     _TICKS_PER_OBJECTIVE,
@@ -50,46 +50,8 @@ from planner.split_model import (
     equal_split,
     greedy_modes,
     may_beat,
-    to_ticks,
 )
 from planner.trace import ModelGraph
-
-
-
-class PlanningError(Exception):
-    """No plan satisfies the request; the message says why and what to change."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SearchOptions:
-    """What the user asked for; ``None`` pins leave the choice to the search."""
-
-    global_batch_size: int
-    dtype: str
-    optimizer: str = "adamw"
-    dp: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    micro_batch_size: int | None = None
-    schedule: str | None = None
-    virtual_stages: int | None = None  # model chunks per pipeline rank, pinned (interleaved when > 1)
-    recompute: str | None = None  # "none" | "selective" | "full" on every stage; none and full are searched per stage when None
-    zero: int | None = None  # ZeRO stage of every stage, pinned; searched per stage when None
-    stage_layers: tuple[int, ...] | None = None  # layers per stage (pp * virtual stages entries), pinned
-    stage_devices: tuple[str, ...] | None = None  # device type per pipeline rank, pinned
-    max_tp: int = 8
-    max_virtual_stages: int = 4  # the interleaved schedules searched: 2..this many chunks per rank
-    time_limit_s: float = 10.0
-    gap_limit: float = 0.0  # stop a candidate's solve once proven within this relative gap
-    uniform_split: bool = False  # equal layers per stage in Megatron's layout (a baseline, not a search)
-    workers: int = 2
-    seed: int = 0
-    top_k: int = 3
-    compiled: bool = False  # stages run under torch.compile ([Note: compiled stages] in cost_models.compute)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # [Note: search space]
@@ -124,7 +86,7 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
     """
     num_layers = len(model.layers)
     gbs = options.global_batch_size
-    _check_pins(model, cluster, options)
+    check_pins(model, cluster, options)
     tp_ok = any(l.tp_capable for l in model.layers)
     out = []
     for dp in divisors(cluster.world_size):
@@ -282,113 +244,6 @@ def _no_candidate_reason(model: ModelGraph, cluster, options: SearchOptions, tp_
     )
 
 
-def _check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
-    world = cluster.world_size
-    gbs = options.global_batch_size
-    if gbs < 1:
-        raise PlanningError(f"--global-batch must be positive, got {gbs}")
-    if not options.time_limit_s > 0:
-        raise PlanningError(f"--time-limit must be a positive number of seconds, got {options.time_limit_s:g}")
-    for name, value in (("dp", options.dp), ("tp", options.tp)):
-        if value is not None and (value < 1 or world % value):
-            raise PlanningError(f"--{name} {value} does not divide the cluster's world size ({world})")
-    if options.pp is not None and not 1 <= options.pp <= world:
-        raise PlanningError(f"--pp {options.pp} must be between 1 and the cluster's world size ({world})")
-    dp, tp, pp = options.dp, options.tp, options.pp
-    if dp and tp and pp and dp * tp * pp != world:
-        raise PlanningError(f"dp({dp}) * tp({tp}) * pp({pp}) = {dp * tp * pp} != world_size({world})")
-    if pp and pp > len(model.layers):
-        raise PlanningError(f"--pp {pp} exceeds the model's {len(model.layers)} layers")
-    if tp and tp > 1 and not any(l.tp_capable for l in model.layers):
-        raise PlanningError(f"--tp {tp}: the model has no layer that tensor parallelism can split")
-    misfit = tp_misfit(model.layers, tp) if tp else None
-    if misfit is not None:
-        degrees = ", ".join(map(str, misfit.tp_degrees or ())) or "no"
-        raise PlanningError(f"--tp {tp}: layer {misfit.name} splits only {degrees} ways (heads or features do not divide by {tp}); pick one of those")
-    if dp and gbs % dp:
-        raise PlanningError(f"--global-batch {gbs} is not divisible by dp({dp})")
-    mbs = options.micro_batch_size
-    if mbs and dp and (gbs // dp) % mbs:
-        raise PlanningError(f"--micro-batch-size {mbs} does not divide the per-replica batch {gbs // dp}")
-    if mbs and mbs > gbs:
-        raise PlanningError(f"--micro-batch-size {mbs} exceeds --global-batch {gbs}")
-    if options.recompute and options.recompute not in ("none", "selective", "full"):
-        raise PlanningError(f"unknown --recompute {options.recompute!r}; use none, selective or full")
-    if options.schedule and options.schedule not in SCHEDULES:
-        raise PlanningError(f"unknown --schedule {options.schedule!r}; use one of {', '.join(SCHEDULES)}")
-    for device_type in cluster.count_by_type():  # else every time is infinite and nothing seems to fit
-        try:
-            cluster.profile(device_type).peak_flops(options.dtype)
-        except ProfileError as exc:
-            raise PlanningError(str(exc)) from None
-    _check_schedule_pins(model, options)
-    _check_stage_pins(model, cluster, options)
-
-
-def _check_schedule_pins(model: ModelGraph, options: SearchOptions) -> None:
-    v, schedule, zero, dp = options.virtual_stages, options.schedule, options.zero, options.dp
-    if zero is not None and zero not in (0, 1, 2, 3):
-        raise PlanningError(f"unknown --zero {zero}; use 0, 1, 2 or 3")
-    if schedule == "interleaved" and v is None and options.stage_layers is not None:
-        raise PlanningError(f"--stage-layers with --schedule interleaved needs --virtual-stages: how many of the "
-                            f"{len(options.stage_layers)} stages each pipeline rank runs")
-    if v is not None:
-        if v < 1:
-            raise PlanningError(f"--virtual-stages must be at least 1, got {v}")
-        if v > 1 and schedule not in (None, "interleaved"):
-            raise PlanningError(f"--virtual-stages {v} needs --schedule interleaved, not {schedule}")
-        if v > 1 and options.tp not in (None, 1):
-            raise PlanningError(f"--virtual-stages {v} runs with tp 1 (the program runs interleaved chunks without tensor parallelism), not --tp {options.tp}")
-        if v > 1 and options.pp and options.pp * v > len(model.layers):
-            raise PlanningError(f"--pp {options.pp} * --virtual-stages {v} = {options.pp * v} stages, the model has only {len(model.layers)} layers")
-    if zero:
-        if dp == 1:
-            raise PlanningError(f"--zero {zero} shards over data-parallel replicas; --dp 1 has none (use --zero 0)")
-        if schedule in ("zb", "interleaved") or (v or 1) > 1:
-            what = "interleaved" if (v or 1) > 1 else schedule
-            raise PlanningError(f"--zero {zero} runs with schedule 1f1b or gpipe only (FSDP cannot run {what}'s stages); use --zero 0")
-
-
-def _check_stage_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
-    layers, devices, pp, v = options.stage_layers, options.stage_devices, options.pp, options.virtual_stages or 1
-    if layers is not None:
-        if any(n < 1 for n in layers) or sum(layers) != len(model.layers):
-            raise PlanningError(
-                f"--stage-layers {','.join(map(str, layers))} sums to {sum(layers)}; the model has {len(model.layers)} layers "
-                "(each stage needs at least one; see hetpar trace)"
-            )
-        if len(layers) % v:
-            raise PlanningError(f"--stage-layers gives {len(layers)} stages, not a multiple of --virtual-stages {v}")
-        if pp is not None and pp * v != len(layers):
-            what = f"--pp is {pp}" if v == 1 else f"--pp {pp} * --virtual-stages {v} is {pp * v}"
-            raise PlanningError(f"--stage-layers gives {len(layers)} stages but {what}")
-    if devices is not None:
-        stages = pp or (len(layers) // v if layers else None)
-        if stages is not None and len(devices) != stages:
-            raise PlanningError(f"--stage-devices names {len(devices)} device types for {stages} stages")
-        present = set(cluster.device_types())
-        missing = [d for d in devices if d not in present]
-        if missing:
-            raise PlanningError(f"--stage-devices: {', '.join(missing)} not in the cluster (it has {', '.join(sorted(present))})")
-        types = cluster.device_types()
-        per_stage, rest = divmod(len(types), len(devices))
-        for k in sorted(present):
-            if rest or devices.count(k) * per_stage != types.count(k):
-                raise PlanningError(
-                    f"--stage-devices puts {devices.count(k)} of {len(devices)} stages on {k}: "
-                    f"{devices.count(k) * per_stage} devices at {len(types)}/{len(devices)} per stage, the cluster has {types.count(k)}"
-                )
-
-
-def pinned_pp(options: SearchOptions) -> int | None:
-    """The pipeline depth the pins imply, if any."""
-    if options.pp:
-        return options.pp
-    if options.stage_layers:
-        return len(options.stage_layers) // (options.virtual_stages or 1)
-    return len(options.stage_devices) if options.stage_devices else None
-
-
 @dataclass(frozen=True, kw_only=True)
 class SplitResult:
     bounds: list[tuple[int, int]]
@@ -396,6 +251,7 @@ class SplitResult:
     status: str  # "optimal" | "feasible"
     types: list[str] | None = None  # device type per pipeline rank, when the search chose them
     bound_s: float = 0.0  # the solver's proven lower bound on the objective
+    limit: str | None = None  # "work" or "time": the limit that stopped a solve short of a proof
 
     @property
     def modes(self) -> list[int]:
@@ -429,15 +285,12 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
         for c, (first, _) in enumerate(hint_bounds):
             split.model.add(split.start[c] == first)
     split.hint(hint_bounds, hint_modes)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = options.time_limit_s
-    solver.parameters.num_workers = options.workers
-    solver.parameters.random_seed = options.seed
+    solver = cp_solver(work_limit_s=options.work_limit_s, workers=options.workers, seed=options.seed, time_limit_s=options.time_limit_s)
     solver.parameters.relative_gap_limit = options.gap_limit
     solver.parameters.linearization_level = 2  # the envelopes of [Note: cut formulation] give the LP its bound
     status = solver.solve(split.model)
     if status == cp_model.UNKNOWN:
-        raise Unresolved(max(0.0, solver.best_objective_bound * tick_s / split.weights.scale))
+        raise Unresolved(max(0.0, solver.best_objective_bound * tick_s / split.weights.scale), limit_hit(solver, options.time_limit_s))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     starts = [solver.value(v) for v in split.start]
@@ -446,7 +299,8 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
     cost = evaluate_split(tables, bounds, modes)
     optimal = status == cp_model.OPTIMAL
     bound_s = cost.objective_s if optimal else solver.best_objective_bound * tick_s / split.weights.scale
-    return SplitResult(bounds=bounds, cost=cost, status="optimal" if optimal else "feasible", bound_s=bound_s)
+    return SplitResult(bounds=bounds, cost=cost, status="optimal" if optimal else "feasible", bound_s=bound_s,
+                       limit=None if optimal else limit_hit(solver, options.time_limit_s))
 
 
 def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, int], options: SearchOptions,
@@ -464,23 +318,27 @@ def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, 
         The best split, with ``types`` naming each pipeline rank's device type, or None if none fits.
     """
     best: SplitResult | None = None
-    unresolved: list[float] = []
+    open_bounds: list[float] = []  # lower bounds of the orders a limit stopped short of a proof
+    limits: list[str] = []  # and the limits that stopped them
     for order in itertools.permutations(tables):
         types = type_sequence(list(order), stages_per_type)
         try:
             split = solve_split(compose_tables(tables, types), options,
                                 cutoff_s=cutoff_s if best is None else min(cutoff_s or math.inf, best.cost.objective_s))
         except Unresolved as exc:
-            unresolved.append(exc.bound_s)
+            open_bounds.append(exc.bound_s)
+            limits.append(exc.limit)
             continue
+        if split is not None and split.limit is not None:
+            open_bounds.append(split.bound_s)
+            limits.append(split.limit)
         if split is not None and (best is None or split.cost.objective_s < best.cost.objective_s):
             best = SplitResult(bounds=split.bounds, cost=split.cost, status=split.status, types=types, bound_s=split.bound_s)
-        elif split is not None and best is not None and split.status != "optimal":
-            best = SplitResult(bounds=best.bounds, cost=best.cost, status="feasible", types=best.types, bound_s=min(best.bound_s, split.bound_s))
-    if unresolved and best is None:
-        raise Unresolved(min(unresolved))
-    if unresolved:
-        best = SplitResult(bounds=best.bounds, cost=best.cost, status="feasible", types=best.types, bound_s=min([best.bound_s, *unresolved]))
+    limit = "time" if "time" in limits else "work" if limits else None
+    if best is None and limit is not None:
+        raise Unresolved(min(open_bounds), limit)
+    if best is not None and limit is not None:
+        best = replace(best, status="feasible", limit=limit, bound_s=min([best.bound_s, *open_bounds]))
     return best
 
 
@@ -509,7 +367,8 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
     solved: list[Solved] = []
     misfits: list[tuple[float, CostTables]] = []
     skipped: list[Candidate] = []  # cannot fit in memory whatever the split
-    unresolved: list[float] = []  # lower bounds of candidates the solver did not settle in time
+    unresolved: list[float] = []  # lower bounds of candidates a limit stopped before any split was found
+    limits: list[str] = []  # the limit that stopped each candidate short of a proof
     best = math.inf
     for i, cand in enumerate(candidates):
         if progress:
@@ -525,9 +384,12 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
             continue
         try:
             tables, split = solve_candidate(model, cluster, cand, options, cache, cutoff)
-        except Unresolved as exc:  # no answer in time: its bound stays open
+        except Unresolved as exc:  # no answer within the limits: its bound stays open
             unresolved.append(max(bounds[cand], exc.bound_s))
+            limits.append(exc.limit)
             continue
+        if split is not None and split.limit is not None:
+            limits.append(split.limit)
         if split is None and cutoff is None:
             misfits.append((_overflow(tables), tables))
         elif split is None:
@@ -538,7 +400,7 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
     if progress:
         progress(len(candidates), len(candidates), "done")
     if not solved and unresolved:
-        raise PlanningError(f"no candidate was solved within --time-limit {options.time_limit_s:g} s; raise it")
+        raise PlanningError(f"no candidate was solved within {_limit_names(limits, options)}; raise it")
     if not solved:
         for cand in skipped[: max(0, 8 - len(misfits))]:
             tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, cache=cache)
@@ -549,8 +411,8 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
     status = "optimal" if all(s.split.status == "optimal" for s in solved) and not unresolved else "feasible"
     proven = min([best.split.cost.objective_s] + [s.split.bound_s for s in solved if s.split.status != "optimal"] + unresolved)
     gap = max(0.0, 1.0 - proven / best.split.cost.objective_s) if best.split.cost.objective_s > 0 else 0.0
-    info = SolverInfo(status=status, wall_time_s=round(time.perf_counter() - start, 3), objective_gap=round(gap, 6), candidates=len(candidates),
-                      objective_s=best.split.cost.objective_s)
+    info = SolverInfo(status=status, reason=_limit_reason(limits, options, gap), search_time_s=round(time.perf_counter() - start, 3),
+                      objective_gap=round(gap, 6), candidates=len(candidates), objective_s=best.split.cost.objective_s)
     alternatives = [
         {**_candidate_dict(s.tables.candidate), "stage_layers": [b - a + 1 for a, b in s.split.bounds],
          **_mode_lists(s.tables, s.split), "step_time_s": s.split.cost.objective_s}
@@ -593,7 +455,7 @@ def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: Search
     tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, cache=cache,
                           **exact_slots(cluster, cand, types, degrees))
     cost = evaluate_split(tables, split.bounds, split.modes)
-    return tables, SplitResult(bounds=split.bounds, cost=cost, status=split.status, types=types, bound_s=split.bound_s)
+    return tables, replace(split, cost=cost, types=types)
 
 
 def exact_slots(cluster, cand: Candidate, types: list[str], degrees: list[int]) -> dict[str, list[RankSlots]]:
@@ -607,6 +469,29 @@ def exact_slots(cluster, cand: Candidate, types: list[str], degrees: list[int]) 
         for r, ranks in zip(mine, pack_stage_ranks(by_type[device_type], cand.dp, [degrees[r] for r in mine])):
             slots[r] = {degrees[r]: StageSlot(ranks=ranks, device_type=device_type, memory_bytes=memory)}
     return {"slots": slots, "cut_to": [slots[(r + 1) % len(types)] for r in range(len(types))]}
+
+
+def _limit_names(limits: list[str], options: SearchOptions) -> str:
+    names = []
+    if "work" in limits:
+        names.append(f"--work-limit {options.work_limit_s:g} deterministic s")
+    if "time" in limits:
+        names.append(f"--time-limit {options.time_limit_s:g} s of wall clock")
+    return " or ".join(names)
+
+
+def _limit_reason(limits: list[str], options: SearchOptions, gap: float) -> str:
+    """Why a plan is only feasible: which limits stopped how many candidates, and the gap left
+    ([Note: deterministic search] in planner.options); empty when nothing stopped short."""
+    if not limits:
+        return ""
+    parts = []
+    for limit, what in (("work", f"the work limit of {options.work_limit_s:g} deterministic s"),
+                        ("time", f"the wall-clock time limit of {options.time_limit_s or 0:g} s (the result depends on the machine)")):
+        n = limits.count(limit)
+        if n:
+            parts.append(f"{n} candidate{'s' if n > 1 else ''} hit {what}")
+    return f"{' and '.join(parts)}; proven gap {gap:.1%}"
 
 
 def _candidate_dict(c: Candidate) -> dict:
@@ -711,8 +596,6 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
 # simulated action by action, the optimizer step, Megatron's p2p scatter/gather. The
 # linear objective is the fallback when the estimator cannot express a plan.
 def _simulated_prediction(model: ModelGraph, cluster, options: SearchOptions, cand: Candidate, bounds, stages: list[StagePlan]) -> Predicted | None:
-    from planner.estimate import EstimateConfig, EstimateError, estimate, stage_devices_of
-
     ranks = stages[: cand.pp]
     degrees = tuple(s.tensor_parallel for s in ranks)
     config = EstimateConfig(

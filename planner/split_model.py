@@ -14,16 +14,12 @@ from ortools.sat.python import cp_model
 
 from cost_models.pipeline import linear_step_weights
 from planner.costs import CostTables, chunk_terms
+from planner.options import to_ticks
 
 # Solver resolution: the objective's scale divided into this many ticks, the largest
 # device memory into this many units.
 _TICKS_PER_OBJECTIVE = 1_000_000
 _MEMORY_UNITS = 10_000_000
-
-
-def to_ticks(seconds: float, tick_s: float) -> int:
-    """The one place where seconds become integer solver ticks."""
-    return int(round(seconds / tick_s))
 
 
 def _ticks(seconds: np.ndarray, tick_s: float) -> np.ndarray:
@@ -207,11 +203,12 @@ def greedy_modes(tables: CostTables, bounds: list[tuple[int, int]]) -> list[int]
 
 
 class Unresolved(Exception):
-    """The solver ran out of time before it found a split or proved there is none (under the cutoff)."""
+    """The solver reached its limit before it found a split or proved there is none (under the cutoff)."""
 
-    def __init__(self, bound_s: float):
+    def __init__(self, bound_s: float, limit: str = "work"):
         super().__init__(bound_s)
         self.bound_s = bound_s
+        self.limit = limit  # "work" or "time" ([Note: deterministic search] in planner.options)
 
 
 class SplitModel:

@@ -58,6 +58,7 @@ from ortools.sat.python import cp_model
 
 from cost_models.devices import DeviceProfile, get_device
 from planner.measure import Measurement, measure
+from planner.options import cp_solver, to_ticks
 from planner.plan import Sharding
 
 # Ops that act on each feature independently, or on whole heads: a split feature
@@ -280,19 +281,14 @@ def build_problem(gm: fx.GraphModule, inputs: list[torch.Tensor], cost: TpCostMo
     tick_s = max(sum(seconds.values()), 1e-30) / 1e6  # [Note: tensor-parallel ILP]: one rank's layer in ~1e6 ticks
     sites = []
     for name, kind, tensors, same, path in raw:
-        full = _ticks(seconds.get(name, 0.0), tick_s)
+        full = to_ticks(seconds.get(name, 0.0), tick_s)
         sites.append(_Site(
             name=name, kind=kind, inputs=tensors, same_shape=same, path=path, full_ticks=full,
-            split_ticks=_ticks(seconds.get(name, 0.0) / cost.tp, tick_s),
-            choice_ticks={k: _ticks(v, tick_s) for k, v in linear_s.get(name, {}).items()},
-            grad_reduce_ticks=_ticks(grad_reduce_s.get(name, 0.0), tick_s),
+            split_ticks=to_ticks(seconds.get(name, 0.0) / cost.tp, tick_s),
+            choice_ticks={k: to_ticks(v, tick_s) for k, v in linear_s.get(name, {}).items()},
+            grad_reduce_ticks=to_ticks(grad_reduce_s.get(name, 0.0), tick_s),
         ))
     return TpProblem(sites=tuple(sites), tick_s=tick_s, tp=cost.tp)
-
-
-def _ticks(seconds: float, tick_s: float) -> int:
-    """The one place seconds become solver ticks."""
-    return round(seconds / tick_s)
 
 
 def _linear_seconds(linear: LinearSite, compute_s: float, in_bytes: int, out_bytes: int, input_grad: bool,
@@ -333,7 +329,7 @@ def _kind(gm: fx.GraphModule, node: fx.Node) -> _Kind:
 def solve(problem: TpProblem, *, forbidden_splits: frozenset[str] = frozenset(),
           forbidden_together: tuple[frozenset[str], ...] = (),
           forbidden_assignments: tuple[dict[str, Sharding | None], ...] = (),
-          time_limit_s: float = 10.0, workers: int = 1, seed: int = 0) -> TpSolution:
+          work_limit_s: float = 10.0, workers: int = 1, seed: int = 0) -> TpSolution:
     """Solve the sharding ILP of one layer.
 
     Args:
@@ -341,7 +337,7 @@ def solve(problem: TpProblem, *, forbidden_splits: frozenset[str] = frozenset(),
         forbidden_splits: values that must stay replicated.
         forbidden_together: sets of values that must not all be split at once.
         forbidden_assignments: Linear choices (node -> choice) not to return again.
-        time_limit_s, workers, seed: CP-SAT's.
+        work_limit_s, workers, seed: CP-SAT's deterministic seconds, workers and seed ([Note: deterministic search] in planner.options).
 
     Returns:
         The cheapest assignment found; "optimal" when proven.
@@ -384,10 +380,7 @@ def solve(problem: TpProblem, *, forbidden_splits: frozenset[str] = frozenset(),
     model.Minimize(sum(terms) + constant)
     for (m, c), var in choose.items():  # hint: everything replicated, always valid
         model.AddHint(var, c is None)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = workers
-    solver.parameters.random_seed = seed
+    solver = cp_solver(work_limit_s=work_limit_s, workers=workers, seed=seed)
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise TpError(f"no tensor-parallel sharding of the layer ({solver.StatusName(status)})")
@@ -489,7 +482,7 @@ DryRun = Callable[[dict[str, Sharding], int], "DryRunFailure | None"]
 
 def find_sharding(stage_module: fx.GraphModule, inputs: list[torch.Tensor], *,
                   measurement: Measurement | None = None, cost: TpCostModel | None = None,
-                  time_limit_s: float = 10.0, workers: int = 1, seed: int = 0,
+                  work_limit_s: float = 10.0, workers: int = 1, seed: int = 0,
                   dry_run_fn: DryRun | None = None) -> dict[str, Sharding]:
     """How tensor-parallel ranks split the Linears of one layer; see [Note: tensor-parallel ILP].
 
@@ -498,7 +491,7 @@ def find_sharding(stage_module: fx.GraphModule, inputs: list[torch.Tensor], *,
         inputs: meta tensors it runs on (one sample's worth).
         measurement: ``planner.measure.measure(stage_module, inputs)`` when already taken.
         cost: the cost model; ``TpCostModel.for_device()`` (A100, fp32, tp 2) by default.
-        time_limit_s, workers, seed: CP-SAT's, per solve.
+        work_limit_s, workers, seed: CP-SAT's, per solve (``solve``).
         dry_run_fn: ``(sharding, tp) -> failure or None``, the check of a solution;
             ``dry_run`` of the graph by default.
 
@@ -507,7 +500,7 @@ def find_sharding(stage_module: fx.GraphModule, inputs: list[torch.Tensor], *,
     """
     cost = cost or TpCostModel.for_device()
     problem = build_problem(stage_module, inputs, cost, measurement)
-    return solve_checked(stage_module, inputs, problem, time_limit_s=time_limit_s, workers=workers,
+    return solve_checked(stage_module, inputs, problem, work_limit_s=work_limit_s, workers=workers,
                          seed=seed, dry_run_fn=dry_run_fn).sharding(problem)
 
 

@@ -248,7 +248,6 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]
 
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")  # the plan's schedule names; the runtime runs them all
-SIMULATED_SCHEDULES = SCHEDULES  # kept for callers that named the simulated ones apart
 
 
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
@@ -548,7 +547,6 @@ __all__ = [
     "Kind",
     "ScheduleError",
     "SCHEDULES",
-    "SIMULATED_SCHEDULES",
     "TimedAction",
     "TimedRun",
     "build_schedule",

@@ -88,7 +88,7 @@ def build_plan(
         dtype=dtype,
         stages=stages,
         predicted=Predicted(step_time_s=0.1, throughput_samples_per_s=10.0, peak_memory_bytes=[0] * len(splits)),
-        solver=SolverInfo(status="pinned", wall_time_s=0.0),
+        solver=SolverInfo(status="pinned", search_time_s=0.0),
     )
 
 

@@ -1,6 +1,9 @@
 """The hetpar command as a user meets it: real subprocesses, clear one-line errors."""
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +88,28 @@ def test_trace_json_lists_layers():
     data = json.loads(result.stdout)
     assert [l["name"] for l in data["layers"]] == ["tok_emb+pos_emb", "blocks.0", "blocks.1", "ln_f+lm_head"]
     assert data["totals"]["params"] == sum(l["params"] for l in data["layers"])
+
+
+def _without_timings(text: str) -> str:
+    """Plan JSON with the wall-clock fields (the only ones that may differ between runs) blanked."""
+    return re.sub(r'"(search|trace)_time_s": [0-9.e+-]+', r'"\1_time_s": 0', text)
+
+
+def test_plan_does_not_depend_on_machine_load(tmp_path):
+    """[Note: deterministic search]: the same command gives the same plan JSON, byte for byte but for its
+    timings, also while another process keeps a core busy; the limit here stops candidates short of a proof."""
+    args = ("plan", GPT, "-c", "1x4xcpu", "-b", "8", "-a", "n_layers=8", "-a", "hidden=64", "-a", "seq_len=16",
+            "--work-limit", "0.0005")
+    quiet = hetpar(*args, "-o", str(tmp_path / "quiet.json"))
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy = hetpar(*args, "-o", str(tmp_path / "busy.json"))
+    finally:
+        hog.kill()
+        hog.wait()
+    assert quiet.returncode == 0 and busy.returncode == 0, quiet.stderr + busy.stderr
+    first, second = ((tmp_path / name).read_text() for name in ("quiet.json", "busy.json"))
+    assert _without_timings(first) == _without_timings(second)
+    solver = json.loads(first)["solver"]
+    assert solver["status"] == "feasible" and "hit the work limit of 0.0005 deterministic s; proven gap" in solver["reason"]
+    assert "solver: feasible: " in " ".join(quiet.stderr.split()) and "search " in quiet.stderr and "trace " in quiet.stderr

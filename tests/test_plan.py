@@ -24,7 +24,7 @@ def make_plan(**overrides):
                       tp_sharding={"b1.fc": Sharding.COLWISE}),
         ],
         predicted=Predicted(step_time_s=0.5, throughput_samples_per_s=16.0, peak_memory_bytes=[100, 200]),
-        solver=SolverInfo(status="optimal", wall_time_s=0.1),
+        solver=SolverInfo(status="optimal", search_time_s=0.1),
     )
     fields.update(overrides)
     return ParallelPlan(**fields)

@@ -61,7 +61,8 @@ def plan(
     dtype: Annotated[Optional[DType], typer.Option(help="Training precision the costs assume [default: fp32 on cpu, bf16 else].")] = None,
     compiled: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="Plan for stages under torch.compile (fewer, fused kernels) [default: on where every device is an NVIDIA or AMD GPU].", show_default=False)] = None,
     max_tp: Annotated[int, typer.Option(help="Largest tensor-parallel degree to consider.")] = 8,
-    time_limit: Annotated[float, typer.Option(help="CP-SAT time limit per candidate, seconds.")] = 10.0,
+    work_limit: Annotated[float, typer.Option(help="CP-SAT work limit per candidate, in deterministic seconds (about one second of one core, the same on every machine): the plan does not depend on the machine's speed or load.")] = 10.0,
+    time_limit: Annotated[Optional[float], typer.Option(help="Wall-clock safety net per candidate, seconds; a candidate it stops makes the plan depend on the machine (the status says so) [default: none].", show_default=False)] = None,
     leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
     objective: Annotated[ObjectiveChoice, typer.Option(help="time: the fastest plan on all devices; cost: the fewest dollars per step over sub-clusters.")] = ObjectiveChoice.time,
     price: Annotated[Optional[list[str]], typer.Option(help="TYPE=USD: price of one device of TYPE per hour, for --objective cost; repeatable (overrides the cluster file's).")] = None,
@@ -81,6 +82,7 @@ def plan(
         stage_layers=_int_list("--stage-layers", stage_layers),
         stage_devices=tuple(get_device(name.strip()).name for name in stage_devices.split(",")) if stage_devices else None,
         max_tp=max_tp,
+        work_limit_s=work_limit,
         time_limit_s=time_limit,
         compiled=default_compiled(the_cluster.device_types()) if compiled is None else compiled,
     )
@@ -174,6 +176,8 @@ def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[d
         console.print(f"cost: ${usd_per_step(plan, prices):.4g} per step on {plan.cluster.world_size} devices ({plan.cluster.spec})")
     if plan.replica_batch_shares is not None:
         console.print(f"heterogeneous data parallelism: micro-batch size per replica {plan.replica_batch_shares}")
-    console.print(f"solver: {plan.solver.status} over {plan.solver.candidates} candidates in {plan.solver.wall_time_s:.2f} s")
+    info = plan.solver
+    status = f"{info.status}: {info.reason}" if info.reason else info.status
+    console.print(f"solver: {status} over {info.candidates} candidates; trace {info.trace_time_s:.2f} s, search {info.search_time_s:.2f} s")
     if output is not None:
         console.print(f"wrote {output}")
