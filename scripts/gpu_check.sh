@@ -3,10 +3,10 @@
 #   tests     the `gpu` tests (timing with CUDA events against a synchronised step);
 #   validate  six single-GPU plans of examples/gpt.py (350M and 1.3B parameters, several
 #             micro-batch sizes, with and without recompute) planned with the datasheet
-#             profile and run by `hetpar validate` (eager stages);
+#             profile for eager stages (--no-compile) and run by `hetpar validate`;
 #   loops     the 1.3B plan at micro-batch 8 against hand-written loops (eager AdamW,
 #             fused AdamW, torch.compile with fused AdamW; benchmarks/gpu_loop_bench.py)
-#             and the generated program with --compile on;
+#             and the same plan for compiled stages (--compile), validated;
 #   profile   `hetpar profile` of this GPU;
 #   repredict the six plans predicted again with the measured profile;
 # then one table of predicted against measured step times. GPU_CHECK_PARTS=a,b runs
@@ -66,7 +66,7 @@ each_config() {
     while read -r name model mb recompute; do
         declare -n margs=$model
         "$1" "$name" examples/gpt.py "${margs[@]}" -c "$CLUSTER" -b $((2 * mb)) --micro-batch-size "$mb" \
-            --recompute "$recompute"
+            --recompute "$recompute" --no-compile
         unset -n margs
     done <<<"$CONFIGS"
 }
@@ -95,8 +95,10 @@ if want loops; then
         timeout 200 "$PY" benchmarks/gpu_loop_bench.py examples/gpt.py "${M1300[@]}" --micro-batch-size 8 \
             --microbatches 2 | tee "$OUT_DIR/loops.jsonl"
     fi
-    timeout 200 "$PY" -m hetpar validate "$OUT_DIR/plan_1p3b_mb8_none.json" --steps 6 --compile on --json \
-        >"$OUT_DIR/validate_1p3b_mb8_compiled.json" 2>"$OUT_DIR/validate_1p3b_mb8_compiled.log" \
+    hetpar plan examples/gpt.py "${M1300[@]}" -c "$CLUSTER" -b 16 --micro-batch-size 8 --recompute none --compile \
+        -o "$OUT_DIR/plan_1p3b_mb8_compiled.json" >/dev/null \
+        && timeout 200 "$PY" -m hetpar validate "$OUT_DIR/plan_1p3b_mb8_compiled.json" --steps 6 --json \
+            >"$OUT_DIR/validate_1p3b_mb8_compiled.json" 2>"$OUT_DIR/validate_1p3b_mb8_compiled.log" \
         || tail -n 3 "$OUT_DIR/validate_1p3b_mb8_compiled.log"
 fi
 if want profile; then
