@@ -15,6 +15,11 @@ vocabulary ``vocab``) with ``--steps 0`` under torchrun on CPU (gloo), for each 
   column-wise (its output gathered), the embeddings replicated;
 - ``pp2xtp2``: four ranks, both.
 
+``--one-stage FILE --layers FIRST,LAST`` instead builds one stage of any model file in
+this process, as a rank does (log, cut, materialise), and reports its peak: a rank of
+a model too large for the host, e.g. the last of 8 pipeline stages of a 6.7B Llama
+(25 GiB in float32; ``--one-stage benchmarks/models/llama.py --layers 29,33 -a seq_len=64``).
+
 Each rank runs inside a small wrapper that, when the program exits, writes the rank's
 ``ru_maxrss`` (the peak resident set of the process, every byte it touched: Python,
 torch, the model's tensors) and its wall time. The table gives each layout's largest
@@ -123,6 +128,31 @@ def run(layout: str, work: Path, args: argparse.Namespace) -> dict:
             "maxrss_bytes": [r["maxrss_bytes"] for r in ranks], "rank_wall_s": [r["wall_s"] for r in ranks]}
 
 
+def one_stage(path: Path, layers: tuple[int, int], model_args: dict) -> dict:
+    """Build layers ``layers`` of ``path``'s model as a rank does, in this process."""
+    import resource
+
+    import torch
+
+    from runtime import shard
+    from runtime.graph import trace_layers
+    from runtime.materialize import build_on_meta, materialize_stages
+    from runtime.model_file import load_model_file
+
+    model_file = load_model_file(path, model_args)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    model, log = build_on_meta(model_file.build_model)
+    logged = time.perf_counter()
+    example = tuple(t.to("meta") for t in model_file.example_inputs(1))
+    names = list(trace_layers(model, example_inputs=example).layer_names)
+    stage = shard.cut_stage(model, model_file, 1, layers, names)
+    materialize_stages(model, stage.module, log)
+    return {"params": sum(p.numel() for p in model.parameters()), "stage_params": sum(p.numel() for p in stage.module.parameters()),
+            "log_s": logged - start, "wall_s": time.perf_counter() - start,
+            "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n-layers", type=int, default=18)
@@ -133,7 +163,21 @@ def main() -> None:
     parser.add_argument("--layouts", default="whole,pp2,tp2,pp2xtp2", help="comma-separated: whole, pp2, tp2, pp2xtp2")
     parser.add_argument("--timeout-s", type=float, default=1200)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--one-stage", type=Path, metavar="FILE", help="build one stage of this model file in-process")
+    parser.add_argument("--layers", default="0,0", help="with --one-stage: first,last layer of the stage")
+    parser.add_argument("-a", "--model-arg", action="append", default=[], help="with --one-stage: key=value")
     args = parser.parse_args()
+    if args.one_stage:
+        from runtime.model_file import parse_model_args
+
+        first, last = (int(x) for x in args.layers.split(","))
+        r = one_stage(args.one_stage, (first, last), parse_model_args(args.model_arg))
+        print(json.dumps(r) if args.json else
+              f"{r['params'] / 1e9:.2f}B parameters (full fp32 copy {4 * r['params'] / 2**30:.1f} GiB), layers {first}-{last}: "
+              f"{r['stage_params'] / 1e9:.2f}B ({4 * r['stage_params'] / 2**30:.2f} GiB); peak RSS "
+              f"{r['maxrss_bytes'] / 2**30:.2f} GiB = {r['maxrss_bytes'] / (4 * r['params']):.3f} of a full copy; "
+              f"log {r['log_s']:.0f} s, total {r['wall_s']:.0f} s")
+        return
     params = gpt_params(args.n_layers, args.hidden, args.vocab, args.seq_len)
     full = 4 * params
     results = []
