@@ -6,7 +6,8 @@ The cases come from the generators of tests/test_fuzz_planner.py (tests/fuzz_cas
 random clusters, model sizes, batches, pins, objectives, heterogeneous data-parallel
 modes), drawn by hypothesis from ``--seed``; each is planned, and its plan checked,
 explained and compiled, by ``fuzz_cases.run_case`` in a worker process, with
-``hetpar plan``'s CP-SAT time limit per candidate (10 s). A case that runs past
+``hetpar plan``'s CP-SAT work limit per candidate (10 deterministic seconds, so the
+outcomes do not depend on the machine's speed or load). A case that runs past
 ``--case-timeout`` seconds (20 minutes: the slowest plans that finish, the cost objective
 over three device types with the 1.3B GPT, take about 8 on a loaded two-core host) is a
 hang: its worker is killed and a fresh one takes the next case. The report counts plans, one-line errors and failures (broken
@@ -65,7 +66,7 @@ def draw_cases(count: int, seed_value: int, max_world: int | None) -> list[Case]
     return list(drawn)[:count]
 
 
-def _worker(conn, time_limit_s: float) -> None:
+def _worker(conn, work_limit_s: float) -> None:
     """Run the cases the parent sends, one at a time, and send back each Result."""
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tests"))
@@ -83,7 +84,7 @@ def _worker(conn, time_limit_s: float) -> None:
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="hetpar-fuzz-") as tmp:
             try:
-                outcome = run_case(case, Path(tmp), time_limit_s=time_limit_s)
+                outcome = run_case(case, Path(tmp), work_limit_s=work_limit_s)
                 kind, message = outcome.kind, outcome.message
             except InvariantError as exc:
                 kind, message = "invariant", str(exc)
@@ -97,9 +98,9 @@ def _worker(conn, time_limit_s: float) -> None:
 class Worker:
     """A worker process with the case it is running."""
 
-    def __init__(self, context, time_limit_s: float):
+    def __init__(self, context, work_limit_s: float):
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_worker, args=(child, time_limit_s), daemon=True)
+        self.process = context.Process(target=_worker, args=(child, work_limit_s), daemon=True)
         self.process.start()
         child.close()
         self.job: tuple[int, float] | None = None  # (case index, when sent)
@@ -113,10 +114,10 @@ class Worker:
         self.process.join()
 
 
-def run_all(todo: list[Case], jobs: int, time_limit_s: float, case_timeout_s: float, log=None) -> list[Result]:
+def run_all(todo: list[Case], jobs: int, work_limit_s: float, case_timeout_s: float, log=None) -> list[Result]:
     """Every case on ``jobs`` workers; a case past ``case_timeout_s`` is a hang and its worker is replaced."""
     context = mp.get_context("spawn")
-    workers = [Worker(context, time_limit_s) for _ in range(jobs)]
+    workers = [Worker(context, work_limit_s) for _ in range(jobs)]
     pending = list(enumerate(todo))[::-1]
     results: list[Result] = []
     while pending or any(w.job for w in workers):
@@ -129,18 +130,19 @@ def run_all(todo: list[Case], jobs: int, time_limit_s: float, case_timeout_s: fl
             if w.conn.poll(0.05):
                 try:
                     result = w.conn.recv()
-                except EOFError:  # the worker died (out of memory, a signal): a crash
+                except EOFError:  # the worker died (out of memory, a signal, a C++ CHECK's abort): a crash
+                    w.process.join(timeout=10)
                     result = Result(index=index, kind="crash", message=f"worker died (exit code {w.process.exitcode})",
                                     wall_s=time.perf_counter() - sent)
                     w.kill()
-                    workers[i] = Worker(context, time_limit_s)
+                    workers[i] = Worker(context, work_limit_s)
                 w.job = None
             elif time.perf_counter() - sent > case_timeout_s or not w.process.is_alive():
                 alive = w.process.is_alive()
                 w.kill()
-                workers[i] = Worker(context, time_limit_s)
+                workers[i] = Worker(context, work_limit_s)
                 result = Result(index=index, kind="hang" if alive else "crash",
-                                message=f"no answer within {case_timeout_s:g} s" if alive else "worker died",
+                                message=f"no answer within {case_timeout_s:g} s" if alive else f"worker died (exit code {w.process.exitcode})",
                                 wall_s=time.perf_counter() - sent)
             else:
                 continue
@@ -162,7 +164,7 @@ def report(todo: list[Case], results: list[Result], wall_s: float, ns) -> str:
         f"# hetpar plan fuzzed: {len(todo)} cases, seed {ns.seed}",
         "",
         f"command: `.venv/bin/python benchmarks/fuzz.py --cases {ns.cases} --seed {ns.seed} --jobs {ns.jobs} "
-        f"--time-limit {ns.time_limit:g} --case-timeout {ns.case_timeout:g}`",
+        f"--work-limit {ns.work_limit:g} --case-timeout {ns.case_timeout:g}`",
         "",
         f"- plans: {counts['plan']} (each round-tripped, explained and compiled)",
         f"- one-line errors: {counts['error']}",
@@ -192,14 +194,14 @@ def main() -> int:
     parser.add_argument("--cases", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
-    parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit per candidate, seconds (hetpar plan's default)")
+    parser.add_argument("--work-limit", type=float, default=10.0, help="CP-SAT deterministic seconds per candidate (hetpar plan's default)")
     parser.add_argument("--case-timeout", type=float, default=1200.0, help="seconds after which a case counts as a hang")
     parser.add_argument("--max-world", type=int, default=None, help="cap on the devices of a cluster")
     parser.add_argument("--log", action="store_true", help="one line per case on stderr as it finishes")
     ns = parser.parse_args()
     start = time.perf_counter()
     todo = draw_cases(ns.cases, ns.seed, ns.max_world)
-    results = run_all(todo, ns.jobs, ns.time_limit, ns.case_timeout, log=sys.stderr if ns.log else None)
+    results = run_all(todo, ns.jobs, ns.work_limit, ns.case_timeout, log=sys.stderr if ns.log else None)
     print(report(todo, results, time.perf_counter() - start, ns))
     return 1 if any(r.kind not in ("plan", "error") for r in results) else 0
 

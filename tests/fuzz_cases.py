@@ -124,6 +124,9 @@ class Case:
             parts += ["-a", f"{key}={value}"]
         parts += ["-c", "cluster.toml" if self.toml else self.shorthand, "-b", str(self.global_batch)]
         for key, value in self.pins:
+            if key == "compiled":
+                parts.append("--compile" if value else "--no-compile")
+                continue
             flag = "--" + key.replace("_", "-")
             if key in ("stage_layers", "stage_devices"):
                 value = ",".join(map(str, value))
@@ -227,6 +230,8 @@ def cases(draw, max_groups: int = 3, max_nodes: int = 3, max_world: int | None =
         pins["stage_devices"] = tuple(draw(st.sampled_from(types)) for _ in range(stages))
     if maybe():
         pins["max_tp"] = draw(st.sampled_from((1, 2, 4)))
+    if maybe():
+        pins["compiled"] = draw(st.booleans())
     return Case(
         model=model, model_args=args, num_layers=num_layers, groups=cluster, toml=toml,
         global_batch=draw(st.sampled_from(BATCHES)), pins=tuple(pins.items()),
@@ -282,8 +287,13 @@ def check_one_line(exc: BaseException) -> str:
     return message
 
 
-def run_case(case: Case, workdir: Path, *, time_limit_s: float = 1.0, compile_plans: bool = True) -> Outcome:
+def run_case(case: Case, workdir: Path, *, work_limit_s: float = 1.0, time_limit_s: float | None = None,
+             compile_plans: bool = True) -> Outcome:
     """Plan ``case`` as ``hetpar plan`` does and check the outcome; see the module docstring.
+
+    Args:
+        work_limit_s, time_limit_s: ``--work-limit`` (CP-SAT's deterministic seconds per candidate: the
+            outcome does not depend on the machine) and ``--time-limit`` (a wall-clock net, None: none).
 
     Raises:
         InvariantError: the plan or the error breaks the invariant.
@@ -291,7 +301,7 @@ def run_case(case: Case, workdir: Path, *, time_limit_s: float = 1.0, compile_pl
     """
     from cost_models.cluster import parse_cluster
     from cost_models.devices import get_device
-    from hetpar.commands.common import DOMAIN_ERRORS, default_dtype
+    from hetpar.commands.common import DOMAIN_ERRORS, default_compiled, default_dtype
     from planner.api import plan_model
     from planner.objective import Objective
     from planner.search import SearchOptions
@@ -302,8 +312,9 @@ def run_case(case: Case, workdir: Path, *, time_limit_s: float = 1.0, compile_pl
         pins = dict(case.pins)
         if "stage_devices" in pins:
             pins["stage_devices"] = tuple(get_device(name).name for name in pins["stage_devices"])
+        pins.setdefault("compiled", default_compiled(cluster.device_types()))
         options = SearchOptions(global_batch_size=case.global_batch, dtype=case.dtype or default_dtype(cluster.device_types()),
-                                time_limit_s=time_limit_s, **pins)
+                                work_limit_s=work_limit_s, time_limit_s=time_limit_s, **pins)
         objective = Objective(kind=case.objective, usd_per_device_hour={get_device(n).name: usd for n, usd in case.prices},
                               min_throughput_samples_per_s=case.min_throughput)
         plan = plan_model(case.model_path, cluster, options, model_args=dict(case.model_args), objective=objective,
@@ -406,6 +417,7 @@ def _check_pins(plan, case: Case, options) -> None:
         "virtual_stages": plan.virtual_stages,
         "stage_layers": tuple(len(s.layers) for s in stages),
         "stage_devices": tuple(s.device_type for s in ranks),
+        "compiled": plan.compiled,
     }
     for name, got in checks.items():
         if name in pins:

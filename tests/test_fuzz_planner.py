@@ -2,7 +2,7 @@
 
 The generators and the invariant live in tests/fuzz_cases.py; benchmarks/fuzz.py runs
 them at length. Here a fixed-seed sample keeps CI fast: each case is planned in-process
-(planner.api.plan_model, as `hetpar plan` calls it) with a short CP-SAT time limit and
+(planner.api.plan_model, as `hetpar plan` calls it) with a short CP-SAT work limit and
 each model size traced once, then its plan explained and compiled, or its error
 checked to be one of the CLI's one-line domain errors.
 """
@@ -21,7 +21,7 @@ from conftest import run_torchrun
 from fuzz_cases import MODELS, Case, Group, Outcome, cached_trace, cases, check_one_line, run_case, use_cached_traces
 from hetpar.commands.common import DOMAIN_ERRORS
 
-TIME_LIMIT_S = 0.5  # CP-SAT per candidate: the small models here solve well within it
+WORK_LIMIT_S = 0.5  # CP-SAT deterministic seconds per candidate: the small models here solve well within it
 FUZZ = settings(derandomize=True, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -32,7 +32,7 @@ def _cached_traces(monkeypatch):
 
 def _run(case: Case):
     with tempfile.TemporaryDirectory(prefix="hetpar-fuzz-") as tmp:
-        outcome = run_case(case, Path(tmp), time_limit_s=TIME_LIMIT_S)
+        outcome = run_case(case, Path(tmp), work_limit_s=WORK_LIMIT_S)
     event(outcome.kind)  # pytest --hypothesis-show-statistics: how many cases planned
     return outcome
 
@@ -142,7 +142,7 @@ ISSUE_22 = {
 
 @pytest.mark.parametrize("name", list(ISSUE_22))
 def test_issue_22_commands_plan_or_say_why(name, tmp_path):
-    outcome = run_case(ISSUE_22[name], tmp_path, time_limit_s=2.0, compile_plans=False)
+    outcome = run_case(ISSUE_22[name], tmp_path, work_limit_s=1.0, compile_plans=False)
     if name == "min_throughput_mixed_nics":
         assert outcome.kind == "error"
         assert "below --min-throughput 1e+06" in outcome.message and "samples/s" in outcome.message
@@ -170,7 +170,7 @@ FOUND = {
 
 @pytest.mark.parametrize("name", list(FOUND))
 def test_fuzzer_findings_plan(name, tmp_path):
-    outcome = run_case(FOUND[name], tmp_path, time_limit_s=1.0)
+    outcome = run_case(FOUND[name], tmp_path, work_limit_s=1.0)
     assert outcome.kind == "plan", outcome.message
 
 
@@ -193,7 +193,7 @@ def test_degree_misfit_is_not_called_memory(tmp_path):
 def test_unreachable_cost_target_names_the_best_throughput(tmp_path):
     case = Case(model="gpt.py", model_args=GPT_2, num_layers=4, groups=(Group(1, 2, "A100-80GB"), Group(1, 2, "V100-32GB")),
                 toml=False, global_batch=8, objective="cost", prices=(("A100-80GB", 1.8), ("V100-32GB", 0.6)), min_throughput=1e9)
-    outcome = run_case(case, tmp_path, time_limit_s=1.0)
+    outcome = run_case(case, tmp_path, work_limit_s=1.0)
     assert outcome.kind == "error"
     assert "the fastest plan found reaches" in outcome.message and "add devices or lower the target" in outcome.message
 
@@ -204,7 +204,7 @@ def test_pinned_pp_reaches_per_type_stage_counts(tmp_path):
     case = Case(model="gpt.py", model_args=(("n_layers", 6), ("hidden", 256), ("heads", 8), ("vocab", 1000), ("seq_len", 128)),
                 num_layers=8, groups=(Group(1, 4, "H100-80GB"), Group(1, 8, "A100-40GB")), toml=False, global_batch=16,
                 pins=(("pp", 4), ("dp", 2)), hetero_dp="off")
-    outcome = run_case(case, tmp_path, time_limit_s=1.0, compile_plans=False)
+    outcome = run_case(case, tmp_path, work_limit_s=1.0, compile_plans=False)
     assert outcome.kind == "plan", outcome.message
 
 
@@ -225,7 +225,7 @@ def test_dtype_a_device_lacks_is_one_line(tmp_path):
 ], ids=["gpt-searched", "gpt-pp2-gpipe", "mlp-dp2"])
 def test_small_cpu_plans_run_two_steps(case, tmp_path):
     """Fuzzed plans are programs: a few tiny CPU plans compiled and run under torchrun for two steps."""
-    outcome = run_case(case, tmp_path, time_limit_s=2.0)
+    outcome = run_case(case, tmp_path, work_limit_s=2.0)
     assert outcome.kind == "plan", outcome.message
     result = run_torchrun(tmp_path / "build" / "train.py", 2, ["--steps", "2"])
     assert result.returncode == 0, result.stderr[-3000:]
