@@ -503,6 +503,8 @@ def get_device(name: str) -> DeviceProfile:
     """
     profile = _builtin_profiles().get(name.strip().lower())
     if profile is None:
-        known = ", ".join(p.name for p in known_devices())
-        raise UnknownDeviceError(f"unknown device type '{name}'; known: {known}")
+        names = [p.name for p in known_devices()]
+        close = [n for n in names if n.lower().startswith(name.strip().lower() + "-")]
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise UnknownDeviceError(f"unknown device type '{name}'; {hint}known: {', '.join(names)}")
     return profile

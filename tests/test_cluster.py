@@ -105,7 +105,7 @@ def test_unknown_device_lists_known():
     with pytest.raises(ClusterSpecError) as err:
         parse_cluster("2x8xA100-80GB+2x8xA10")
     message = str(err.value)
-    assert message.startswith("unknown device type 'A10'; known: A100-40GB, A100-80GB,")
+    assert message.startswith("unknown device type 'A10'; did you mean A10-24GB? known: A10-24GB, A100-40GB, A100-80GB,")
     assert "V100-32GB" in message and "cpu" in message
     assert "in --cluster piece '2x8xA10'" in message
 
@@ -177,7 +177,7 @@ def _write(tmp_path, text: str) -> str:
     [
         ('[[group]]\nnodes = 1\ndevices_per_node = 8\ndevice = "A100-80GB"\nnic_gb = 100\n', "unknown keys nic_gb; allowed:"),
         ('[[group]]\nnodes = 1\ndevice = "A100-80GB"\n', "missing keys devices_per_node"),
-        ('[[group]]\nnodes = 1\ndevices_per_node = 8\ndevice = "A10"\n', "unknown device type 'A10'; known:"),
+        ('[[group]]\nnodes = 1\ndevices_per_node = 8\ndevice = "A10"\n', "unknown device type 'A10'; did you mean A10-24GB? known:"),
         ('[[group]]\nnodes = 0\ndevices_per_node = 8\ndevice = "A100-80GB"\n', "nodes must be an integer >= 1"),
         ('[[group]]\nnodes = 1\ndevices_per_node = 8\ndevice = "A100-80GB"\nnic_gbps = -1\n', "nic_gbps must be a positive"),
         ('name = "x"\n[[group]]\nnodes = 1\ndevices_per_node = 8\ndevice = "A100-80GB"\n', "unknown top-level keys name"),

@@ -119,7 +119,7 @@ def test_unknown_device_lists_known_names():
     with pytest.raises(UnknownDeviceError) as err:
         get_device("A10")
     message = str(err.value)
-    assert message.startswith("unknown device type 'A10'; known: ")
+    assert message.startswith("unknown device type 'A10'; did you mean A10-24GB? known: ")
     for name in CANONICAL:
         assert name in message
     assert "\n" not in message
