@@ -57,7 +57,8 @@ from cost_models.pipeline import SCHEDULES
 from planner.plan import Predicted
 from planner.costs import boundary_seconds, pack_stage_ranks
 from planner.options import PlanningError
-from planner.split_model import bounds_from_sizes, equal_split
+from planner.default_split import StageSplit, default_split
+from planner.split_model import bounds_from_sizes
 from planner.trace import ModelGraph
 from runtime.schedule import Action, Kind, ScheduleError, TimedRun, build_schedule, simulate_timed
 
@@ -245,6 +246,7 @@ class Estimate:
     tflops_per_device: float
     mfu: float  # model FLOP/s over the sum of the devices' peak FLOP/s in the training dtype
     busiest_rank: int  # the pipeline rank with the most work, whose time ``time`` splits
+    layout: str  # the rule that split the layers over the stages ([Note: default stage split])
     timeline: TimedRun | None = None  # the simulated schedule, action by action (hetpar explain draws it)
 
     @property
@@ -273,6 +275,7 @@ class Estimate:
             "predicted": asdict(self.predicted),
             "fits": self.fits,
             "misfit": self.misfit(),
+            "layout": self.layout,
             "time_breakdown": {**asdict(self.time), "step_s": self.time.step_s},
             "stages": [_stage_dict(s) for s in self.stages],
             "model_flops_per_step": self.model_flops_per_step,
@@ -323,7 +326,7 @@ def check_against(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -
         raise EstimateError(f"{chunks} pipeline stages but the model has only {num_layers} layers")
     if max(c.tp_of(r) for r in range(c.pp)) > 1 and not any(l.tp_capable for l in model.layers):
         raise EstimateError(f"--tp {c.tp}: the model has no layer that tensor parallelism can split")
-    for k, (first, last) in enumerate(chunk_bounds(model, c)):
+    for k, (first, last) in enumerate(stage_split(model, c).bounds):
         tp = c.tp_of(k % c.pp)
         misfit = tp_misfit(model.layers[first : last + 1], tp)
         if misfit is not None:
@@ -397,11 +400,11 @@ def _describe(ranks: list[list[int]], types: list[str], dtype: str, cluster: Clu
     )
 
 
-def chunk_bounds(model: ModelGraph, config: EstimateConfig) -> list[tuple[int, int]]:
-    """(first, last) layer of each virtual stage: the user's split, or layers dealt out evenly."""
+def stage_split(model: ModelGraph, config: EstimateConfig) -> StageSplit:
+    """(first, last) layer of each virtual stage: the user's split, or Megatron's ([Note: default stage split])."""
     if config.stage_layers is None:
-        return equal_split(len(model.layers), config.pp * config.virtual_stages)
-    return bounds_from_sizes(config.stage_layers)
+        return default_split(model.layers, config.pp * config.virtual_stages)
+    return StageSplit(bounds=bounds_from_sizes(config.stage_layers), layout="--stage-layers")
 
 
 # --- Per virtual stage costs -------------------------------------------------------------
@@ -613,11 +616,12 @@ def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -> Est
     if config.replica_batch_shares is not None:  # hetero_dp builds on this module, so it estimates those plans
         raise EstimateError("replica_batch_shares: estimate the plan with planner.hetero_dp.estimate_shares")
     layouts = stage_layout(cluster, config)
-    bounds = chunk_bounds(model, config)
+    split = stage_split(model, config)
+    bounds = split.bounds
     costs = [_chunk_cost(model, cluster, config, b, layouts[k % config.pp], k) for k, b in enumerate(bounds)]
     played = _play(model, cluster, config, layouts, bounds, costs)
     stages = [_stage_estimate(model, config, layouts, bounds, played, r) for r in range(config.pp)]
-    return _assemble(model, cluster, config, layouts, bounds, played, stages)
+    return _assemble(model, cluster, config, layouts, split, played, stages)
 
 
 def _stage_estimate(model, config, layouts, bounds, played: _Played, r: int) -> StageEstimate:
@@ -639,7 +643,7 @@ def _stage_estimate(model, config, layouts, bounds, played: _Played, r: int) -> 
     )
 
 
-def _assemble(model, cluster, config, layouts, bounds, played: _Played, stages: list[StageEstimate]) -> Estimate:
+def _assemble(model, cluster, config, layouts, split: StageSplit, played: _Played, stages: list[StageEstimate]) -> Estimate:
     c, run = config, played.run
     params = [_stage_params(model, c.tp_of(s.index), s.chunks) for s in stages]
     dp_s = [_exposed_dp_s(_dp_sync_s(params[r], cluster, c, layouts[r], c.zero_of(r)), played, r, c) for r in range(c.pp)]
@@ -675,7 +679,7 @@ def _assemble(model, cluster, config, layouts, bounds, played: _Played, stages: 
     )
     return Estimate(config=c, cluster_spec=cluster.spec, world_size=cluster.world_size, predicted=predicted, time=time,
                     stages=stages, model_flops_per_step=flops, tflops_per_device=flops / step / cluster.world_size / 1e12,
-                    mfu=flops / step / peak, busiest_rank=busiest, timeline=played.run)
+                    mfu=flops / step / peak, busiest_rank=busiest, layout=split.layout, timeline=played.run)
 
 
 def _exposed_dp_s(sync_s: float, played: _Played, r: int, config: EstimateConfig) -> float:
@@ -686,4 +690,4 @@ def _exposed_dp_s(sync_s: float, played: _Played, r: int, config: EstimateConfig
     return max(0.0, sync_s - (last.end_s - last.start_s))
 
 
-__all__ = ["Estimate", "EstimateConfig", "EstimateError", "StageEstimate", "TimeBreakdown", "estimate", "stage_devices_of", "stage_layout"]
+__all__ = ["Estimate", "EstimateConfig", "EstimateError", "StageEstimate", "TimeBreakdown", "estimate", "stage_devices_of", "stage_layout", "stage_split"]

@@ -49,11 +49,10 @@ from cost_models.cluster import Cluster
 from cost_models.collectives import all_reduce_time_s, grad_sync_scale
 from cost_models.compute import dtype_bytes
 from cost_models.devices import ProfileError
-from planner.estimate import Estimate, EstimateConfig, EstimateError, estimate
+from planner.estimate import Estimate, EstimateConfig, EstimateError, estimate, stage_split
 from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
 from planner.options import PlanningError, SearchOptions, divisors
 from planner.search import search
-from planner.split_model import equal_split
 from planner.subcluster import shorthand
 from planner.trace import ModelGraph
 
@@ -381,13 +380,14 @@ def estimate_shares(model: ModelGraph, cluster: Cluster, config: EstimateConfig)
         EstimateError: the replicas do not tile the cluster as the Note lays them out, or one does not fit.
     """
     pp, tp, m = config.pp, config.tp, config.num_microbatches
-    layers = config.stage_layers or tuple(b - a + 1 for a, b in equal_split(len(model.layers), pp))
-    layout = Layout(tp=tp, pp=pp, stage_layers=layers, schedule=config.schedule,
-                    stage_recompute=tuple(config.recompute_of(s) for s in range(pp)), tp_sharding=({},) * pp)
     classes = replica_classes(cluster, tp * pp)
     if config.virtual_stages > 1 or config.stage_tp is not None or classes is None:
         raise EstimateError(f"replica_batch_shares needs replicas of tp({tp}) * pp({pp}) devices of one type each, one "
                             "chunk per rank and one degree for every stage")
+    split = stage_split(model, config)
+    layers = tuple(b - a + 1 for a, b in split.bounds)
+    layout = Layout(tp=tp, pp=pp, stage_layers=layers, schedule=config.schedule,
+                    stage_recompute=tuple(config.recompute_of(s) for s in range(pp)), tp_sharding=({},) * pp)
     replica_class = [k for k, c in enumerate(classes) for _ in range(c.count)]
     options = SearchOptions(global_batch_size=config.global_batch_size, dtype=config.dtype, optimizer=config.optimizer)
     runs: dict = {}
@@ -406,7 +406,7 @@ def estimate_shares(model: ModelGraph, cluster: Cluster, config: EstimateConfig)
     return replace(slowest, config=config, cluster_spec=cluster.spec, world_size=cluster.world_size, predicted=predicted,
                    time=replace(slowest.time, dp_comm_s=predicted.dp_comm_time_s, optimizer_s=max(r.time.optimizer_s for r in chosen.values())),
                    stages=[replace(st, ranks=ranks[st.index]) for st in slowest.stages], model_flops_per_step=flops,
-                   tflops_per_device=flops / step / cluster.world_size / 1e12, mfu=flops / step / peak)
+                   tflops_per_device=flops / step / cluster.world_size / 1e12, mfu=flops / step / peak, layout=split.layout)
 
 
 def _classes_of(cluster: Cluster, layout: Layout) -> list[ReplicaClass]:

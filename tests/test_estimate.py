@@ -187,5 +187,32 @@ def test_traced_gpt_end_to_end(gpt_path):
                  EstimateConfig(global_batch_size=32, dp=2, tp=2, pp=2, micro_batch_size=2, dtype="bf16",
                                 schedule="interleaved", virtual_stages=2, recompute="full", zero_stage=1))
     assert e.fits and e.predicted.step_time_s > 0 and e.time.tp_comm_s > 0
-    # six layers over four virtual stages, earlier ones taking the remainder; rank r holds stages r and r + 2.
-    assert [s.chunks for s in e.stages] == [[(0, 1), (4, 4)], [(2, 3), (5, 5)]]
+    # Megatron's split: a block per virtual stage, the embedding with the first and the head with the last;
+    # rank r holds stages r and r + 2.
+    assert e.layout.startswith("Megatron")
+    assert [s.chunks for s in e.stages] == [[(0, 1), (3, 3)], [(2, 2), (4, 5)]]
+
+
+def gpt_like(blocks):
+    """An embedding, ``blocks`` equal blocks and a head, each one layer, as examples/gpt.py traces."""
+    layers = [layer(name="tok_emb+pos_emb", flops=1e9), *(layer(name=f"blocks.{i}") for i in range(blocks)),
+              layer(name="ln_f+lm_head", flops=3e12)]
+    return ModelGraph(file="synthetic.py", args={}, fingerprint="", layers=layers)
+
+
+def test_default_split_is_megatrons_blocks_evenly_embedding_first_head_last():
+    e = estimate(gpt_like(8), parse_cluster("1x4xA100-80GB"), config(pp=4))
+    assert [b - a + 1 for s in e.stages for a, b in s.chunks] == [3, 2, 2, 3]
+    assert e.layout == "Megatron (blocks evenly, embedding with the first stage, head with the last)"
+    assert e.to_dict()["layout"] == e.layout
+
+
+def test_blocks_that_do_not_divide_by_the_stages_fall_back_to_the_even_split():
+    e = estimate(gpt_like(7), parse_cluster("1x4xA100-80GB"), config(pp=4))
+    assert [b - a + 1 for s in e.stages for a, b in s.chunks] == [3, 2, 2, 2]
+    assert e.layout == "even split of 9 layers"
+
+
+def test_given_stage_layers_are_kept_and_named():
+    e = estimate(gpt_like(8), parse_cluster("1x4xA100-80GB"), config(pp=4, stage_layers=(4, 2, 2, 2)))
+    assert [b - a + 1 for s in e.stages for a, b in s.chunks] == [4, 2, 2, 2] and e.layout == "--stage-layers"

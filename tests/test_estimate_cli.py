@@ -62,3 +62,14 @@ def test_a_tp_degree_the_heads_do_not_divide_is_refused_in_one_line():
     assert_one_line_error(refused, "--tp 4", "blocks.0", "2, 3, 6")
     plan_refused = hetpar("plan", *six_heads, "--tp", "4")
     assert_one_line_error(plan_refused, "--tp 4", "blocks.0")
+
+
+def test_estimate_says_which_layout_it_used():
+    megatron = hetpar(*BASE, "--dp", "4", "--tp", "1", "--pp", "2", "--json")
+    assert megatron.returncode == 0, megatron.stderr
+    assert [s["layers"] for s in json.loads(megatron.stdout)["stages"]] == [[[0, 1]], [[2, 3]]]
+    assert "layout: Megatron (blocks evenly" in megatron.stderr
+    assert json.loads(megatron.stdout)["layout"].startswith("Megatron")
+    uneven = hetpar(*BASE, "--dp", "2", "--tp", "1", "--pp", "4", "--json")
+    assert uneven.returncode == 0, uneven.stderr
+    assert json.loads(uneven.stdout)["layout"] == "even split of 4 layers"

@@ -42,7 +42,7 @@ def estimate(
     tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")],
     pp: Annotated[int, typer.Option(help="Pipeline-parallel degree (pipeline ranks).")],
     micro_batch_size: Annotated[int, typer.Option(help="Samples per micro-batch.")],
-    stage_layers: Annotated[Optional[str], typer.Option(help="Layers per stage, e.g. 7,9,9,9 (pp * virtual-stages entries) [default: even].")] = None,
+    stage_layers: Annotated[Optional[str], typer.Option(help="Layers per stage, e.g. 7,9,9,9 (pp * virtual-stages entries) [default: Megatron's, blocks evenly with the embedding first and the head last; else even].")] = None,
     stage_devices: Annotated[Optional[str], typer.Option(help="Device type per pipeline rank, e.g. A100-80GB,V100-32GB [default: Megatron's rank order].")] = None,
     schedule: Annotated[ScheduleName, typer.Option(help="Pipeline schedule.")] = ScheduleName.one_f_one_b,
     virtual_stages: Annotated[int, typer.Option(help="Model chunks per pipeline rank (interleaved schedule).")] = 1,
@@ -121,6 +121,7 @@ def print_summary(result: Estimate, layer_names: list[str]) -> None:
     console.print(table)
     console.print(f"layers: {', '.join(f'{i} {name}' for i, name in enumerate(layer_names))}" if len(layer_names) <= 8 else
                   f"layers: 0 {layer_names[0]} .. {len(layer_names) - 1} {layer_names[-1]}")
+    console.print(f"layout: {result.layout}")
     sched = c.schedule + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else "")
     console.print(f"dp={c.dp} tp={c.tp} pp={c.pp}  micro-batch {c.micro_batch_size} x {c.num_microbatches}  schedule {sched}  "
                   f"recompute {c.recompute}  zero {c.zero_stage}  dtype {c.dtype}")
