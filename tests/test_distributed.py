@@ -342,6 +342,25 @@ def test_uneven_split_of_1_and_3_layers_one_f_one_b(tmp_path, gpt_path):
     assert_trains_like_one_process(plan, tmp_path)
 
 
+# What the Hugging Face causal LMs below share: token ids in, next-token targets, and a
+# loss that reads the CausalLMOutput's logits as a user writes it.
+HF_TOKENS = """
+def example_inputs(batch_size, **_):
+    return (torch.zeros(batch_size, SEQ, dtype=torch.long),)
+
+
+def loss_fn(outputs, targets):
+    return F.cross_entropy(outputs.logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def batches(batch_size, seed, **_):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=gen)
+        yield (tokens[:, :-1],), tokens[:, 1:]
+"""
+
+
 # A Hugging Face Llama as users write it (its default config, use_cache included, with
 # small sizes) that torch.fx cannot trace: the planner traces it with torch.export, the
 # program cuts its stages at module boundaries (runtime.module_stage), and the loss reads
@@ -358,21 +377,7 @@ def build_model(n_layers=2):
     return tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=n_layers, hidden_size=64, intermediate_size=128,
                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB))
 
-
-def example_inputs(batch_size, **_):
-    return (torch.zeros(batch_size, SEQ, dtype=torch.long),)
-
-
-def loss_fn(outputs, targets):
-    return F.cross_entropy(outputs.logits.reshape(-1, VOCAB), targets.reshape(-1))
-
-
-def batches(batch_size, seed, **_):
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=gen)
-        yield (tokens[:, :-1],), tokens[:, 1:]
-"""
+""" + HF_TOKENS
 
 
 @pytest.fixture
@@ -415,21 +420,7 @@ def build_model():
     return tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB,
                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
-
-def example_inputs(batch_size, **_):
-    return (torch.zeros(batch_size, SEQ, dtype=torch.long),)
-
-
-def loss_fn(outputs, targets):
-    return F.cross_entropy(outputs.logits.reshape(-1, VOCAB), targets.reshape(-1))
-
-
-def batches(batch_size, seed, **_):
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=gen)
-        yield (tokens[:, :-1],), tokens[:, 1:]
-"""
+""" + HF_TOKENS
 
 
 @pytest.mark.slow
