@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from planner.measure import Measurement
 from planner.plan import Sharding
 from planner.tensor_parallel import (
-    DryRunFailure, TpCostModel, TpError, TpProblem, MetaGathered, MetaSliced, build_problem, evaluate, solve_checked,
+    DryRunFailure, TpCostModel, TpError, TpProblem, build_problem, evaluate, local_linear, solve_checked,
 )
 from runtime.capture import locate
 from runtime.module_stage import DecoderLayout, DecoderStage
@@ -130,32 +130,8 @@ def _split_block(block: nn.Module, block_path: str, sharding: dict[str, Sharding
         relative = path[len(block_path) + 1:]
         owner, _, name = relative.rpartition(".")
         parent = local.get_submodule(owner) if owner else local
-        setattr(parent, name, _local_linear(getattr(parent, name), how, tp, path))
+        setattr(parent, name, local_linear(getattr(parent, name), how, tp, path))
     return local
-
-
-def _local_linear(module: nn.Module, how: Sharding, tp: int, path: str) -> nn.Module:
-    conv1d = not isinstance(module, nn.Linear)  # transformers' Conv1D: weight [in, out]
-    in_f, out_f = (module.weight.shape[0], module.weight.shape[1]) if conv1d else (module.in_features, module.out_features)
-    if how in (Sharding.COLWISE, Sharding.COLWISE_GATHER):
-        if out_f % tp:
-            raise TpError(f"{path}: out_features({out_f}) not divisible by tp({tp})")
-        out_f //= tp
-    else:
-        if in_f % tp:
-            raise TpError(f"{path}: in_features({in_f}) not divisible by tp({tp})")
-        in_f //= tp
-    local = copy.deepcopy(module)
-    local.weight = nn.Parameter(torch.empty((in_f, out_f) if conv1d else (out_f, in_f), device="meta"))
-    if getattr(module, "bias", None) is not None:
-        local.bias = nn.Parameter(torch.empty(out_f, device="meta"))
-    if conv1d:
-        local.nx, local.nf = in_f, out_f
-    else:
-        local.in_features, local.out_features = in_f, out_f
-    if how is Sharding.COLWISE_GATHER:
-        return MetaGathered(local, tp)
-    return MetaSliced(local, tp) if how is Sharding.ROWWISE_SLICE else local
 
 
 def block_sharding(model: nn.Module, layout: DecoderLayout, block: int, seq_len: int, layer: fx.GraphModule,

@@ -669,6 +669,36 @@ class MetaSliced(nn.Module):
         return self.local(x[..., : x.shape[-1] // self.tp])
 
 
+def local_linear(module: nn.Module, how: Sharding, tp: int, path: str) -> nn.Module:
+    """One tensor-parallel rank's share of a Linear (or transformers' Conv1D) on the meta
+    device, with the gathered output or sliced input its sharding implies.
+
+    Raises:
+        TpError: the split dimension is not divisible by ``tp``.
+    """
+    conv1d = not isinstance(module, nn.Linear)  # transformers' Conv1D: weight [in, out]
+    in_f, out_f = (module.weight.shape[0], module.weight.shape[1]) if conv1d else (module.in_features, module.out_features)
+    if how in (Sharding.COLWISE, Sharding.COLWISE_GATHER):
+        if out_f % tp:
+            raise TpError(f"{path}: out_features({out_f}) not divisible by tp({tp})")
+        out_f //= tp
+    else:
+        if in_f % tp:
+            raise TpError(f"{path}: in_features({in_f}) not divisible by tp({tp})")
+        in_f //= tp
+    local = copy.deepcopy(module)
+    local.weight = nn.Parameter(torch.empty((in_f, out_f) if conv1d else (out_f, in_f), device="meta", dtype=module.weight.dtype))
+    if getattr(module, "bias", None) is not None:
+        local.bias = nn.Parameter(torch.empty(out_f, device="meta", dtype=module.weight.dtype))
+    if conv1d:
+        local.nx, local.nf = in_f, out_f
+    else:
+        local.in_features, local.out_features = in_f, out_f
+    if how is Sharding.COLWISE_GATHER:
+        return MetaGathered(local, tp)
+    return MetaSliced(local, tp) if how is Sharding.ROWWISE_SLICE else local
+
+
 def shard_on_meta(stage_module: fx.GraphModule, sharding: dict[str, Sharding], tp: int) -> fx.GraphModule:
     """A meta-device copy of the layer as one tensor-parallel rank holds it.
 
@@ -677,24 +707,9 @@ def shard_on_meta(stage_module: fx.GraphModule, sharding: dict[str, Sharding], t
     """
     sharded = copy.deepcopy(stage_module)
     for path, how in sharding.items():
-        linear = sharded.get_submodule(path)
-        out_f, in_f = linear.out_features, linear.in_features
-        if how in (Sharding.COLWISE, Sharding.COLWISE_GATHER):
-            if out_f % tp:
-                raise TpError(f"{path}: out_features({out_f}) not divisible by tp({tp})")
-            out_f //= tp
-        else:
-            if in_f % tp:
-                raise TpError(f"{path}: in_features({in_f}) not divisible by tp({tp})")
-            in_f //= tp
-        local: nn.Module = nn.Linear(in_f, out_f, bias=linear.bias is not None, device="meta", dtype=linear.weight.dtype)
-        if how is Sharding.COLWISE_GATHER:
-            local = MetaGathered(local, tp)
-        elif how is Sharding.ROWWISE_SLICE:
-            local = MetaSliced(local, tp)
         parent_path, _, name = path.rpartition(".")
         parent = sharded.get_submodule(parent_path) if parent_path else sharded
-        setattr(parent, name, local)
+        setattr(parent, name, local_linear(getattr(parent, name), how, tp, path))
     sharded.recompile()
     return sharded
 
