@@ -15,6 +15,8 @@ Modules, in the order a program uses them:
 - ``precision``: fp16 loss scaling agreed by every rank.
 - ``schedule``: pipeline schedules as data (``1F0``), generators and a deadlock simulator.
 - ``executor``: runs a stage's action list with point-to-point sends and receives.
+- ``timing``: step and action times true on every device (a synchronize per step, CUDA events per action).
+- ``tied``: parameters shared by stages on different ranks kept equal (their gradients summed).
 - ``checkpoint``: atomic torch.distributed.checkpoint checkpoints and resume.
 - ``training``: optimizer, reported loss, metrics, final state_dict.
 
