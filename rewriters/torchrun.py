@@ -302,8 +302,11 @@ pipeline = {{  # one executor per stage this rank holds; actions name their stag
 
 # -----------------------------------------------------------------------------
 # checkpoints: resume from the newest intact one in --checkpoint-dir, if any
-checkpoints = checkpoint.Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep)
-start_step = checkpoints.restore(module, optimizer, scaler)  # 0: a fresh start
+# a checkpoint of any plan of this model loads (its keys are parameter names); another model's is refused
+checkpoints = checkpoint.Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep,
+                                      model=model, run=dict(optimizer=args.optimizer, seed=args.seed,
+                                                            global_batch_size=GLOBAL_BATCH_SIZE))
+start_step = checkpoints.resume(module, optimizer, scaler)  # 0: a fresh start
 
 # -----------------------------------------------------------------------------
 # training loop: one optimizer step per global batch
