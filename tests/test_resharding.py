@@ -27,7 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_helpers import assert_one_line_error, hetpar
 from conftest import TORCHRUN_TIMEOUT_S, build_plan, run_torchrun, subprocess_env
+from planner.resume import find_resume_point
 from rewriters import compile_plan
 from runtime.checkpoint import CheckpointError, Checkpointer, list_complete, resume_point
 from runtime.model_file import load_model_file
@@ -95,6 +97,8 @@ def test_a_checkpoint_resumes_in_other_layouts_like_one_uninterrupted_run(tmp_pa
         final = torch.load(out / "final.pt", weights_only=True)
         _, ref_state = reference_run(plan, init_state, optimizer, steps)
         assert_matches_reference(plan, init_state, optimizer, steps, [r["loss"] for r in records], final, ref_state)
+        # hetpar plan --resume-from finds it, and takes the program's model (built on meta, sharded) for this one
+        assert find_resume_point(gpt_path, GPT_ARGS, ckpt).step == steps, name
         diff = max(float((final[k] - v).abs().max()) for k, v in ref_state.items())
         print(f"{optimizer} {name} after {steps} steps: max |final - reference| = {diff:.3g}")
 
@@ -180,3 +184,31 @@ def test_the_program_refuses_another_models_checkpoint_in_one_line(tmp_path, mlp
                         "its 0.weight is [4, 4], this model's [32, 16]; give --checkpoint-dir a directory "
                         "of this model's checkpoints (or an empty one to start from step 0)"], result.stderr
     assert "step 1/1" not in result.stderr
+
+
+# ----------------------------------------------------------------------------- hetpar plan --resume-from
+
+
+def test_plan_resume_from_says_which_step_the_new_plan_continues_from(tmp_path, mlp_path):
+    model = load_model_file(mlp_path, {}).build_model()
+    opt = torch.optim.AdamW(model.parameters())
+    run = {"optimizer": "adamw", "seed": 0, "global_batch_size": 8}
+    checkpoints = Checkpointer(tmp_path / "ckpt", every=2, keep=3, model=model, run=run)
+    for step in (2, 4):
+        checkpoints.maybe_save(step, model, opt, LossScaler(enabled=False))
+    (tmp_path / "ckpt" / "step-00000004" / ".metadata").unlink()  # the newest is incomplete: step 2 it is
+    result = hetpar("plan", str(mlp_path), "--cluster", "1x2xcpu", "--global-batch", "8", "--resume-from", "ckpt",
+                    "-o", "plan.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "hetpar: continues from step 2 (ckpt/step-00000002, written by 1 process): compile this plan and run it " \
+           "with --checkpoint-dir ckpt --optimizer adamw; it trains from step 3\n" in result.stderr
+    assert (tmp_path / "plan.json").is_file()
+
+
+def test_plan_resume_from_refuses_another_models_checkpoint(tmp_path, mlp_path):
+    tiny_checkpoint(tmp_path / "ckpt", mlp(4))
+    result = hetpar("plan", str(mlp_path), "--cluster", "1x2xcpu", "--global-batch", "8", "--resume-from", "ckpt",
+                    cwd=tmp_path)
+    assert_one_line_error(result, "--resume-from: checkpoint ckpt/step-00000001 was written for another model: "
+                                  "its tensor 1.weight is not this model's", "plan the model that wrote it")
+    assert not (tmp_path / "plan.json").exists()

@@ -17,6 +17,7 @@ from hetpar.commands.common import DType, Recompute, console, default_compiled, 
 from planner.plan import ParallelPlan
 from planner.api import plan_model
 from planner.objective import Objective, resolve_prices, usd_per_step
+from planner.resume import find_resume_point
 from planner.search import SearchOptions
 from runtime.model_file import parse_model_args
 
@@ -68,6 +69,7 @@ def plan(
     price: Annotated[Optional[list[str]], typer.Option(help="TYPE=USD: price of one device of TYPE per hour, for --objective cost; repeatable (overrides the cluster file's).")] = None,
     min_throughput: Annotated[float, typer.Option(help="Throughput target in samples/s the plan must reach.")] = 0.0,
     hetero_dp: Annotated[HeteroDP, typer.Option(help="Data-parallel replicas on different device types (mixed clusters): auto keeps the faster plan, on forces it, off never.")] = HeteroDP.auto,
+    resume_from: Annotated[Optional[Path], typer.Option(help="Checkpoint directory of a run to continue on this cluster (a program's --checkpoint-dir, any plan of this model): checks it holds this model's checkpoints and says which step the new plan's program continues from.")] = None,
 ) -> None:
     """Find the fastest parallel plan for MODEL_FILE on a cluster (or the cheapest, on part of it) and write it as JSON."""
     the_cluster = parse_cluster(cluster, profiles=profiles_option(profile))
@@ -86,6 +88,7 @@ def plan(
         time_limit_s=time_limit,
         compiled=default_compiled(the_cluster.device_types()) if compiled is None else compiled,
     )
+    resume = find_resume_point(model_file, parse_model_args(model_arg or []), resume_from) if resume_from else None
     notes: list[str] = []
     status = console.status("tracing the model on the meta device")
     status.start()
@@ -112,6 +115,8 @@ def plan(
             fail(f"--output {str(output)!r} is a directory; give a file name such as plan.json")
         result.save(output)
     print_summary(result, output, resolve_prices(the_cluster, _prices(price or [])) if objective is ObjectiveChoice.cost else None)
+    if resume is not None:  # see docs/running.md, "Re-planning for another cluster"
+        console.print(f"hetpar: {resume.describe(resume_from, global_batch)}", soft_wrap=True)
     if as_json:
         print_json(__import__("json").loads(result.to_json()))
 
