@@ -12,6 +12,18 @@ plan as costed, so ``slurm.sbatch`` and ``pytorchjob.yaml`` use the c10d rendezv
 whose agents also agree on restarting every node's workers after a failure
 (``--max-restarts``); the program then resumes from ``--checkpoint-dir`` (see
 runtime/checkpoint.py).
+
+[Note: elastic launch]
+``hetpar compile --elastic MIN:MAX`` writes launch files for a job whose nodes may
+change: torchrun ``--nnodes=MIN:MAX`` with the c10d rendezvous, so that losing a node
+(down to MIN) or gaining one (up to MAX) makes torchrun stop and restart every worker
+with the new world size instead of hanging. A plan is for one world size, so the
+program then stops before training and says which ``hetpar plan --resume-from``
+command plans for the nodes there are and resumes from the newest checkpoint
+([Note: membership change] in runtime/cli.py); the launch files set ``HETPAR_ELASTIC``
+for it. The job trains only at the plan's size: a node that comes back within the
+restarts lets it go on by itself. Node ranks follow the rendezvous, so the plan must
+have one device type (``elastic_problem``).
 """
 
 from __future__ import annotations
@@ -50,11 +62,31 @@ def node_layout(plan: ParallelPlan) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- launch.sh
 
 
-def launcher_source(plan: ParallelPlan) -> str:
+def elastic_problem(plan: ParallelPlan, elastic: tuple[int, int]) -> str | None:
+    """Why ``plan`` cannot run as an elastic job of ``elastic = (min, max)`` nodes, or None."""
+    low, high = elastic
+    nodes, _ = node_layout(plan)
+    if not 1 <= low <= high:
+        return f"--elastic {low}:{high}: need 1 <= MIN <= MAX nodes"
+    if not low <= nodes <= high:
+        return f"--elastic {low}:{high} does not hold the plan's {nodes} node{'s' if nodes != 1 else ''}"
+    if len(device_kinds(plan)) > 1:
+        return (f"--elastic: the plan mixes {', '.join(device_kinds(plan))}, whose ranks must keep their nodes, and an "
+                "elastic rendezvous orders nodes freely; compile without --elastic (launch.sh and slurm.sbatch fix "
+                "node ranks)")
+    return None
+
+
+def launcher_source(plan: ParallelPlan, *, elastic: tuple[int, int] | None = None) -> str:
     """The text of ``launch.sh``: torchrun on one host, or on many with NNODES etc. set;
-    on a mixed cluster it also checks ``HETPAR_DEVICE_TYPE`` against the node rank's type."""
+    on a mixed cluster it also checks ``HETPAR_DEVICE_TYPE`` against the node rank's type.
+    With ``elastic`` (min, max) nodes: torchrun ``--nnodes=MIN:MAX`` on every host with
+    the c10d rendezvous ([Note: elastic launch])."""
     world = plan.cluster.world_size
     nodes, per_node = node_layout(plan)
+    if elastic is not None:
+        return _ELASTIC_LAUNCHER_TEMPLATE.format(world=world, nodes=nodes, per_node=per_node, low=elastic[0],
+                                                 high=elastic[1], program=PROGRAM)
     node_types = _node_types(plan, nodes, per_node)
     node_lines = [
         f"#   NODE_RANK={n}: ranks {n * per_node}-{(n + 1) * per_node - 1} ({', '.join(kinds) or '?'})"
@@ -144,6 +176,32 @@ fi
 """
 
 
+_ELASTIC_LAUNCHER_TEMPLATE = """\
+#!/bin/sh
+# Runs {program} (compiled by hetpar for {world} processes: {nodes} hosts x {per_node}) as an elastic
+# job of {low} to {high} hosts; arguments go to {program}. On every host, with the same MASTER_ADDR
+# (the host that serves the c10d rendezvous) and RDZV_ID (one per job):
+#
+#   MASTER_ADDR=node0 RDZV_ID=job1 ./launch.sh --steps 1000 --checkpoint-dir /shared/ckpt --checkpoint-every 100
+#
+# torchrun --nnodes={low}:{high} starts training once the hosts have met, and when a host is lost
+# (down to {low}) or one joins (up to {high}), it stops every worker and starts them again with the
+# new world size. The plan is for {nodes} hosts: at another size {program} stops with one line
+# giving the hetpar plan --resume-from command that re-plans for the hosts there are and resumes
+# from the newest checkpoint (MAX_RESTARTS, default 3, more rendezvous first: if the lost host
+# comes back, training goes on by itself). Give --checkpoint-dir on a file system every host sees.
+# MASTER_PORT defaults to 29500. See docs/running.md, "Elastic jobs".
+set -eu
+HERE=$(cd "$(dirname "$0")" && pwd)
+: "${{MASTER_ADDR:?set MASTER_ADDR to the host that serves the rendezvous (any one of them)}}"
+HETPAR_ELASTIC={low}:{high}
+export HETPAR_ELASTIC
+exec torchrun --nnodes={low}:{high} --nproc_per_node={per_node} \\
+    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:${{MASTER_PORT:-29500}}" --rdzv-id="${{RDZV_ID:-hetpar}}" \\
+    --max-restarts="${{MAX_RESTARTS:-3}}" "$HERE/{program}" "$@"
+"""
+
+
 # ----------------------------------------------------------------------------- shared
 
 
@@ -176,8 +234,10 @@ def k8s_name(text: str) -> str:
 # ----------------------------------------------------------------------------- slurm.sbatch
 
 
-def slurm_source(plan: ParallelPlan, *, job_name: str) -> str:
-    """The text of ``slurm.sbatch``: one torchrun per node under ``srun``; see [Note: node order]."""
+def slurm_source(plan: ParallelPlan, *, job_name: str, elastic: tuple[int, int] | None = None) -> str:
+    """The text of ``slurm.sbatch``: one torchrun per node under ``srun``; see [Note: node order].
+    With ``elastic`` (min, max) nodes: ``--nnodes=MIN:MAX``, and a lost node leaves the job
+    running so the others can stop with the re-plan line ([Note: elastic launch])."""
     nodes, per_node = node_layout(plan)
     kinds = device_kinds(plan)
     vendors = {_accelerator(k) for k in kinds}
@@ -208,8 +268,24 @@ def slurm_source(plan: ParallelPlan, *, job_name: str) -> str:
             f'"$HERE/{PROGRAM}" "$@"'
         )
         restarts = 3
+    if elastic is not None:
+        low, high = elastic
+        note = (
+            f"# Elastic ({low} to {high} nodes, c10d rendezvous): when a node is lost, the torchruns of the others\n"
+            "# meet again without it and restart their workers with the smaller world size; the plan is for\n"
+            f"# {nodes} nodes, so {PROGRAM} then stops with one line giving the hetpar plan --resume-from command\n"
+            "# that re-plans for the nodes left and resumes from the newest checkpoint. --no-kill keeps the\n"
+            "# job when a node fails, and srun no longer ends it when one torchrun does.\n"
+        )
+        torchrun = torchrun.replace('--nnodes="$SLURM_NNODES"', f"--nnodes={low}:{high}")
+        kill, no_kill, env = "", "#SBATCH --no-kill\n", f"export HETPAR_ELASTIC={low}:{high}  # see train.py's re-plan line\n"
+        srun_note = "a node's failure leaves the others to meet again."
+    else:
+        kill, no_kill, env = " --kill-on-bad-exit=1", "", ""
+        srun_note = "srun ends the job if one fails for good."
     return _SLURM_TEMPLATE.format(program=PROGRAM, world=plan.cluster.world_size, nodes=nodes, per_node=per_node,
-                                  job=job_name, gpus=gpus, note=note, torchrun=torchrun, restarts=restarts)
+                                  job=job_name, gpus=gpus, note=note, torchrun=torchrun, restarts=restarts,
+                                  kill=kill, no_kill=no_kill, env=env, srun_note=srun_note)
 
 
 _SLURM_TEMPLATE = """\
@@ -225,9 +301,9 @@ _SLURM_TEMPLATE = """\
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1
 {gpus}#SBATCH --requeue
-#SBATCH --output=%x-%j.out
+{no_kill}#SBATCH --output=%x-%j.out
 set -euo pipefail
-HERE=${{HETPAR_BUILD_DIR:-$SLURM_SUBMIT_DIR}}
+{env}HERE=${{HETPAR_BUILD_DIR:-$SLURM_SUBMIT_DIR}}
 PLAN_WORLD_SIZE={world}
 NPROC_PER_NODE={per_node}
 if [ $((SLURM_NNODES * NPROC_PER_NODE)) -ne "$PLAN_WORLD_SIZE" ]; then
@@ -238,17 +314,19 @@ MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=${{MASTER_PORT:-29500}}
 MAX_RESTARTS=${{MAX_RESTARTS:-{restarts}}}
 export HERE NPROC_PER_NODE MASTER_ADDR MASTER_PORT MAX_RESTARTS
-# One torchrun per node (it starts the node's processes); srun ends the job if one fails for good.
-srun --kill-on-bad-exit=1 bash -c '{torchrun}' bash "$@"
+# One torchrun per node (it starts the node's processes); {srun_note}
+srun{kill} bash -c '{torchrun}' bash "$@"
 """
 
 
 # ----------------------------------------------------------------------------- pytorchjob.yaml
 
 
-def pytorchjob_source(plan: ParallelPlan, *, job_name: str, build_dir: str) -> str:
+def pytorchjob_source(plan: ParallelPlan, *, job_name: str, build_dir: str,
+                      elastic: tuple[int, int] | None = None) -> str:
     """The text of ``pytorchjob.yaml``: a Kubeflow PyTorchJob (``kubeflow.org/v1``) with an
-    elastic policy (c10d rendezvous, restarts) and Volcano gang scheduling."""
+    elastic policy (c10d rendezvous, restarts) and Volcano gang scheduling; with ``elastic``
+    (min, max) pods, minReplicas and maxReplicas span them ([Note: elastic launch])."""
     nodes, per_node = node_layout(plan)
     kinds = device_kinds(plan)
     vendors = {_accelerator(k) for k in kinds} - {None}
@@ -265,8 +343,21 @@ def pytorchjob_source(plan: ParallelPlan, *, job_name: str, build_dir: str) -> s
         else ""
     )
     name = k8s_name(job_name)
-    return _PYTORCHJOB_TEMPLATE.format(program=PROGRAM, world=plan.cluster.world_size, nodes=nodes,
-                                       per_node=per_node, name=name, build_dir=build_dir, limits=limits, note=note)
+    low, high = elastic or (nodes, nodes)
+    if elastic is None:
+        gang, env = f"the {nodes} pods", ""
+        sizes = ("The world size is the\n# plan's, so minReplicas = maxReplicas: the job restarts, it does not grow or "
+                 "shrink (compile with\n# --elastic MIN:MAX for a job that may).")
+    else:
+        gang = f"at least {low} pods"
+        env = f'              env:\n                - name: HETPAR_ELASTIC\n                  value: "{low}:{high}"\n'
+        sizes = (f"Elastic: the job runs\n# with {low} to {high} pods and torchrun restarts the workers when one is lost "
+                 f"or joins. The plan is\n# for {nodes} pods; at another number {PROGRAM} stops with one line in the pod "
+                 "logs giving the\n# hetpar plan --resume-from command that re-plans for the pods there are and resumes "
+                 "from the\n# newest checkpoint (if the lost pod comes back within maxRestarts, training goes on).")
+    return _PYTORCHJOB_TEMPLATE.format(program=PROGRAM, world=plan.cluster.world_size, nodes=nodes, low=low, high=high,
+                                       per_node=per_node, name=name, build_dir=build_dir, limits=limits, note=note,
+                                       gang=gang, sizes=sizes, env=env)
 
 
 _PYTORCHJOB_TEMPLATE = """\
@@ -275,12 +366,11 @@ _PYTORCHJOB_TEMPLATE = """\
 #   kubectl apply -f pytorchjob.yaml
 #
 # Needs the Kubeflow training operator (kubeflow.org/v1) started with --gang-scheduler-name=volcano,
-# and Volcano: the operator makes schedulingPolicy.minAvailable a Volcano PodGroup, so the {nodes}
-# pods start together or not at all. The image must hold torch, hetpar's runtime and this directory
+# and Volcano: the operator makes schedulingPolicy.minAvailable a Volcano PodGroup, so {gang}
+# start together or not at all. The image must hold torch, hetpar's runtime and this directory
 # at /workspace/{build_dir}; the claim {name}-checkpoints must be a ReadWriteMany volume.
 # elasticPolicy: torchrun in every pod joins a c10d rendezvous and restarts the workers of every pod
-# after a failure, up to maxRestarts times; they resume from /checkpoints. The world size is the
-# plan's, so minReplicas = maxReplicas: the job restarts, it does not grow or shrink.
+# after a failure, up to maxRestarts times; they resume from /checkpoints. {sizes}
 {note}apiVersion: kubeflow.org/v1
 kind: PyTorchJob
 metadata:
@@ -289,12 +379,12 @@ spec:
   nprocPerNode: "{per_node}"
   elasticPolicy:
     rdzvBackend: c10d
-    minReplicas: {nodes}
-    maxReplicas: {nodes}
+    minReplicas: {low}
+    maxReplicas: {high}
     maxRestarts: 3
   runPolicy:
     schedulingPolicy:
-      minAvailable: {nodes}
+      minAvailable: {low}
       queue: default
   pytorchReplicaSpecs:
     Worker:
@@ -309,7 +399,7 @@ spec:
               workingDir: /workspace/{build_dir}
               command: ["torchrun", "{program}"]
               args: ["--steps", "1000", "--checkpoint-dir", "/checkpoints", "--checkpoint-every", "100"]
-{limits}              volumeMounts:
+{env}{limits}              volumeMounts:
                 - name: checkpoints
                   mountPath: /checkpoints
                 - name: shm
@@ -326,5 +416,6 @@ spec:
 
 __all__ = [
     "LAUNCHER", "PROGRAM", "PYTORCHJOB", "SLURM",
-    "device_kinds", "k8s_name", "launcher_source", "node_layout", "pytorchjob_source", "slurm_source",
+    "device_kinds", "elastic_problem", "k8s_name", "launcher_source", "node_layout", "pytorchjob_source",
+    "slurm_source",
 ]

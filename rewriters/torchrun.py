@@ -18,7 +18,7 @@ from pathlib import Path
 
 from planner.plan import ParallelPlan, StagePlan
 from rewriters.launchers import (
-    LAUNCHER, PROGRAM, PYTORCHJOB, SLURM, launcher_source, node_layout, pytorchjob_source, slurm_source,
+    LAUNCHER, PROGRAM, PYTORCHJOB, SLURM, elastic_problem, launcher_source, node_layout, pytorchjob_source, slurm_source,
 )
 
 
@@ -37,7 +37,7 @@ class CompileError(Exception):
     """A plan cannot be compiled; the message is one line that says what to do."""
 
 
-def compile_plan(plan: ParallelPlan, out_dir: Path) -> list[Path]:
+def compile_plan(plan: ParallelPlan, out_dir: Path, *, elastic: tuple[int, int] | None = None) -> list[Path]:
     """Write the program for ``plan`` into ``out_dir``.
 
     All files are written to a temporary directory first and then renamed into place,
@@ -47,6 +47,9 @@ def compile_plan(plan: ParallelPlan, out_dir: Path) -> list[Path]:
         plan: the plan to compile.
         out_dir: where the program, its launch files and the model file go; created
             if missing; other files in it are left alone.
+        elastic: ``(min_nodes, max_nodes)``: launch files for an elastic job (torchrun
+            ``--nnodes=MIN:MAX``, c10d rendezvous), whose program stops with the command
+            that re-plans and resumes when its nodes change (see rewriters.launchers).
 
     Returns:
         The paths written: ``train.py``, ``launch.sh``, ``slurm.sbatch``,
@@ -58,12 +61,14 @@ def compile_plan(plan: ParallelPlan, out_dir: Path) -> list[Path]:
     """
     out_dir = Path(out_dir)
     model_path = _checked_model_file(plan)
+    if elastic is not None and (problem := elastic_problem(plan, elastic)):
+        raise CompileError(problem)
     name = f"hetpar-{model_path.stem}"
     texts = {
         PROGRAM: program_source(plan),
-        LAUNCHER: launcher_source(plan),
-        SLURM: slurm_source(plan, job_name=name),
-        PYTORCHJOB: pytorchjob_source(plan, job_name=name, build_dir=out_dir.name),
+        LAUNCHER: launcher_source(plan, elastic=elastic),
+        SLURM: slurm_source(plan, job_name=name, elastic=elastic),
+        PYTORCHJOB: pytorchjob_source(plan, job_name=name, build_dir=out_dir.name, elastic=elastic),
     }
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
@@ -98,6 +103,14 @@ def _checked_model_file(plan: ParallelPlan) -> Path:
     if plan.dtype not in _DTYPES:
         raise CompileError(f"plan dtype {plan.dtype!r} is not one of {', '.join(_DTYPES)}; re-run hetpar plan with --dtype")
     return path
+
+
+def replan_options(plan: ParallelPlan) -> str:
+    """The ``hetpar plan`` options that ask for ``plan``'s request again, the cluster aside
+    (the program prints them when an elastic job's nodes change: [Note: membership change])."""
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(plan.dtype, plan.dtype)
+    model_args = "".join(f" --model-arg {key}={value}" for key, value in plan.model.args.items())
+    return f"--global-batch {plan.global_batch_size} --dtype {dtype}{model_args}"
 
 
 def torchrun_line(plan: ParallelPlan) -> str:
@@ -186,6 +199,7 @@ def program_source(plan: ParallelPlan) -> str:
         stages=stages,
         device_types=_rank_list_source(plan.cluster.device_types),
         program=PROGRAM,
+        replan=replan_options(plan),
     )
 
 
@@ -248,7 +262,8 @@ STAGES = [  # plan.stages: layers (first, last), ranks[d][t] = rank of replica d
 # -----------------------------------------------------------------------------
 # rank setup: which stage, data-parallel replica and tp index this process is
 args = cli.parse_args(__doc__)
-cli.check_launch(WORLD_SIZE, __file__)  # torchrun started WORLD_SIZE processes?
+cli.check_launch(WORLD_SIZE, __file__, replan=cli.Replan(  # torchrun started WORLD_SIZE processes? else how to go on
+    model_file=MODEL_FILE, plan_options={replan!r}, device_types=DEVICE_TYPES, checkpoint_dir=args.checkpoint_dir))
 device = distributed.init_distributed(args.dist_timeout_s, accelerator=devices.needs_accelerator(DEVICE_TYPES))
 devices.check_device_types(DEVICE_TYPES, device, allow_mismatch=args.allow_device_mismatch)  # each rank on its type?
 me = distributed.locate(STAGES, torch.distributed.get_rank())  # me.stage: this rank's first stage
@@ -301,12 +316,10 @@ pipeline = {{  # one executor per stage this rank holds; actions name their stag
 }}
 
 # -----------------------------------------------------------------------------
-# checkpoints: resume from the newest intact one in --checkpoint-dir, if any
-# a checkpoint of any plan of this model loads (its keys are parameter names); another model's is refused
-checkpoints = checkpoint.Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep,
-                                      model=model, run=dict(optimizer=args.optimizer, seed=args.seed,
-                                                            global_batch_size=GLOBAL_BATCH_SIZE))
-start_step = checkpoints.resume(module, optimizer, scaler)  # 0: a fresh start
+# checkpoints: resume from the newest intact one in --checkpoint-dir, if any, of any plan (keys are parameter names)
+checkpoints = checkpoint.Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep, model=model,
+                                      run=dict(optimizer=args.optimizer, seed=args.seed, global_batch_size=GLOBAL_BATCH_SIZE))
+start_step = checkpoints.resume(module, optimizer, scaler)  # 0: a fresh start; another model's checkpoint stops the run
 
 # -----------------------------------------------------------------------------
 # training loop: one optimizer step per global batch
@@ -343,4 +356,4 @@ distributed.shutdown()
 '''
 
 
-__all__ = ["CompileError", "compile_plan", "program_source", "stage_table", "torchrun_line"]
+__all__ = ["CompileError", "compile_plan", "program_source", "replan_options", "stage_table", "torchrun_line"]

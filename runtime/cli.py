@@ -101,16 +101,29 @@ def world_size_from_env() -> int | None:
     return int(value) if value else None
 
 
-def check_launch(expected: int, program: str) -> None:
+@dataclass(frozen=True, kw_only=True)
+class Replan:
+    """What a program needs to say how to go on when it is started on other nodes than
+    planned ([Note: membership change]): the ``hetpar plan`` request of its plan and
+    where its checkpoints are."""
+
+    model_file: str  # MODEL_FILE, next to the program
+    plan_options: str  # hetpar plan options that ask for this plan again, e.g. "--global-batch 8 --dtype fp32"
+    device_types: list[str]  # DEVICE_TYPES: the plan's device type of each rank
+    checkpoint_dir: Path | None  # --checkpoint-dir
+
+
+def check_launch(expected: int, program: str, replan: Replan | None = None) -> None:
     """Exit with code 2 and one line on stderr unless torchrun started ``expected``
-    processes that can meet.
+    processes that can meet; with ``replan``, a start on other nodes than planned (an
+    elastic job's membership changed) says how to re-plan and resume.
 
     A plan for one process also runs as plain ``python train.py``: the rendezvous
     variables torchrun would set are filled in for a single local process.
     ``torchrun --master-port 0`` hands the workers port 0 instead of the port it bound,
     so they would wait for the whole timeout; that is refused at once.
     """
-    check_world_size(expected, program)
+    check_world_size(expected, program, replan)
     if os.environ.get("MASTER_PORT") == "0":
         _fail(
             "torchrun --master-port 0 gives the workers port 0, so they cannot meet; pass a free port, "
@@ -118,8 +131,21 @@ def check_launch(expected: int, program: str) -> None:
         )
 
 
-def check_world_size(expected: int, program: str) -> None:
-    """Exit with code 2 and one line on stderr unless torchrun started ``expected`` processes."""
+def check_world_size(expected: int, program: str, replan: Replan | None = None) -> None:
+    """Exit with code 2 and one line on stderr unless torchrun started ``expected`` processes.
+
+    [Note: membership change]
+    An elastic job (``hetpar compile --elastic MIN:MAX``: torchrun ``--nnodes=MIN:MAX``
+    with the c10d rendezvous) goes on when a node is lost or added: torchrun stops every
+    worker and starts them again with the new world size. A plan is for one world size,
+    so the program then stops before it joins the others: the first process of each host
+    prints one line with the ``hetpar plan ... --resume-from`` command that plans for the
+    nodes there are and continues from the newest checkpoint, and every process exits
+    with code 2. torchrun counts that as a failure and, while restarts are left, tries a
+    new rendezvous, which trains on if the planned nodes are back; otherwise the job
+    ends with that line. The launch files set ``HETPAR_ELASTIC``; a start on several
+    nodes (``GROUP_WORLD_SIZE`` > 1) says the same.
+    """
     started = world_size_from_env()
     if started is None and expected == 1:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -127,11 +153,44 @@ def check_world_size(expected: int, program: str) -> None:
         return
     if started == expected:
         return
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE") or 1)
+    if replan is not None and started is not None and (os.environ.get("HETPAR_ELASTIC") or nodes > 1):
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or started)
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"hetpar: {replan_message(expected, nodes, per_node, program, replan)}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     name = Path(program).name
     got = "it was started without torchrun" if started is None else (
         f"torchrun started {started} process{'es' if started != 1 else ''}"
     )
     _fail(f"this program was compiled for world size {expected} but {got}; run: torchrun --nproc_per_node={expected} {name}")
+
+
+def replan_message(expected: int, nodes: int, per_node: int, program: str, replan: Replan) -> str:
+    """The line of [Note: membership change]: what torchrun started, and the commands that
+    re-plan for it and resume from the newest checkpoint in ``replan.checkpoint_dir``."""
+    from runtime.checkpoint import list_complete
+
+    started = nodes * per_node
+    kinds = sorted(set(replan.device_types))
+    one_type = len(kinds) == 1
+    cluster = f"{nodes}x{per_node}x{kinds[0]}" if one_type else "<the nodes there are>"
+    model = Path(program).resolve().with_name(replan.model_file)
+    found = list_complete(replan.checkpoint_dir) if replan.checkpoint_dir is not None else []
+    resume = f" --resume-from {replan.checkpoint_dir}" if found else ""
+    if found:
+        where = f"resume from the newest checkpoint (step {found[0].step} in {replan.checkpoint_dir})"
+    elif replan.checkpoint_dir is not None:
+        where = f"start again (no checkpoint in {replan.checkpoint_dir} yet, so from step 0)"
+    else:
+        where = "start again (no --checkpoint-dir, so from step 0)"
+    return (
+        f"the job's nodes changed: torchrun started {started} process{'es' if started != 1 else ''} "
+        f"({nodes} node{'s' if nodes != 1 else ''} of {per_node}), this program is planned for {expected}; it stops "
+        f"here. To go on with these nodes, re-plan and {where}: hetpar plan {model} --cluster {cluster} "
+        f"{replan.plan_options}{resume} -o plan.json && hetpar compile plan.json -o "
+        f"{'build-' + cluster if one_type else '<new build dir>'}, then launch the new build"
+    )
 
 
 def _fail(message: str) -> None:
@@ -145,4 +204,5 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-__all__ = ["TrainArgs", "check_launch", "check_world_size", "parse_args", "world_size_from_env"]
+__all__ = ["Replan", "TrainArgs", "check_launch", "check_world_size", "parse_args", "replan_message",
+           "world_size_from_env"]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
-from hetpar.commands.common import console, domain_errors, print_json
+from hetpar.commands.common import console, domain_errors, fail, print_json
 from planner.plan import ParallelPlan
 from rewriters.torchrun import compile_plan
 
@@ -17,13 +17,22 @@ def compile_(
     plan_file: Annotated[Path, typer.Argument(help="A plan written by `hetpar plan`.", show_default=False)],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for train.py and its launch files.")] = Path("build"),
     as_json: Annotated[bool, typer.Option("--json", help="Print the written paths as JSON.")] = False,
+    elastic: Annotated[Optional[str], typer.Option(metavar="MIN:MAX", help="Launch files for an elastic job of MIN to MAX nodes (torchrun --nnodes=MIN:MAX, c10d rendezvous): when nodes are lost or added, train.py stops with the hetpar plan --resume-from command that re-plans for the nodes there are (one device type only).")] = None,
 ) -> None:
     """Write OUTPUT/train.py, launch.sh, slurm.sbatch and pytorchjob.yaml for PLAN_FILE."""
     plan = ParallelPlan.load(plan_file)
-    paths = compile_plan(plan, output)
+    paths = compile_plan(plan, output, elastic=_node_range(elastic) if elastic else None)
     if as_json:
         print_json({"files": [str(p) for p in paths]})
     else:
         for p in paths:
             print(p)
     console.print(f"run it: cd {output} && ./launch.sh --steps 10")
+
+
+def _node_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    try:
+        return int(low), int(high)
+    except ValueError:
+        fail(f"--elastic {text!r} is not MIN:MAX, e.g. --elastic 2:4 (nodes)")
