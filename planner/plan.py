@@ -14,6 +14,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from runtime.sync_spec import check_sync
+
 SCHEMA_VERSION = 1
 PLAN_KIND = "hetpar.plan"
 
@@ -33,7 +35,6 @@ class Schedule(str, Enum):
 
 ZERO_STAGES = (0, 1, 2, 3)  # 0: plain data parallel; 1-3: ZeRO through FSDP2 (docs/plan-format.md)
 RECOMPUTE = ("none", "selective", "full")  # activation recomputation of a stage's layers
-GRAD_COMPRESSION = ("none", "fp16", "powersgd")  # DDP communication hooks on data-parallel gradients
 
 
 class Sharding(str, Enum):
@@ -147,7 +148,11 @@ class ParallelPlan:
     predicted: Predicted
     solver: SolverInfo
     alternatives: list[dict[str, Any]] = field(default_factory=list)
-    grad_compression: str = "none"  # "none" | "fp16" | "powersgd": compression of data-parallel gradients
+    grad_compression: str = "none"  # none|bf16|fp16|powersgd:R|topk:F|sign: how data-parallel gradients travel
+    aggregation: str = "mean"  # mean|trimmed-mean:B|median|krum:F: how replicas' gradients combine
+    sync_every: int = 1  # local SGD: replicas average parameters and optimizer state every K steps (1: every step's gradients)
+    sync_scope: str = "all"  # "all", or "node": gradients all-reduced inside a node every step, across nodes every K
+    rebalance_every: int = 0  # replica shares of the batch moved by measured speed every N steps (0: never)
     replica_batch_shares: list[int] | None = None  # micro-batch size of each replica; None: micro_batch_size each
     virtual_stages: int = 1  # model chunks per pipeline rank; stages[s] runs on the ranks of stages[s % pp]
     compiled: bool = False  # stages run under torch.compile; the costs count fused kernels ([Note: compiled stages])
@@ -210,21 +215,19 @@ class ParallelPlan:
             raise PlanError("virtual_stages > 1 runs with zero_stage 0 and tensor_parallel 1 on every stage")
 
     def _check_data_parallel_options(self) -> None:
-        if self.grad_compression not in GRAD_COMPRESSION:
-            raise PlanError(
-                f"grad_compression {self.grad_compression!r} must be one of {', '.join(map(repr, GRAD_COMPRESSION))}"
-            )
         zero = [s.index for s in self.stages if s.zero_stage > 0]
         if zero and Schedule(self.schedule) is Schedule.ZERO_BUBBLE:
             raise PlanError(
                 f"schedule 'zb' needs zero_stage 0 on every stage (FSDP reduces gradients inside the backward, which "
                 f"'zb' splits), stage {zero[0]} has zero_stage {self.stages[zero[0]].zero_stage}"
             )
-        if self.grad_compression != "none" and zero:
-            raise PlanError(
-                f"grad_compression {self.grad_compression!r} needs zero_stage 0 on every stage (FSDP reduces its own "
-                f"gradients), stage {zero[0]} has zero_stage {self.stages[zero[0]].zero_stage}"
-            )
+        try:
+            check_sync(self.grad_compression, self.aggregation, self.sync_every, self.sync_scope,
+                       data_parallel=self.data_parallel, zero_stages=[s.zero_stage for s in self.stages],
+                       equal_shares=self.replica_batch_shares is None)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+        self._check_rebalance()
         shares = self.replica_batch_shares
         if shares is None:
             return
@@ -238,6 +241,20 @@ class ParallelPlan:
                 f"replica_batch_shares {shares} sum to {sum(shares)} != dp({self.data_parallel}) * "
                 f"micro_batch_size({self.micro_batch_size}) = {self.data_parallel * self.micro_batch_size}"
             )
+
+    def _check_rebalance(self) -> None:
+        every = self.rebalance_every
+        if not isinstance(every, int) or every < 0:
+            raise PlanError(f"rebalance_every {every!r} must be an integer >= 0 (0: never)")
+        if not every:
+            return
+        if self.data_parallel < 2:
+            raise PlanError("rebalance_every needs data_parallel >= 2: it moves samples between replicas")
+        if len(self.stages) > 1:
+            raise PlanError(f"rebalance_every needs one pipeline stage (the plan has {len(self.stages)}): a stage's "
+                            f"pipeline buffers are sized for its micro-batch at start-up")
+        if self.aggregation != "mean" or self.sync_every > 1:
+            raise PlanError("rebalance_every needs aggregation 'mean' and sync_every 1 (those need equal shares)")
 
     @property
     def replica_micro_batch_sizes(self) -> list[int]:

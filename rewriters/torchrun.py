@@ -150,11 +150,9 @@ def _stage_spec_source(plan: ParallelPlan, stage: StagePlan) -> str:
     lines = [
         "    StageSpec(",
         f"        layers=({first}, {last}),  # {names[first]} .. {names[last]}",
-        f"        device_type={stage.device_type!r},",
-        f"        tensor_parallel={stage.tensor_parallel},",
+        f"        device_type={stage.device_type!r}, tensor_parallel={stage.tensor_parallel}, zero_stage={stage.zero_stage}, "
+        f"recompute={stage.recompute!r},",
         f"        ranks={stage.ranks!r},",
-        f"        zero_stage={stage.zero_stage},",
-        f"        recompute={stage.recompute!r},",
     ]
     if stage.tp_sharding:
         lines.append("        tp_sharding={")
@@ -193,6 +191,11 @@ def program_source(plan: ParallelPlan) -> str:
         gbs=plan.global_batch_size,
         replica_mbs=plan.replica_micro_batch_sizes,
         compression=plan.grad_compression,
+        aggregation=plan.aggregation,
+        sync_every=plan.sync_every,
+        sync_scope=plan.sync_scope,
+        rebalance_every=plan.rebalance_every,
+        node_ranks=per_node if plan.sync_scope == "node" else None,
         compiled=plan.compiled,
         dtype=_DTYPES[plan.dtype],
         plan_dtype=plan.dtype,
@@ -232,8 +235,8 @@ from pathlib import Path
 
 import torch
 
-from runtime import (checkpoint, cli, data_parallel, devices, distributed, executor, materialize, precision, schedule, shard,
-                     tied, timing, training)
+from runtime import (checkpoint, cli, data_parallel, devices, distributed, executor, faults, materialize, precision,
+                     rebalance, schedule, shard, tied, timing, training)
 from runtime.distributed import StageSpec
 from runtime.model_file import load_model_file
 
@@ -254,7 +257,9 @@ SCHEDULE = {schedule!r}  # plan.schedule
 PIPELINE_RANKS = {pp}  # plan.pipeline_parallel
 VIRTUAL_STAGES = {v}  # plan.virtual_stages: stage s runs on the ranks of stage s % PIPELINE_RANKS
 DTYPE = {dtype}  # plan.dtype {plan_dtype!r}: autocast compute dtype; parameters stay float32
-GRAD_COMPRESSION = {compression!r}  # plan.grad_compression: DDP comm hook on data-parallel gradients
+GRAD_COMPRESSION, AGGREGATION = {compression!r}, {aggregation!r}  # plan.grad_compression, plan.aggregation (runtime.sync_spec)
+# plan.sync_every, .sync_scope: local SGD if SYNC_EVERY > 1 (NODE_RANKS: per host, scope 'node'); plan.rebalance_every
+SYNC_EVERY, SYNC_SCOPE, NODE_RANKS, REBALANCE_EVERY = {sync_every}, {sync_scope!r}, {node_ranks}, {rebalance_every}
 STAGES = [  # plan.stages: layers (first, last), ranks[d][t] = rank of replica d, tp index t
 {stages}
 ]
@@ -267,7 +272,7 @@ cli.check_launch(WORLD_SIZE, __file__, replan=cli.Replan(  # torchrun started WO
 device = distributed.init_distributed(args.dist_timeout_s, accelerator=devices.needs_accelerator(DEVICE_TYPES))
 devices.check_device_types(DEVICE_TYPES, device, allow_mismatch=args.allow_device_mismatch)  # each rank on its type?
 me = distributed.locate(STAGES, torch.distributed.get_rank())  # me.stage: this rank's first stage
-groups = distributed.build_groups(STAGES, me, device)  # collective: every rank builds every group
+groups = distributed.build_groups(STAGES, me, device, ranks_per_node=NODE_RANKS)  # collective: all build all groups
 my_stages = list(range(me.stage, len(STAGES), PIPELINE_RANKS))  # VIRTUAL_STAGES of them (model chunks)
 my_stage = STAGES[me.stage]
 
@@ -290,27 +295,27 @@ if my_stage.tensor_parallel > 1:
 # this rank's tensors (tp shards) alone are made, as build_model() under --seed makes them, or read from --init-from
 materialize.materialize_stages(model, module, construction, device, init_from=args.init_from, keep_unused=me.rank == 0)
 shard.compile_stages([stages[s].module for s in my_stages], device, args.compile, planned={compiled}, announce=me.rank == 0)
-# data parallel: all-reduce, a compression hook, or ZeRO through FSDP2 (my_stage.zero_stage)
-grad_sync = data_parallel.wrap(module, my_stage, groups, GRAD_COMPRESSION,
+# data parallel: all-reduce, compression, robust aggregation, local SGD, or ZeRO through FSDP2 (my_stage.zero_stage)
+grad_sync = data_parallel.wrap(module, my_stage, groups, GRAD_COMPRESSION, AGGREGATION, SYNC_EVERY, SYNC_SCOPE,
                                powersgd_rank=args.powersgd_rank, powersgd_start_step=args.powersgd_start_step)
+faults.inject(module, me.rank, bad_gradients=args.inject_bad_gradients, slowdown=args.inject_slowdown)  # tests only
 for s in my_stages:  # "stage 0 (layers 0-1): tp 1, ZeRO-2 through FSDP2 over 2 replicas, ..."
     training.announce(replace(me, stage=s), STAGES[s], grad_sync)
 optimizer = training.make_optimizer(args.optimizer, module.parameters(), args.lr)
 scaler = precision.LossScaler(enabled=DTYPE == torch.float16)  # fp16: dynamic loss scaling
 
 # -----------------------------------------------------------------------------
+shares = rebalance.ReplicaShares(REPLICA_MICRO_BATCH_SIZES, NUM_MICROBATCHES, me,  # each replica's micro-batch size,
+                                 every=REBALANCE_EVERY, announce=me.rank == 0)  # moved by measured speed
 # the schedule: this rank's actions, e.g. 0F0 0F1 0B0 0F2 0B1 ... (runtime/schedule.py)
 actions = schedule.make_schedule(SCHEDULE, PIPELINE_RANKS, NUM_MICROBATCHES, VIRTUAL_STAGES)[me.stage]
 pipeline = {{  # one executor per stage this rank holds; actions name their stage
     s: executor.StageExecutor(
-        stage=stages[s],
-        peers=distributed.peers_of(STAGES, replace(me, stage=s)),
-        loss_fn=model_file.loss,
-        num_microbatches=NUM_MICROBATCHES,
+        stage=stages[s], peers=distributed.peers_of(STAGES, replace(me, stage=s)),
+        loss_fn=model_file.loss, num_microbatches=NUM_MICROBATCHES,
         device=device, compute_dtype=DTYPE,
-        loss_weight=shard.loss_weight(REPLICA_MICRO_BATCH_SIZES, me.replica),  # 1.0 unless replicas' shares differ
-        loss_scaler=scaler, before_backward=grad_sync.before_backward,
-        index=s,
+        loss_weight=shares.loss_weight,  # 1.0 unless replicas' shares differ
+        loss_scaler=scaler, before_backward=grad_sync.before_backward, index=s,
     )
     for s in my_stages
 }}
@@ -326,12 +331,11 @@ start_step = checkpoints.resume(module, optimizer, scaler)  # 0: a fresh start; 
 logger = training.StepLogger(enabled=me.rank == 0, total_steps=args.steps, global_batch_size=GLOBAL_BATCH_SIZE,
                              metrics=args.metrics, start_step=start_step)
 losses = training.LossReport(me, logger, last_stage=PIPELINE_RANKS - 1, data_parallel=DATA_PARALLEL)  # the global mean loss
-rows = shard.replica_rows(REPLICA_MICRO_BATCH_SIZES, NUM_MICROBATCHES, me.replica)  # this replica's share
-data = shard.replica_batches(model_file, GLOBAL_BATCH_SIZE, args.seed, rows=rows, start_step=start_step)
+data = shares.batches(model_file, GLOBAL_BATCH_SIZE, args.seed, start_step=start_step)  # this replica's rows
 timer = timing.StepTimer(device)  # steps end in a device synchronize; actions timed by CUDA events on GPUs
 for step in range(start_step + 1, args.steps + 1):
     timer.start()
-    inputs, targets = next(data)  # rows `rows` of global batch `step`
+    inputs, targets = next(data)  # this replica's rows of global batch `step`
     micro = shard.microbatches(inputs, targets, num_microbatches=NUM_MICROBATCHES, device=device)
     optimizer.zero_grad(set_to_none=True)
     local_loss = executor.run_actions(pipeline, actions, micro, device, timer)  # micro-batch losses / NUM_MICROBATCHES
@@ -339,7 +343,9 @@ for step in range(start_step + 1, args.steps + 1):
     tied_grads.reduce()  # sum the gradients of a weight two stages hold, so its copies stay equal
     if scaler.unscale_and_check(module.parameters()):  # False only when fp16 overflowed on some rank
         optimizer.step()
+    grad_sync.after_step(step, optimizer, last=step == args.steps)  # local SGD: average every SYNC_EVERY steps
     losses.submit(step, local_loss, timer.stop())  # logs the step before; see [Note: loss report]
+    shares.observe(step, timer, pipeline)  # every REBALANCE_EVERY steps: shares by measured speed (collective)
     if checkpoints.due(step, last=step == args.steps):
         losses.flush()  # the metrics reach this step before its checkpoint does
     checkpoints.maybe_save(step, module, optimizer, scaler, last=step == args.steps)

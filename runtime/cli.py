@@ -34,6 +34,8 @@ class TrainArgs:
     powersgd_start_step: int = 2  # ... and plain all-reduce steps before it compresses
     allow_device_mismatch: bool = False  # warn, not stop, when a rank's device is not the plan's (runtime.devices)
     compile: str = "auto"  # torch.compile each stage: "on", "off", or "auto" (as planned: plan.compiled)
+    inject_bad_gradients: int | None = None  # testing: this rank's gradients replaced by noise (runtime.faults)
+    inject_slowdown: tuple[int, float] | None = None  # testing: (rank, seconds per sample) it sleeps in each forward
 
 
 def parse_args(description: str | None = None, argv: list[str] | None = None) -> TrainArgs:
@@ -64,6 +66,11 @@ def parse_args(description: str | None = None, argv: list[str] | None = None) ->
     parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                         help="torch.compile each stage (auto: as the plan says, plan.compiled, which its costs "
                              "assume); a stage that does not compile runs eagerly")
+    parser.add_argument("--inject-bad-gradients", type=int, metavar="RANK",
+                        help="testing: RANK sends random gradients (std 100) instead of its own, e.g. to try "
+                             "the plan's robust aggregation")
+    parser.add_argument("--inject-slowdown", metavar="RANK:SECONDS",
+                        help="testing: RANK sleeps SECONDS per sample in each forward, e.g. to try --rebalance-every")
     ns = parser.parse_args(argv)
     if ns.steps < 0:
         parser.error(f"--steps {ns.steps} must be >= 0")
@@ -74,6 +81,7 @@ def parse_args(description: str | None = None, argv: list[str] | None = None) ->
             parser.error(f"--{name.replace('_', '-')} {getattr(ns, name)} must be >= 1")
     if ns.powersgd_start_step < 2:
         parser.error(f"--powersgd-start-step {ns.powersgd_start_step} must be >= 2 (PowerSGD needs warm-up steps)")
+    slowdown = _rank_and_seconds(parser, ns.inject_slowdown) if ns.inject_slowdown else None
     if ns.init_from is not None and not ns.init_from.exists():
         parser.error(f"--init-from {str(ns.init_from)!r}: no such file or directory")
     return TrainArgs(
@@ -92,7 +100,20 @@ def parse_args(description: str | None = None, argv: list[str] | None = None) ->
         powersgd_start_step=ns.powersgd_start_step,
         allow_device_mismatch=ns.allow_device_mismatch,
         compile=ns.compile,
+        inject_bad_gradients=ns.inject_bad_gradients,
+        inject_slowdown=slowdown,
     )
+
+
+def _rank_and_seconds(parser: argparse.ArgumentParser, text: str) -> tuple[int, float]:
+    rank, _, seconds = text.partition(":")
+    try:
+        value = (int(rank), float(seconds))
+    except ValueError:
+        value = (-1, -1.0)
+    if value[0] < 0 or not value[1] >= 0:
+        parser.error(f"--inject-slowdown {text!r} must be RANK:SECONDS, e.g. 1:0.01")
+    return value
 
 
 def world_size_from_env() -> int | None:

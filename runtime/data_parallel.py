@@ -1,17 +1,22 @@
 """Data parallelism of a stage: how the replicas of a stage agree on its gradients.
 
-``wrap`` picks one of three, from the stage's ``zero_stage`` and the plan's
-``grad_compression``:
+``wrap`` picks one, from the stage's ``zero_stage`` and the plan's ``grad_compression``,
+``aggregation`` and ``sync_every`` (runtime.sync_spec):
 
 - ``AllReduce``: one all-reduce (SUM, then / dp) per bucket of flattened gradients,
   after the step's schedule has run. DTensor (tensor-parallel) parameters contribute
   their local shards, which the same tp index of every replica holds.
 - ``CompressedAllReduce``: the same buckets, reduced by a DDP communication hook
-  (``fp16_compress_hook`` or ``powerSGD_hook``); see [Note: comm hooks without DDP].
+  (``fp16_compress_hook``, ``bf16_compress_hook`` or ``powerSGD_hook``); see
+  [Note: comm hooks without DDP].
+- ``ErrorFeedbackSync`` (runtime.compression): top-k or sign compression, all-gathered.
+- ``RobustAggregate`` (runtime.robust): trimmed mean, median or Krum of the gathered gradients.
+- ``LocalSGD`` (runtime.local_sgd): parameters and optimizer state averaged every K steps.
 - ``FullyShard``: ZeRO 1-3 through FSDP2; see [Note: ZeRO through FSDP2].
 
 Each is told, before every backward of the step, whether it is the last one
-(``before_backward``), and reduces after the schedule (``reduce``).
+(``before_backward``), reduces after the schedule (``reduce``) and hears of each
+optimizer step (``after_step``).
 
 [Note: comm hooks without DDP]
 A DDP communication hook is a function ``hook(state, bucket) -> Future[Tensor]`` that
@@ -25,7 +30,7 @@ functions on them through ``_Bucket``, an object with GradBucket's documented me
 which is all the hooks use (GradBucket has no Python constructor). Buckets hold at
 most ``BUCKET_CAP_BYTES`` of one dtype, in parameter order, and keep their layout from
 step to step, which PowerSGD's per-bucket error feedback relies on. Compression is
-lossy by design: fp16 rounds each gradient to 11 significant bits; PowerSGD
+lossy by design: fp16 rounds each gradient to 11 significant bits, bf16 to 8; PowerSGD
 replaces each gradient matrix by a rank-r approximation after ``start_powerSGD_iter``
 steps of plain all-reduce and feeds the error back in the next step. Their state
 (PowerSGD's error feedback and low-rank factors) is not checkpointed: a resumed run
@@ -65,50 +70,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from runtime.buckets import BUCKET_CAP_BYTES, GradientSync, grad_buckets, local, pack, unflatten
+from runtime.compression import ErrorFeedbackSync
 from runtime.distributed import Groups, StageSpec
-
-BUCKET_CAP_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
-COMPRESSIONS = ("none", "fp16", "powersgd")
-
-
-class GradientSync:
-    """Nothing to agree on: the stage has one replica."""
-
-    def __str__(self) -> str:
-        return "one replica"
-
-    def before_backward(self, last: bool) -> None:
-        """Called before each backward of a step; ``last`` for the step's final one."""
-
-    def reduce(self) -> None:
-        """Called after the step's schedule, before the optimizer step."""
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _buckets(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """Parameters with gradients, grouped by gradient dtype into buckets of at most
-    ``BUCKET_CAP_BYTES`` (a larger parameter gets a bucket of its own), in order."""
-    grads = ((p, _local(p.grad)) for p in params if p.grad is not None)
-    return _pack((p, g.dtype, g.numel() * g.element_size()) for p, g in grads)
-
-
-def _pack(entries: Iterable[tuple[nn.Parameter, torch.dtype, int]]) -> list[list[nn.Parameter]]:
-    """(parameter, dtype, bytes) in order, packed per dtype into buckets of at most
-    ``BUCKET_CAP_BYTES`` (a larger parameter gets a bucket of its own)."""
-    buckets: list[list[nn.Parameter]] = []
-    open_bucket: dict[torch.dtype, tuple[list[nn.Parameter], int]] = {}
-    for p, dtype, nbytes in entries:
-        bucket, size = open_bucket.get(dtype, (None, 0))
-        if bucket is None or size + nbytes > BUCKET_CAP_BYTES:
-            bucket, size = [], 0
-            buckets.append(bucket)
-        bucket.append(p)
-        open_bucket[dtype] = (bucket, size + nbytes)
-    return buckets
-
+from runtime.local_sgd import LocalSGD
+from runtime.robust import RobustAggregate
+from runtime.sync_spec import check_sync, parse_aggregation, parse_compression
 
 class AllReduce(GradientSync):
     """Average gradients over the data-parallel group with SUM all-reduces, then / dp.
@@ -169,13 +136,13 @@ class AllReduce(GradientSync):
     def reduce(self) -> None:
         for bucket, flat, work in self._launched:
             work.wait()
-            _unflatten(flat, [p.grad for p in bucket], divisor=self.data_parallel)
+            unflatten(flat, [p.grad for p in bucket], divisor=self.data_parallel)
         rest = [p for p in self.params if id(p) not in self._launched_ids]
-        for bucket in _buckets(rest):
-            grads = [_local(p.grad) for p in bucket]
+        for bucket in grad_buckets(rest):
+            grads = [local(p.grad) for p in bucket]
             flat = self._packed(bucket, grads)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            _unflatten(flat, grads, divisor=self.data_parallel)
+            unflatten(flat, grads, divisor=self.data_parallel)
         self._backwards, self._expected, self._counts = 0, None, {}
         self._launched, self._launched_ids = [], set()
         self._pending = _planned_buckets(self.params) if self._handles else []
@@ -194,19 +161,7 @@ class AllReduce(GradientSync):
 # plain all-reduce after the schedule.
 def _planned_buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     """Buckets of at most ``BUCKET_CAP_BYTES`` over the parameters in reverse order, by dtype."""
-    return _pack((p, p.dtype, p.numel() * p.element_size()) for p in reversed(params))
-
-
-def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor], divisor: int = 1) -> None:
-    """Copy ``flat`` back into ``grads``, divided by ``divisor`` on the way (one pass)."""
-    offset = 0
-    for g in grads:
-        part = flat[offset : offset + g.numel()].view_as(g)
-        if divisor == 1:
-            g.copy_(part)
-        else:
-            torch.div(part, divisor, out=g)
-        offset += g.numel()
+    return pack((p, p.dtype, p.numel() * p.element_size()) for p in reversed(params))
 
 
 class _Bucket:
@@ -214,7 +169,7 @@ class _Bucket:
 
     def __init__(self, index: int, count: int, params: list[nn.Parameter]):
         self._index, self._count, self._params = index, count, params
-        self._grads = [_local(p.grad) for p in params]
+        self._grads = [local(p.grad) for p in params]
         self._buffer = torch.cat([g.reshape(-1) for g in self._grads])
 
     def index(self) -> int:
@@ -253,11 +208,11 @@ class CompressedAllReduce(GradientSync):
         return f"all-reduce over {_group_of(self.state).size()} replicas through {self.hook.__name__}"
 
     def reduce(self) -> None:
-        buckets = _buckets(self.params)
+        buckets = grad_buckets(self.params)
         for i, params in enumerate(buckets):
             bucket = _Bucket(i, len(buckets), params)
             reduced = self.hook(self.state, bucket).wait()
-            _unflatten(reduced, [_local(p.grad) for p in params])
+            unflatten(reduced, [local(p.grad) for p in params])
 
 
 class FullyShard(GradientSync):
@@ -286,6 +241,9 @@ def wrap(
     stage: StageSpec,
     groups: Groups,
     compression: str = "none",
+    aggregation: str = "mean",
+    sync_every: int = 1,
+    sync_scope: str = "all",
     *,
     powersgd_rank: int = 1,
     powersgd_start_step: int = 2,
@@ -296,35 +254,50 @@ def wrap(
     Args:
         module: the stage module.
         stage: this rank's stage (its ``zero_stage``).
-        groups: this rank's groups (its data-parallel group and mesh).
-        compression: the plan's ``grad_compression``: "none", "fp16" or "powersgd".
-        powersgd_rank: PowerSGD's ``matrix_approximation_rank``.
+        groups: this rank's groups (its data-parallel group and mesh; with
+            ``sync_scope`` "node", its data-parallel group inside the node).
+        compression: the plan's ``grad_compression`` (runtime.sync_spec).
+        aggregation: the plan's ``aggregation``: "mean", or a robust rule (runtime.robust).
+        sync_every: the plan's ``sync_every``: local SGD when > 1 (runtime.local_sgd).
+        sync_scope: the plan's ``sync_scope``: "all", or "node" (gradients all-reduced
+            inside a node every step).
+        powersgd_rank: PowerSGD's ``matrix_approximation_rank`` where the plan's
+            compression is "powersgd" without a rank.
         powersgd_start_step: steps of plain all-reduce before PowerSGD compresses
             (PowerSGDState's ``start_powerSGD_iter``; at least 2).
 
     Raises:
-        ValueError: unknown compression, or compression together with ZeRO.
+        ValueError: an unknown option, or options that do not combine (sync_spec.check_sync).
     """
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"grad_compression {compression!r} must be one of {', '.join(COMPRESSIONS)}")
-    if compression != "none" and stage.zero_stage > 0:
-        raise ValueError(f"grad_compression {compression!r} needs zero_stage 0 (FSDP reduces its own gradients)")
+    comp, agg = parse_compression(compression), parse_aggregation(aggregation)
+    dp = groups.dp_group.size() if groups.dp_group is not None else 1
+    check_sync(compression, aggregation, sync_every, sync_scope, data_parallel=dp, zero_stages=[stage.zero_stage],
+               equal_shares=True)
     if groups.dp_group is None:
         return GradientSync()
-    dp = groups.dp_group.size()
+    params = list(module.parameters())
     if stage.zero_stage > 0:
         return FullyShard(module, groups.dp_mesh, stage.zero_stage)
-    if compression == "fp16":
-        return CompressedAllReduce(module.parameters(), default_hooks.fp16_compress_hook, groups.dp_group)
-    if compression == "powersgd":
+    if sync_every > 1:
+        node = groups.dp_node_group if sync_scope == "node" else None
+        inside = AllReduce(params, node, node.size()) if node is not None else GradientSync()
+        return LocalSGD(params, groups.dp_group, sync_every, inside)
+    if agg.robust:
+        return RobustAggregate(params, groups.dp_group, agg.kind, agg.param)
+    if comp.kind in ("fp16", "bf16"):
+        hook = default_hooks.fp16_compress_hook if comp.kind == "fp16" else default_hooks.bf16_compress_hook
+        return CompressedAllReduce(params, hook, groups.dp_group)
+    if comp.kind == "powersgd":
         state = powerSGD_hook.PowerSGDState(
             process_group=groups.dp_group,
-            matrix_approximation_rank=powersgd_rank,
+            matrix_approximation_rank=comp.rank or powersgd_rank,
             start_powerSGD_iter=powersgd_start_step,
             random_seed=0,  # the same random start on every replica
         )
-        return CompressedAllReduce(module.parameters(), powerSGD_hook.powerSGD_hook, state)
-    return AllReduce(module.parameters(), groups.dp_group, dp)
+        return CompressedAllReduce(params, powerSGD_hook.powerSGD_hook, state)
+    if comp.gathers:
+        return ErrorFeedbackSync(params, groups.dp_group, comp.kind, comp.fraction or 1.0)
+    return AllReduce(params, groups.dp_group, dp)
 
 
 __all__ = ["AllReduce", "BUCKET_CAP_BYTES", "CompressedAllReduce", "FullyShard", "GradientSync", "wrap"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import gc
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -76,6 +76,7 @@ class Groups:
     tp_mesh: DeviceMesh | None  # 1-D mesh over ranks[d] of this rank's stage
     dp_group: dist.ProcessGroup | None  # ranks[*][t] of this rank's stage
     dp_mesh: DeviceMesh | None = None  # mesh over the dp group (a slice of the (dp, tp) mesh under ZeRO with tp > 1)
+    dp_node_group: dist.ProcessGroup | None = None  # the dp group's ranks on this rank's node, when asked for
 
 
 def init_distributed(timeout_s: float, *, accelerator: bool = True) -> torch.device:
@@ -133,9 +134,29 @@ def locate(stages: list[StageSpec], rank: int) -> Placement:
     raise ValueError(f"rank {rank} is in no stage of this program")
 
 
-def build_groups(stages: list[StageSpec], me: Placement, device: torch.device) -> Groups:
+def build_groups(stages: list[StageSpec], me: Placement, device: torch.device, *, ranks_per_node: int | None = None
+                 ) -> Groups:
     """Create every stage's tensor- and data-parallel groups on every rank (collective),
-    keeping this rank's; see [Note: rank layout]."""
+    keeping this rank's; see [Note: rank layout]. Given ``ranks_per_node`` (global ranks
+    ``n * ranks_per_node ...`` share node n), also each data-parallel group's ranks on one
+    node (local SGD inside a node: runtime.local_sgd)."""
+    groups = _stage_groups(stages, me, device)
+    if ranks_per_node is None:
+        return groups
+    node_group = None
+    for s, stage in enumerate(stages):
+        for t in range(stage.tensor_parallel):
+            column = [replica[t] for replica in stage.ranks]
+            for node in sorted({r // ranks_per_node for r in column}):
+                inside = [r for r in column if r // ranks_per_node == node]
+                if len(inside) > 1:
+                    group = dist.new_group(inside)
+                    if (s, t) == (me.stage, me.tp_index) and me.rank in inside:
+                        node_group = group
+    return replace(groups, dp_node_group=node_group)
+
+
+def _stage_groups(stages: list[StageSpec], me: Placement, device: torch.device) -> Groups:
     tp_group = dp_group = None
     for s, stage in enumerate(stages):
         for d, replica in enumerate(stage.ranks):

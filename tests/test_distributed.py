@@ -130,6 +130,14 @@ def assert_matches_reference(plan, init_state: dict, optimizer: str, steps: int,
     """
     exact_losses, exact_state = reference_run(plan, _to_state(init_state, torch.float64), optimizer, steps,
                                               dtype=torch.float64)
+    assert_within_rounding(optimizer, steps, losses, final, ref_state, exact_losses, exact_state)
+
+
+def assert_within_rounding(optimizer: str, steps: int, losses: list[float], final: dict[str, torch.Tensor],
+                           ref_state: dict[str, torch.Tensor], exact_losses: list[float],
+                           exact_state: dict[str, torch.Tensor]) -> None:
+    """The check of [Note: float tolerance], given the float32 reference's final state and
+    the float64 run's losses and final state (of any single-process algorithm)."""
     assert list(final) == list(ref_state), "saved keys differ from build_model().state_dict()"
     # A loss is a mean over the batch: well conditioned, float32 keeps it to a few ulps.
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(exact_losses, dtype=torch.float64),

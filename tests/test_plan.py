@@ -99,7 +99,21 @@ def test_stage_options_are_checked(change, message):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(grad_compression="int8"), r"grad_compression 'int8' must be one of 'none', 'fp16', 'powersgd'"),
+    (dict(grad_compression="int8"), r"grad_compression 'int8' must be one of none\|bf16\|fp16\|powersgd:R\|topk:F\|sign"),
+    (dict(grad_compression="topk:0"), r"grad_compression 'topk:0' must be one of .* 0 < F <= 1"),
+    (dict(grad_compression="powersgd:x"), r"grad_compression 'powersgd:x' must be one of"),
+    (dict(aggregation="krum"), r"aggregation 'krum' must be one of mean\|trimmed-mean:B\|median\|krum:F"),
+    (dict(aggregation="median:1"), r"aggregation 'median:1' must be one of"),
+    (dict(aggregation="trimmed-mean:1"), r"aggregation trimmed-mean:1 needs at least 3 data-parallel replicas, the plan has 2"),
+    (dict(aggregation="krum:1"), r"aggregation krum:1 needs at least 4 data-parallel replicas, the plan has 2"),
+    (dict(aggregation="median", grad_compression="bf16"), r"grad_compression 'bf16' and aggregation 'median' do not combine"),
+    (dict(sync_every=4, grad_compression="sign"), r"grad_compression 'sign' and sync_every 4 do not combine"),
+    (dict(sync_every=0), r"sync_every 0 must be an integer >= 1"),
+    (dict(sync_scope="rack", sync_every=2), r"sync_scope 'rack' must be one of all, node"),
+    (dict(sync_scope="node"), r"sync_scope 'node' applies to local SGD; give sync_every K > 1 with it"),
+    (dict(sync_every=2, replica_batch_shares=[3, 1]), r"sync_every 2 needs equal replica batch shares"),
+    (dict(rebalance_every=-1), r"rebalance_every -1 must be an integer >= 0"),
+    (dict(rebalance_every=2), r"rebalance_every needs one pipeline stage \(the plan has 2\)"),
     (dict(replica_batch_shares=[3]), r"replica_batch_shares \[3\] must hold one micro-batch size >= 1 per replica"),
     (dict(replica_batch_shares=[4, 0]), r"must hold one micro-batch size >= 1 per replica, data_parallel is 2"),
     (dict(replica_batch_shares=[3, 2]), r"sum to 5 != dp\(2\) \* micro_batch_size\(2\) = 4"),
@@ -114,3 +128,16 @@ def test_compression_and_zero_do_not_mix():
     with pytest.raises(PlanError, match=r"grad_compression 'fp16' needs zero_stage 0 on every stage .* stage 0 has "
                                         r"zero_stage 2"):
         make_plan(stages=stages, grad_compression="fp16")
+
+
+def test_sync_options_round_trip(tmp_path):
+    """Each data-parallel sync option is a plan field that survives the JSON file."""
+    for change in (dict(grad_compression="topk:0.01"), dict(grad_compression="powersgd:4"),
+                   dict(sync_every=8, sync_scope="node")):
+        plan = make_plan(**change)
+        plan.save(tmp_path / "plan.json")
+        assert ParallelPlan.load(tmp_path / "plan.json") == plan
+    one_stage = [StagePlan(index=0, layers=[0, 1, 2, 3], device_type="cpu", tensor_parallel=2, ranks=[[0, 1], [2, 3]])]
+    plan = make_plan(stages=one_stage, rebalance_every=5, replica_batch_shares=[3, 1])
+    plan.save(tmp_path / "plan.json")
+    assert ParallelPlan.load(tmp_path / "plan.json").rebalance_every == 5
