@@ -321,10 +321,8 @@ pipeline = {{  # one executor per stage this rank holds; actions name their stag
 }}
 
 # -----------------------------------------------------------------------------
-# checkpoints: resume from the newest intact one in --checkpoint-dir, if any, of any plan (keys are parameter names)
-checkpoints = checkpoint.Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep, model=model,
-                                      run=dict(optimizer=args.optimizer, seed=args.seed, global_batch_size=GLOBAL_BATCH_SIZE))
-start_step = checkpoints.resume(module, optimizer, scaler)  # 0: a fresh start; another model's checkpoint stops the run
+checkpoints = checkpoint.Checkpointer.for_run(args, model, GLOBAL_BATCH_SIZE)  # --checkpoint-dir, of any plan of this model
+start_step = checkpoints.resume(module, optimizer, scaler)  # the newest intact checkpoint's step, or 0: a fresh start
 
 # -----------------------------------------------------------------------------
 # training loop: one optimizer step per global batch

@@ -312,6 +312,13 @@ class Checkpointer:
         self.signature = model_signature(model) if model is not None and directory is not None else None
         self.run = dict(run or {})
 
+    @classmethod
+    def for_run(cls, args: Any, model: nn.Module, global_batch_size: int) -> Checkpointer:
+        """The checkpointer of a program's run: ``args`` (runtime.cli.TrainArgs) gives the
+        directory, ``every`` and ``keep``, and the optimizer and seed its markers record."""
+        return cls(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep, model=model,
+                   run={"optimizer": args.optimizer, "seed": args.seed, "global_batch_size": global_batch_size})
+
     # ------------------------------------------------------------------ resume
 
     def restore(self, module: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler) -> int:
