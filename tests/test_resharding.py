@@ -6,9 +6,9 @@ The slow test runs real programs under torchrun on CPU with gloo, in a tree of r
 from one checkpoint directory (copied for each branch), so that five runs per optimizer
 cover the issue's three changes of layout:
 
-    dp 2 x pp 2 (1F1B), steps 1-2 ──► tp 2, steps 3-4
-                                  └─► tp 2 x pp 2 (1F1B), steps 3-4 ──► dp 2 with ZeRO-3, steps 5-6
-                                                                   └─► interleaved pp 2 (v 2), steps 5-6
+    dp 2 x pp 2 (1F1B, layers 1 + 3), steps 1-2 ──► tp 2, steps 3-4
+                                              └─► tp 2 x pp 2 (1F1B), steps 3-4 ──► dp 2 with ZeRO-3, steps 5-6
+                                                                               └─► interleaved pp 2 (v 2), steps 5-6
 
 Every run's final parameters and every loss are compared with the single-process
 reference of as many steps, within the float tolerance of tests/test_distributed.py.
@@ -31,9 +31,10 @@ from cli_helpers import assert_one_line_error, hetpar
 from conftest import TORCHRUN_TIMEOUT_S, build_plan, run_torchrun, subprocess_env
 from planner.resume import find_resume_point
 from rewriters import compile_plan
-from runtime.checkpoint import CheckpointError, Checkpointer, list_complete, resume_point
+from runtime.checkpoint import CheckpointError, Checkpointer, list_complete, resume_point, saved_tensors
 from runtime.model_file import load_model_file
 from runtime.precision import LossScaler
+from runtime.shard import Chunks
 from runtime.training import read_metrics
 from test_distributed import GPT_ARGS, LR, MLP_ARGS, assert_matches_reference, interleaved_plan, reference_run
 
@@ -45,7 +46,7 @@ STEPS_PER_RUN = 2
 def layouts(gpt_path: Path) -> dict[str, object]:
     """The plans of the tree, each for a global batch of 8."""
     return {
-        "dp2xpp2": build_plan(gpt_path, GPT_ARGS, splits=[[0, 1], [2, 3]], data_parallel=2, num_microbatches=2),
+        "dp2xpp2": build_plan(gpt_path, GPT_ARGS, splits=[[0], [1, 2, 3]], data_parallel=2, num_microbatches=2),
         "tp2": build_plan(gpt_path, GPT_ARGS, splits=[[0, 1, 2, 3]], tensor_parallel=2, tp_blocks=True,
                           num_microbatches=4),
         "tp2xpp2": build_plan(gpt_path, GPT_ARGS, splits=[[0, 1], [2, 3]], tensor_parallel=2, tp_blocks=True,
@@ -124,6 +125,34 @@ def restore_into(directory: Path, model: torch.nn.Module, optimizer: str = "adam
     opt = torch.optim.AdamW(model.parameters()) if optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=0.1)
     checkpoints = Checkpointer(directory, every=1, keep=1, model=model, run={"optimizer": optimizer})
     return checkpoints.restore(model, opt, LossScaler(enabled=False))
+
+
+def test_interleaved_chunks_are_saved_under_the_models_names(tmp_path):
+    """A rank's chunks (``Chunks``: keys ``0.weight``, ``1.weight``) hold layers 0 and 2 of
+    a model; saved, the keys are the model's (``0.weight``, ``2.weight``), and a plain
+    module with those names (another plan's stage) loads them, AdamW state included."""
+    torch.manual_seed(0)
+    whole = mlp(4, depth=3)
+    chunks = Chunks([torch.nn.Sequential(whole[0]), torch.nn.Sequential(torch.nn.Identity(), torch.nn.Identity(), whole[2])])
+    opt = torch.optim.AdamW(chunks.parameters())
+    whole(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    Checkpointer(tmp_path, every=1, keep=1).maybe_save(1, chunks, opt, LossScaler(enabled=False))
+    saved = saved_tensors(list_complete(tmp_path)[0])
+    assert sorted(k for k in saved if k.startswith("model.")) == ["model.0.bias", "model.0.weight", "model.2.bias",
+                                                                   "model.2.weight"]
+    assert "optim.state.2.weight.exp_avg" in saved
+    stage = mlp(4, depth=3)
+    stage[1] = torch.nn.Identity()  # another plan's stage of layers 0 and 2
+    stage_opt = torch.optim.AdamW(stage.parameters())
+    assert Checkpointer(tmp_path, every=1, keep=1).restore(stage, stage_opt, LossScaler(enabled=False)) == 1
+    assert torch.equal(stage[2].weight, whole[2].weight)
+    assert torch.equal(stage_opt.state[stage[2].weight]["exp_avg"], opt.state[whole[2].weight]["exp_avg"])
+    back = Chunks([torch.nn.Sequential(mlp(4)[0]), torch.nn.Sequential(torch.nn.Identity(), torch.nn.Identity(),
+                                                                         mlp(4)[1])])
+    assert Checkpointer(tmp_path, every=1, keep=1).restore(back, torch.optim.AdamW(back.parameters()),
+                                                           LossScaler(enabled=False)) == 1
+    assert torch.equal(back[1][2].weight, whole[2].weight)
 
 
 def test_the_marker_records_the_model_and_the_run(tmp_path):
