@@ -10,8 +10,11 @@ from __future__ import annotations
 import re
 import tomllib
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping
+
+import numpy as np
 
 from cost_models.devices import DeviceProfile, UnknownDeviceError, get_device
 
@@ -78,7 +81,7 @@ class Cluster:
         if not self.groups:
             raise ClusterSpecError(f"cluster '{self.spec}' has no node groups")
 
-    @property
+    @cached_property
     def world_size(self) -> int:
         """Number of devices (global ranks)."""
         return sum(g.num_devices for g in self.groups)
@@ -132,6 +135,22 @@ class Cluster:
         """
         return self._locate(rank)[0]
 
+    def nodes_of(self, ranks) -> tuple[np.ndarray, np.ndarray]:
+        """(index in ``groups``, global node index) of each of ``ranks``, as arrays: ``group_of`` and
+        ``node_of`` over many ranks at once.
+
+        Raises:
+            ValueError: a rank is outside 0 .. world_size - 1.
+        """
+        ranks = np.asarray(ranks, dtype=np.int64)
+        if ranks.size and not (0 <= ranks.min() and ranks.max() < self.world_size):
+            raise ValueError(f"ranks {ranks.min()}..{ranks.max()} are out of range for world_size {self.world_size}")
+        firsts = np.array([first for first, _, _ in self._group_starts])
+        group = np.searchsorted(firsts, ranks, side="right") - 1
+        first_node = np.array([node for _, node, _ in self._group_starts])[group]
+        width = np.array([g.devices_per_node for g in self.groups])[group]
+        return group, first_node + (ranks - firsts[group]) // width
+
     def devices_per_node_of(self, rank: int) -> int:
         """Devices on the node that holds ``rank``.
 
@@ -155,15 +174,22 @@ class Cluster:
             first_node += g.num_nodes
         raise ValueError(f"node {node} is out of range for a cluster of {self.num_nodes} nodes")
 
+    @cached_property
+    def _group_starts(self) -> tuple[tuple[int, int, NodeGroup], ...]:
+        """(first rank, first node, group) of each group: the planner asks for ranks' places millions of times."""
+        out, first_rank, first_node = [], 0, 0
+        for g in self.groups:
+            out.append((first_rank, first_node, g))
+            first_rank += g.num_devices
+            first_node += g.num_nodes
+        return tuple(out)
+
     def _locate(self, rank: int) -> tuple[NodeGroup, int]:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is out of range for world_size {self.world_size}")
-        first_rank, first_node = 0, 0
-        for g in self.groups:
+        for first_rank, first_node, g in self._group_starts:
             if rank < first_rank + g.num_devices:
                 return g, first_node + (rank - first_rank) // g.devices_per_node
-            first_rank += g.num_devices
-            first_node += g.num_nodes
         raise AssertionError("unreachable: rank checked against world_size")
 
 

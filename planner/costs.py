@@ -480,8 +480,8 @@ def _memo(cache: dict, key, compute):
 
 def _place(cluster, ranks: list[int]) -> tuple:
     """How ranks sit in the cluster: groups that agree on this cost the same collectives."""
-    first = cluster.node_of(ranks[0])
-    return tuple((id(cluster.group_of(r)), cluster.node_of(r) - first) for r in ranks)
+    groups, nodes = cluster.nodes_of(ranks)
+    return tuple(id(cluster.groups[g]) for g in np.unique(groups)), groups.tobytes(), (nodes - nodes[0]).tobytes()
 
 
 def build_tables(
@@ -604,11 +604,16 @@ def _tp_collectives(model: ModelGraph, cluster, slot: StageSlot, cols: _LayerCol
     if tp == 1:
         return np.zeros(len(model.layers)), np.zeros(len(model.layers))
     place = _place(cluster, slot.ranks[0])
-    return tuple(np.array([
+    return _memo(cache, ("tp layers", _model_token(model, cache), cols.scale, place), lambda: tuple(np.array([
         _memo(cache, ("tp", l.tp_collectives, p, cols.scale, place),
               lambda l=l, p=p: tensor_parallel_pass_s(l.tp_collectives, p, cols.scale, slot.ranks[0], cluster))
         for l in model.layers
-    ]) for p in ("forward", "backward"))
+    ]) for p in ("forward", "backward")))
+
+
+def _model_token(model: ModelGraph, cache: dict) -> int:
+    """A number that names ``model`` in ``cache`` (which keeps the model, so that its id is not reused)."""
+    return _memo(cache, ("model", id(model)), lambda: (model, len(cache)))[1]
 
 
 def boundary_seconds(nbytes: float, src: list[int], dst: list[int], cluster, scatter_gather: bool = True) -> float:
@@ -625,8 +630,13 @@ def _cut_seconds(model: ModelGraph, cluster, cand: Candidate, dtype: str, src: S
     a, b = src.ranks[0], dst.ranks[0]
     key_place = (cluster.node_of(a[0]) == cluster.node_of(b[0]), id(cluster.group_of(a[0])), id(cluster.group_of(b[0])),
                  len(a), _place(cluster, b))
-    boundary = np.array([l.boundary_bytes for l in model.layers]) * dtype_bytes(dtype) / 4 * cand.micro_batch_size
-    return np.array([_memo(cache, ("cut", n, key_place), lambda n=n: 2 * boundary_seconds(n, a, b, cluster)) for n in boundary])
+    scale = dtype_bytes(dtype) / 4 * cand.micro_batch_size
+
+    def seconds() -> np.ndarray:
+        boundary = np.array([l.boundary_bytes for l in model.layers]) * scale
+        return np.array([_memo(cache, ("cut", n, key_place), lambda n=n: 2 * boundary_seconds(n, a, b, cluster)) for n in boundary])
+
+    return _memo(cache, ("cut layers", _model_token(model, cache), scale, key_place), seconds)
 
 
 def _data_parallel_linear(cluster, dp: int, tp: int, slot: StageSlot, cache: dict) -> dict[str, tuple[float, float]]:

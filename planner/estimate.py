@@ -492,7 +492,7 @@ class _Played:
     schedule: list[list[Action]]
     run: TimedRun
     run_without_transfers: TimedRun
-    parts: dict[Action, tuple[float, float, float]]  # action -> (compute, tensor-parallel, exposed ZeRO-3) seconds
+    parts: dict[tuple[int, Kind], tuple[float, float, float]]  # (stage, kind) -> (compute, tensor-parallel, exposed ZeRO-3) seconds
 
 
 def _play(model, cluster, config, layouts, bounds, costs: list[_ChunkCost]) -> _Played:
@@ -501,7 +501,8 @@ def _play(model, cluster, config, layouts, bounds, costs: list[_ChunkCost]) -> _
     except ScheduleError as exc:
         raise EstimateError(str(exc)) from None
     split = config.schedule == "zb"
-    parts = {a: costs[a.stage].seconds(a.kind, split) for actions in plan for a in actions}
+    parts = {(k, kind): costs[k].seconds(kind, split) for k in range(len(costs)) for kind in Kind}
+    totals = {key: sum(value) for key, value in parts.items()}
     hop = [_boundary_s(model, cluster, config, bounds[k][1], layouts[k % config.pp], layouts[(k + 1) % config.pp])
            for k in range(len(bounds) - 1)]
 
@@ -509,7 +510,7 @@ def _play(model, cluster, config, layouts, bounds, costs: list[_ChunkCost]) -> _
         return hop[min(sender.stage, receiver.stage)]
 
     def duration(action: Action) -> float:
-        return sum(parts[action])
+        return totals[action.stage, action.kind]
 
     # [Note: late receives] in runtime/schedule.py: measured on the sender's host
     late = [getattr(cluster.profile(layouts[k % config.pp].device_type), "late_receive_s", None) or 0.0
@@ -628,8 +629,8 @@ def _stage_estimate(model, config, layouts, bounds, played: _Played, r: int) -> 
     chunks = [k for k in range(len(bounds)) if k % config.pp == r]
     actions = played.schedule[r]
     m = config.num_microbatches
-    fwd = sum(sum(played.parts[a]) for a in actions if a.kind is Kind.FORWARD) / m
-    bwd = sum(sum(played.parts[a]) for a in actions if a.kind is not Kind.FORWARD) / m
+    fwd = sum(sum(played.parts[a.stage, a.kind]) for a in actions if a.kind is Kind.FORWARD) / m
+    bwd = sum(sum(played.parts[a.stage, a.kind]) for a in actions if a.kind is not Kind.FORWARD) / m
     return StageEstimate(
         index=r,
         chunks=[bounds[k] for k in chunks],
@@ -650,7 +651,7 @@ def _assemble(model, cluster, config, layouts, split: StageSplit, played: _Playe
     pipeline_end = max(run.end_s(r) for r in range(c.pp))
     dp = max(run.end_s(r) + dp_s[r] for r in range(c.pp)) - pipeline_end
     busiest = max(range(c.pp), key=run.busy_s)
-    compute, tp, zero3 = (sum(played.parts[t.action][i] for t in run.ranks[busiest]) for i in range(3))
+    compute, tp, zero3 = (sum(played.parts[t.action.stage, t.action.kind][i] for t in run.ranks[busiest]) for i in range(3))
     pp = max(0.0, run.end_s(busiest) - played.run_without_transfers.end_s(busiest))
     def count(s: StageEstimate, attribute: str) -> int:
         return sum(getattr(model.layers[l], attribute) for first, last in s.chunks for l in range(first, last + 1))

@@ -15,6 +15,7 @@ from ortools.sat.python import cp_model
 from cost_models.pipeline import linear_step_weights
 from planner.costs import CostTables, chunk_terms
 from planner.options import to_ticks
+from planner.split_bound import split_sum_bound
 
 # Solver resolution: the objective's scale divided into this many ticks, the largest
 # device memory into this many units.
@@ -61,15 +62,20 @@ def bounds_from_sizes(sizes) -> list[tuple[int, int]]:
 
 # [Note: pace bound]
 # Before a candidate's CP-SAT model is built under a cutoff (the best plan so far), a
-# bound on its tables alone may rule it out: the terms of [Note: candidate bound], each
-# layer at its cheapest mode and column, but the pace (the slowest chunk's t_c, or round)
-# raised to the least that any split can reach when each chunk must fit its rank's
-# memory on its own in some one mode (cuts, ZeRO-3 exposure, one-layer buffers and the
-# other chunks of an interleaved rank left out: a relaxation). Whether a pace T is
-# reachable is decided greedily: each chunk in turn takes the longest run of layers
-# that some mode holds within T and the memory; a run that fits stays fitting when it
-# shrinks, so if any split reaches T, the greedy one ends each chunk no earlier and
-# covers every layer.
+# bound on its tables alone may rule it out: the chunks' weighted sums at least the
+# least S of [Note: split sum bound] (planner.split_bound; each chunk in a mode that fits
+# its rank's memory alone), the largest w_c at least any layer's cheapest, and the pace
+# (the slowest chunk's t_c, or round) raised to the least that any split can reach when
+# each chunk must fit its rank's memory on its own in some one mode (cuts, the one-layer
+# buffers and the other chunks of an interleaved rank left out: a relaxation; ZeRO-3's
+# exposed gathers counted, as they are part of t_c). Whether a pace T is reachable is
+# decided greedily: each chunk in turn takes the longest run of layers that some mode
+# holds within T and the memory; a run that fits stays fitting when it shrinks, so if
+# any split reaches T, the greedy one ends each chunk no earlier and covers every layer.
+# A split that beats the cutoff has a pace below what the cutoff leaves over the other
+# terms, so S is taken over the splits within that pace only (which also keeps the
+# chunks short and the programme fast); the larger S leaves a smaller pace to reach,
+# and the two steps are repeated once more.
 def may_beat(tables: CostTables, cutoff_s: float) -> bool:
     """False when no split of ``tables`` can have an objective below ``cutoff_s``; see [Note: pace bound]."""
     cand = tables.candidate
@@ -80,11 +86,16 @@ def may_beat(tables: CostTables, cutoff_s: float) -> bool:
     cuts = wt.chunk_sum * (C - 1) * float(tables.cut_s[..., : C - 1].min()) if C > 1 else 0.0
     weight = wt.weight_max * float(tables.weight_s.min(axis=(0, 2)).max())
     epilogue = wt.epilogue_max * (float(tables.epilogue_latency_s[:, :P].min()) + float(tables.epilogue_s.min(axis=(0, 2)).sum()) / P)
-    rest = sums + cuts + weight + epilogue
+    rest = sums + cuts + epilogue + weight
     if wt.round_max == 0:
-        return rest < cutoff_s * wt.scale
-    pace = (cutoff_s * wt.scale - rest) / wt.round_max
-    return pace > 0 and _pace_reachable(tables, pace * (1 + 1e-9))
+        return rest < cutoff_s * wt.scale and split_sum_bound(tables, wt) + weight < cutoff_s * wt.scale
+    for _ in range(2):
+        pace = (cutoff_s * wt.scale - rest) / wt.round_max * (1 + 1e-9)
+        if not (pace > 0 and _pace_reachable(tables, pace)):
+            return False
+        rest = max(rest, split_sum_bound(tables, wt, pace) + weight)
+    pace = (cutoff_s * wt.scale - rest) / wt.round_max * (1 + 1e-9)
+    return pace > 0 and _pace_reachable(tables, pace)
 
 
 def _pace_reachable(tables: CostTables, pace_s: float) -> bool:
@@ -94,7 +105,9 @@ def _pace_reachable(tables: CostTables, pace_s: float) -> bool:
     cand = tables.candidate
     zeros = np.zeros((K, 1, C))
     allowed = np.isfinite(tables.time_s) & np.isfinite(tables.memory_bytes)
-    time = np.concatenate([zeros, np.cumsum(np.where(allowed, tables.time_s, 0.0), axis=1)], axis=1)
+    per_layer = tables.time_s + tables.gather_fwd_s + tables.gather_bwd_s  # t_c's per-layer terms ([Note: split objective])
+    latency = tables.gather_fwd_latency_s + tables.gather_bwd_latency_s
+    time = np.concatenate([zeros, np.cumsum(np.where(allowed, per_layer, 0.0), axis=1)], axis=1)
     memory = np.concatenate([zeros, np.cumsum(np.where(allowed, tables.memory_bytes, 0.0), axis=1)], axis=1)
     positions = np.arange(L + 1)
     bad = [[np.append(np.flatnonzero(~allowed[k, :, c]), L) for c in range(C)] for k in range(K)]
@@ -102,7 +115,7 @@ def _pace_reachable(tables: CostTables, pace_s: float) -> bool:
     def ahead(k: int, c: int) -> np.ndarray:
         """From each position, the end of the longest run chunk c holds in mode k."""
         by_layers = bad[k][c][np.searchsorted(bad[k][c], positions)]  # a layer mode k cannot hold ends the run
-        by_time = np.searchsorted(time[k, :, c], time[k, :, c] + pace_s, side="right") - 1
+        by_time = np.searchsorted(time[k, :, c], time[k, :, c] + (pace_s - latency[k, c]), side="right") - 1
         by_memory = np.searchsorted(memory[k, :, c], memory[k, :, c] + tables.capacity_bytes[c % cand.pp], side="right") - 1
         return np.minimum(np.minimum(by_time, by_memory), by_layers)
 

@@ -50,6 +50,21 @@ def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
+def rank_ranges(ranks: list[list[int]]) -> str:
+    """Ranks as sorted runs for people to read, e.g. ``0-7, 16-23`` (plan JSON keeps the real lists)."""
+    flat = sorted(r for replica in ranks for r in replica)
+    if not flat:
+        return ""
+    runs, start, prev = [], flat[0], flat[0]
+    for r in flat[1:]:
+        if r != prev + 1:
+            runs.append((start, prev))
+            start = r
+        prev = r
+    runs.append((start, prev))
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from cost_models.cluster import parse_cluster
 from cost_models.compute import TRAINING_KERNEL_EFFICIENCY
 from hetpar.commands.profile import profiles_option
-from hetpar.commands.common import console, domain_errors, gib, print_json, seconds
+from hetpar.commands.common import console, domain_errors, gib, print_json, rank_ranges, seconds
 from hetpar.commands.common import DType, Recompute, default_compiled, default_dtype
 from planner.estimate import Estimate, EstimateConfig, EstimateError, estimate as estimate_plan
 from planner.api import compiled_graph
@@ -91,19 +91,6 @@ def _names(text: Optional[str]) -> Optional[tuple[str, ...]]:
     return None if text is None else tuple(part.strip() for part in text.split(","))
 
 
-def _ranks_text(ranks: list[list[int]]) -> str:
-    """Ranks as runs, e.g. ``0-7, 16-23``."""
-    flat = sorted(r for replica in ranks for r in replica)
-    runs, start, prev = [], flat[0], flat[0]
-    for r in flat[1:]:
-        if r != prev + 1:
-            runs.append((start, prev))
-            start = r
-        prev = r
-    runs.append((start, prev))
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
 def print_summary(result: Estimate, layer_names: list[str]) -> None:
     """The estimate as a rich table and a few lines on stderr."""
     c = result.config
@@ -114,7 +101,7 @@ def print_summary(result: Estimate, layer_names: list[str]) -> None:
         layers = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in s.chunks)
         m = s.memory
         table.add_row(
-            str(s.index), layers, s.device_type, _ranks_text(s.ranks), f"{seconds(s.fwd_s)} / {seconds(s.bwd_s)}",
+            str(s.index), layers, s.device_type, rank_ranges(s.ranks), f"{seconds(s.fwd_s)} / {seconds(s.bwd_s)}",
             gib(m.weights_bytes + m.gradients_bytes + m.optimizer_bytes), gib(m.activations_bytes),
             f"{gib(m.total_bytes)} of {gib(s.capacity_bytes)}", "yes" if s.fits else "[bold red]no[/]",
         )

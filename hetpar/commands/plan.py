@@ -13,7 +13,7 @@ from rich.table import Table
 from cost_models.cluster import parse_cluster
 from cost_models.devices import get_device
 from hetpar.commands.profile import profiles_option
-from hetpar.commands.common import DType, Recompute, console, default_compiled, default_dtype, domain_errors, fail, gib, print_json, seconds
+from hetpar.commands.common import DType, Recompute, console, default_compiled, default_dtype, domain_errors, fail, gib, print_json, rank_ranges, seconds
 from planner.plan import ParallelPlan
 from planner.api import plan_model
 from planner.objective import Objective, resolve_prices, usd_per_step
@@ -163,7 +163,7 @@ def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[d
         table.add_column(column)
     for s in plan.stages:
         layers = names[s.layers[0]] if len(s.layers) == 1 else f"{names[s.layers[0]]} .. {names[s.layers[-1]]} ({len(s.layers)})"
-        ranks = ", ".join(str(r) for rep in s.ranks for r in rep)
+        ranks = rank_ranges(s.ranks)
         memory = plan.predicted.peak_memory_bytes[s.index % plan.pipeline_parallel]
         table.add_row(str(s.index), layers, s.device_type, str(s.tensor_parallel), ranks, s.recompute, str(s.zero_stage), gib(memory))
     console.print(table)
