@@ -14,6 +14,8 @@ from planner.objective import Objective, cheapest_plan
 from planner.plan import ParallelPlan
 from planner.options import PlanningError, SearchOptions
 from planner.search import search
+from planner.sync_methods import LOSSY_MIN_GAIN, DataParallelSync, cost_method, matrix_width
+from runtime.sync_spec import parse_aggregation
 from planner.trace import ModelGraph, trace_model
 from runtime.model_file import load_model_file
 
@@ -29,6 +31,7 @@ def plan_model(
     leaf_modules: tuple[str, ...] = (),
     objective: Objective | None = None,
     hetero_dp: str = "auto",
+    sync: DataParallelSync | None = None,
     on_traced: Callable[[ModelGraph], None] | None = None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> ParallelPlan:
@@ -39,18 +42,25 @@ def plan_model(
             either with a throughput target (planner.objective).
         hetero_dp: "auto" also tries replicas of one device type each on a mixed cluster
             and keeps the faster plan; "on" plans only that way; "off" never.
+        sync: how data-parallel replicas agree: compression (pinned, or chosen under
+            ``allow_lossy``), robust aggregation, local SGD, rebalancing (planner.sync_methods).
         on_traced: called with the ModelGraph once tracing is done (for progress display).
         progress: called as (done, total, description) while candidates are solved.
 
     Raises:
         runtime.model_file.ModelFileError, runtime.graph.TraceError, planner.search.PlanningError.
     """
+    if sync is not None and sync != DataParallelSync():  # a request no layout meets fails before tracing
+        options_now, _ = _sync_pins(options, hetero_dp, sync)
+        for compression in sync.compressions:
+            if compression != "none" or not sync.exact:
+                _zero_0(options_now, compression, sync)
     start = time.perf_counter()
     graph = trace_model(load_model_file(model_path, model_args or {}), tuple(leaf_modules))
     trace_time_s = round(time.perf_counter() - start, 3)
     if on_traced:
         on_traced(graph)
-    plan = plan_graph(graph, cluster, options, objective=objective, hetero_dp=hetero_dp, progress=progress)
+    plan = plan_graph(graph, cluster, options, objective=objective, hetero_dp=hetero_dp, sync=sync, progress=progress)
     return replace(plan, model=replace(plan.model, leaf_modules=list(leaf_modules)),
                    solver=replace(plan.solver, trace_time_s=trace_time_s))
 
@@ -68,6 +78,7 @@ def plan_graph(
     *,
     objective: Objective | None = None,
     hetero_dp: str = "auto",
+    sync: DataParallelSync | None = None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> ParallelPlan:
     """``plan_model`` on a traced model.
@@ -80,6 +91,64 @@ def plan_graph(
         graph = compiled_graph(graph)
     if hetero_dp not in HETERO_DP_CHOICES:
         raise PlanningError(f"unknown --hetero-dp {hetero_dp!r}; use one of {', '.join(HETERO_DP_CHOICES)}")
+    sync = sync or DataParallelSync()
+    if sync == DataParallelSync():
+        return _plan_graph(graph, cluster, options, objective, hetero_dp, progress)
+    options, hetero_dp = _sync_pins(options, hetero_dp, sync)
+    plans = []
+    for compression in sync.compressions:  # [Note: lossy sync choice] in planner.sync_methods
+        method = cost_method(compression, sync.aggregation, sync.sync_every, sync.sync_scope, optimizer=options.optimizer,
+                             width=matrix_width(graph.layers))
+        pinned = options if method.plain else _zero_0(options, compression, sync)
+        plan = _plan_graph(graph, cluster, replace(pinned, sync=method), objective, hetero_dp, progress)
+        plans.append(replace(plan, grad_compression=compression, aggregation=sync.aggregation, sync_every=sync.sync_every,
+                             sync_scope=sync.sync_scope, rebalance_every=sync.rebalance_every))
+    return _with_sync_alternatives(plans)
+
+
+def _sync_pins(options: SearchOptions, hetero_dp: str, sync: DataParallelSync) -> tuple[SearchOptions, str]:
+    """What the sync options require of the layout: enough replicas for a robust rule or local
+    SGD (and equal shares, so no heterogeneous data parallelism), one pipeline stage to rebalance."""
+    replicas = parse_aggregation(sync.aggregation).min_replicas() if sync.aggregation != "mean" else 2
+    if sync.aggregation != "mean" or sync.sync_every > 1:
+        what = f"--aggregation {sync.aggregation}" if sync.aggregation != "mean" else f"--sync-every {sync.sync_every}"
+        if options.dp is not None and options.dp < replicas:
+            raise PlanningError(f"{what} needs at least {replicas} data-parallel replicas; raise --dp {options.dp}")
+        if hetero_dp == "on":
+            raise PlanningError(f"{what} needs equal replica shares; drop --hetero-dp on")
+        return replace(options, min_dp=replicas), "off"
+    if sync.rebalance_every:
+        if options.pp not in (None, 1):
+            raise PlanningError(f"--rebalance-every needs one pipeline stage; drop --pp {options.pp}")
+        if options.dp == 1:
+            raise PlanningError("--rebalance-every moves samples between replicas; it needs --dp 2 or more")
+        return replace(options, pp=1, min_dp=2), hetero_dp
+    return options, hetero_dp
+
+
+def _zero_0(options: SearchOptions, compression: str, sync: DataParallelSync) -> SearchOptions:
+    """``options`` with ZeRO pinned to 0, which every sync but the plain all-reduce needs."""
+    if options.zero not in (None, 0):
+        what = f"--grad-compression {compression}" if compression != "none" else (
+            f"--aggregation {sync.aggregation}" if sync.aggregation != "mean" else f"--sync-every {sync.sync_every}")
+        raise PlanningError(f"{what} needs ZeRO 0 (FSDP reduces its own gradients); drop --zero {options.zero}")
+    return replace(options, zero=0)
+
+
+def _with_sync_alternatives(plans: list[ParallelPlan]) -> ParallelPlan:
+    """The fastest of one plan per compression (the first is exact when the search chose among
+    them): a lossy one must beat the first by LOSSY_MIN_GAIN; the others become alternatives."""
+    first = plans[0]
+    best = min(plans, key=lambda p: p.predicted.step_time_s)
+    if best is not first and first.grad_compression == "none" and \
+            best.predicted.step_time_s > (1 - LOSSY_MIN_GAIN) * first.predicted.step_time_s:
+        best = first
+    others = [plan_summary(p) for p in plans if p is not best]
+    return replace(best, alternatives=[*others, *best.alternatives])
+
+
+def _plan_graph(graph: ModelGraph, cluster: Cluster, options: SearchOptions, objective: Objective, hetero_dp: str,
+                progress: Callable[[int, int, str], None] | None) -> ParallelPlan:
 
     def solve(model: ModelGraph, on: Cluster, opts: SearchOptions, progress=None) -> ParallelPlan:
         return fastest_plan(model, on, opts, hetero_dp=hetero_dp, progress=progress)
@@ -139,7 +208,7 @@ def plan_summary(plan: ParallelPlan) -> dict[str, Any]:
         "kind": kind, "dp": plan.data_parallel, "tp": plan.stages[0].tensor_parallel, "pp": plan.pipeline_parallel,
         "micro_batch_size": plan.micro_batch_size, "schedule": plan.schedule.value, "recompute": plan.stages[0].recompute,
         "stage_layers": [len(s.layers) for s in plan.stages], "stage_devices": [s.device_type for s in plan.stages],
-        "step_time_s": plan.predicted.step_time_s,
+        "grad_compression": plan.grad_compression, "step_time_s": plan.predicted.step_time_s,
     }
     if plan.replica_batch_shares is not None:
         out["replica_batch_shares"] = list(plan.replica_batch_shares)

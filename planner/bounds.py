@@ -196,7 +196,8 @@ def _least_epilogue(cluster, cand: Candidate, slot: StageSlot, cols, tp: int, ze
     rates = optimizer_rates(cluster.profile(slot.device_type))
     per_layer, latency = [], []
     for zero in zeros:
-        lat, pb = _sync_linear(comm, cand.dp, zero, cluster.profile(slot.device_type), cand.num_microbatches)
+        lat, pb = _sync_linear(comm, cand.dp, zero, cluster.profile(slot.device_type), cand.num_microbatches, cand.sync,
+                               dtype_bytes(dtype))
         share = cols.params / cand.dp if cand.dp > 1 and zero > 0 else cols.params
         per_layer.append(pb * cols.params * dtype_bytes(dtype)
                          + rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[optimizer], cols.tensors, cols.sharded_tensors))

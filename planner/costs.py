@@ -58,6 +58,7 @@ from cost_models.collectives import (
     all_gather_time_s, all_reduce_time_s, grad_sync_scale, p2p_time_s, reduce_scatter_time_s, tensor_parallel_pass_s,
 )
 from cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
+from cost_models.grad_sync import PLAIN, SyncMethod, sync_seconds
 from cost_models.memory import (
     FRAGMENTATION_MARGIN,
     OPTIMIZER_BYTES_PER_PARAM,
@@ -130,6 +131,7 @@ class Candidate:
     # mixed devices (one degree for all). See [Note: per-stage tensor parallelism].
     tp_sum: tuple[tuple[str, int], ...] = ()
     stages_per_type: tuple[tuple[str, int], ...] = ()  # device type -> pipeline ranks it hosts (when typed)
+    sync: SyncMethod = PLAIN  # how the replicas agree ([Note: sync method costs] in cost_models.grad_sync)
 
     @property
     def num_chunks(self) -> int:
@@ -578,7 +580,8 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
         tables["gather_bwd_s"][k, :, c] = (ag_pb + rs_pb) * cols.params * elem
         lat["gather_fwd_latency_s"][k, c] = ag_lat
         lat["gather_bwd_latency_s"][k, c] = ag_lat + rs_lat
-    sync_lat, sync_pb = _sync_linear(comm, cand.dp, mode.zero_stage, cluster.profile(slot.device_type), cand.num_microbatches)
+    sync_lat, sync_pb = _sync_linear(comm, cand.dp, mode.zero_stage, cluster.profile(slot.device_type), cand.num_microbatches,
+                                     cand.sync, elem)
     share = params / cand.dp if sharded else params
     tables["epilogue_s"][k, :, c] = (sync_pb * params * elem
                                      + rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[optimizer], cols.tensors, cols.sharded_tensors))
@@ -640,25 +643,38 @@ def _cut_seconds(model: ModelGraph, cluster, cand: Candidate, dtype: str, src: S
 
 
 def _data_parallel_linear(cluster, dp: int, tp: int, slot: StageSlot, cache: dict) -> dict[str, tuple[float, float]]:
-    """(latency, per byte) of all-reduce, reduce-scatter and all-gather over the stage's replicas."""
+    """(latency, per byte) of all-reduce, reduce-scatter and all-gather over the stage's replicas, and
+    (``node_all_reduce``) of an all-reduce over those on the first replica's node."""
     group = [rep[0] for rep in slot.ranks]
     key = ("dp", tp, _place(cluster, group))
 
     def fit() -> dict[str, tuple[float, float]]:
         fns = {"all_reduce": all_reduce_time_s, "reduce_scatter": reduce_scatter_time_s, "all_gather": all_gather_time_s}
-        return {name: collective_linear(fn, group, cluster, tp) for name, fn in fns.items()}
+        fits = {name: collective_linear(fn, group, cluster, tp) for name, fn in fns.items()}
+        inside = [r for r in group if cluster.node_of(r) == cluster.node_of(group[0])]
+        return {**fits, "node_all_reduce": collective_linear(all_reduce_time_s, inside, cluster, tp)}
 
     return _memo(cache, key, fit)
 
 
-def _sync_linear(comm: dict[str, tuple[float, float]], dp: int, zero_stage: int, device, microbatches: int) -> tuple[float, float]:
-    """The gradient synchronisation of a step on ``device``: an all-reduce; ZeRO-1's
-    reduce-scatter and all-gather; ZeRO-2's reduce-scatter after every micro-batch's
-    backward ([Note: ZeRO through FSDP2] in runtime/data_parallel.py) and all-gather;
-    none under ZeRO-3 (per micro-batch, elsewhere). Times the device's ``grad_sync_scale``."""
+def _sync_linear(comm: dict[str, tuple[float, float]], dp: int, zero_stage: int, device, microbatches: int,
+                 sync: SyncMethod = PLAIN, elem_bytes: float = 4.0) -> tuple[float, float]:
+    """(latency, seconds per byte of gradient in the training dtype) of the gradient
+    synchronisation of a step on ``device``: an all-reduce, or the replicas' ``sync``
+    method ([Note: sync method costs]); ZeRO-1's reduce-scatter and all-gather; ZeRO-2's
+    reduce-scatter after every micro-batch's backward ([Note: ZeRO through FSDP2] in
+    runtime/data_parallel.py) and all-gather; none under ZeRO-3 (per micro-batch,
+    elsewhere). Times the device's ``grad_sync_scale``."""
     if dp == 1 or zero_stage == 3:
         return 0.0, 0.0
     scale = grad_sync_scale(device)
+    if zero_stage == 0 and not sync.plain:
+        def linear(kind: str, nbytes: float, scope: str) -> float:
+            a, b = comm["node_all_reduce" if scope == "node" else kind]
+            return a + b * nbytes
+        latency = sync_seconds(sync, 0.0, elem_bytes, dp, device, linear)
+        per_param = sync_seconds(sync, 1.0, elem_bytes, dp, device, linear) - latency
+        return latency * scale, per_param / elem_bytes * scale
     if zero_stage == 0:
         a, b = comm["all_reduce"]
         return a * scale, b * scale

@@ -42,6 +42,7 @@ from cost_models.collectives import (
 )
 from cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
 from cost_models.devices import DeviceProfile
+from cost_models.grad_sync import PLAIN, SyncMethod, collective_over, sync_seconds
 from cost_models.layers import LayerProfile, tp_misfit
 from cost_models.memory import (
     OPTIMIZER_BYTES_PER_PARAM,
@@ -92,6 +93,7 @@ class EstimateConfig:
     scatter_gather: bool = True  # Megatron's p2p optimisation (Narayanan et al. 2021, section 4.1)
     overlap_grad_reduce: bool = False
     kernel_efficiency: float | None = None  # None: each device's own (cost_models.compute.training_efficiency)
+    sync: SyncMethod = PLAIN  # how the replicas agree under zero_stage 0 ([Note: sync method costs])
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
@@ -538,7 +540,8 @@ def _dp_sync_s(params: float, cluster: Cluster, config: EstimateConfig, layout: 
     group, kw = [replica[0] for replica in layout.ranks], {"concurrent": len(layout.ranks[0])}
     scale = grad_sync_scale(cluster.profile(layout.device_type))
     if zero_stage == 0:
-        return all_reduce_time_s(nbytes, group, cluster, **kw) * scale
+        return sync_seconds(config.sync, params, dtype_bytes(config.dtype), config.dp, cluster.profile(layout.device_type),
+                            collective_over(group, cluster, **kw)) * scale
     scatters = config.num_microbatches if zero_stage == 2 else 1
     return (scatters * reduce_scatter_time_s(nbytes, group, cluster, **kw) + all_gather_time_s(nbytes, group, cluster, **kw)) * scale
 

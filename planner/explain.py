@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from html import escape
 from pathlib import Path
 
@@ -13,6 +13,7 @@ from cost_models.cluster import parse_cluster
 from planner.estimate import Estimate, EstimateConfig, estimate, stage_devices_of
 from planner.hetero_dp import estimate_shares
 from planner.plan import ParallelPlan, PlanError
+from planner.sync_methods import cost_method, matrix_width
 from planner.trace import trace_model
 from runtime.model_file import file_fingerprint, load_model_file
 from runtime.schedule import Kind, TimedRun
@@ -24,6 +25,7 @@ class Explanation:
 
     plan: ParallelPlan
     estimate: Estimate
+    plain_dp_comm_s: float  # the same plan's data-parallel communication under a plain all-reduce
 
 
 def explain_plan(plan: ParallelPlan, profiles: dict | None = None) -> Explanation:
@@ -56,9 +58,13 @@ def explain_plan(plan: ParallelPlan, profiles: dict | None = None) -> Explanatio
         stage_zero=tuple(s.zero_stage for s in ranks),
         stage_tp=tuple(s.tensor_parallel for s in ranks) if len({s.tensor_parallel for s in ranks}) > 1 else None,
         replica_batch_shares=tuple(plan.replica_batch_shares) if plan.replica_batch_shares is not None else None,
+        sync=cost_method(plan.grad_compression, plan.aggregation, plan.sync_every, plan.sync_scope, optimizer="adamw",
+                         width=matrix_width(graph.layers)),
     )
     predict = estimate if plan.replica_batch_shares is None else estimate_shares  # replicas of different device types
-    return Explanation(plan=plan, estimate=predict(graph, cluster, config))
+    result = predict(graph, cluster, config)
+    plain = result if config.sync.plain else predict(graph, cluster, replace(config, sync=replace(config.sync, kind="none")))
+    return Explanation(plan=plan, estimate=result, plain_dp_comm_s=plain.time.dp_comm_s)
 
 
 _COLOURS = {Kind.FORWARD: "#4e79a7", Kind.BACKWARD: "#59a14f", Kind.WEIGHT: "#8cd17d"}

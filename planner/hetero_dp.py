@@ -47,6 +47,7 @@ from typing import Callable
 
 from cost_models.cluster import Cluster
 from cost_models.collectives import all_reduce_time_s, grad_sync_scale
+from cost_models.grad_sync import collective_over, sync_seconds
 from cost_models.compute import dtype_bytes
 from cost_models.devices import ProfileError
 from planner.estimate import Estimate, EstimateConfig, EstimateError, estimate, stage_split
@@ -135,6 +136,8 @@ def sync_floor_s(model: ModelGraph, cluster: Cluster, options: SearchOptions) ->
     """
     if len(cluster.count_by_type()) < 2:
         return None
+    if not options.sync.plain:
+        return 0.0  # compression, robust rules, local SGD: priced per plan, no floor kept here
     grad_bytes = sum(l.params_at(1) for l in model.layers) * dtype_bytes(options.dtype)
     floors = []
     for size in replica_sizes(cluster, options):
@@ -324,12 +327,15 @@ def _predicted(model, cluster, classes, layout: Layout, options, replica_class, 
     ranks = _stage_ranks(classes, layout)
     sync_s, first = 0.0, 0
     for s, n in enumerate(layout.stage_layers):
-        nbytes = _stage_params(model, layout.tp, first, first + n - 1) * dtype_bytes(options.dtype)
+        params = _stage_params(model, layout.tp, first, first + n - 1)
         group = [rep[0] for rep in ranks[s]]
         # As planner/estimate.py's data-parallel sync: what it costs inside a training step
         # (a measured profile's grad_sync_scale), set by the slowest device type taking part.
         scale = max(grad_sync_scale(cluster.group_of(rank).device) for rank in group)
-        sync_s = max(sync_s, all_reduce_time_s(nbytes, group, cluster, concurrent=layout.tp) * scale)
+        narrowest = min((cluster.group_of(rank).device for rank in group), key=lambda d: d.mem_bw_bytes_per_s)
+        seconds = sync_seconds(options.sync, params, dtype_bytes(options.dtype), len(group), narrowest,
+                               collective_over(group, cluster, concurrent=layout.tp))
+        sync_s = max(sync_s, seconds * scale)
         first += n
     optimizer_s = max(r.time.optimizer_s for r in runs.values())
     step = slowest.predicted.step_time_s - slowest.time.optimizer_s + sync_s + optimizer_s

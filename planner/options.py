@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from ortools.sat.python import cp_model
 
 from cost_models.devices import ProfileError
+from cost_models.grad_sync import PLAIN, SyncMethod
 from cost_models.layers import tp_misfit
 from cost_models.pipeline import SCHEDULES
 
@@ -53,6 +54,8 @@ class SearchOptions:
     seed: int = 0
     top_k: int = 3
     compiled: bool = False  # stages run under torch.compile ([Note: compiled stages] in cost_models.compute)
+    sync: SyncMethod = PLAIN  # how replicas agree, priced (planner.sync_methods); not PLAIN: ZeRO 0 only
+    min_dp: int = 1  # fewest data-parallel replicas (robust aggregation and local SGD need several)
 
 
 def to_ticks(seconds: float, tick_s: float) -> int:

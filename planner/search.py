@@ -90,7 +90,7 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
     tp_ok = any(l.tp_capable for l in model.layers)
     out = []
     for dp in divisors(cluster.world_size):
-        if gbs % dp or (options.dp is not None and options.dp != dp):
+        if gbs % dp or (options.dp is not None and options.dp != dp) or dp < options.min_dp:
             continue
         for degrees, tp_sum, per_type in _layouts(model, cluster, options, dp, tp_ok):
             pp = sum(n for _, n in per_type) if per_type else cluster.world_size // (dp * degrees[0])
@@ -104,7 +104,8 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
                     modes = stage_modes(options, dp=dp, schedule=schedule, degrees=degrees)
                     if modes:
                         out.append(Candidate(dp=dp, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule=schedule,
-                                             virtual_stages=v, modes=modes, tp_sum=tp_sum, stages_per_type=per_type))
+                                             virtual_stages=v, modes=modes, tp_sum=tp_sum, stages_per_type=per_type,
+                                             sync=options.sync))
     if not out:
         raise PlanningError(_no_candidate_reason(model, cluster, options, tp_ok))
     return out
@@ -604,7 +605,7 @@ def _simulated_prediction(model: ModelGraph, cluster, options: SearchOptions, ca
         optimizer=options.optimizer, stage_layers=tuple(b - a + 1 for a, b in bounds),
         stage_devices=stage_devices_of([s.ranks for s in ranks], cluster.device_types()),
         stage_recompute=tuple(s.recompute for s in stages), stage_zero=tuple(s.zero_stage for s in ranks),
-        stage_tp=degrees if len(set(degrees)) > 1 else None,
+        stage_tp=degrees if len(set(degrees)) > 1 else None, sync=cand.sync,
     )
     try:
         result = estimate(model, cluster, config)

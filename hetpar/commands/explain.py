@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from hetpar.commands.common import console, domain_errors, gib, print_json, seconds
+from hetpar.commands.plan import sync_description
 from planner.explain import explain_plan, timeline_svg
 from planner.plan import ParallelPlan, write_text_atomic
 from runtime.schedule import Kind
@@ -42,6 +43,11 @@ def explain(
         f"tp comm {seconds(t.tp_comm_s)}, pp comm {seconds(t.pp_comm_s)}, dp comm {seconds(t.dp_comm_s)}, "
         f"optimizer {seconds(t.optimizer_s)}  ({est.tflops_per_device:.2f} TFLOP/s per device, MFU {est.mfu:.1%})"
     )
+    if plan.data_parallel > 1:
+        saved = result.plain_dp_comm_s - t.dp_comm_s
+        console.print(f"data-parallel sync: {sync_description(plan)}"
+                      + (f"; a plain all-reduce would take {seconds(result.plain_dp_comm_s)} per step "
+                         f"({'saves' if saved >= 0 else 'costs'} {seconds(abs(saved))})" if saved else ""))
     console.print(_text_timeline(est.timeline, labels, width=max(20, console.width - 12)), soft_wrap=True)
     if timeline is not None:
         console.print(f"wrote {timeline}")

@@ -19,6 +19,7 @@ from planner.api import plan_model
 from planner.objective import Objective, resolve_prices, usd_per_step
 from planner.resume import find_resume_point
 from planner.search import SearchOptions
+from planner.sync_methods import DataParallelSync
 from runtime.model_file import parse_model_args
 
 
@@ -69,6 +70,12 @@ def plan(
     price: Annotated[Optional[list[str]], typer.Option(help="TYPE=USD: price of one device of TYPE per hour, for --objective cost; repeatable (overrides the cluster file's).")] = None,
     min_throughput: Annotated[float, typer.Option(help="Throughput target in samples/s the plan must reach.")] = 0.0,
     hetero_dp: Annotated[HeteroDP, typer.Option(help="Data-parallel replicas on different device types (mixed clusters): auto keeps the faster plan, on forces it, off never.")] = HeteroDP.auto,
+    grad_compression: Annotated[Optional[str], typer.Option(help="Pin how data-parallel gradients travel: none|bf16|fp16|powersgd:R|topk:F|sign (lossy but none; docs/running.md) [default: none, or the search's choice with --allow-lossy-sync].", show_default=False)] = None,
+    allow_lossy_sync: Annotated[bool, typer.Option(help="Let the search pick a lossy gradient compression (bf16, powersgd:4, topk:0.01, sign) where it is predicted at least 2% faster.")] = False,
+    aggregation: Annotated[str, typer.Option(help="How replicas' gradients combine: mean|trimmed-mean:B|median|krum:F (robust to F bad replicas; gathers every gradient).")] = "mean",
+    sync_every: Annotated[int, typer.Option(help="Local SGD: replicas step alone and average parameters and optimizer state every K steps (1: plain data parallelism).")] = 1,
+    sync_scope: Annotated[str, typer.Option(help="With --sync-every K: all (every replica waits K steps), or node (gradients all-reduced inside a node every step, across nodes every K).")] = "all",
+    rebalance_every: Annotated[int, typer.Option(help="Move samples between replicas every N steps by their measured speed (one pipeline stage; 0: never).")] = 0,
     resume_from: Annotated[Optional[Path], typer.Option(help="Checkpoint directory of a run to continue on this cluster (a program's --checkpoint-dir, any plan of this model): checks it holds this model's checkpoints and says which step the new plan's program continues from.")] = None,
 ) -> None:
     """Find the fastest parallel plan for MODEL_FILE on a cluster (or the cheapest, on part of it) and write it as JSON."""
@@ -102,6 +109,8 @@ def plan(
             objective=Objective(kind=objective.value, usd_per_device_hour=_prices(price or []),
                                 min_throughput_samples_per_s=min_throughput),
             hetero_dp=hetero_dp.value,
+            sync=DataParallelSync(grad_compression=grad_compression, aggregation=aggregation, sync_every=sync_every,
+                                  sync_scope=sync_scope, rebalance_every=rebalance_every, allow_lossy=allow_lossy_sync),
             on_traced=lambda graph: (status.stop(), bar.update(task, visible=True), notes.extend(measured_layers_notes(graph, the_cluster))),
             progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what),
         )
@@ -119,6 +128,28 @@ def plan(
         console.print(f"hetpar: {resume.describe(resume_from, global_batch)}", soft_wrap=True)
     if as_json:
         print_json(__import__("json").loads(result.to_json()))
+
+
+def sync_description(plan: ParallelPlan) -> str:
+    """How the plan's replicas agree, and what the choice saves per step against the other
+    compressions planned (its ``alternatives``)."""
+    parts = []
+    if plan.sync_every > 1:
+        scope = ", gradients all-reduced inside each node every step" if plan.sync_scope == "node" else ""
+        parts.append(f"local SGD, parameters and optimizer state averaged every {plan.sync_every} steps{scope}")
+    elif plan.aggregation != "mean":
+        parts.append(f"robust aggregation {plan.aggregation} of the gathered gradients")
+    elif plan.grad_compression != "none":
+        parts.append(f"gradients compressed {plan.grad_compression} (lossy)")
+    else:
+        parts.append("exact all-reduce of the gradients")
+    if plan.rebalance_every:
+        parts.append(f"replica shares moved by measured speed every {plan.rebalance_every} steps")
+    parts.append(f"dp comm {seconds(plan.predicted.dp_comm_time_s)} per step")
+    for other in (a for a in plan.alternatives if a.get("grad_compression", plan.grad_compression) != plan.grad_compression):
+        saved = other["step_time_s"] - plan.predicted.step_time_s
+        parts.append(f"{'saves' if saved >= 0 else 'costs'} {seconds(abs(saved))} per step against {other['grad_compression']}")
+    return "; ".join(parts)
 
 
 def measured_layers_notes(graph, cluster) -> list[str]:
@@ -181,6 +212,8 @@ def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[d
         console.print(f"cost: ${usd_per_step(plan, prices):.4g} per step on {plan.cluster.world_size} devices ({plan.cluster.spec})")
     if plan.replica_batch_shares is not None:
         console.print(f"heterogeneous data parallelism: micro-batch size per replica {plan.replica_batch_shares}")
+    if plan.data_parallel > 1:
+        console.print(f"data-parallel sync: {sync_description(plan)}")
     info = plan.solver
     status = f"{info.status}: {info.reason}" if info.reason else info.status
     console.print(f"solver: {status} over {info.candidates} candidates; trace {info.trace_time_s:.2f} s, search {info.search_time_s:.2f} s")
