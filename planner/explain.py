@@ -42,8 +42,17 @@ def explain_plan(plan: ParallelPlan, profiles: dict | None = None) -> Explanatio
         raise PlanError(f"model file {str(path)!r} changed since planning; re-run hetpar plan")
     graph = trace_model(load_model_file(path, plan.model.args), tuple(plan.model.leaf_modules))
     cluster = parse_cluster(plan.cluster.spec, profiles=profiles)
+    config = estimate_config(plan, graph)
+    predict = estimate if plan.replica_batch_shares is None else estimate_shares  # replicas of different device types
+    result = predict(graph, cluster, config)
+    plain = result if config.sync.plain else predict(graph, cluster, replace(config, sync=replace(config.sync, kind="none")))
+    return Explanation(plan=plan, estimate=result, plain_dp_comm_s=plain.time.dp_comm_s)
+
+
+def estimate_config(plan: ParallelPlan, graph) -> EstimateConfig:
+    """``plan``'s configuration as ``estimate`` takes it (``graph``: the plan's model, traced)."""
     ranks = plan.stages[: plan.pipeline_parallel]  # with virtual stages, stages[s] runs on ranks[s % pp]
-    config = EstimateConfig(
+    return EstimateConfig(
         global_batch_size=plan.global_batch_size,
         dp=plan.data_parallel,
         tp=ranks[0].tensor_parallel,
@@ -61,10 +70,6 @@ def explain_plan(plan: ParallelPlan, profiles: dict | None = None) -> Explanatio
         sync=cost_method(plan.grad_compression, plan.aggregation, plan.sync_every, plan.sync_scope, optimizer="adamw",
                          width=matrix_width(graph.layers)),
     )
-    predict = estimate if plan.replica_batch_shares is None else estimate_shares  # replicas of different device types
-    result = predict(graph, cluster, config)
-    plain = result if config.sync.plain else predict(graph, cluster, replace(config, sync=replace(config.sync, kind="none")))
-    return Explanation(plan=plan, estimate=result, plain_dp_comm_s=plain.time.dp_comm_s)
 
 
 _COLOURS = {Kind.FORWARD: "#4e79a7", Kind.BACKWARD: "#59a14f", Kind.WEIGHT: "#8cd17d"}
