@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -61,6 +62,19 @@ def pack(entries: Iterable[tuple[nn.Parameter, torch.dtype, int]]) -> list[list[
     return buckets
 
 
+def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every group member's ``t`` stacked in group order: (members, *t.shape).
+
+    torch 2.13 names this collective ``all_gather_single`` (``all_gather_into_tensor``
+    is deprecated there); older releases have only the latter. The output is gathered
+    flat, the layout gloo requires.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    out = torch.empty(group.size() * t.numel(), dtype=t.dtype, device=t.device)
+    gather(out, t.contiguous().reshape(-1), group=group)
+    return out.view(group.size(), *t.shape)
+
+
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``tensors`` concatenated into one new flat tensor."""
     return torch.cat([t.reshape(-1) for t in tensors])
@@ -78,4 +92,4 @@ def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor], divisor: int = 1)
         offset += t.numel()
 
 
-__all__ = ["BUCKET_CAP_BYTES", "GradientSync", "flatten", "grad_buckets", "local", "pack", "unflatten"]
+__all__ = ["BUCKET_CAP_BYTES", "GradientSync", "all_gather_rows", "flatten", "grad_buckets", "local", "pack", "unflatten"]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from runtime.buckets import GradientSync, flatten, grad_buckets, local, unflatten
+from runtime.buckets import GradientSync, all_gather_rows, flatten, grad_buckets, local, unflatten
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32)
 
@@ -94,13 +94,6 @@ def sign_decompress(packed: torch.Tensor, scales: torch.Tensor, numel: int) -> t
     return dense.div_(packed.shape[0])
 
 
-def _all_gather(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every replica's ``t`` stacked: (replicas, *t.shape)."""
-    out = torch.empty(group.size() * t.numel(), dtype=t.dtype, device=t.device)  # flat: gloo's layout
-    dist.all_gather_into_tensor(out, t.contiguous().reshape(-1), group=group)
-    return out.view(group.size(), *t.shape)
-
-
 class ErrorFeedbackSync(GradientSync):
     """Top-k (``fraction``) or sign compression over the data-parallel group; see [Note: error feedback]."""
 
@@ -119,10 +112,10 @@ class ErrorFeedbackSync(GradientSync):
             if self.kind == "topk":
                 k = max(1, math.ceil(self.fraction * flat.numel()))
                 indices, values, self.residuals[i] = topk_compress(flat, self.residuals.get(i), k)
-                dense = topk_decompress(_all_gather(indices, self.group), _all_gather(values, self.group), flat.numel())
+                dense = topk_decompress(all_gather_rows(indices, self.group), all_gather_rows(values, self.group), flat.numel())
             else:
                 bits, scale, self.residuals[i] = sign_compress(flat, self.residuals.get(i))
-                dense = sign_decompress(_all_gather(bits, self.group), _all_gather(scale, self.group), flat.numel())
+                dense = sign_decompress(all_gather_rows(bits, self.group), all_gather_rows(scale, self.group), flat.numel())
             unflatten(dense, grads)
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from runtime.buckets import GradientSync, flatten, grad_buckets, local, unflatten
+from runtime.buckets import GradientSync, all_gather_rows, flatten, grad_buckets, local, unflatten
 
 
 def coordinate_rule(stacked: torch.Tensor, kind: str, trim: int = 0) -> torch.Tensor:
@@ -72,12 +72,6 @@ def krum_choice(distances: torch.Tensor, bad: int) -> list[int]:
     return sorted(sorted(range(n), key=lambda r: (scores[r], r))[: n - bad])
 
 
-def _all_gather(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out = torch.empty(group.size() * t.numel(), dtype=t.dtype, device=t.device)  # flat: gloo's layout
-    dist.all_gather_into_tensor(out, t, group=group)
-    return out.view(group.size(), t.numel())
-
-
 class RobustAggregate(GradientSync):
     """A robust rule over the data-parallel group; see [Note: robust aggregation]."""
 
@@ -95,13 +89,13 @@ class RobustAggregate(GradientSync):
             self._krum(buckets)
             return
         for _, grads in buckets:
-            unflatten(coordinate_rule(_all_gather(flatten(grads), self.group), self.kind, self.param), grads)
+            unflatten(coordinate_rule(all_gather_rows(flatten(grads), self.group), self.kind, self.param), grads)
 
     def _krum(self, buckets: list[tuple[list[nn.Parameter], list[torch.Tensor]]]) -> None:
         n = self.group.size()
         distances = torch.zeros((n, n), dtype=torch.float64, device=self._device())
         for _, grads in buckets:
-            distances += squared_distances(_all_gather(flatten(grads), self.group))
+            distances += squared_distances(all_gather_rows(flatten(grads), self.group))
         dist.all_reduce(distances)  # every stage and shard of each replica: one choice on every rank
         chosen = krum_choice(distances, self.param)
         mine = dist.get_rank(self.group) in chosen
