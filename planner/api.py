@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import multiprocessing
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -186,19 +190,43 @@ def fastest_plan(
         return hetero_dp_plan(graph, cluster, options)
     if hetero_dp == "off" or len(cluster.count_by_type()) < 2:
         return search(graph, cluster, options, progress=progress)
-    try:
-        searched = search(graph, cluster, options, progress=progress)
-    except PlanningError as exc:
+    with _beside(_hetero_dp_or_error, graph, cluster, options) as other:
         try:
-            return hetero_dp_plan(graph, cluster, options)
-        except PlanningError:
-            raise exc from None
-    try:
-        hetero = hetero_dp_plan(graph, cluster, options)
-    except PlanningError:
+            searched = search(graph, cluster, options, progress=progress)
+        except PlanningError as exc:
+            searched = exc
+        hetero = other()
+    if isinstance(searched, PlanningError):
+        if isinstance(hetero, PlanningError):
+            raise searched
+        return hetero
+    if isinstance(hetero, PlanningError):
         return searched
     faster, other = (hetero, searched) if hetero.predicted.step_time_s < searched.predicted.step_time_s else (searched, hetero)
     return replace(faster, alternatives=[plan_summary(other), *faster.alternatives])
+
+
+def _hetero_dp_or_error(graph: ModelGraph, cluster: Cluster, options: SearchOptions) -> ParallelPlan | PlanningError:
+    try:
+        return hetero_dp_plan(graph, cluster, options)
+    except PlanningError as exc:
+        return exc
+
+
+# [Note: both cores]
+# On a mixed cluster the search and the heterogeneous data-parallel plan are independent
+# and each deterministic, so the second runs in a forked process beside the first when
+# the machine has a core to spare, and the faster is kept exactly as if they had run one
+# after the other: the plan does not depend on how many cores there are, only the wall time.
+@contextlib.contextmanager
+def _beside(fn: Callable, *args: Any):
+    """Start ``fn(*args)`` in another process where a core is free; yields a call that returns its result."""
+    if (os.cpu_count() or 1) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        yield lambda: fn(*args)
+        return
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork")) as pool:
+        future = pool.submit(fn, *args)
+        yield future.result
 
 
 def plan_summary(plan: ParallelPlan) -> dict[str, Any]:

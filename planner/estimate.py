@@ -442,7 +442,9 @@ class _ChunkCost:
         return compute, tp, gather
 
 
-def _chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bounds, layout: StageLayout, chunk: int) -> _ChunkCost:
+def _chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bounds, layout: StageLayout, chunk: int,
+                memo: dict) -> _ChunkCost:
+    """One chunk's action seconds; ``memo`` keeps each layer kind's tensor-parallel collectives over one group for the estimate."""
     first, last = bounds
     layers = model.layers[first : last + 1]
     device = cluster.profile(layout.device_type)
@@ -450,8 +452,15 @@ def _chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bou
     times = [layer_timing(l, device, tp=tp, micro_batch_size=config.micro_batch_size, dtype=config.dtype,
                           kernel_efficiency=config.kernel_efficiency) for l in layers]
     scale = config.micro_batch_size * dtype_bytes(config.dtype) / 4
-    tp_fwd, tp_bwd = (sum(tensor_parallel_pass_s(l.tp_collectives, p, scale, layout.ranks[0], cluster) for l in layers)
-                      for p in ("forward", "backward"))
+    group = tuple(layout.ranks[0])
+
+    def pass_s(l: LayerProfile, p: str) -> float:
+        key = (l.tp_collectives, p, scale, group)
+        if key not in memo:
+            memo[key] = tensor_parallel_pass_s(l.tp_collectives, p, scale, layout.ranks[0], cluster)
+        return memo[key]
+
+    tp_fwd, tp_bwd = (sum(pass_s(l, p) for l in layers) for p in ("forward", "backward"))
     fwd = sum(t.fwd_s for t in times)
     full = config.recompute_of(chunk) == "full"
     gather_fwd, gather_bwd = _zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp))
@@ -622,7 +631,8 @@ def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -> Est
     layouts = stage_layout(cluster, config)
     split = stage_split(model, config)
     bounds = split.bounds
-    costs = [_chunk_cost(model, cluster, config, b, layouts[k % config.pp], k) for k, b in enumerate(bounds)]
+    memo: dict = {}
+    costs = [_chunk_cost(model, cluster, config, b, layouts[k % config.pp], k, memo) for k, b in enumerate(bounds)]
     played = _play(model, cluster, config, layouts, bounds, costs)
     stages = [_stage_estimate(model, config, layouts, bounds, played, r) for r in range(config.pp)]
     return _assemble(model, cluster, config, layouts, split, played, stages)

@@ -270,7 +270,7 @@ def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, op
     runs: dict[tuple[int, int], Estimate | None] = {}
 
     best: _Choice | None = None
-    for m in divisors(gbs):
+    for m in divisors(gbs)[::-1]:  # many micro-batches first: short bubbles, a best plan early for the bound below
         if (gbs // m) % dp or (layout.schedule == "interleaved" and m % layout.pp):
             continue
 
@@ -278,6 +278,10 @@ def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, op
             run = _replica_run(model, classes[k], layout, options, b, m, runs)
             return math.inf if run is None else run.predicted.step_time_s - run.time.optimizer_s
 
+        # Every replica takes at least one sample per micro-batch and the pipeline time grows with it, so the
+        # step is at least the slowest class at one: an m that cannot beat the best so far needs no balance.
+        if best is not None and max(time_s(k, 1) for k in set(replica_class)) >= best.predicted.step_time_s:
+            continue
         shares = balance_shares(time_s, replica_class, gbs // m)
         if shares is None:
             continue

@@ -31,6 +31,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 
 class ScheduleError(ValueError):
@@ -381,9 +382,8 @@ def simulate(schedule: list[list[Action]]) -> list[list[Action | None]]:
     return [t[:width] for t in timeline]
 
 
-@dataclass(frozen=True, kw_only=True)
-class TimedAction:
-    """One action as the timed simulator ran it."""
+class TimedAction(NamedTuple):
+    """One action as the timed simulator ran it (a named tuple: a planner's estimate makes hundreds of thousands)."""
 
     action: Action
     start_s: float
