@@ -27,7 +27,9 @@ _COUNTS_AND_TYPE = re.compile(r"^(?:(?P<nodes>\d+)x)?(?P<devices>\d+)x(?P<type>[
 # "200gx8", "200Gx8", "12.5gbpsx1"
 _NIC = re.compile(r"^(?P<rate>\d+(?:\.\d+)?)(?:g|gbps|gb/s)x(?P<nics>\d+)$", re.IGNORECASE)
 
-_GROUP_KEYS = ("nodes", "devices_per_node", "device", "nic_gbps", "nics_per_node", "intra_node_gbps", "usd_per_device_hour")
+_GROUP_KEYS = ("nodes", "devices_per_node", "device", "nic_gbps", "nics_per_node", "intra_node_gbps", "usd_per_device_hour", "zone")
+_ZONE_KEYS = ("name", "carbon_g_per_kwh")
+_LINK_KEYS = ("zones", "gbps", "latency_ms")
 
 
 class ClusterSpecError(ValueError):
@@ -49,6 +51,7 @@ class NodeGroup:
     nics_per_node: int
     intra_node_bw_bytes_per_s: float  # from the device unless overridden in TOML
     usd_per_device_hour: float | None = None  # what one device costs per hour, for --objective cost; None: not given
+    zone: str = ""  # the site (data centre) of its nodes; "" in a cluster of one unnamed zone
 
     def __post_init__(self) -> None:
         counts = {"num_nodes": self.num_nodes, "devices_per_node": self.devices_per_node, "nics_per_node": self.nics_per_node}
@@ -71,15 +74,70 @@ class NodeGroup:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Zone:
+    """A site whose nodes share a data centre network; ``carbon_g_per_kwh`` is its grid's intensity, where given."""
+
+    name: str
+    carbon_g_per_kwh: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WanLink:
+    """The wide-area link between two zones: what all traffic between them shares, one direction.
+
+    ``latency_s`` is one way (half the round trip a ping reports).
+    """
+
+    zones: tuple[str, str]
+    bw_bytes_per_s: float
+    latency_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class Cluster:
-    """The devices of a training job, as node groups in the order the spec lists them."""
+    """The devices of a training job, as node groups in the order the spec lists them.
+
+    A cluster spans one or more zones (sites); every two zones its groups use are joined
+    by a ``WanLink`` (docs/cluster-format.md, "Zones and WAN links").
+    """
 
     spec: str  # the shorthand or file path it was parsed from
     groups: tuple[NodeGroup, ...]
+    zones: tuple[Zone, ...] = ()  # named in a cluster file; empty: one unnamed zone
+    links: tuple[WanLink, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.groups:
             raise ClusterSpecError(f"cluster '{self.spec}' has no node groups")
+        _check_zones(self)
+
+    @cached_property
+    def zone_names(self) -> tuple[str, ...]:
+        """The zones the groups use, in the order they first appear."""
+        return tuple(dict.fromkeys(g.zone for g in self.groups))
+
+    def zone_of(self, rank: int) -> str:
+        """The zone of the node that holds ``rank``.
+
+        Raises:
+            ValueError: ``rank`` is outside 0 .. world_size - 1.
+        """
+        return self._locate(rank)[0].zone
+
+    def wan_link(self, a: str, b: str) -> WanLink:
+        """The link between zones ``a`` and ``b`` (two different zones of the cluster).
+
+        Raises:
+            KeyError: no link joins them.
+        """
+        for link in self.links:
+            if set(link.zones) == {a, b}:
+                return link
+        raise KeyError(f"no link between zones {a!r} and {b!r}")
+
+    def carbon_g_per_kwh(self, zone: str) -> float | None:
+        """The grid intensity of ``zone`` in grams of CO2 per kWh, or None when the file gives none."""
+        return next((z.carbon_g_per_kwh for z in self.zones if z.name == zone), None)
 
     @cached_property
     def world_size(self) -> int:
@@ -191,6 +249,37 @@ class Cluster:
             if rank < first_rank + g.num_devices:
                 return g, first_node + (rank - first_rank) // g.devices_per_node
         raise AssertionError("unreachable: rank checked against world_size")
+
+
+def _check_zones(cluster: Cluster) -> None:
+    """Raise ClusterSpecError unless the groups' zones are declared and every two of them are linked."""
+    names = [z.name for z in cluster.zones]
+    if len(set(names)) != len(names):
+        raise ClusterSpecError(f"cluster '{cluster.spec}': zone names repeat: {', '.join(names)}")
+    for z in cluster.zones:
+        if z.carbon_g_per_kwh is not None and not z.carbon_g_per_kwh >= 0:
+            raise ClusterSpecError(f"cluster '{cluster.spec}' zone {z.name!r}: carbon_g_per_kwh must be >= 0, got {z.carbon_g_per_kwh!r}")
+    used = cluster.zone_names
+    if names and not set(used) <= set(names):
+        unknown = sorted(set(used) - set(names))
+        raise ClusterSpecError(f"cluster '{cluster.spec}': groups name zones {', '.join(map(repr, unknown))} that no [[zone]] declares "
+                               f"(declared: {', '.join(names)})")
+    known = set(names or used)
+    pairs = set()
+    for link in cluster.links:
+        a, b = link.zones
+        if a == b or not {a, b} <= known:
+            raise ClusterSpecError(f"cluster '{cluster.spec}': a link joins two different zones of the cluster ({', '.join(sorted(known))}), "
+                                   f"got {a!r} and {b!r}")
+        if frozenset((a, b)) in pairs:
+            raise ClusterSpecError(f"cluster '{cluster.spec}': two links join zones {a!r} and {b!r}")
+        if not (link.bw_bytes_per_s > 0 and link.latency_s >= 0):
+            raise ClusterSpecError(f"cluster '{cluster.spec}': the link {a!r}-{b!r} needs gbps > 0 and latency_ms >= 0")
+        pairs.add(frozenset((a, b)))
+    for a, b in ((a, b) for i, a in enumerate(used) for b in used[i + 1:]):
+        if frozenset((a, b)) not in pairs:
+            raise ClusterSpecError(f"cluster '{cluster.spec}': zones {a!r} and {b!r} both hold nodes but no [[link]] joins them; "
+                                   "add one with zones, gbps and latency_ms")
 
 
 def parse_cluster(spec: str, profiles: Mapping[str, DeviceProfile] | None = None) -> Cluster:
@@ -326,14 +415,45 @@ def cluster_from_dict(data: dict[str, Any], *, spec: str) -> Cluster:
     Raises:
         ClusterSpecError: unknown or missing keys, bad values, or an unknown device type.
     """
-    extra = sorted(set(data) - {"group"})
+    extra = sorted(set(data) - {"group", "zone", "link"})
     if extra:
-        raise ClusterSpecError(f"cluster file '{spec}': unknown top-level keys {', '.join(extra)}; only [[group]] tables are allowed")
+        raise ClusterSpecError(f"cluster file '{spec}': unknown top-level keys {', '.join(extra)}; "
+                               "only [[group]], [[zone]] and [[link]] tables are allowed")
     tables = data.get("group")
     if not isinstance(tables, list) or not tables:
         raise ClusterSpecError(f"cluster file '{spec}' has no [[group]] tables; see docs/cluster-format.md")
     groups = tuple(_group_from_table(table, index, spec) for index, table in enumerate(tables))
-    return Cluster(spec=spec, groups=groups)
+    for key in ("zone", "link"):
+        if not isinstance(data.get(key, []), list):
+            raise ClusterSpecError(f"cluster file '{spec}': {key} must be a list of [[{key}]] tables")
+    zones = tuple(_zone_from_table(table, index, spec) for index, table in enumerate(data.get("zone", [])))
+    links = tuple(_link_from_table(table, index, spec) for index, table in enumerate(data.get("link", [])))
+    if (zones or any(g.zone for g in groups)) and any(not g.zone for g in groups):
+        raise ClusterSpecError(f"cluster file '{spec}' has zones, so every [[group]] needs zone = the name of its site")
+    return Cluster(spec=spec, groups=groups, zones=zones, links=links)
+
+
+def _zone_from_table(table: Any, index: int, spec: str) -> Zone:
+    where = f"cluster file '{spec}' zone {index}"
+    if not isinstance(table, dict) or set(table) - set(_ZONE_KEYS) or not isinstance(table.get("name"), str) or not table["name"]:
+        raise ClusterSpecError(f"{where}: a [[zone]] has a non-empty name and optionally carbon_g_per_kwh")
+    carbon = table.get("carbon_g_per_kwh")
+    if carbon is not None and (not isinstance(carbon, (int, float)) or isinstance(carbon, bool) or carbon < 0):
+        raise ClusterSpecError(f"{where}: carbon_g_per_kwh must be a number >= 0 (grams of CO2 per kWh), got {carbon!r}")
+    return Zone(name=table["name"], carbon_g_per_kwh=None if carbon is None else float(carbon))
+
+
+def _link_from_table(table: Any, index: int, spec: str) -> WanLink:
+    where = f"cluster file '{spec}' link {index}"
+    if not isinstance(table, dict) or set(table) != set(_LINK_KEYS):
+        raise ClusterSpecError(f"{where}: a [[link]] has exactly the keys {', '.join(_LINK_KEYS)}")
+    zones, gbps, latency_ms = table["zones"], table["gbps"], table["latency_ms"]
+    if not (isinstance(zones, list) and len(zones) == 2 and all(isinstance(z, str) for z in zones)):
+        raise ClusterSpecError(f"{where}: zones must name two zones, e.g. zones = [\"eu\", \"us\"], got {zones!r}")
+    for key, value, low in (("gbps", gbps, "> 0"), ("latency_ms", latency_ms, ">= 0")):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value > 0 if key == "gbps" else value >= 0):
+            raise ClusterSpecError(f"{where}: {key} must be a number {low}, got {value!r}")
+    return WanLink(zones=(zones[0], zones[1]), bw_bytes_per_s=gbps * _GBPS, latency_s=latency_ms / 1e3)
 
 
 def _group_from_table(table: dict[str, Any], index: int, spec: str) -> NodeGroup:
@@ -367,7 +487,14 @@ def _group_from_table(table: dict[str, Any], index: int, spec: str) -> NodeGroup
             table["intra_node_gbps"] * _GBPS if "intra_node_gbps" in table else device.intra_node_bw_bytes_per_s
         ),
         usd_per_device_hour=None if price is None else float(price),
+        zone=_zone_name(table.get("zone", ""), where),
     )
+
+
+def _zone_name(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ClusterSpecError(f"{where}: zone must be the name of a [[zone]], got {value!r}")
+    return value
 
 
 def cluster_to_toml(cluster: Cluster) -> str:
@@ -393,4 +520,13 @@ def cluster_to_toml(cluster: Cluster) -> str:
         ]
         if g.usd_per_device_hour is not None:
             lines.append(f"usd_per_device_hour = {g.usd_per_device_hour!r}")
+        if g.zone:
+            lines.append(f'zone = "{g.zone}"')
+    for z in cluster.zones:
+        lines += ["", "[[zone]]", f'name = "{z.name}"']
+        if z.carbon_g_per_kwh is not None:
+            lines.append(f"carbon_g_per_kwh = {z.carbon_g_per_kwh!r}")
+    for link in cluster.links:
+        lines += ["", "[[link]]", f'zones = ["{link.zones[0]}", "{link.zones[1]}"]',
+                  f"gbps = {link.bw_bytes_per_s / _GBPS!r}", f"latency_ms = {link.latency_s * 1e3!r}"]
     return "\n".join(lines) + "\n"

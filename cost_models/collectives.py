@@ -58,13 +58,40 @@ all-reduce, n-1 and (n-1)/n for all-gather and reduce-scatter, n-1 and 1 for
 broadcast, 1 and 1 for p2p. At n = n0 this is exactly the measurement.
 
 A group of one rank, or zero bytes, costs 0.
+
+[Note: collectives across zones]
+
+A group whose ranks sit in z >= 2 zones (sites joined by WAN links; docs/cluster-format.md)
+is priced hierarchically: the collective runs inside each zone as above, and the zones
+exchange over the WAN as z endpoints of a ring. The WAN has bandwidth
+B_wan = min(min over the group's zone pairs of link_bw / concurrent, min over zones of
+the zone's egress, the sum of E over its nodes in the group), since every shard of the
+group crosses the same link, and a step latency a_wan = the largest one-way link
+latency + alpha_inter. With m_z the group's ranks in zone z:
+
+- all-reduce: max_z reduce_scatter(P, m_z) + [2(z-1) a_wan + 2(z-1)/z * P / B_wan]
+  + max_z all_gather(P, m_z) (each zone reduce-scatters, the zones all-reduce their
+  shards concurrently, so the WAN carries one all-reduce of P among z endpoints, then each
+  zone all-gathers);
+- all-gather, reduce-scatter: max_z (the same collective over m_z) + (z-1) a_wan +
+  (z-1)/z * P / B_wan;
+- broadcast: the root's zone chains P to the others, (z-1) a_wan + P / B_wan, then each
+  zone broadcasts inside it;
+- p2p between zones: a_wan + P / min(B_link, the two devices' NIC shares).
+
+The one-site algorithms (ring, tree, node-hierarchical) with every node-to-node step
+at a_wan and the egress capped at B_wan, are the other candidates; the cheapest is
+taken (the zone-hierarchical one on any real WAN; with an unbounded, zero-latency link no
+price exceeds the one-site one, and the two-level ring's fewer steps may undercut it). The
+prices are a two-level implementation's: torch.distributed's NCCL and gloo collectives
+build one ring or tree over all ranks and do not know the zones.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cost_models.cluster import Cluster, NodeGroup
 from cost_models.devices import MeasuredCollective
@@ -234,6 +261,10 @@ def best_all_reduce(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, co
     links = _links(ranks, cluster, concurrent)
     if links.n <= 1 or nbytes == 0:
         return CollectiveCost(algorithm="none", time_s=0.0, candidates_s={"none": 0.0})
+    zones = _by_zone(ranks, cluster)
+    across = {}
+    if len(zones) > 1:
+        links, across = _across_zones("all_reduce", nbytes, zones, links, cluster, concurrent)
     fit = links.measured.get("all_reduce")
     if fit is not None:
         time_s = measured_collective_s("all_reduce", fit, nbytes, links.n)
@@ -244,6 +275,7 @@ def best_all_reduce(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, co
     }
     if links.k >= 2 and len(set(links.ranks_per_node)) == 1 and links.ranks_per_node[0] >= 2:
         candidates["hierarchical"] = _hierarchical_all_reduce_s(nbytes, links)
+    candidates.update(across)
     algorithm = min(candidates, key=candidates.__getitem__)  # ties keep the earlier: ring first
     return CollectiveCost(algorithm=algorithm, time_s=candidates[algorithm], candidates_s=candidates)
 
@@ -279,10 +311,14 @@ def _ring_collective_s(name: str, nbytes: float, ranks: Sequence[int], cluster: 
     n = links.n
     if n <= 1 or nbytes == 0:
         return 0.0
+    zones = _by_zone(ranks, cluster)
+    across = {}
+    if len(zones) > 1:
+        links, across = _across_zones(name, nbytes, zones, links, cluster, concurrent)
     fit = links.measured.get(name)
     if fit is not None:
         return measured_collective_s(name, fit, nbytes, n)
-    return (n - 1) * links.ring_latency_s + (n - 1) / n * nbytes / links.ring_bw_bytes_per_s
+    return min([(n - 1) * links.ring_latency_s + (n - 1) / n * nbytes / links.ring_bw_bytes_per_s, *across.values()])
 
 
 def all_gather_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, concurrent: int = 1) -> float:
@@ -344,13 +380,69 @@ def broadcast_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, c
     n = links.n
     if n <= 1 or nbytes == 0:
         return 0.0
+    zones = _by_zone(ranks, cluster)
+    across = {}
+    if len(zones) > 1:
+        links, across = _across_zones("broadcast", nbytes, zones, links, cluster, concurrent)
     fit = links.measured.get("broadcast")
     if fit is not None:
         return measured_collective_s("broadcast", fit, nbytes, n)
     latency, bw = links.ring_latency_s, links.ring_bw_bytes_per_s
     chain = (n - 1) * latency + nbytes / bw
     binomial = _log2_ceil(n) * (latency + nbytes / bw)
-    return min(chain, binomial)
+    return min(chain, binomial, *across.values())
+
+
+# --- Across zones ([Note: collectives across zones]) -------------------------------------
+
+
+def _by_zone(ranks: Sequence[int], cluster: Cluster) -> dict[str, list[int]]:
+    """The group's ranks by zone, in the order the zones first appear; one entry on a one-zone cluster."""
+    if not cluster.links:
+        return {"": list(ranks)}
+    out: dict[str, list[int]] = {}
+    for rank in ranks:
+        out.setdefault(cluster.zone_of(rank), []).append(rank)
+    return out
+
+
+def _wan_step(cluster: Cluster, zones: Sequence[str], devices) -> tuple[float, float]:
+    """(a_wan, the slowest link's bandwidth) among ``zones``."""
+    pairs = [cluster.wan_link(a, b) for i, a in enumerate(zones) for b in zones[i + 1:]]
+    latency = max(link.latency_s for link in pairs) + max(d.inter_node_latency_s for d in devices)
+    return latency, min(link.bw_bytes_per_s for link in pairs)
+
+
+def _zone_egress_bw(members: Sequence[int], cluster: Cluster, concurrent: int) -> float:
+    """What the group's ranks in one zone can send off their nodes together."""
+    counts: dict[int, int] = {}
+    for rank in members:
+        counts[cluster.node_of(rank)] = counts.get(cluster.node_of(rank), 0) + 1
+    return sum(_egress_bw(cluster.group_of(cluster.ranks_of_node(node)[0]), c, concurrent) for node, c in counts.items())
+
+
+def _across_zones(name: str, nbytes: float, zones: dict[str, list[int]], links: _GroupLinks, cluster: Cluster,
+                  concurrent: int) -> tuple[_GroupLinks, dict[str, float]]:
+    """A group in several zones: its links with every node-to-node step over the WAN (for the one-site
+    algorithms), and the zone-hierarchical candidate; see [Note: collectives across zones]."""
+    z = len(zones)
+    devices = [cluster.group_of(m[0]).device for m in zones.values()]
+    a_wan, link_bw = _wan_step(cluster, list(zones), devices)
+    wan_bw = min(link_bw / concurrent, min(_zone_egress_bw(m, cluster, concurrent) for m in zones.values()))
+    flat = replace(links, egress_bw_bytes_per_s=min(links.egress_bw_bytes_per_s, wan_bw), inter_latency_s=a_wan, measured={})
+
+    def inside(kind: str) -> float:
+        if kind == "broadcast":
+            return max(broadcast_time_s(nbytes, m, cluster, concurrent=concurrent) for m in zones.values())
+        return max(_ring_collective_s(kind, nbytes, m, cluster, concurrent) for m in zones.values())
+
+    if name == "all_reduce":
+        time_s = inside("reduce_scatter") + 2 * (z - 1) * a_wan + 2 * (z - 1) / z * nbytes / wan_bw + inside("all_gather")
+    elif name == "broadcast":
+        time_s = (z - 1) * a_wan + nbytes / wan_bw + inside("broadcast")
+    else:
+        time_s = inside(name) + (z - 1) * a_wan + (z - 1) / z * nbytes / wan_bw
+    return flat, {"zone-hierarchical": time_s}
 
 
 def grad_sync_scale(device) -> float:
@@ -386,7 +478,9 @@ def p2p_time_s(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:
     Same node: a = alpha_intra, B = the peer link (intra_node_peer_bw on meshes, else the
     node group's intra-node bandwidth), or the device's measured p2p fit (cpu).
     Different nodes: a = the larger alpha_inter of the two, B = the smaller per-device
-    NIC bandwidth of the two ([Note: collective model]).
+    NIC bandwidth of the two ([Note: collective model]). Different zones: a = the WAN
+    link's latency + alpha_inter, B = the link's bandwidth where it is the smaller
+    ([Note: collectives across zones]).
 
     Args:
         nbytes: bytes sent.
@@ -404,6 +498,9 @@ def p2p_time_s(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:
     src_group, dst_group = cluster.group_of(src), cluster.group_of(dst)
     if src == dst or nbytes == 0:
         return 0.0
+    if src_group.zone != dst_group.zone:
+        latency, wan_bw = _wan_step(cluster, [src_group.zone, dst_group.zone], [src_group.device, dst_group.device])
+        return latency + nbytes / min(wan_bw, _per_device_nic_bw(src_group), _per_device_nic_bw(dst_group))
     if cluster.node_of(src) == cluster.node_of(dst):
         fit = src_group.device.collectives.get("p2p")
         if fit is not None:

@@ -211,8 +211,10 @@ def _cut_floor(model: ModelGraph, cluster, cand: Candidate, dtype: str, slot: St
         return 0.0  # chunks on one rank hand over in place
     payload = min(l.boundary_bytes for l in model.layers[:-1]) * cand.micro_batch_size * dtype_bytes(dtype) / 4
     payload /= cand.tp_degrees[-1]
-    src = slot.ranks[0][0]
-    return 2 * min(p2p_time_s(payload, src, dst, cluster) for dst in _one_peer_per_place(cluster, src))
+    srcs = [slot.ranks[0][0]]
+    if len(cluster.zone_names) > 1:  # a cut between two nodes far from ``slot`` may be cheaper than any from it (across a WAN)
+        srcs += list(itertools.accumulate((g.num_devices for g in cluster.groups[:-1]), initial=0))
+    return 2 * min(p2p_time_s(payload, src, dst, cluster) for src in srcs for dst in _one_peer_per_place(cluster, src))
 
 
 def _one_peer_per_place(cluster, src: int) -> list[int]:
@@ -238,8 +240,8 @@ def _type_shares(cluster, cand: Candidate) -> dict[str, tuple[dict[int, StageSlo
             slots = {}
             for tp in cand.tp_degrees:
                 blocks = type_slots(cluster, cand.dp, tp)[device_type]
-                if blocks:
-                    slots[tp] = blocks[0]
+                if blocks:  # a block inside one zone syncs cheapest (across zones, the first may straddle two)
+                    slots[tp] = next((b for b in blocks if len({cluster.zone_of(r) for rep in b.ranks for r in rep}) == 1), blocks[0])
             out[device_type] = (slots, ranks, devices[device_type])
         return out
     out = {}

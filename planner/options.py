@@ -50,6 +50,7 @@ class SearchOptions:
     time_limit_s: float | None = None  # wall-clock seconds per solve: an opt-in safety net whose cuts depend on the machine
     gap_limit: float = 0.0  # stop a candidate's solve once proven within this relative gap
     uniform_split: bool = False  # equal layers per stage in Megatron's layout (a baseline, not a search)
+    megatron_split: bool = False  # layers per stage as Megatron splits them ([Note: default stage split]), degrees searched
     workers: int = 1  # CP-SAT workers per solve; > 1 runs them in deterministic batches ([Note: deterministic search])
     seed: int = 0
     top_k: int = 3

@@ -38,6 +38,7 @@ from planner.costs import (
     type_sequence,
     type_width,
 )
+from planner.default_split import default_split
 from planner.estimate import EstimateConfig, EstimateError, estimate, stage_devices_of
 from planner.options import PlanningError, SearchOptions, check_pins, cp_solver, divisors, limit_hit, pinned_pp, to_ticks
 from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
@@ -305,7 +306,7 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
 
 
 def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, int], options: SearchOptions,
-                      cutoff_s: float | None = None) -> SplitResult | None:
+                      cutoff_s: float | None = None, fixed_sizes: tuple[int, ...] | None = None) -> SplitResult | None:
     """The best split over every order of the device types; see [Note: stage device types] in planner.costs.
 
     Each type's stages are consecutive, so the pipeline crosses from one type to the
@@ -314,6 +315,7 @@ def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, 
     Args:
         tables: cost columns per device type (``planner.costs.tables_by_type``).
         stages_per_type: how many pipeline ranks each type hosts.
+        fixed_sizes: layers per chunk, when the split is pinned.
 
     Returns:
         The best split, with ``types`` naming each pipeline rank's device type, or None if none fits.
@@ -324,7 +326,7 @@ def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, 
     for order in itertools.permutations(tables):
         types = type_sequence(list(order), stages_per_type)
         try:
-            split = solve_split(compose_tables(tables, types), options,
+            split = solve_split(compose_tables(tables, types), options, fixed_sizes,
                                 cutoff_s=cutoff_s if best is None else min(cutoff_s or math.inf, best.cost.objective_s))
         except Unresolved as exc:
             open_bounds.append(exc.bound_s)
@@ -433,7 +435,11 @@ def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: Search
         The cost tables of the stages' exact ranks, and the split (None if nothing fits).
     """
     cache = {} if cache is None else cache
-    fixed = tuple(b - a + 1 for a, b in equal_split(len(model.layers), cand.num_chunks)) if options.uniform_split else None
+    fixed = None
+    if options.uniform_split:
+        fixed = tuple(b - a + 1 for a, b in equal_split(len(model.layers), cand.num_chunks))
+    elif options.megatron_split and options.stage_layers is None:
+        fixed = tuple(b - a + 1 for a, b in default_split(model.layers, cand.num_chunks).bounds)
     if len(cand.stages_per_type) <= 1:
         tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, cache=cache)
         pinned_ok = options.stage_devices is None or list(options.stage_devices) == tables.device_types
@@ -446,9 +452,9 @@ def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: Search
         counts = dict(cand.stages_per_type)
         if options.stage_devices is not None:
             types = list(options.stage_devices)
-            split = solve_split(compose_tables(typed, types), options, cutoff_s=cutoff_s)
+            split = solve_split(compose_tables(typed, types), options, fixed, cutoff_s=cutoff_s)
         else:
-            split = solve_type_orders(typed, counts, options, cutoff_s)
+            split = solve_type_orders(typed, counts, options, cutoff_s, fixed)
             types = split.types if split is not None else None
         if split is None:
             return compose_tables(typed, type_sequence(list(typed), counts)), None

@@ -64,9 +64,16 @@ def subcluster(cluster: Cluster, uses: list[GroupUse]) -> Cluster:
     if not groups:
         raise ValueError("a sub-cluster needs at least one device")
     whole = all(u.nodes == g.num_nodes and u.devices_per_node == g.devices_per_node for g, u in zip(cluster.groups, uses))
-    return Cluster(spec=cluster.spec if whole else shorthand(groups), groups=tuple(groups))
+    # zones and links carry over (a shorthand has none: [Note: zones in a sub-cluster's spec])
+    return replace(cluster, spec=cluster.spec if whole else shorthand(groups), groups=tuple(groups))
 
 
+# [Note: zones in a sub-cluster's spec]
+# A sub-cluster keeps its groups' zones, the WAN links and the zones' grid intensities,
+# so the plan made on it is priced across zones as the whole cluster is. Its spec is a
+# shorthand, which has no zones: ``hetpar compile`` needs only the ranks and device
+# types, but re-estimating such a plan from its spec (``hetpar explain``) prices it as
+# one site.
 def shorthand(groups: list[NodeGroup] | tuple[NodeGroup, ...]) -> str:
     """``groups`` as a --cluster shorthand, with ``@RATEgxNICS`` where a group's NICs are not its device's default.
 

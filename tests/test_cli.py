@@ -113,3 +113,20 @@ def test_plan_does_not_depend_on_machine_load(tmp_path):
     solver = json.loads(first)["solver"]
     assert solver["status"] == "feasible" and "hit the work limit of 0.0005 deterministic s; proven gap" in solver["reason"]
     assert "solver: feasible: " in " ".join(quiet.stderr.split()) and "search " in quiet.stderr and "trace " in quiet.stderr
+
+
+def test_plan_pinned_pp_lays_out_stages_as_megatron_and_auto_searches(tmp_path):
+    """--pp without --stage-layers: blocks evenly, embedding with the first stage, head with the last, as
+    estimate lays them out ([Note: default stage split]); --stage-layers auto: the search's own split; the
+    output names the rule; ranks print as ranges."""
+    model = ["--model-arg", "n_layers=6", "--model-arg", "hidden=32", "--model-arg", "seq_len=8", "--model-arg", "vocab=64"]
+    pinned = hetpar("plan", GPT, "--cluster", "1x4xcpu", "--global-batch", "8", *model, "--pp", "3", "--dp", "1", "--json", cwd=tmp_path)
+    assert pinned.returncode == 0, pinned.stderr
+    assert [len(s["layers"]) for s in json.loads(pinned.stdout)["stages"]] == [3, 2, 3]  # tok_emb + 2 | 2 | 2 + head
+    assert "stage layout: Megatron (blocks evenly" in pinned.stderr
+    assert re.search(r"\b0-1\b", pinned.stderr)  # stage 0's two tensor-parallel ranks as one range
+    searched = hetpar("plan", GPT, "--cluster", "1x4xcpu", "--global-batch", "8", *model, "--pp", "3", "--dp", "1",
+                      "--stage-layers", "auto", "--json", cwd=tmp_path)
+    assert searched.returncode == 0, searched.stderr
+    assert "stage layout: the search's best split under the pins (--stage-layers auto)" in searched.stderr
+    assert json.loads(searched.stdout)["solver"]["objective_s"] <= json.loads(pinned.stdout)["solver"]["objective_s"] * (1 + 1e-9)

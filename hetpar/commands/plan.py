@@ -14,6 +14,7 @@ from cost_models.cluster import parse_cluster
 from cost_models.devices import get_device
 from hetpar.commands.profile import profiles_option
 from hetpar.commands.common import DType, Recompute, console, default_compiled, default_dtype, domain_errors, fail, gib, print_json, rank_ranges, seconds
+from planner.default_split import default_split
 from planner.plan import ParallelPlan
 from planner.api import plan_model
 from planner.objective import Objective, resolve_prices, usd_per_step
@@ -58,7 +59,7 @@ def plan(
     virtual_stages: Annotated[Optional[int], typer.Option(help="Pin model chunks per pipeline rank; > 1 means --schedule interleaved (tp 1, pp * N <= layers) [default: 2..4 searched].")] = None,
     recompute: Annotated[Optional[Recompute], typer.Option(help="Pin activation recomputation of every stage [default: none or full, chosen per stage].")] = None,
     zero: Annotated[Optional[int], typer.Option(help="Pin the ZeRO stage (0-3) of every stage; > 0 needs dp > 1 and schedule 1f1b or gpipe [default: 0, 2 or 3 per stage].")] = None,
-    stage_layers: Annotated[Optional[str], typer.Option(help="Pin layers per stage, e.g. 7,9,9,9 (see hetpar trace for the layers).")] = None,
+    stage_layers: Annotated[Optional[str], typer.Option(help="Pin layers per stage, e.g. 7,9,9,9 (see hetpar trace for the layers), or auto: the search's best split under the other pins [default: with --pp, Megatron's split (blocks evenly, embedding with the first stage, head with the last); else searched].")] = None,
     stage_devices: Annotated[Optional[str], typer.Option(help="Pin the device type of each stage, e.g. A100-80GB,A100-80GB,V100-32GB.")] = None,
     dtype: Annotated[Optional[DType], typer.Option(help="Training precision the costs assume [default: fp32 on cpu, bf16 else].")] = None,
     compiled: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="Plan for stages under torch.compile (fewer, fused kernels) [default: on where every device is an NVIDIA or AMD GPU].", show_default=False)] = None,
@@ -88,7 +89,8 @@ def plan(
         schedule=schedule.value if schedule else None,
         recompute=recompute.value if recompute else None,
         virtual_stages=virtual_stages, zero=zero,
-        stage_layers=_int_list("--stage-layers", stage_layers),
+        stage_layers=None if stage_layers == "auto" else _int_list("--stage-layers", stage_layers),
+        megatron_split=pp is not None and stage_layers is None,
         stage_devices=tuple(get_device(name.strip()).name for name in stage_devices.split(",")) if stage_devices else None,
         max_tp=max_tp,
         work_limit_s=work_limit,
@@ -97,6 +99,7 @@ def plan(
     )
     resume = find_resume_point(model_file, parse_model_args(model_arg or []), resume_from) if resume_from else None
     notes: list[str] = []
+    traced: list = []
     status = console.status("tracing the model on the meta device")
     status.start()
     with Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.description}"),
@@ -111,7 +114,8 @@ def plan(
             hetero_dp=hetero_dp.value,
             sync=DataParallelSync(grad_compression=grad_compression, aggregation=aggregation, sync_every=sync_every,
                                   sync_scope=sync_scope, rebalance_every=rebalance_every, allow_lossy=allow_lossy_sync),
-            on_traced=lambda graph: (status.stop(), bar.update(task, visible=True), notes.extend(measured_layers_notes(graph, the_cluster))),
+            on_traced=lambda graph: (traced.append(graph), status.stop(), bar.update(task, visible=True),
+                                     notes.extend(measured_layers_notes(graph, the_cluster))),
             progress=lambda done, total, what: bar.update(task, completed=done, total=total, description=what),
         )
     status.stop()
@@ -124,6 +128,9 @@ def plan(
             fail(f"--output {str(output)!r} is a directory; give a file name such as plan.json")
         result.save(output)
     print_summary(result, output, resolve_prices(the_cluster, _prices(price or [])) if objective is ObjectiveChoice.cost else None)
+    layout = stage_layout_note(result, traced[0], options, stage_layers) if traced else None
+    if layout:
+        console.print(layout)
     if resume is not None:  # see docs/running.md, "Re-planning for another cluster"
         console.print(f"hetpar: {resume.describe(resume_from, global_batch)}", soft_wrap=True)
     if as_json:
@@ -150,6 +157,18 @@ def sync_description(plan: ParallelPlan) -> str:
         saved = other["step_time_s"] - plan.predicted.step_time_s
         parts.append(f"{'saves' if saved >= 0 else 'costs'} {seconds(abs(saved))} per step against {other['grad_compression']}")
     return "; ".join(parts)
+
+
+def stage_layout_note(plan: ParallelPlan, graph, options: SearchOptions, stage_layers: Optional[str]) -> Optional[str]:
+    """Which rule split the layers over the stages, when the user pinned the pipeline ([Note: default stage split])."""
+    if stage_layers == "auto":
+        return "stage layout: the search's best split under the pins (--stage-layers auto)"
+    if options.stage_layers is not None:
+        return "stage layout: --stage-layers"
+    if options.megatron_split and plan.replica_batch_shares is None:
+        chunks = plan.pipeline_parallel * plan.virtual_stages
+        return f"stage layout: {default_split(graph.layers, chunks).layout} (--stage-layers auto searches the split)"
+    return None
 
 
 def measured_layers_notes(graph, cluster) -> list[str]:
