@@ -44,6 +44,8 @@ class Sharding(str, Enum):
     ROWWISE = "rowwise"  # input features split; outputs are summed (all-reduce)
     COLWISE_GATHER = "colwise_gather"  # output features split, the output all-gathered (replicated)
     ROWWISE_SLICE = "rowwise_slice"  # input features split from a replicated input; outputs all-reduced
+    VOCAB_EMBEDDING = "vocab_embedding"  # an Embedding's rows (the vocabulary) split; outputs all-reduced
+    VOCAB_HEAD = "vocab_head"  # the output Linear's vocabulary split; logits stay split into the loss
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -678,7 +678,7 @@ def local_linear(module: nn.Module, how: Sharding, tp: int, path: str) -> nn.Mod
     """
     conv1d = not isinstance(module, nn.Linear)  # transformers' Conv1D: weight [in, out]
     in_f, out_f = (module.weight.shape[0], module.weight.shape[1]) if conv1d else (module.in_features, module.out_features)
-    if how in (Sharding.COLWISE, Sharding.COLWISE_GATHER):
+    if how in (Sharding.COLWISE, Sharding.COLWISE_GATHER, Sharding.VOCAB_HEAD):
         if out_f % tp:
             raise TpError(f"{path}: out_features({out_f}) not divisible by tp({tp})")
         out_f //= tp
@@ -699,6 +699,22 @@ def local_linear(module: nn.Module, how: Sharding, tp: int, path: str) -> nn.Mod
     return MetaSliced(local, tp) if how is Sharding.ROWWISE_SLICE else local
 
 
+def local_embedding(module: nn.Embedding, tp: int, path: str) -> nn.Embedding:
+    """One rank's rows of a vocab-parallel Embedding on the meta device (its output has the
+    whole width: the runtime all-reduces the ranks' partial lookups).
+
+    Raises:
+        TpError: the vocabulary is not divisible by ``tp``.
+    """
+    if module.num_embeddings % tp:
+        raise TpError(f"{path}: num_embeddings({module.num_embeddings}) not divisible by tp({tp})")
+    local = copy.deepcopy(module)
+    local.num_embeddings //= tp
+    local.weight = nn.Parameter(torch.empty((local.num_embeddings, module.embedding_dim), device="meta",
+                                            dtype=module.weight.dtype))
+    return local
+
+
 def shard_on_meta(stage_module: fx.GraphModule, sharding: dict[str, Sharding], tp: int) -> fx.GraphModule:
     """A meta-device copy of the layer as one tensor-parallel rank holds it.
 
@@ -709,18 +725,64 @@ def shard_on_meta(stage_module: fx.GraphModule, sharding: dict[str, Sharding], t
     for path, how in sharding.items():
         parent_path, _, name = path.rpartition(".")
         parent = sharded.get_submodule(parent_path) if parent_path else sharded
-        setattr(parent, name, local_linear(getattr(parent, name), how, tp, path))
+        module = getattr(parent, name)
+        local = local_embedding(module, tp, path) if how is Sharding.VOCAB_EMBEDDING else local_linear(module, how, tp, path)
+        setattr(parent, name, local)
     sharded.recompile()
     return sharded
 
 
-def check_sharded_shapes(reference_out: Any, sharded_out: Any) -> bool:
-    """True if a sharded layer's outputs have the unsharded shapes (split values never escape)."""
+def check_sharded_shapes(reference_out: Any, sharded_out: Any, vocab_split: int = 1) -> bool:
+    """True if a sharded layer's outputs have the unsharded shapes (split values never escape),
+    but for logits of a vocab-parallel output layer (``vocab_split`` ranks), whose last
+    dimension is split into the loss ([Note: vocab-parallel layers])."""
     ref = reference_out if isinstance(reference_out, (tuple, list)) else (reference_out,)
     got = sharded_out if isinstance(sharded_out, (tuple, list)) else (sharded_out,)
-    return len(ref) == len(got) and all(
-        getattr(a, "shape", None) == getattr(b, "shape", None) for a, b in zip(ref, got)
-    )
+
+    def same(a, b) -> bool:
+        a, b = getattr(a, "shape", None), getattr(b, "shape", None)
+        return a == b or (vocab_split > 1 and a is not None and b is not None and len(a) == len(b) and
+                          a[:-1] == b[:-1] and b[-1] * vocab_split == a[-1])
+
+    return len(ref) == len(got) and all(same(a, b) for a, b in zip(ref, got))
+
+
+# [Note: vocab-parallel layers]
+# Beside the ILP's Linears, two modules split over the vocabulary, as Megatron splits
+# them (Shoeybi et al. 2019, section 3): an ``nn.Embedding`` that looks up the model's
+# input tokens (a position embedding, indexed by computed positions, stays whole, as in
+# Megatron: splitting its few rows would cost an all-reduce for nothing; each rank holds V / tp rows,
+# looks up the tokens in its range, and the partial outputs are all-reduced: one
+# forward all-reduce of the output, nothing in the backward, whose input is token ids)
+# and, on the model's last layer, the Linear whose output is the model's output (each
+# rank computes V / tp logits, which go split into the loss: [Note: vocab-parallel
+# loss] in runtime/executor.py; forward, three all-reduces of one number per token in
+# the cross-entropy; backward, the all-reduce of the Linear's input gradient, as any
+# colwise Linear). Both cut the vocabulary-sized work, parameters, gradients,
+# optimizer state and logits by tp. A weight tied to another module (GPT-2's wte and
+# lm_head) stays replicated: the two would need one sharding and the tied copy
+# across stages is kept in sync whole (runtime/tied.py). The vocabulary must divide by tp.
+def vocab_sharding(gm: fx.GraphModule, *, last_layer: bool, tied: set[int]) -> dict[str, Sharding]:
+    """The vocab-parallel modules of one layer ([Note: vocab-parallel layers]).
+
+    Args:
+        last_layer: the layer's output is the model's output (what the loss reads).
+        tied: ids of parameters the model shares between modules.
+    """
+    out: dict[str, Sharding] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and isinstance(module := gm.get_submodule(str(node.target)), nn.Embedding):
+            looks_up_tokens = isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
+            if looks_up_tokens and id(module.weight) not in tied and module.padding_idx is None and module.max_norm is None:
+                out[str(node.target)] = Sharding.VOCAB_EMBEDDING
+    if last_layer:
+        (result,) = [n for n in gm.graph.nodes if n.op == "output"]
+        head = result.args[0]
+        if isinstance(head, fx.Node) and head.op == "call_module":
+            module = gm.get_submodule(str(head.target))
+            if isinstance(module, nn.Linear) and id(module.weight) not in tied and module.bias is None:
+                out[str(head.target)] = Sharding.VOCAB_HEAD
+    return out
 
 
 def layer_collectives(module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding]
@@ -737,6 +799,8 @@ def layer_collectives(module: fx.GraphModule, inputs: list[torch.Tensor], shardi
     out: list[tuple[str, str, float]] = []
     colwise_inputs: dict[str, float] = {}
     for node in module.graph.nodes:
+        if node.op == "call_module" and sharding.get(str(node.target)) is Sharding.VOCAB_EMBEDDING:
+            out.append(("forward", "all_reduce", float(_nbytes(values[node.name]))))
         site = linear_site(module, node)
         how = sharding.get(site.path) if site is not None else None
         if how is None:
@@ -748,8 +812,11 @@ def layer_collectives(module: fx.GraphModule, inputs: list[torch.Tensor], shardi
             out.append(("forward", "all_reduce", output))
         if how is Sharding.COLWISE_GATHER:
             out.append(("forward", "all_gather", output))
-        if how in (Sharding.COLWISE, Sharding.COLWISE_GATHER) and input_grad:
+        if how in (Sharding.COLWISE, Sharding.COLWISE_GATHER, Sharding.VOCAB_HEAD) and input_grad:
             colwise_inputs[site.input.name] = input_grad
+        if how is Sharding.VOCAB_HEAD:  # the cross-entropy's max, sum of exponentials and target logit, per token
+            tokens = values[node.name].numel() / values[node.name].shape[-1]
+            out.extend([("forward", "all_reduce", 4.0 * tokens)] * 3)
         if how is Sharding.ROWWISE_SLICE and input_grad:
             out.append(("backward", "all_gather", input_grad))
     out.extend(("backward", "all_reduce", nbytes) for nbytes in colwise_inputs.values())

@@ -30,7 +30,9 @@ from cost_models.layers import LayerProfile
 from planner.measure import UNATTRIBUTED, Measurement, NodeCounts, measure, node_label, node_module
 from planner.plan import Sharding
 from planner.module_tp import BlockDryRun, block_sharding
-from planner.tensor_parallel import check_sharded_shapes, find_sharding, layer_collectives, shard_on_meta, split_nodes
+from planner.tensor_parallel import (
+    check_sharded_shapes, find_sharding, layer_collectives, shard_on_meta, split_nodes, vocab_sharding,
+)
 from runtime.graph import LayeredGraph, Stage, boundary_values, build_stage, meta_run_error, record_values, trace_layers
 from runtime.model_file import ModelFile, file_fingerprint
 from runtime.module_stage import DecoderLayout, layout_for
@@ -113,6 +115,7 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
     layers, shardings, sources, boundaries, nodes = [], [], [], [], []
     cache: dict[Any, _Measured] = {}
     held: set[int] = set()  # ids of the parameters earlier layers hold
+    tied_ids = _tied_parameters(model)
     for index in range(lg.num_layers):
         stage = build_stage(lg, values, index, index)
         inputs = _layer_inputs(lg, values, stage, meta_inputs, needs_grad)
@@ -124,7 +127,8 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
                 if block is not None:  # [Note: tensor parallelism of exported graphs]
                     cache[key] = _measure_block(stage, inputs, model, layout, block, example[0].shape[1])
                 else:
-                    cache[key] = _measure_layer(stage, inputs, name, split=lg.capture == "fx")
+                    cache[key] = _measure_layer(stage, inputs, name, split=lg.capture == "fx",
+                                                last_layer=index == lg.num_layers - 1, tied=tied_ids)
             except Exception as exc:  # noqa: BLE001 - located and reported as one line
                 raise meta_run_error(stage.module, exc, f"layer {name}") from exc
         measured = cache[key]
@@ -255,31 +259,38 @@ def _matmul_rows(measured: Measurement) -> tuple[tuple[int, bool, float, int], .
     return tuple((rows, grows, flops / total, width) for (rows, grows, width), flops in sorted(merged.items())) if total > 0 else ()
 
 
-def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str, *, split: bool = True) -> _Measured:
+def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str, *, split: bool = True, last_layer: bool = False,
+                   tied: set[int] = frozenset()) -> _Measured:
     """Measure one layer whole and, if it has a tensor-parallel pattern (and ``split``:
-    the program can split it), as one of two ranks."""
+    the program can split it), as one of two ranks. Its Embeddings and, on the last layer
+    (``last_layer``), its output Linear split over the vocabulary unless ``tied``
+    ([Note: vocab-parallel layers] in planner.tensor_parallel)."""
     module = stage.module
     whole = measure(module, inputs)
     num_ops = sum(1 for n in module.graph.nodes if n.op not in _NO_KERNEL_OPS)
     sharding = find_sharding(module, inputs, measurement=whole) if split else {}
+    if split:
+        sharding = {**sharding, **vocab_sharding(module, last_layer=last_layer, tied=set(tied))}
     if not sharding:
         return _Measured(whole=whole, num_ops=num_ops, relative_sharding={})
     try:
         sharded = shard_on_meta(module, sharding, _PROBE_TP)
         half = measure(sharded, inputs)
-        ok = check_sharded_shapes(whole.outputs, half.outputs)
+        ok = check_sharded_shapes(whole.outputs, half.outputs, _vocab_split(sharding, _PROBE_TP))
     except (RuntimeError, ValueError):
         ok = False
     whole_flops = whole.total("fwd_flops") + whole.total("bwd_flops")
-    if not ok or whole_flops <= 0:
+    vocab_only = set(sharding.values()) == {Sharding.VOCAB_EMBEDDING}  # a lookup: parameters split, no FLOPs to
+    if not ok or (whole_flops <= 0 and not vocab_only):
         return _Measured(whole=whole, num_ops=num_ops, relative_sharding={})
     scale = _PROBE_TP / (_PROBE_TP - 1)
     params = sum(p.numel() for p in module.parameters())
+    split_flops = whole_flops - half.total("fwd_flops") - half.total("bwd_flops")
     return _Measured(
         whole=whole,
         num_ops=num_ops,
         relative_sharding=_relative(sharding, name),
-        split_fraction=min(1.0, scale * (1 - (half.total("fwd_flops") + half.total("bwd_flops")) / whole_flops)),
+        split_fraction=min(1.0, scale * split_flops / whole_flops) if whole_flops > 0 else 0.0,
         split_params=round(scale * (params - sum(p.numel() for p in sharded.parameters()))),
         split_saved=scale * (whole.total("saved_bytes") - half.total("saved_bytes")),
         collectives=layer_collectives(module, inputs, sharding),
@@ -333,9 +344,24 @@ def _splits_at(module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dic
     try:
         with torch.no_grad():
             # An Interpreter, not a call: a failing GraphModule call prints its traceback.
-            return check_sharded_shapes(outputs, fx.Interpreter(shard_on_meta(module, sharding, tp)).run(*inputs))
+            return check_sharded_shapes(outputs, fx.Interpreter(shard_on_meta(module, sharding, tp)).run(*inputs),
+                                        _vocab_split(sharding, tp))
     except (RuntimeError, ValueError):
         return False
+
+
+def _vocab_split(sharding: dict[str, Sharding], tp: int) -> int:
+    """How many ways the layer's output logits are split: ``tp`` under a vocab-parallel head, else 1."""
+    return tp if Sharding.VOCAB_HEAD in sharding.values() else 1
+
+
+def _tied_parameters(model: torch.nn.Module) -> set[int]:
+    """Ids of the parameters that more than one module of ``model`` holds (tied weights)."""
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    return {pid for pid, count in holders.items() if count > 1}
 
 
 def _owned_params(module: fx.GraphModule, held: set[int]) -> tuple[int, int, int]:

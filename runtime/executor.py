@@ -41,11 +41,14 @@ rather than the third of it the schedule assumes.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from runtime.distributed import Peers
 from runtime.graph import Stage, TensorSpec
@@ -116,7 +119,8 @@ class StageExecutor:
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
             out = self.stage.module(*model_inputs, *received)
             if self.stage.is_last:
-                loss = self.loss_fn(out, targets) / self.num_microbatches
+                with _loss_context(out):  # [Note: vocab-parallel loss]
+                    loss = self.loss_fn(out, targets) / self.num_microbatches
                 if self.loss_weight != 1.0:
                     loss = loss * self.loss_weight
         if self.stage.is_last:
@@ -143,13 +147,14 @@ class StageExecutor:
             pairs = [(t, g.to(t.dtype)) for (t, _), g in zip(floats, received)]
             tensors = [t for t, _ in pairs if t.requires_grad]
             grads = [g for t, g in pairs if t.requires_grad]
-        if weights_later:
-            inputs = [t for t in state.received if t.requires_grad]
-            if tensors and inputs:
-                torch.autograd.backward(tensors, grads, inputs=inputs, retain_graph=True)
-            self._awaiting_weights[microbatch] = (tensors, grads)
-        elif tensors:
-            torch.autograd.backward(tensors, grads)
+        with _loss_context(tensors):  # the loss's backward too ([Note: vocab-parallel loss])
+            if weights_later:
+                inputs = [t for t in state.received if t.requires_grad]
+                if tensors and inputs:
+                    torch.autograd.backward(tensors, grads, inputs=inputs, retain_graph=True)
+                self._awaiting_weights[microbatch] = (tensors, grads)
+            elif tensors:
+                torch.autograd.backward(tensors, grads)
         for t, spec in zip(state.received, self.stage.recv):
             if spec.dtype.is_floating_point:
                 grad = t.grad if t.grad is not None else torch.zeros_like(t)
@@ -161,7 +166,8 @@ class StageExecutor:
         tensors, grads = self._awaiting_weights.pop(microbatch)
         params = [p for p in self.stage.module.parameters() if p.requires_grad]
         if tensors and params:
-            torch.autograd.backward(tensors, grads, inputs=params)
+            with _loss_context(tensors):
+                torch.autograd.backward(tensors, grads, inputs=params)
 
     def finish(self) -> None:
         """Wait for every send of this step."""
@@ -193,6 +199,23 @@ class StageExecutor:
         wire = tensor.to(_wire_dtype(tensor.dtype)).contiguous()
         for dst in dsts:
             self._pending_sends.append((dist.isend(wire, dst=dst, tag=tag), wire))
+
+
+# [Note: vocab-parallel loss]
+# A stage whose output layer is split over the vocabulary (tp_sharding "vocab_head":
+# ColwiseParallel keeping its output a DTensor sharded on the last dimension) hands the
+# loss function logits of which each tensor-parallel rank holds a slice. The loss runs
+# under ``torch.distributed.tensor.parallel.loss_parallel``, where cross-entropy on such
+# logits reduces the per-token maximum, sum of exponentials and target logit over the
+# ranks (three all-reduces of one number per token) instead of gathering the
+# vocabulary, as Megatron's vocab-parallel cross-entropy does (Shoeybi et al. 2019,
+# section 3). The loss comes back replicated; its backward leaves each rank the
+# gradient of its own slice. A loss function must therefore use ops loss_parallel
+# supports on the logits (cross-entropy, reshapes), as the model files here do.
+def _loss_context(out: Any) -> contextlib.AbstractContextManager:
+    """``loss_parallel()`` when the stage's output holds vocab-split logits, else nothing."""
+    values = out if isinstance(out, (tuple, list)) else (out,)
+    return loss_parallel() if any(isinstance(v, DTensor) for v in values) else contextlib.nullcontext()
 
 
 def run_actions(stages: dict[int, StageExecutor], actions: list[Action], data: list[Microbatch],
@@ -229,7 +252,8 @@ def run_actions(stages: dict[int, StageExecutor], actions: list[Action], data: l
         if action.kind is Kind.FORWARD:
             loss = stage.forward(action.microbatch, inputs, targets)
             if loss is not None:
-                loss_sum += loss.detach()
+                detached = loss.detach()
+                loss_sum += detached.to_local() if isinstance(detached, DTensor) else detached
         elif action.kind is Kind.BACKWARD:
             if stage.before_backward is not None:
                 stage.before_backward(i == last_backward[action.stage])

@@ -211,8 +211,8 @@ class _Colwise(ColwiseParallel):
     """ColwiseParallel whose input gradient is all-reduced once per shared input; see
     [Note: one all-reduce per shared input]."""
 
-    def __init__(self, shared: _SharedInputs, *, output_layouts=None) -> None:
-        super().__init__(output_layouts=output_layouts)
+    def __init__(self, shared: _SharedInputs, *, output_layouts=None, use_local_output: bool = True) -> None:
+        super().__init__(output_layouts=output_layouts, use_local_output=use_local_output)
         self._shared = shared
 
     def _prepare_input_fn(self, input_layouts, desired_input_layouts, mod, inputs, device_mesh):
@@ -264,6 +264,11 @@ _STYLES = {
     "rowwise": lambda shared: _Rowwise(),
     "colwise_gather": lambda shared: _Colwise(shared, output_layouts=Replicate()),
     "rowwise_slice": lambda shared: _Rowwise(input_layouts=Replicate()),
+    # [Note: vocab-parallel loss] in runtime/executor.py: an Embedding's rows split over the
+    # vocabulary (each rank looks up its own tokens, the outputs are all-reduced), and the
+    # output Linear split over it, its logits left split for the loss.
+    "vocab_embedding": lambda shared: RowwiseParallel(input_layouts=Replicate()),
+    "vocab_head": lambda shared: _Colwise(shared, use_local_output=False),
 }
 
 

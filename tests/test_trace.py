@@ -39,8 +39,10 @@ def test_megatron_pattern_is_found_not_named():
         "blocks.0.attn.q": Sharding.COLWISE, "blocks.0.attn.v": Sharding.COLWISE,
         "blocks.0.mlp.fc": Sharding.COLWISE, "blocks.0.mlp.proj": Sharding.ROWWISE,
     }
-    # The embeddings have no Linear; the head's logits are gathered (the loss needs every class).
-    assert graph.tp_sharding[0] == {} and graph.tp_sharding[2] == {"lm_head": Sharding.COLWISE_GATHER}
+    # The token embedding and the head split over the vocabulary ([Note: vocab-parallel layers]);
+    # the position embedding, indexed by computed positions, stays whole.
+    assert graph.tp_sharding[0] == {"tok_emb": Sharding.VOCAB_EMBEDDING}
+    assert graph.tp_sharding[2] == {"lm_head": Sharding.VOCAB_HEAD}
 
 
 def test_saved_activations_match_a_real_cpu_run():
@@ -75,4 +77,5 @@ def test_blocks_split_only_where_the_heads_divide(heads):
     expected = tuple(tp for tp in range(2, 17) if heads % tp == 0)
     assert block.tp_degrees == expected
     assert block.tp_sharded_modules == len(graph.tp_sharding[1])
-    assert graph.layers[0].tp_degrees is None and not graph.layers[0].tp_capable  # the embedding is not split
+    # the token embedding splits over its 256-token vocabulary: any degree dividing it
+    assert graph.layers[0].tp_degrees == tuple(tp for tp in range(2, 17) if 256 % tp == 0)

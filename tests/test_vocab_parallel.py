@@ -1,0 +1,105 @@
+"""The vocabulary split over tensor-parallel ranks ([Note: vocab-parallel layers] in
+planner/tensor_parallel.py, [Note: vocab-parallel loss] in runtime/executor.py): found
+by the trace, costed, planned, and run by the program like one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cost_models.cluster import parse_cluster
+from planner.api import plan_graph
+from planner.options import SearchOptions
+from planner.plan import Sharding
+from planner.trace import trace_model
+from runtime.model_file import load_model_file
+
+GPT = {"n_layers": 2, "hidden": 64, "heads": 4, "vocab": 512, "seq_len": 16}
+
+TIED = '''
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Tied(nn.Module):
+    def __init__(self, vocab=64, hidden=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        return self.head(x + self.mlp(x))
+
+
+def build_model():
+    return Tied()
+
+
+def example_inputs(batch_size):
+    import torch
+    return (torch.randint(0, 64, (batch_size, 8)),)
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+'''
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace_model(load_model_file("examples/gpt.py", GPT))
+
+
+def test_the_vocabulary_splits_with_its_work_parameters_and_collectives(graph):
+    first, head = graph.layers[0], graph.layers[-1]
+    vocab, hidden, tokens = GPT["vocab"], GPT["hidden"], GPT["seq_len"]
+    assert graph.tp_sharding[0] == {"tok_emb": Sharding.VOCAB_EMBEDDING}  # pos_emb, indexed by positions, stays whole
+    assert graph.tp_sharding[-1] == {"lm_head": Sharding.VOCAB_HEAD}
+    assert first.tp_split_params == vocab * hidden and head.tp_split_params == vocab * hidden
+    assert head.params_at(4) == head.params - vocab * hidden * 3 / 4
+    # the lookups' partial outputs all-reduced: (seq, hidden) fp32 per sample
+    assert first.tp_collectives == (("forward", "all_reduce", 4.0 * tokens * hidden),)
+    # cross-entropy's max, sum of exponentials and target logit per token; the head's input gradient
+    assert sorted(head.tp_collectives) == sorted([("forward", "all_reduce", 4.0 * tokens)] * 3
+                                                 + [("backward", "all_reduce", 4.0 * tokens * hidden)])
+    assert head.tp_split_flops_fraction > 0.9  # the head's matmul; ln_f is the rest
+    assert 2 in head.tp_degrees and 3 not in head.tp_degrees  # 512 splits 2 ways, not 3
+
+
+def test_tied_weights_stay_whole(tmp_path):
+    (tmp_path / "tied.py").write_text(TIED)
+    tied = trace_model(load_model_file(tmp_path / "tied.py", {}))
+    assert all(how not in (Sharding.VOCAB_EMBEDDING, Sharding.VOCAB_HEAD)
+               for layer in tied.tp_sharding for how in layer.values())
+
+
+def test_planned_tensor_parallel_stages_carry_the_vocab_split(graph):
+    plan = plan_graph(graph, parse_cluster("1x4xA100-80GB"), SearchOptions(global_batch_size=8, dtype="bf16", tp=2, pp=2))
+    first, last = plan.stages[0], plan.stages[-1]
+    assert first.tp_sharding["tok_emb"] is Sharding.VOCAB_EMBEDDING and last.tp_sharding["lm_head"] is Sharding.VOCAB_HEAD
+    unsplit = plan_graph(graph, parse_cluster("1x4xA100-80GB"), SearchOptions(global_batch_size=8, dtype="bf16", tp=1, pp=2))
+    assert "lm_head" not in unsplit.stages[-1].tp_sharding
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,optimizer", [(1, "sgd"), (2, "adamw")])
+def test_a_planned_vocab_parallel_program_trains_like_one_process(tmp_path, pp, optimizer):
+    """tp 2 (embedding and head on one stage) and tp 2 x pp 2 (the embedding's stage and
+    the head's apart), as the planner lays them out."""
+    from dataclasses import replace
+
+    from test_distributed import assert_trains_like_one_process
+
+    args = {**GPT, "vocab": 64}
+    small = trace_model(load_model_file("examples/gpt.py", args))
+    options = SearchOptions(global_batch_size=4, dtype="fp32", tp=2, pp=pp, dp=1, micro_batch_size=2, zero=0,
+                            recompute="none", schedule="1f1b")
+    plan = plan_graph(small, parse_cluster(f"1x{2 * pp}xcpu"), options, hetero_dp="off")
+    plan = replace(plan, model=replace(plan.model, file=str(Path("examples/gpt.py").resolve())))
+    assert plan.stages[0].tp_sharding["tok_emb"] is Sharding.VOCAB_EMBEDDING
+    assert plan.stages[-1].tp_sharding["lm_head"] is Sharding.VOCAB_HEAD
+    assert_trains_like_one_process(plan, tmp_path, optimizer)
