@@ -53,7 +53,9 @@ _CALIBRATED_FIELDS = ("op_overhead_s", "step_overhead_s", "kernel_efficiency", "
                       "tp_module_overhead_s", "tp_collective_overhead_s", "grad_sync_scale", "optimizer_bytes_per_s",
                       "optimizer_tensor_overhead_s", "tp_optimizer_tensor_overhead_s", "weight_stream_bytes_per_s",
                       "matmul_narrow_width", "late_receive_s")
-_OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",) + _CALIBRATED_FIELDS
+# Power draw: a datasheet's TDP, or measured (NVML); see [Note: energy model] in cost_models/energy.py.
+_POWER_FIELDS = ("power_w", "idle_power_w")
+_OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",) + _CALIBRATED_FIELDS + _POWER_FIELDS
 _STRING_FIELDS = ("name", "vendor", "intra_node_link")
 _OPTIONAL_STRING_FIELDS = ("fingerprint",)
 _TABLE_FIELDS = ("peak_flops_per_s", "collectives", "sources", "matmul_rows_efficiency", "matmul_narrow_efficiency",
@@ -158,6 +160,10 @@ class DeviceProfile:
     # -> {"layer": its name, "forward": {micro-batch: measured / modelled seconds},
     # "backward": {...}} ([Note: measured layers] in cost_models/compute.py); empty otherwise.
     layer_corrections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Watts one device draws while it computes (the datasheet's TDP, or measured), and while
+    # it waits (None: cost_models.energy's stated fraction of power_w); None where no source.
+    power_w: float | None = None
+    idle_power_w: float | None = None
 
     def __post_init__(self) -> None:
         _check_profile(self)
@@ -264,6 +270,12 @@ def _check_profile(p: DeviceProfile) -> None:
         value = getattr(p, key)
         if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise ProfileError(f"{who}: {key} must be >= 0 when given, got {value!r}")
+    for key in _POWER_FIELDS:
+        value = getattr(p, key)
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ProfileError(f"{who}: {key} must be a positive number of watts when given, got {value!r}")
+    if p.idle_power_w is not None and (p.power_w is None or p.idle_power_w > p.power_w):
+        raise ProfileError(f"{who}: idle_power_w ({p.idle_power_w} W) needs a power_w at least as large")
     for key in ("kernel_efficiency", "backward_kernel_efficiency"):
         value = getattr(p, key)
         if value is not None and not value > 0:

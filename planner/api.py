@@ -14,7 +14,7 @@ from typing import Any, Callable
 from cost_models.cluster import Cluster
 from cost_models.compute import compiled_layer
 from planner.hetero_dp import hetero_dp_plan
-from planner.objective import Objective, cheapest_plan
+from planner.objective import Objective, cheapest_plan, least_energy_plan
 from planner.plan import ParallelPlan
 from planner.options import PlanningError, SearchOptions
 from planner.search import search
@@ -159,6 +159,9 @@ def _plan_graph(graph: ModelGraph, cluster: Cluster, options: SearchOptions, obj
 
     if objective.kind == "cost":
         plan = cheapest_plan(graph, cluster, options, objective, solve=solve, hetero_dp=hetero_dp, progress=progress)
+        return replace(plan, compiled=options.compiled)
+    if objective.kind == "energy":
+        plan = least_energy_plan(graph, cluster, options, objective, solve=solve, hetero_dp=hetero_dp, progress=progress)
         return replace(plan, compiled=options.compiled)
     plan = replace(solve(graph, cluster, options, progress), compiled=options.compiled)
     target = objective.min_throughput_samples_per_s

@@ -52,6 +52,7 @@ from ortools.linear_solver import pywraplp
 
 from cost_models.cluster import Cluster
 from cost_models.compute import layer_timing
+from cost_models.energy import NoPowerError, device_energy_j, grams_co2, idle_power_w, power_w
 from cost_models.memory import stage_memory
 from planner.plan import ParallelPlan
 from planner.hetero_dp import sync_floor_s
@@ -64,13 +65,13 @@ from planner.trace import ModelGraph
 SECONDS_PER_HOUR = 3600.0
 
 
-OBJECTIVES = ("time", "cost")
+OBJECTIVES = ("time", "cost", "energy")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Objective:
-    """What a plan minimises: step time on all devices ("time"), or dollars per step over
-    sub-clusters ("cost"); either subject to ``min_throughput_samples_per_s``."""
+    """What a plan minimises: step time on all devices ("time"), dollars per step ("cost") or
+    joules per step ("energy") over sub-clusters; each subject to ``min_throughput_samples_per_s``."""
 
     kind: str = "time"
     usd_per_device_hour: dict[str, float] = field(default_factory=dict)  # device type -> price of one device-hour (--price)
@@ -85,13 +86,16 @@ class Objective:
 
 @dataclass(frozen=True, kw_only=True)
 class _Candidate:
+    """A sub-cluster, and what its plans cost at least: ``step * per_s + fixed`` for any step of at least ``step_lb_s``."""
+
     cluster: Cluster
-    usd_per_s: float
+    per_s: float  # dollars per second (cost), or watts its devices draw waiting (energy)
     step_lb_s: float
+    fixed: float = 0.0  # energy: the fewest joules above idle its devices compute for ([Note: energy bound])
 
     @property
     def cost_lb(self) -> float:
-        return self.step_lb_s * self.usd_per_s
+        return self.step_lb_s * self.per_s + self.fixed
 
 
 def resolve_prices(cluster: Cluster, given: Mapping[str, float]) -> dict[str, float]:
@@ -161,8 +165,101 @@ def cheapest_plan(
     """
     start = time.perf_counter()
     prices = resolve_prices(cluster, objective.usd_per_device_hour)
-    target = objective.min_throughput_samples_per_s
-    candidates = _candidates(model, cluster, options, prices)
+    candidates = _candidates(model, cluster, options, lambda counts: sum(n * prices[t] for t, n in counts.items()) / SECONDS_PER_HOUR)
+    best, tried = _least_over_subclusters(model, cluster, options, objective.min_throughput_samples_per_s, candidates,
+                                          lambda plan, cand: plan.predicted.step_time_s * cand.per_s, solve, hetero_dp, progress)
+    return _with_runners_up(best, tried, {"usd_per_step": lambda p: usd_per_step(p, prices)}, options, time.perf_counter() - start)
+
+
+def least_energy_plan(
+    model: ModelGraph,
+    cluster: Cluster,
+    options: SearchOptions,
+    objective: Objective,
+    *,
+    solve: Callable[[ModelGraph, Cluster, SearchOptions], ParallelPlan] = search,
+    hetero_dp: str = "off",
+    progress: Callable[[int, int, str], None] | None = None,
+) -> ParallelPlan:
+    """The plan of fewest joules per step, over sub-clusters of ``cluster``, that meets the throughput target.
+
+    Each sub-cluster's plan is the fastest ``solve`` finds there, priced by [Note: energy
+    model] (cost_models/energy.py); sub-clusters are pruned as for the cost objective, by
+    [Note: energy bound]. The plan's ``predicted`` carries its joules (and grams of CO2
+    where every zone it uses gives carbon_g_per_kwh); devices a plan leaves out are not
+    counted (off, or another job's).
+
+    Raises:
+        PlanningError: a device type has no power draw in its profile, or no sub-cluster reaches the target.
+    """
+    start = time.perf_counter()
+    try:
+        idle = {k: idle_power_w(cluster.profile(k)) for k in cluster.count_by_type()}
+        above = {k: power_w(cluster.profile(k)) - idle[k] for k in idle}
+    except NoPowerError as exc:
+        raise PlanningError(f"--objective energy: {exc}") from None
+    work = _layer_work_s(model, cluster, options)
+    batch = options.global_batch_size
+
+    def busy_j(counts: dict[str, int]) -> float:  # [Note: energy bound]
+        return batch * sum(min(work[k][l] * above[k] if above[k] else 0.0 for k in counts) for l in range(len(model.layers)))
+
+    candidates = _candidates(model, cluster, options, lambda counts: sum(n * idle[k] for k, n in counts.items()), busy_j)
+    best, tried = _least_over_subclusters(model, cluster, options, objective.min_throughput_samples_per_s, candidates,
+                                          lambda plan, cand: step_energy(plan, cand.cluster)[0], solve, hetero_dp, progress)
+    by_spec = {c.cluster.spec: c.cluster for c in candidates}
+    tried = {spec: (None if p is None else with_energy(p, by_spec[spec])) for spec, p in tried.items()}
+    best = tried[best.cluster.spec]
+    return _with_runners_up(best, tried, {"energy_j_per_step": lambda p: p.predicted.energy_j_per_step}, options,
+                            time.perf_counter() - start)
+
+
+# [Note: energy bound]
+# A plan on a sub-cluster of step T draws at least T * (the idle watts of its devices)
+# plus, for the work its devices compute, (power_w - idle_power_w) of their type times
+# the seconds they compute. Every sample's layers are computed somewhere, and a layer l
+# takes at least c[l, k] device-seconds per sample on type k ([Note: sub-cluster bound]),
+# so the computing adds at least B * sum_l min_k c[l, k] (power_w - idle_power_w)[k]
+# over the sub-cluster's types. With T >= the sub-cluster's step bound, the sum is a lower
+# bound on the joules of any plan there, of the form step * per_s + fixed that the
+# best-first loop of [Note: sub-cluster bound] orders and prunes by.
+def step_energy(plan: ParallelPlan, cluster: Cluster) -> tuple[float, float | None]:
+    """(joules, grams of CO2 or None) one step of ``plan`` on ``cluster`` draws; see [Note: energy model].
+
+    A pipeline rank computes m * (its micro-batch's forward + backward) of the step
+    (``predicted.stage_fwd_s``, ``stage_bwd_s``) and waits the rest; a plan without
+    per-stage times (heterogeneous data parallelism) is counted as computing all step long.
+
+    Raises:
+        NoPowerError: a device of the plan has no power draw in its profile.
+    """
+    p = plan.predicted
+    step = p.step_time_s
+    busy = {}
+    if p.stage_fwd_s:
+        for r, stage in enumerate(plan.stages[: plan.pipeline_parallel]):
+            for rank in (x for replica in stage.ranks for x in replica):
+                busy[rank] = plan.num_microbatches * (p.stage_fwd_s[r] + p.stage_bwd_s[r])
+    joules, grams = 0.0, 0.0
+    for rank in range(cluster.world_size):
+        used = device_energy_j(cluster.group_of(rank).device, step, busy.get(rank, step))
+        joules += used
+        carbon = cluster.carbon_g_per_kwh(cluster.zone_of(rank))
+        grams = None if grams is None or carbon is None else grams + grams_co2(used, carbon)
+    return joules, grams
+
+
+def with_energy(plan: ParallelPlan, cluster: Cluster) -> ParallelPlan:
+    """``plan`` with its joules (and grams) per step on ``cluster`` in ``predicted``."""
+    joules, grams = step_energy(plan, cluster)
+    return replace(plan, predicted=replace(plan.predicted, energy_j_per_step=joules, co2_g_per_step=grams))
+
+
+def _least_over_subclusters(model: ModelGraph, cluster: Cluster, options: SearchOptions, target: float, candidates: list[_Candidate],
+                            value: Callable[[ParallelPlan, _Candidate], float], solve, hetero_dp: str,
+                            progress: Callable[[int, int, str], None] | None) -> tuple[ParallelPlan, dict]:
+    """The plan of least ``value`` among the sub-clusters' plans that reach ``target``, and every plan solved;
+    see [Note: sub-cluster bound]."""
     # (cost bound, tight?, index): a sub-cluster is solved once its tight bound is the least bound left.
     queue = [(c.cost_lb, False, i) for i, c in enumerate(candidates)]
     heapq.heapify(queue)
@@ -178,22 +275,28 @@ def cheapest_plan(
                 continue  # cannot reach the target whatever the plan
             step_lb = max(cand.step_lb_s, _plan_bound_s(model, cand, options, hetero_dp))
             if options.global_batch_size / step_lb >= target:
-                heapq.heappush(queue, (step_lb * cand.usd_per_s, True, i))
+                heapq.heappush(queue, (step_lb * cand.per_s + cand.fixed, True, i))
             continue
         plan = _solve(model, cand.cluster, options, solve, tried)
         if plan is not None and plan.predicted.throughput_samples_per_s >= target:
-            cost = plan.predicted.step_time_s * cand.usd_per_s
+            cost = value(plan, cand)
             if best is None or cost < best[0]:
                 best = (cost, plan)
     if progress:
         progress(len(candidates), len(candidates), "done")
     if best is None:
         raise PlanningError(_unreachable(model, cluster, options, candidates, solve, tried, target, hetero_dp))
-    return _with_runners_up(best[1], tried, prices, options, time.perf_counter() - start)
+    return best[1], tried
 
 
-def _candidates(model: ModelGraph, cluster: Cluster, options: SearchOptions, prices: dict[str, float]) -> list[_Candidate]:
-    """Every sub-cluster that could hold the model, with its price and [Note: sub-cluster bound]."""
+def _candidates(model: ModelGraph, cluster: Cluster, options: SearchOptions, per_s: Callable[[dict[str, int]], float],
+                fixed: Callable[[dict[str, int]], float] = lambda counts: 0.0) -> list[_Candidate]:
+    """Every sub-cluster that could hold the model, with its objective's rate and [Note: sub-cluster bound].
+
+    Args:
+        per_s: devices by type -> what a second of its step costs.
+        fixed: devices by type -> what its plans cost whatever the step.
+    """
     work = _layer_work_s(model, cluster, options)
     need = _least_memory_bytes(model, options)
     out = []
@@ -205,8 +308,8 @@ def _candidates(model: ModelGraph, cluster: Cluster, options: SearchOptions, pri
         step_lb = _step_bound_s(work, counts, options.global_batch_size)
         if memory < need or math.isinf(step_lb):
             continue
-        usd_per_s = sum(n * prices[t] for t, n in counts.items()) / SECONDS_PER_HOUR
-        out.append(_Candidate(cluster=subcluster(cluster, list(uses)), usd_per_s=usd_per_s, step_lb_s=step_lb))
+        out.append(_Candidate(cluster=subcluster(cluster, list(uses)), per_s=per_s(counts), step_lb_s=step_lb,
+                              fixed=fixed(counts)))
     return out
 
 
@@ -344,16 +447,20 @@ def _by_ceiling(model, candidates: list[_Candidate], options: SearchOptions, het
     return sorted(out, key=lambda x: -x[0])
 
 
-def _with_runners_up(plan: ParallelPlan, tried: dict, prices: dict[str, float], options: SearchOptions, wall_s: float) -> ParallelPlan:
-    """``plan`` with the next cheapest sub-clusters tried among its alternatives and the whole objective search's wall time."""
-    others = sorted((p for p in tried.values() if p is not None and p is not plan), key=lambda p: usd_per_step(p, prices))
+def _with_runners_up(plan: ParallelPlan, tried: dict, measure: dict[str, Callable[[ParallelPlan], float]], options: SearchOptions,
+                     wall_s: float) -> ParallelPlan:
+    """``plan`` with the next best sub-clusters tried among its alternatives (``measure``: the objective's name in
+    them -> its value) and the whole objective search's wall time."""
+    (name, value), = measure.items()
+    others = sorted((p for p in tried.values() if p is not None and p is not plan), key=value)
     extra = [
         {"cluster": p.cluster.spec, "step_time_s": p.predicted.step_time_s,
-         "throughput_samples_per_s": p.predicted.throughput_samples_per_s, "usd_per_step": usd_per_step(p, prices)}
+         "throughput_samples_per_s": p.predicted.throughput_samples_per_s, name: value(p)}
         for p in others[: options.top_k]
     ]
     return replace(plan, alternatives=list(plan.alternatives) + extra,
                    solver=replace(plan.solver, search_time_s=round(wall_s, 3)))
 
 
-__all__ = ["Objective", "OBJECTIVES", "cheapest_plan", "resolve_prices", "usd_per_step", "SECONDS_PER_HOUR"]
+__all__ = ["Objective", "OBJECTIVES", "cheapest_plan", "least_energy_plan", "resolve_prices", "step_energy", "usd_per_step",
+           "with_energy", "SECONDS_PER_HOUR"]

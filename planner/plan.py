@@ -110,6 +110,10 @@ class Predicted:
     # with the run's stage times. Empty where the prediction has none (hetero-DP plans).
     stage_fwd_s: list[float] = field(default_factory=list)
     stage_bwd_s: list[float] = field(default_factory=list)
+    # Joules one step draws on the plan's devices, and grams of CO2 where every zone gives its
+    # grid intensity ([Note: energy model] in cost_models/energy.py); None unless --objective energy.
+    energy_j_per_step: float | None = None
+    co2_g_per_step: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,6 +34,7 @@ class ScheduleChoice(str, Enum):
 class ObjectiveChoice(str, Enum):
     time = "time"  # the fastest plan on all devices
     cost = "cost"  # the cheapest plan per step over sub-clusters (needs --price or cluster-file prices)
+    energy = "energy"  # the fewest joules per step over sub-clusters (needs the devices' power_w)
 
 
 class HeteroDP(str, Enum):
@@ -67,7 +68,7 @@ def plan(
     work_limit: Annotated[float, typer.Option(help="CP-SAT work limit per candidate, in deterministic seconds (about one second of one core, the same on every machine): the plan does not depend on the machine's speed or load.")] = 10.0,
     time_limit: Annotated[Optional[float], typer.Option(help="Wall-clock safety net per candidate, seconds; a candidate it stops makes the plan depend on the machine (the status says so) [default: none].", show_default=False)] = None,
     leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
-    objective: Annotated[ObjectiveChoice, typer.Option(help="time: the fastest plan on all devices; cost: the fewest dollars per step over sub-clusters.")] = ObjectiveChoice.time,
+    objective: Annotated[ObjectiveChoice, typer.Option(help="time: the fastest plan on all devices; cost: the fewest dollars per step over sub-clusters; energy: the fewest joules per step over sub-clusters (grams of CO2 reported where the cluster file gives carbon_g_per_kwh).")] = ObjectiveChoice.time,
     price: Annotated[Optional[list[str]], typer.Option(help="TYPE=USD: price of one device of TYPE per hour, for --objective cost; repeatable (overrides the cluster file's).")] = None,
     min_throughput: Annotated[float, typer.Option(help="Throughput target in samples/s the plan must reach.")] = 0.0,
     hetero_dp: Annotated[HeteroDP, typer.Option(help="Data-parallel replicas on different device types (mixed clusters): auto keeps the faster plan, on forces it, off never.")] = HeteroDP.auto,
@@ -229,6 +230,10 @@ def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[d
     )
     if prices:
         console.print(f"cost: ${usd_per_step(plan, prices):.4g} per step on {plan.cluster.world_size} devices ({plan.cluster.spec})")
+    if p.energy_j_per_step is not None:
+        co2 = f"; {p.co2_g_per_step:.4g} g CO2" if p.co2_g_per_step is not None else ""
+        console.print(f"energy: {p.energy_j_per_step:.4g} J per step ({p.energy_j_per_step / p.step_time_s:.4g} W on "
+                      f"{plan.cluster.world_size} devices, {plan.cluster.spec}){co2}")
     if plan.replica_batch_shares is not None:
         console.print(f"heterogeneous data parallelism: micro-batch size per replica {plan.replica_batch_shares}")
     if plan.data_parallel > 1:
