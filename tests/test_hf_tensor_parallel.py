@@ -177,3 +177,17 @@ def test_planned_tensor_parallel_trains_like_one_process(tmp_path, source, pp, o
     plan = _plan(tmp_path, source, tp=2, pp=pp)
     assert plan.pipeline_parallel == pp and all(s.tensor_parallel == 2 and s.tp_sharding for s in plan.stages)
     assert_trains_like_one_process(plan, tmp_path, optimizer)
+
+
+@pytest.mark.slow
+def test_zero_3_on_module_stages_of_a_tied_model_trains_like_one_process(tmp_path):
+    """GPT-2's module stages under FSDP2 (dp 2 x pp 2, ZeRO-3): wte on stage 0 and the
+    tied lm_head on stage 1 are each sharded over the replicas and kept equal across the
+    stages (runtime/tied.py), as AdamW in one process trains them."""
+    path = tmp_path / "hfmodel.py"
+    path.write_text(HF_GPT2)
+    options = SearchOptions(global_batch_size=8, dtype="fp32", schedule="1f1b", micro_batch_size=2, tp=1, pp=2, dp=2, zero=3)
+    plan = plan_model(path, parse_cluster("1x4xcpu"), options, model_args={})
+    assert all(s.zero_stage == 3 for s in plan.stages)
+    stderr = assert_trains_like_one_process(plan, tmp_path, "adamw")
+    assert "ZeRO-3 through FSDP2 over 2 replicas" in stderr
