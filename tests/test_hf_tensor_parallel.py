@@ -184,6 +184,10 @@ def test_zero_3_on_module_stages_of_a_tied_model_trains_like_one_process(tmp_pat
     """GPT-2's module stages under FSDP2 (dp 2 x pp 2, ZeRO-3): wte on stage 0 and the
     tied lm_head on stage 1 are each sharded over the replicas and kept equal across the
     stages (runtime/tied.py), as AdamW in one process trains them."""
+    from cost_models.cluster import parse_cluster
+    from planner.api import plan_model
+    from planner.search import SearchOptions
+
     path = tmp_path / "hfmodel.py"
     path.write_text(HF_GPT2)
     options = SearchOptions(global_batch_size=8, dtype="fp32", schedule="1f1b", micro_batch_size=2, tp=1, pp=2, dp=2, zero=3)
