@@ -11,7 +11,11 @@ Modules, in the order a program uses them:
 - ``shard``: this rank's stage, tensor parallel, its replica's rows of each batch, its micro-batches.
 - ``materialize``: the model built on the meta device, and only this rank's tensors computed (or read from --init-from).
 - ``recompute``: each layer of a stage under torch.utils.checkpoint.
-- ``data_parallel``: gradients of a stage's replicas: all-reduce, DDP comm hooks, ZeRO through FSDP2.
+- ``data_parallel``: gradients of a stage's replicas: all-reduce, DDP comm hooks, ZeRO through FSDP2, or one of:
+  ``compression`` (top-k and sign with error feedback), ``robust`` (trimmed mean, median, Multi-Krum),
+  ``local_sgd`` (average every K steps); ``buckets`` holds what they share, ``sync_spec`` the plan's options.
+- ``rebalance``: replica shares of the batch moved by measured speed.
+- ``faults``: bad gradients and slow ranks injected on purpose, for testing.
 - ``precision``: fp16 loss scaling agreed by every rank.
 - ``schedule``: pipeline schedules as data (``1F0``), generators and a deadlock simulator.
 - ``executor``: runs a stage's action list with point-to-point sends and receives.
