@@ -1,6 +1,11 @@
 """Search wall time and plan quality on large and mixed clusters (issue: the search).
 
     .venv/bin/python benchmarks/search_bench.py [--quick] > out/search_bench.md
+    .venv/bin/python benchmarks/search_bench.py --cli [--busy] > out/search_cli.md
+
+``--cli`` times the whole ``hetpar plan`` command of each target (trace, search, the
+heterogeneous data-parallel plan on mixed clusters, prediction and printing) as a user
+runs it, the median of three runs; ``--busy`` runs one other CPU-bound process beside it.
 
 Traces each GPT on the meta device (time reported separately), then runs the search
 with 2 CP-SAT workers and reports its wall time, status and proven gap. For the mixed
@@ -11,6 +16,9 @@ per stage on the same devices, and reports the throughput ratios.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +51,40 @@ MIXED = [
 ]
 
 
+# The issue's targets through the CLI: GPT 1T on 3072 A100s, and Megatron's 39.1B GPT (tied head) on
+# 512 devices of three types.
+CLI = [
+    ("1T", ["examples/gpt.py", "-a", "n_layers=128", "-a", "hidden=25600", "-a", "heads=160", "-a", "seq_len=2048", "-a", "vocab=51200",
+            "--cluster", "384x8xA100-80GB@200gx8", "-b", "3072", "--dtype", "bf16"]),
+    ("39.1B mixed", ["benchmarks/published/gpt.py", "-a", "n_layers=48", "-a", "hidden=8192", "-a", "heads=64", "-a", "vocab=51200",
+                     "-a", "seq_len=2048", "--cluster", "32x8xA100-80GB@200gx8+16x8xV100-32GB@100gx4+16x8xAscend910B",
+                     "-b", "1536", "--dtype", "fp16"]),
+]
+
+
+def cli_table(busy: bool) -> None:
+    """Median wall time of ``hetpar plan`` for each CLI target, with its status and predicted step."""
+    root = Path(__file__).resolve().parent.parent
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        print("| target | wall s (median of 3) | trace s | search s | status | predicted step s | command |")
+        print("|---|---|---|---|---|---|---|")
+        for name, args in CLI:
+            walls, plan = [], None
+            for _ in range(3):
+                t0 = time.perf_counter()
+                out = subprocess.run([sys.executable, "-m", "hetpar", "plan", *args, "--json"], cwd=root, capture_output=True, text=True)
+                walls.append(time.perf_counter() - t0)
+                plan = json.loads(out.stdout)
+            s = plan["solver"]
+            status = s["status"] + (f" ({s['reason']})" if s.get("reason") else "")
+            print(f"| {name} | {statistics.median(walls):.1f} | {s['trace_time_s']:.1f} | {s['search_time_s']:.1f} | {status} | "
+                  f"{plan['predicted']['step_time_s']:.2f} | `hetpar plan {' '.join(args)}` |")
+    finally:
+        if spinner is not None:
+            spinner.kill()
+
+
 def plan(model, cluster_spec, gbs, dtype, **extra):
     cluster = parse_cluster(cluster_spec)
     options = SearchOptions(global_batch_size=gbs, dtype=dtype, workers=2, **extra)
@@ -68,7 +110,12 @@ def describe(p) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only the two smallest cases of each table")
+    ap.add_argument("--cli", action="store_true", help="time the whole hetpar plan command of the issue's targets instead")
+    ap.add_argument("--busy", action="store_true", help="with --cli: one other CPU-bound process runs meanwhile")
     args = ap.parse_args()
+    if args.cli:
+        cli_table(args.busy)
+        return
     graphs, trace_s = {}, {}
     homogeneous = HOMOGENEOUS[:2] if args.quick else HOMOGENEOUS
     mixed = MIXED[:1] if args.quick else MIXED

@@ -51,6 +51,7 @@ from planner.split_model import (
     equal_split,
     greedy_modes,
     may_beat,
+    objective_floor,
 )
 from planner.trace import ModelGraph
 
@@ -276,6 +277,9 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
         return None  # a device lacks the training dtype, or no offered degree splits a layer
     if cutoff_s is not None and not fixed_sizes and not may_beat(tables, cutoff_s):
         return None
+    floor_s = objective_floor(tables) if not fixed_sizes and cutoff_s is not None else None
+    if floor_s is not None and floor_s >= cutoff_s:
+        return None  # [Note: objective floor]
     hint_bounds = bounds_from_sizes(fixed_sizes) if fixed_sizes else equal_split(tables.num_layers, tables.num_chunks)
     hint_modes = greedy_modes(tables, hint_bounds)
     scale_s = evaluate_split(tables, hint_bounds, hint_modes).objective_s
@@ -291,8 +295,11 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
     solver.parameters.relative_gap_limit = options.gap_limit
     solver.parameters.linearization_level = 2  # the envelopes of [Note: cut formulation] give the LP its bound
     status = solver.solve(split.model)
+    if status != cp_model.OPTIMAL and floor_s is None and not fixed_sizes:
+        floor_s = objective_floor(tables)  # [Note: objective floor]: often far above CP-SAT's bound
     if status == cp_model.UNKNOWN:
-        raise Unresolved(max(0.0, solver.best_objective_bound * tick_s / split.weights.scale), limit_hit(solver, options.time_limit_s))
+        bound_s = max(0.0, solver.best_objective_bound * tick_s / split.weights.scale, floor_s or 0.0)
+        raise Unresolved(bound_s, limit_hit(solver, options.time_limit_s))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     starts = [solver.value(v) for v in split.start]
@@ -300,7 +307,8 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
     modes = split.modes(solver)
     cost = evaluate_split(tables, bounds, modes)
     optimal = status == cp_model.OPTIMAL
-    bound_s = cost.objective_s if optimal else solver.best_objective_bound * tick_s / split.weights.scale
+    bound_s = cost.objective_s if optimal else min(cost.objective_s, max(solver.best_objective_bound * tick_s / split.weights.scale,
+                                                                         floor_s or 0.0))
     return SplitResult(bounds=bounds, cost=cost, status="optimal" if optimal else "feasible", bound_s=bound_s,
                        limit=None if optimal else limit_hit(solver, options.time_limit_s))
 

@@ -10,7 +10,8 @@ import pytest
 from cost_models.pipeline import linear_step_weights
 from planner.costs import chunk_terms, evaluate_split
 from planner.split_bound import split_sum_bound
-from search_tables import RECOMPUTE, ZERO, compositions, random_tables
+from planner.split_model import objective_floor
+from search_tables import RECOMPUTE, ZERO, brute_force, compositions, random_tables
 
 # (layers, pp, v, m, schedule, modes, memory, degrees, devices)
 CASES = [
@@ -76,3 +77,16 @@ def test_split_sum_bound_sees_what_memory_forces():
     per_layer = float((wt.chunk_sum * tables.time_s - wt.weight_sum * tables.weight_s + wt.epilogue_max / 2 * tables.epilogue_s)
                       .min(axis=(0, 2)).sum())
     assert per_layer < split_sum_bound(tables, wt) <= min(s for _, s in shares) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("num_layers,pp,v,m,schedule,modes,memory,degrees,devices", CASES[::2])
+def test_objective_floor_never_exceeds_the_brute_force_optimum(num_layers, pp, v, m, schedule, modes, memory, degrees, devices):
+    """[Note: objective floor]: a bound on every split that fits, so on the best one."""
+    rng = np.random.default_rng(zlib.crc32(repr((num_layers, pp, v, m, schedule, len(modes), memory, degrees)).encode()))
+    tables = random_tables(rng, num_layers, pp, m, modes=modes, schedule=schedule, virtual_stages=v, memory=memory,
+                           degrees=degrees, devices=devices)
+    best = brute_force(tables)
+    floor = objective_floor(tables)
+    if best is None:
+        return
+    assert floor <= best[0] * (1 + 1e-9)
