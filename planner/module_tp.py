@@ -18,14 +18,18 @@ with each split Linear replaced by one rank's (smaller) Linear, on fake meta ten
 A failure names the module it happened in; the split Linears inside it may not all be
 split (GPT-2's fused ``c_attn`` split colwise breaks the ``split(embed_dim)`` of
 ``GPT2Attention``, so GPT-2 splits its MLP, and its attention projections run
-replicated or as ``rowwise_slice``), and the model is solved again. The degrees a
-layer splits at are those at which the dry run passes (heads and key heads divide).
+replicated or as ``rowwise_slice``; OPT's attention views its projections as
+``(batch, -1, num_heads, head_dim)`` with the config's head count, so OPT splits its
+MLP only), and the model is solved again. The degrees a layer splits at are those at
+which the dry run passes (heads and key heads divide).
 
 Where the model's config has a ``base_model_tp_plan`` (Llama: ``layers.*.self_attn.q_proj:
 colwise``, ...) of the plain colwise/rowwise styles, it is used when it is a valid
 layout of the ILP and its dry run passes, and the finder's own answer is kept next to
 it (``BlockSharding``), so the two can be compared; a test holds them equal on Llama.
-Only blocks are split: the embedding and the head (often tied to it) stay replicated.
+Only blocks are split: the embedding and the head (often tied to it) stay replicated,
+and so do a mixture of experts' experts (Mixtral's are 3-D parameters, not Linears):
+its attention is split.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from planner.tensor_parallel import (
     DryRunFailure, TpCostModel, TpError, TpProblem, build_problem, evaluate, local_linear, solve_checked,
 )
 from runtime.capture import locate
-from runtime.module_stage import DecoderLayout, DecoderStage
+from runtime.module_stage import DecoderLayout, DecoderStage, hidden_size
 
 _STYLES = {"colwise": Sharding.COLWISE, "rowwise": Sharding.ROWWISE}
 _RUN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
@@ -102,7 +106,7 @@ class BlockDryRun:
             return DryRunFailure(node="", split_inputs=frozenset(), reason=str(exc))
         container, _, name = path.rpartition(".")
         setattr(stage.get_submodule(container), name, local)
-        hidden = torch.empty(1, self.seq_len, self.model.get_submodule(self.layout.head).in_features, device="meta")
+        hidden = torch.empty(1, self.seq_len, hidden_size(self.model, self.layout), device="meta")
         try:
             with FakeTensorMode(allow_non_fake_inputs=True):
                 out = stage(hidden)[0]
@@ -126,12 +130,25 @@ class BlockDryRun:
 def _split_block(block: nn.Module, block_path: str, sharding: dict[str, Sharding], tp: int) -> nn.Module:
     """A meta copy of ``block`` with each split Linear (or Conv1D) as one rank's share."""
     local = copy.deepcopy(block)
+    _experts_for_meta(local)
     for path, how in sharding.items():
         relative = path[len(block_path) + 1:]
         owner, _, name = relative.rpartition(".")
         parent = local.get_submodule(owner) if owner else local
         setattr(parent, name, local_linear(getattr(parent, name), how, tp, path))
     return local
+
+
+def _experts_for_meta(block: nn.Module) -> None:
+    """Give the mixture-of-experts layers of ``block`` (a copy: its configs are its own) an
+    implementation that runs on fake meta tensors. transformers picks ``grouped_mm`` for
+    a meta weight, and torch's meta kernel of ``_grouped_mm`` accepts bfloat16 only
+    (Mixtral in float32 fails the dry run, though the CPU kernel runs it); ``batched_mm``
+    computes the same shapes with plain batched matmuls."""
+    for module in block.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_experts_implementation", None) == "grouped_mm":
+            config._experts_implementation = "batched_mm"
 
 
 def block_sharding(model: nn.Module, layout: DecoderLayout, block: int, seq_len: int, layer: fx.GraphModule,

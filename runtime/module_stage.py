@@ -5,10 +5,11 @@ A stage cut from a torch.export graph (runtime.graph) is ATen code with its shap
 baked in: its attention reshapes name the head count, so tensor parallelism cannot give
 a rank half the heads, and it has no ``nn.Linear`` modules for DTensor to shard. For
 the decoder-only causal LMs whose forward hetpar knows (``decoder_layout``: Llama,
-Mistral, Qwen2, GPT-2), a stage is instead an ``nn.Module`` that calls the model's own
-modules in the model's own order:
+Mistral, Qwen2, Gemma, Phi, GPT-NeoX, Mixtral, GPT-2, OPT), a stage is instead an
+``nn.Module`` that calls the model's own modules in the model's own order:
 
-- the first stage embeds the tokens (GPT-2 adds the position embeddings and dropout);
+- the first stage embeds the tokens (GPT-2 and OPT add the position embeddings, GPT-2,
+  Phi and GPT-NeoX their embedding dropout);
 - every stage with blocks makes the position ids ``arange(T)``, the causal mask
   (``transformers.masking_utils``, as the model's forward does, sliding-window layers
   included) and the rotary tables from the hidden states it holds, and runs its blocks
@@ -39,19 +40,30 @@ import torch.nn as nn
 from runtime.graph import Stage, TensorSpec
 from runtime.recompute import MODES, checkpoint_call
 
-# Base-model classes whose forward is Llama's: embed_tokens, layers, norm, rotary_emb.
-_LLAMA_LIKE = {"LlamaModel", "MistralModel", "Qwen2Model"}
+# Base-model classes whose forward is Llama's (embed, rotary tables, layers called with
+# the mask and the tables, final norm), by class: the embedding modules in the order the
+# forward applies them (an embedding, then its dropout) and the final norm. Gemma scales
+# its embedding inside the embedding module; Mixtral's blocks route to experts.
+_LLAMA_LIKE = {
+    "LlamaModel": (("embed_tokens",), ("norm",)),
+    "MistralModel": (("embed_tokens",), ("norm",)),
+    "Qwen2Model": (("embed_tokens",), ("norm",)),
+    "GemmaModel": (("embed_tokens",), ("norm",)),
+    "MixtralModel": (("embed_tokens",), ("norm",)),
+    "PhiModel": (("embed_tokens", "embed_dropout"), ("final_layernorm",)),
+    "GPTNeoXModel": (("embed_in", "emb_dropout"), ("final_layer_norm",)),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
 class DecoderLayout:
     """Where a decoder-only causal LM keeps its parts; see [Note: stages of the eager model]."""
 
-    family: str  # "llama" (Llama-like) or "gpt2"
-    base: str  # the base model's attribute: "model", "transformer"
+    family: str  # "llama" (Llama-like), "gpt2" or "opt"
+    base: str  # the base model's path: "model", "transformer", "model.decoder"
     embed: tuple[str, ...]  # the leading layer's modules, under the base
     blocks: str  # the block list, under the base
-    norm: str  # the final norm, under the base
+    norm: tuple[str, ...]  # the modules between the last block and the head, under the base
     rotary: str | None  # the rotary embedding, under the base
     head: str = "lm_head"
     num_blocks: int = 0
@@ -75,12 +87,20 @@ def decoder_layout(model: nn.Module) -> DecoderLayout | None:
     if base is None or not isinstance(head, nn.Linear) or getattr(base, "config", None) is None:
         return None
     kind = type(base).__name__
-    if kind in _LLAMA_LIKE and all(hasattr(base, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return DecoderLayout(family="llama", base=base_name, embed=("embed_tokens",), blocks="layers", norm="norm",
-                             rotary="rotary_emb", num_blocks=len(base.layers))
+    if kind in _LLAMA_LIKE:
+        embed, norm = _LLAMA_LIKE[kind]
+        if all(hasattr(base, n) for n in (*embed, "layers", *norm, "rotary_emb")):
+            return DecoderLayout(family="llama", base=base_name, embed=embed, blocks="layers", norm=norm,
+                                 rotary="rotary_emb", num_blocks=len(base.layers))
     if kind == "GPT2Model" and not base.config.add_cross_attention:
-        return DecoderLayout(family="gpt2", base=base_name, embed=("wte", "wpe", "drop"), blocks="h", norm="ln_f",
+        return DecoderLayout(family="gpt2", base=base_name, embed=("wte", "wpe", "drop"), blocks="h", norm=("ln_f",),
                              rotary=None, num_blocks=len(base.h))
+    decoder = getattr(base, "decoder", None)
+    if kind == "OPTModel" and type(decoder).__name__ == "OPTDecoder" and not base.config.layerdrop:
+        present = [n for n in ("project_in", "final_layer_norm", "project_out") if getattr(decoder, n) is not None]
+        return DecoderLayout(family="opt", base=f"{base_name}.decoder", embed=(
+            "embed_tokens", "embed_positions", *(n for n in present if n == "project_in")), blocks="layers",
+            norm=tuple(n for n in present if n != "project_in"), rotary=None, num_blocks=len(decoder.layers))
     return None
 
 
@@ -122,7 +142,7 @@ class DecoderStage(nn.Module):
             paths.append(f"{layout.base}.{layout.rotary}")
         paths += [layout.block_path(i) for i in self._blocks]
         if self._heads:
-            paths += [f"{layout.base}.{layout.norm}", layout.head]
+            paths += [*(f"{layout.base}.{name}" for name in layout.norm), layout.head]
         for path in paths:
             _attach(self, path, model.get_submodule(path))
 
@@ -136,29 +156,41 @@ class DecoderStage(nn.Module):
             rotary = base.get_submodule(layout.rotary)(h, position_ids=positions) if layout.rotary else None
             blocks = base.get_submodule(layout.blocks)
             for i in self._blocks:
-                call = _LlamaBlock(blocks.get_submodule(str(i)), masks[_mask_kind(self._config, i)], rotary, positions) \
-                    if layout.family == "llama" else _Gpt2Block(blocks.get_submodule(str(i)), masks["full_attention"], positions)
+                call = _Gpt2Block(blocks.get_submodule(str(i)), masks["full_attention"], positions) \
+                    if layout.family == "gpt2" else \
+                    _LlamaBlock(blocks.get_submodule(str(i)), masks[_mask_kind(self._config, i)], rotary, positions)
                 h = checkpoint_call(call, h, mode=self._recompute)
         if not self._heads:
             return (h,)
-        logits = self.get_submodule(layout.head)(base.get_submodule(layout.norm)(h))
-        return self._output_type(logits=logits)
+        for name in layout.norm:
+            h = base.get_submodule(name)(h)
+        return self._output_type(logits=self.get_submodule(layout.head)(h))
 
     def _embed(self, base: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         if self._layout.family == "llama":
-            return base.embed_tokens(tokens)
+            first, *after = self._layout.embed
+            h = base.get_submodule(first)(tokens)
+            for name in after:
+                h = base.get_submodule(name)(h)
+            return h
         positions = torch.arange(tokens.shape[-1], device=tokens.device).unsqueeze(0)
+        if self._layout.family == "opt":  # positions from an all-ones mask: 0 .. T-1, offset inside embed_positions
+            h = base.embed_tokens(tokens)
+            if "project_in" in self._layout.embed:
+                h = base.project_in(h)
+            return h + base.embed_positions(torch.ones_like(tokens), 0, position_ids=positions)
         return base.drop(base.wte(tokens) + base.wpe(positions))
 
 
 class _LlamaBlock:
-    """One Llama-like decoder layer called as the model's forward calls it."""
+    """One Llama-like (or OPT, without rotary tables) decoder layer called as the model's forward calls it."""
 
     def __init__(self, block: nn.Module, mask: Any, rotary: Any, positions: torch.Tensor):
         self.block, self.mask, self.rotary, self.positions = block, mask, rotary, positions
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return self.block(h, attention_mask=self.mask, position_embeddings=self.rotary, position_ids=self.positions)
+        rotary = {} if self.rotary is None else {"position_embeddings": self.rotary}
+        return self.block(h, attention_mask=self.mask, position_ids=self.positions, **rotary)
 
 
 class _Gpt2Block:
@@ -208,6 +240,11 @@ def _output_type(model: nn.Module) -> type:
     return annotation if isinstance(annotation, type) else CausalLMOutputWithPast
 
 
+def hidden_size(model: nn.Module, layout: DecoderLayout) -> int:
+    """The width of the hidden states between blocks (OPT may project it before the head)."""
+    return model.get_submodule(layout.base).config.hidden_size
+
+
 def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
     """Put ``module`` at ``path`` under ``root``, creating plain containers on the way."""
     owner = root
@@ -238,7 +275,7 @@ def cut_module_stage(model: nn.Module, example_inputs: tuple, layers: tuple[int,
     module = DecoderStage(model, layout, first, last, recompute=recompute)
     tokens = example_inputs[0]
     embedding = model.get_submodule(f"{layout.base}.{layout.embed[0]}")
-    hidden = TensorSpec(shape=(*tokens.shape, model.get_submodule(layout.head).in_features),
+    hidden = TensorSpec(shape=(*tokens.shape, hidden_size(model, layout)),
                         dtype=embedding.weight.dtype)
     is_last = last == len(layer_names) - 1
     return Stage(module=module, first_layer=first, last_layer=last, is_last=is_last,
@@ -246,4 +283,4 @@ def cut_module_stage(model: nn.Module, example_inputs: tuple, layers: tuple[int,
                  send=() if is_last else (hidden,))
 
 
-__all__ = ["DecoderLayout", "DecoderStage", "cut_module_stage", "decoder_layout", "layout_for"]
+__all__ = ["DecoderLayout", "DecoderStage", "cut_module_stage", "decoder_layout", "hidden_size", "layout_for"]
