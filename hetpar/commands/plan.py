@@ -18,7 +18,6 @@ from planner.default_split import default_split
 from planner.plan import ParallelPlan
 from planner.api import plan_model
 from planner.objective import Objective, resolve_prices, usd_per_step
-from planner.resume import find_resume_point
 from planner.search import SearchOptions
 from planner.sync_methods import DataParallelSync
 from runtime.model_file import parse_model_args
@@ -98,7 +97,11 @@ def plan(
         time_limit_s=time_limit,
         compiled=default_compiled(the_cluster.device_types()) if compiled is None else compiled,
     )
-    resume = find_resume_point(model_file, parse_model_args(model_arg or []), resume_from) if resume_from else None
+    resume = None
+    if resume_from:
+        from planner.resume import find_resume_point  # here: torch.distributed.checkpoint takes a second to import
+
+        resume = find_resume_point(model_file, parse_model_args(model_arg or []), resume_from)
     notes: list[str] = []
     traced: list = []
     status = console.status("tracing the model on the meta device")

@@ -21,7 +21,6 @@ from planner.plan import ParallelPlan, PlanError
 from rewriters.launchers import PROGRAM
 from rewriters.torchrun import compile_plan
 from runtime import devices
-from runtime.training import read_metrics
 
 # Steps whose time is dropped: the first builds the process groups' buffers and warms
 # the allocator and the autograd graph; the second still pays some of it.
@@ -125,6 +124,8 @@ def _run(build: Path, world: int, steps: int, timeout_s: float, compile: str) ->
         raise ValidateError(f"the run failed with exit code {done.returncode}: {last[0].strip()}")
     if not metrics.is_file():
         raise ValidateError("the run wrote no metrics")
+    from runtime.training import read_metrics  # here: it imports torch.distributed.tensor, a second at every hetpar start
+
     times = [r["step_time_s"] for r in read_metrics(metrics, "step")]
     if not times:
         raise ValidateError("the run wrote no step times")
