@@ -47,7 +47,7 @@ from planner.plan import Sharding
 from planner.tensor_parallel import (
     DryRunFailure, TpCostModel, TpError, TpProblem, build_problem, evaluate, local_linear, solve_checked,
 )
-from runtime.capture import locate
+from runtime.capture import locate, quiet_torch_logs
 from runtime.module_stage import DecoderLayout, DecoderStage, hidden_size
 
 _STYLES = {"colwise": Sharding.COLWISE, "rowwise": Sharding.ROWWISE}
@@ -107,8 +107,8 @@ class BlockDryRun:
         container, _, name = path.rpartition(".")
         setattr(stage.get_submodule(container), name, local)
         hidden = torch.empty(1, self.seq_len, hidden_size(self.model, self.layout), device="meta")
-        try:
-            with FakeTensorMode(allow_non_fake_inputs=True):
+        try:  # quiet: torch logs each failing meta kernel, and a failure here is an answer
+            with quiet_torch_logs(), FakeTensorMode(allow_non_fake_inputs=True):
                 out = stage(hidden)[0]
         except _RUN_ERRORS as exc:
             where = locate("dry run", exc, stage).module

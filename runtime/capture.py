@@ -121,7 +121,7 @@ def export_graph(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
     device = next((p.device for p in model.parameters()), None)
     inputs = tuple(t.to(device) if device is not None and isinstance(t, torch.Tensor) else t for t in example_inputs)
     try:
-        with _quiet_torch_logs():
+        with quiet_torch_logs():
             ep = torch.export.export(model, inputs, strict=False)
             gm = ep.module()
     except Exception as exc:  # noqa: BLE001 - located and reported as one line
@@ -149,7 +149,7 @@ def capture(model: nn.Module, leaf_modules: tuple[str, ...] = (), example_inputs
 
 
 @contextlib.contextmanager
-def _quiet_torch_logs():
+def quiet_torch_logs():
     """Silence torch's loggers and stderr: a failed export prints its partial graph, and
     the failure is reported as one line instead."""
     loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.split(".")[0] == "torch"]
@@ -270,4 +270,5 @@ def module_paths(node: fx.Node) -> list[str]:
     return paths
 
 
-__all__ = ["Failure", "TraceError", "TracerFailed", "capture", "data_dependent", "export_graph", "fx_trace", "locate", "module_path", "module_paths"]
+__all__ = ["Failure", "TraceError", "TracerFailed", "capture", "data_dependent", "export_graph", "fx_trace", "locate", "module_path", "module_paths",
+           "quiet_torch_logs"]
