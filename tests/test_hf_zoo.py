@@ -3,8 +3,10 @@ config class (tests/models/hf_default_zoo.py: decoder-only, mixture of experts,
 encoder-only, encoder-decoder, vision), planned and trained by the generated program.
 
 - At the default size (Llama 7B, Mixtral 8x7B, GPT-NeoX 20B, ...) every family plans on
-  the meta device for 2x8xA100-80GB, the decoder-only ones with tensor parallelism.
-- At the tiny size (only size fields changed) one torchrun launch trains every family
+  the meta device for 2x8xA100-80GB (Mixtral at tp 2 for 4x8), the decoder-only ones
+  with tensor parallelism.
+- At the tiny size (only size fields changed: widths, depths, heads, vocabulary, experts;
+  the defaults do not run on a 2-core CPU) one torchrun launch trains every family
   for two steps in a layout of two ranks (the decoder-only ones at tp 2), and the
   Llama-like and GPT-2-like (tied) models of tests/test_distributed.py at dp 2. Where a
   default config draws no random numbers in training (no dropout, no batch norm) the
@@ -53,10 +55,12 @@ def test_the_zoo_covers_every_family_of_its_file():
 
 @pytest.mark.parametrize("family", EXACT)
 def test_exact_families_draw_no_random_numbers_in_training(family):
-    """Two forwards in training mode agree bit for bit: nothing random, no batch statistics
-    of another batch, so a sharded run can be held to one process."""
+    """Two forwards in training mode agree bit for bit (nothing random is drawn), and no
+    batch norm takes statistics over a replica's or micro-batch's rows: a sharded run
+    computes what one process does."""
     model_file = load_model_file(ZOO, {"family": family})
     model = model_file.build_model().train()
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     inputs = model_file.example_inputs(2)
     torch.testing.assert_close(model(*inputs).logits, model(*inputs).logits, rtol=0, atol=0)
 
