@@ -11,7 +11,9 @@ encoder-only, encoder-decoder, vision), planned and trained by the generated pro
   Llama-like and GPT-2-like (tied) models of tests/test_distributed.py at dp 2. Where a
   default config draws no random numbers in training (no dropout, no batch norm) the
   run matches one process ([Note: float tolerance]); dropout draws other masks on other
-  layouts, so there the run is checked to train (finite losses, parameters moved).
+  layouts, so there the run is checked to train (finite losses, parameters moved). Each
+  family's program also starts from ``--seed`` alone (built on the meta device, each
+  rank materialising its own part), and its state equals ``build_model()``'s.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ LAYOUTS = {**{family: (1, 2, 1) for family in DECODERS},
 EXACT = ("llama", "mistral", "qwen2", "gemma", "phi", "gpt_neox", "mixtral", "vit")
 STEPS = 2
 GLOBAL_BATCH = 4
+SEED = 5
 
 
 def test_the_zoo_covers_every_family_of_its_file():
@@ -179,6 +182,8 @@ def test_every_family_trains_and_the_exact_ones_like_one_process(tmp_path, float
         torch.save(load_model_file(plan.model.file, plan.model.args).build_model().state_dict(), out / "init.pt")
         specs.append("|".join([str(out), "--steps", str(STEPS), "--optimizer", optimizer, "--lr", str(LR[optimizer]),
                                "--init-from", "init.pt", "--save-final", "final.pt", "--metrics", "m.jsonl"]))
+        if name in LAYOUTS:  # and once more from --seed alone: built on meta, each rank materialising its part
+            specs.append("|".join([str(out), "--steps", "0", "--seed", str(SEED), "--save-final", "seeded.pt"]))
     driver = tmp_path / "run_programs.py"
     driver.write_text(RUN_PROGRAMS)
     result = run_torchrun(driver, 2, specs, timeout_s=600)
@@ -190,6 +195,12 @@ def test_every_family_trains_and_the_exact_ones_like_one_process(tmp_path, float
         final = torch.load(out / "final.pt", weights_only=True)
         assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), name
         assert any(not torch.equal(final[k], init[k]) for k in init if init[k].is_floating_point()), name
+        if name in LAYOUTS:  # meta-device construction equals build_model() under the seed
+            torch.manual_seed(SEED)
+            built = load_model_file(plan.model.file, plan.model.args).build_model().state_dict()
+            seeded = torch.load(out / "seeded.pt", weights_only=True)
+            assert list(seeded) == list(built), name
+            assert [k for k in built if not torch.equal(seeded[k], built[k])] == [], name
         if name in EXACT or name.endswith("_dp2"):
             _, ref_state = reference_run(plan, init, optimizer, STEPS)
             assert_matches_reference(plan, init, optimizer, STEPS, losses, final, ref_state)
