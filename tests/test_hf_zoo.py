@@ -5,7 +5,7 @@ encoder-only, encoder-decoder, vision), planned and trained by the generated pro
 - At the default size (Llama 7B, Mixtral 8x7B, GPT-NeoX 20B, ...) every family plans on
   the meta device for 2x8xA100-80GB (Mixtral at tp 2 for 4x8), the decoder-only ones
   with tensor parallelism.
-- At the tiny size (only size fields changed: widths, depths, heads, vocabulary, experts;
+- At the tiny size (only size fields changed: widths, depths, heads, vocabulary, positions;
   the defaults do not run on a 2-core CPU) one torchrun launch trains every family
   for two steps in a layout of two ranks (the decoder-only ones at tp 2), and the
   Llama-like and GPT-2-like (tied) models of tests/test_distributed.py at dp 2. Where a

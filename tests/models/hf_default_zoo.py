@@ -6,7 +6,7 @@
 20B, ...): it plans on the meta device, never runs here. ``size=tiny`` (the default
 of this file, what the zoo's programs train on a 2-core CPU) changes only size fields:
 widths, depths, head counts (keeping each default's ratio of query to key-value heads
-where it has one), vocabulary, positions, experts; activation, norm, rotary embedding,
+where it has one), vocabulary, positions, image size; activation, norm, rotary embedding,
 position scheme, tying, dropout and everything else stay the defaults. ``use_cache``
 stays on as in the default config: hetpar turns it off ([Note: no KV cache in training]).
 """
@@ -32,8 +32,9 @@ FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(_TINY_LM, num_key_value_heads=4)),
     # GPT-2's vocabulary stays: its default bos and eos ids are its last token
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64)),
-    "opt": ("OPTForCausalLM", "OPTConfig", dict(vocab_size=TINY_VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                                                num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32)),
+    "opt": ("OPTForCausalLM", "OPTConfig", dict(
+        vocab_size=TINY_VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=32)),
     "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(_TINY_LM)),
     "phi": ("PhiForCausalLM", "PhiConfig", dict(_TINY_LM, num_key_value_heads=4)),
     "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(_TINY_LM, num_key_value_heads=4, head_dim=8)),
@@ -54,7 +55,6 @@ FAMILIES = {
     "resnet": ("ResNetForImageClassification", "ResNetConfig", dict(embedding_size=8, hidden_sizes=[16, 16, 32, 32],
                                                                     depths=[1, 1, 1, 1])),
 }
-DECODERS = ("llama", "mistral", "qwen2", "gpt2", "opt", "gpt_neox", "phi", "gemma", "mixtral")
 ENCODER_DECODERS = ("t5", "bart")
 VISION = ("vit", "resnet")
 
@@ -96,7 +96,8 @@ def batches(batch_size, seed, family="llama", size="tiny"):
     gen = torch.Generator().manual_seed(seed)
     while True:
         if family in VISION:
-            yield (torch.randn(batch_size, 3, seq, seq, generator=gen),), torch.randint(0, vocab, (batch_size,), generator=gen)
+            images = torch.randn(batch_size, 3, seq, seq, generator=gen)
+            yield (images,), torch.randint(0, vocab, (batch_size,), generator=gen)
             continue
         tokens = torch.randint(3, vocab, (batch_size, seq + 1), generator=gen)
         if family in ENCODER_DECODERS:
