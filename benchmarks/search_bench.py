@@ -7,9 +7,10 @@
 heterogeneous data-parallel plan on mixed clusters, prediction and printing) as a user
 runs it, the median of three runs; ``--busy`` runs one other CPU-bound process beside it.
 
-Traces each GPT on the meta device (time reported separately), then runs the search
-with 2 CP-SAT workers and reports its wall time, status and proven gap. For the mixed
-clusters it also plans (a) on the fastest device type alone and (b) with equal layers
+Traces each GPT on the meta device (time reported separately), then runs the search as
+hetpar plan does (one CP-SAT worker, the deterministic work limit; OR-Tools 9.15 aborted
+on the 13B mixed case with two: [Note: deterministic search]) and reports its wall time,
+status and proven gap. For the mixed clusters it also plans (a) on the fastest device type alone and (b) with equal layers
 per stage on the same devices, and reports the throughput ratios.
 """
 
@@ -87,7 +88,7 @@ def cli_table(busy: bool) -> None:
 
 def plan(model, cluster_spec, gbs, dtype, **extra):
     cluster = parse_cluster(cluster_spec)
-    options = SearchOptions(global_batch_size=gbs, dtype=dtype, workers=2, **extra)
+    options = SearchOptions(global_batch_size=gbs, dtype=dtype, **extra)
     t0 = time.perf_counter()
     try:
         result = search(model, cluster, options)
