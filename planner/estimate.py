@@ -34,6 +34,7 @@ rate in the training dtype) and must fit the smallest memory. With v virtual sta
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 from cost_models.cluster import Cluster
@@ -506,9 +507,16 @@ class _Played:
     parts: dict[tuple[int, Kind], tuple[float, float, float]]  # (stage, kind) -> (compute, tensor-parallel, exposed ZeRO-3) seconds
 
 
+@functools.lru_cache(maxsize=32)
+def _schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int) -> list[list[Action]]:
+    """``build_schedule``, kept: the heterogeneous data-parallel plan estimates the same schedule thousands of
+    times (the lists are only read here)."""
+    return build_schedule(name, pp, num_microbatches, virtual_stages)
+
+
 def _play(model, cluster, config, layouts, bounds, costs: list[_ChunkCost]) -> _Played:
     try:
-        plan = build_schedule(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
+        plan = _schedule(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
     except ScheduleError as exc:
         raise EstimateError(str(exc)) from None
     split = config.schedule == "zb"
