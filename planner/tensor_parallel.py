@@ -754,7 +754,8 @@ def check_sharded_shapes(reference_out: Any, sharded_out: Any, vocab_split: int 
 # Megatron: splitting its few rows would cost an all-reduce for nothing; each rank holds V / tp rows,
 # looks up the tokens in its range, and the partial outputs are all-reduced: one
 # forward all-reduce of the output, nothing in the backward, whose input is token ids)
-# and, on the model's last layer, the Linear whose output is the model's output (each
+# and, on the model's last layer, the Linear whose output is the model's output and as
+# wide as one of its Embeddings' vocabularies, a language model's head (each
 # rank computes V / tp logits, which go split into the loss: [Note: vocab-parallel
 # loss] in runtime/executor.py; forward, three all-reduces of one number per token in
 # the cross-entropy; backward, the all-reduce of the Linear's input gradient, as any
@@ -762,12 +763,16 @@ def check_sharded_shapes(reference_out: Any, sharded_out: Any, vocab_split: int 
 # optimizer state and logits by tp. A weight tied to another module (GPT-2's wte and
 # lm_head) stays replicated: the two would need one sharding and the tied copy
 # across stages is kept in sync whole (runtime/tied.py). The vocabulary must divide by tp.
-def vocab_sharding(gm: fx.GraphModule, *, last_layer: bool, tied: set[int]) -> dict[str, Sharding]:
+def vocab_sharding(gm: fx.GraphModule, *, last_layer: bool, tied: set[int], vocabularies: set[int] = frozenset()
+                   ) -> dict[str, Sharding]:
     """The vocab-parallel modules of one layer ([Note: vocab-parallel layers]).
 
     Args:
         last_layer: the layer's output is the model's output (what the loss reads).
         tied: ids of parameters the model shares between modules.
+        vocabularies: the sizes of the model's Embeddings: an output Linear splits only
+            where its width is one of them (a language model's head, whose loss is a
+            cross-entropy over the vocabulary; a regression or classifier head stays whole).
     """
     out: dict[str, Sharding] = {}
     for node in gm.graph.nodes:
@@ -780,7 +785,8 @@ def vocab_sharding(gm: fx.GraphModule, *, last_layer: bool, tied: set[int]) -> d
         head = result.args[0]
         if isinstance(head, fx.Node) and head.op == "call_module":
             module = gm.get_submodule(str(head.target))
-            if isinstance(module, nn.Linear) and id(module.weight) not in tied and module.bias is None:
+            if isinstance(module, nn.Linear) and id(module.weight) not in tied and module.bias is None \
+                    and module.out_features in vocabularies:
                 out[str(head.target)] = Sharding.VOCAB_HEAD
     return out
 

@@ -116,11 +116,12 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
     cache: dict[Any, _Measured] = {}
     held: set[int] = set()  # ids of the parameters earlier layers hold
     tied_ids = _tied_parameters(model)
+    vocabularies = {m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     for index in range(lg.num_layers):
         stage = build_stage(lg, values, index, index)
         inputs = _layer_inputs(lg, values, stage, meta_inputs, needs_grad)
         name = lg.layer_names[index]
-        key = _structure_key(stage, name, inputs)
+        key = (_structure_key(stage, name, inputs), index == lg.num_layers - 1)  # the last layer may split its head
         block = layout.block_index(name) if layout is not None else None
         if key not in cache:
             try:
@@ -128,7 +129,8 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
                     cache[key] = _measure_block(stage, inputs, model, layout, block, example[0].shape[1])
                 else:
                     cache[key] = _measure_layer(stage, inputs, name, split=lg.capture == "fx",
-                                                last_layer=index == lg.num_layers - 1, tied=tied_ids)
+                                                last_layer=index == lg.num_layers - 1, tied=tied_ids,
+                                                vocabularies=vocabularies)
             except Exception as exc:  # noqa: BLE001 - located and reported as one line
                 raise meta_run_error(stage.module, exc, f"layer {name}") from exc
         measured = cache[key]
@@ -260,17 +262,17 @@ def _matmul_rows(measured: Measurement) -> tuple[tuple[int, bool, float, int], .
 
 
 def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str, *, split: bool = True, last_layer: bool = False,
-                   tied: set[int] = frozenset()) -> _Measured:
+                   tied: set[int] = frozenset(), vocabularies: set[int] = frozenset()) -> _Measured:
     """Measure one layer whole and, if it has a tensor-parallel pattern (and ``split``:
     the program can split it), as one of two ranks. Its Embeddings and, on the last layer
-    (``last_layer``), its output Linear split over the vocabulary unless ``tied``
+    (``last_layer``), its output Linear as wide as a vocabulary, split over it unless ``tied``
     ([Note: vocab-parallel layers] in planner.tensor_parallel)."""
     module = stage.module
     whole = measure(module, inputs)
     num_ops = sum(1 for n in module.graph.nodes if n.op not in _NO_KERNEL_OPS)
     sharding = find_sharding(module, inputs, measurement=whole) if split else {}
     if split:
-        sharding = {**sharding, **vocab_sharding(module, last_layer=last_layer, tied=set(tied))}
+        sharding = {**sharding, **vocab_sharding(module, last_layer=last_layer, tied=set(tied), vocabularies=set(vocabularies))}
     if not sharding:
         return _Measured(whole=whole, num_ops=num_ops, relative_sharding={})
     try:
