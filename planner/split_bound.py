@@ -1,7 +1,7 @@
 """A lower bound on a candidate's objective from its tables, by dynamic programming over the chunks.
 
-planner.split_model's pace bound ([Note: pace bound]) calls it before a candidate's
-CP-SAT model is built; see [Note: split sum bound].
+planner.split_model's pace bound ([Note: pace bound]) and objective floor ([Note: objective
+floor]) call it before and after a candidate's CP-SAT solve; see [Note: split sum bound].
 """
 
 from __future__ import annotations
