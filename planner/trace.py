@@ -20,7 +20,7 @@ parameters an earlier layer already holds) is worked out for every layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -131,6 +131,9 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
                     cache[key] = _measure_layer(stage, inputs, name, split=lg.capture == "fx",
                                                 last_layer=index == lg.num_layers - 1, tied=tied_ids,
                                                 vocabularies=vocabularies)
+                    if layout is not None and index in (0, lg.num_layers - 1):  # a module stage's embedding or head
+                        cache[key] = _with_vocab_split(cache[key], model, layout, head=index > 0,
+                                                       tokens=example[0].shape[1], tied=tied_ids)
             except Exception as exc:  # noqa: BLE001 - located and reported as one line
                 raise meta_run_error(stage.module, exc, f"layer {name}") from exc
         measured = cache[key]
@@ -350,6 +353,36 @@ def _splits_at(module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dic
                                         _vocab_split(sharding, tp))
     except (RuntimeError, ValueError):
         return False
+
+
+def _with_vocab_split(measured: _Measured, model: torch.nn.Module, layout: DecoderLayout, *, head: bool, tokens: int,
+                      tied: set[int]) -> _Measured:
+    """A Hugging Face decoder's embedding layer or head layer (run as the model's own modules:
+    [Note: stages of the eager model]) with its token embedding or output Linear split over
+    the vocabulary where [Note: vocab-parallel layers] allows it. The exported graph cannot
+    run split, so the split's terms are counted from the module: V x H parameters, the
+    head's 6 T H V FLOPs per sample (forward and backward) and its logits, and the
+    collectives the runtime issues."""
+    embedding = model.get_submodule(f"{layout.base}.{layout.embed[0]}")
+    if not isinstance(embedding, torch.nn.Embedding) or id(embedding.weight) in tied or embedding.padding_idx is not None:
+        return measured
+    vocab, hidden = embedding.num_embeddings, embedding.embedding_dim
+    if head:
+        path, module = layout.head, model.get_submodule(layout.head)
+        if not isinstance(module, torch.nn.Linear) or module.bias is not None or id(module.weight) in tied \
+                or module.out_features != vocab:
+            return measured
+        whole_flops = measured.whole.total("fwd_flops") + measured.whole.total("bwd_flops")
+        fraction = min(1.0, 6.0 * tokens * hidden * vocab / whole_flops) if whole_flops > 0 else 0.0
+        saved = min(measured.whole.total("saved_bytes"), 4.0 * tokens * vocab)
+        collectives = (*[("forward", "all_reduce", 4.0 * tokens)] * 3, ("backward", "all_reduce", 4.0 * tokens * hidden))
+        how = Sharding.VOCAB_HEAD
+    else:
+        path, fraction, saved, how = f"{layout.base}.{layout.embed[0]}", 0.0, 0.0, Sharding.VOCAB_EMBEDDING
+        collectives = (("forward", "all_reduce", 4.0 * tokens * hidden),)
+    return replace(measured, relative_sharding={path: how}, split_fraction=fraction, split_params=vocab * hidden,
+                   split_saved=saved, collectives=collectives, sharded_tensors=1,
+                   tp_degrees=tuple(tp for tp in range(2, _MAX_TP_CHECKED + 1) if vocab % tp == 0))
 
 
 def _vocab_split(sharding: dict[str, Sharding], tp: int) -> int:

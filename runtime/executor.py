@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -214,7 +214,7 @@ class StageExecutor:
 # supports on the logits (cross-entropy, reshapes), as the model files here do.
 def _loss_context(out: Any) -> contextlib.AbstractContextManager:
     """``loss_parallel()`` when the stage's output holds vocab-split logits, else nothing."""
-    values = out if isinstance(out, (tuple, list)) else (out,)
+    values = out.values() if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else (out,)  # a ModelOutput: its fields
     return loss_parallel() if any(isinstance(v, DTensor) for v in values) else contextlib.nullcontext()
 
 
