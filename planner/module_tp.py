@@ -27,9 +27,10 @@ Where the model's config has a ``base_model_tp_plan`` (Llama: ``layers.*.self_at
 colwise``, ...) of the plain colwise/rowwise styles, it is used when it is a valid
 layout of the ILP and its dry run passes, and the finder's own answer is kept next to
 it (``BlockSharding``), so the two can be compared; a test holds them equal on Llama.
-Only blocks are split: the embedding and the head (often tied to it) stay replicated,
-and so do a mixture of experts' experts (Mixtral's are 3-D parameters, not Linears):
-its attention is split.
+This module splits blocks; the token embedding and ``lm_head`` split over the
+vocabulary where they are untied (planner.trace ``_with_vocab_split``, [Note:
+vocab-parallel layers] in planner.tensor_parallel). A mixture of experts' experts stay
+replicated (Mixtral's are 3-D parameters, not Linears): its attention is split.
 """
 
 from __future__ import annotations
