@@ -417,7 +417,9 @@ def _unreachable(model, cluster: Cluster, options: SearchOptions, candidates: li
             solve(model, cluster, options)
         except PlanningError as exc:
             raise PlanningError(f"no sub-cluster of {cluster.spec} has a plan; on all of it: {exc}") from None
-        raise PlanningError("no sub-cluster of the cluster fits the model; add devices, lower --global-batch or use --dtype bf16")
+        fix = "add devices, lower --global-batch or use --dtype bf16" if options.dtype in ("fp32", "float32") else \
+            "add devices or lower --global-batch"
+        raise PlanningError(f"no sub-cluster of the cluster fits the model; {fix}")
     best = max(found, key=lambda p: p.predicted.throughput_samples_per_s)
     reached = best.predicted.throughput_samples_per_s
     ceiling = max(reached, ranked[0][0] if ranked else 0.0)  # the sub-clusters not ranked have loose bounds below ranked[0]'s

@@ -542,7 +542,8 @@ def _explain_misfit(model: ModelGraph, options: SearchOptions, tables: CostTable
         f"no plan fits in memory: the closest ({cand.describe()}, {what}) needs "
         f"{cost.stage_memory_bytes[r] / gib:.1f} GiB on stage {r}, {tables.device_types[r]} has "
         f"{tables.capacity_bytes[r] / gib:.1f} GiB (mostly {breakdown.dominant_term()}); "
-        "add devices, lower --global-batch or use --dtype bf16"
+        + ("add devices, lower --global-batch or use --dtype bf16" if options.dtype in ("fp32", "float32")
+           else "add devices or lower --global-batch")
     )
 
 
