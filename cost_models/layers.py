@@ -50,6 +50,9 @@ class LayerProfile:
     fwd_bytes_accessed: float = 0.0  # bytes the forward kernels read and write
     bwd_bytes_accessed: float = 0.0
     tied_params: int = 0  # parameters this layer uses that an earlier layer holds and counts (tied embeddings)
+    # Of those, the ones tensor parallelism splits here as the earlier layer splits them
+    # (a tied embedding and head, both split over the vocabulary).
+    tp_split_tied_params: int = 0
     # The forward matmuls by row count and width ([Note: matmul rows] in planner.measure):
     # (rows per matmul at batch 1, whether they grow with the micro-batch, share of
     # fwd_flops, width sqrt(K N)).
@@ -65,6 +68,10 @@ class LayerProfile:
         """Parameters one tensor-parallel rank holds."""
         return self.params - self.tp_split_params * (1.0 - 1.0 / tp)
 
+    def tied_at(self, tp: int) -> float:
+        """Tied parameters (``tied_params``) one tensor-parallel rank holds a copy of."""
+        return self.tied_params - self.tp_split_tied_params * (1.0 - 1.0 / tp)
+
     def saved_bytes_at(self, tp: int) -> float:
         """Activation bytes one tensor-parallel rank saves for backward, per sample."""
         return self.saved_activation_bytes - self.tp_split_saved_bytes * (1.0 - 1.0 / tp)
@@ -79,7 +86,7 @@ class LayerProfile:
 
     @property
     def tp_capable(self) -> bool:
-        return self.tp_split_params > 0
+        return self.tp_split_params > 0 or self.tp_split_tied_params > 0
 
     def splits_at(self, tp: int) -> bool:
         """Whether tensor parallelism of degree ``tp`` can run this layer."""

@@ -464,7 +464,7 @@ def _layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: i
             saved=np.array([l.saved_bytes_at(tp) for l in model.layers]) * scale,
             inputs=np.concatenate([[model.input_bytes * scale], boundary[:-1]]),
             params=np.array([l.params_at(tp) for l in model.layers]),
-            tied=np.array([float(l.tied_params) for l in model.layers]),
+            tied=np.array([l.tied_at(tp) for l in model.layers]),
             scale=scale,
             boundary=boundary,
             tensors=np.array([float(l.param_tensors) for l in model.layers]),

@@ -543,7 +543,7 @@ def _stage_params(model: ModelGraph, tp: int, chunks: list[tuple[int, int]]) -> 
     layers = [l for first, last in chunks for l in range(first, last + 1)]
     params = sum(model.layers[l].params_at(tp) for l in layers)
     if 0 not in layers:
-        params += sum(model.layers[l].tied_params for l in layers)
+        params += sum(model.layers[l].tied_at(tp) for l in layers)
     return params
 
 

@@ -321,7 +321,7 @@ def _stage_params(model: ModelGraph, tp: int, first: int, last: int) -> float:
     """Parameters one rank of a stage holds, a tied copy on a stage without layer 0 included."""
     params = sum(model.layers[l].params_at(tp) for l in range(first, last + 1))
     if first > 0:
-        params += sum(model.layers[l].tied_params for l in range(first, last + 1))
+        params += sum(model.layers[l].tied_at(tp) for l in range(first, last + 1))
     return params
 
 

@@ -112,34 +112,29 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
     layout = layout_for(model, lg.layer_names, example) if lg.capture == "export" else None
     values = record_values(lg, example)
     needs_grad = differentiable_values(lg, values)
-    layers, shardings, sources, boundaries, nodes = [], [], [], [], []
-    cache: dict[Any, _Measured] = {}
-    held: set[int] = set()  # ids of the parameters earlier layers hold
     tied_ids = _tied_parameters(model)
     vocabularies = {m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    for index in range(lg.num_layers):
-        stage = build_stage(lg, values, index, index)
-        inputs = _layer_inputs(lg, values, stage, meta_inputs, needs_grad)
+    stages = [build_stage(lg, values, index, index) for index in range(lg.num_layers)]
+    split_ties = _vocab_split_ties([s.module for s in stages], tied_ids, vocabularies) if lg.capture == "fx" else set()
+    while True:  # [Note: tied vocab-parallel weights]
+        measured_layers = _measure_layers(lg, stages, values, meta_inputs, needs_grad, model, layout, example,
+                                          tied_ids - split_ties, vocabularies)
+        unsplit = {pid for pid in split_ties if not _split_everywhere(pid, stages, measured_layers, lg.layer_names)}
+        if not unsplit:
+            break
+        split_ties -= unsplit
+    layers, shardings, sources, boundaries, nodes = [], [], [], [], []
+    held: set[int] = set()  # ids of the parameters earlier layers hold
+    for index, (stage, measured) in enumerate(zip(stages, measured_layers)):
         name = lg.layer_names[index]
-        key = (_structure_key(stage, name, inputs), index == lg.num_layers - 1)  # the last layer may split its head
-        block = layout.block_index(name) if layout is not None else None
-        if key not in cache:
-            try:
-                if block is not None:  # [Note: tensor parallelism of exported graphs]
-                    cache[key] = _measure_block(stage, inputs, model, layout, block, example[0].shape[1])
-                else:
-                    cache[key] = _measure_layer(stage, inputs, name, split=lg.capture == "fx",
-                                                last_layer=index == lg.num_layers - 1, tied=tied_ids,
-                                                vocabularies=vocabularies)
-                    if layout is not None and index in (0, lg.num_layers - 1):  # a module stage's embedding or head
-                        cache[key] = _with_vocab_split(cache[key], model, layout, head=index > 0,
-                                                       tokens=example[0].shape[1], tied=tied_ids)
-            except Exception as exc:  # noqa: BLE001 - located and reported as one line
-                raise meta_run_error(stage.module, exc, f"layer {name}") from exc
-        measured = cache[key]
-        params, tied, tensors = _owned_params(stage.module, held)
-        layers.append(measured.profile(name=name, params=params, tied_params=tied, param_tensors=tensors,
-                                       boundary_bytes=float(sum(s.nbytes for s in stage.send))))
+        params, tied, tensors, tied_held = _owned_params(stage.module, held)
+        profile = measured.profile(name=name, params=params, tied_params=tied, param_tensors=tensors,
+                                   boundary_bytes=float(sum(s.nbytes for s in stage.send)))
+        split_tied = sum(p.numel() for p in tied_held if id(p) in split_ties)
+        if split_tied:  # counted as this layer's split parameters, but held (and counted) first by an earlier layer
+            profile = replace(profile, tp_split_params=profile.tp_split_params - split_tied,
+                              tp_split_tied_params=split_tied)
+        layers.append(profile)
         shardings.append(_absolute(measured.relative_sharding, name))
         sources.append(measured.tp_source if measured.relative_sharding else "")
         boundaries.append([BoundaryTensor(shape=t.shape, dtype=str(t.dtype).removeprefix("torch."), nbytes=t.nbytes)
@@ -156,8 +151,74 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
         capture=lg.capture,
         boundaries=boundaries,
         nodes=nodes,
-        measured_layers=len(cache),
+        measured_layers=len({id(m) for m in measured_layers}),
     )
+
+
+def _measure_layers(lg: LayeredGraph, stages: list[Stage], values: dict[str, Any], meta_inputs: tuple, needs_grad,
+                    model: torch.nn.Module, layout: DecoderLayout | None, example: tuple, tied: set[int],
+                    vocabularies: set[int]) -> list[_Measured]:
+    """Each layer's measurement, a repeated block measured once ([Note: measuring repeated
+    blocks once]); weights in ``tied`` are not split over the vocabulary."""
+    cache: dict[Any, _Measured] = {}
+    out = []
+    for index, stage in enumerate(stages):
+        inputs = _layer_inputs(lg, values, stage, meta_inputs, needs_grad)
+        name = lg.layer_names[index]
+        key = (_structure_key(stage, name, inputs), index == lg.num_layers - 1)  # the last layer may split its head
+        block = layout.block_index(name) if layout is not None else None
+        if key not in cache:
+            try:
+                if block is not None:  # [Note: tensor parallelism of exported graphs]
+                    cache[key] = _measure_block(stage, inputs, model, layout, block, example[0].shape[1])
+                else:
+                    cache[key] = _measure_layer(stage, inputs, name, split=lg.capture == "fx",
+                                                last_layer=index == lg.num_layers - 1, tied=tied,
+                                                vocabularies=vocabularies)
+                    if layout is not None and index in (0, lg.num_layers - 1):  # a module stage's embedding or head
+                        cache[key] = _with_vocab_split(cache[key], model, layout, head=index > 0,
+                                                       tokens=example[0].shape[1], tied=tied)
+            except Exception as exc:  # noqa: BLE001 - located and reported as one line
+                raise meta_run_error(stage.module, exc, f"layer {name}") from exc
+        out.append(cache[key])
+    return out
+
+
+# [Note: tied vocab-parallel weights]
+# A weight tied between a token embedding and the head (GPT-2's wte and lm_head, Megatron's
+# GPT) splits over the vocabulary like an untied pair ([Note: vocab-parallel layers] in
+# planner.tensor_parallel) when every module that holds it, in every layer, is one that
+# split: both are then split Shard(0) of the same [V, H] weight, rank t holding rows
+# t V / tp to (t + 1) V / tp, so the copies are split alike and the runtime keeps them
+# equal shard by shard (runtime/tied.py; inside one stage, the two modules hold one
+# DTensor again: runtime.shard). A weight also used some other way (``F.linear(x,
+# emb.weight)`` reads it through an attribute, not a split module) stays whole. The
+# tracer picks the candidates from the layers' graphs (``_vocab_split_ties``), measures,
+# and gives up a candidate that a layer's measurement did not split after all (a dry run
+# failed), measuring again without it. The head's layer counts the tied weight as its
+# earlier holder's (``tied_params``), its split share as ``tp_split_tied_params``.
+def _vocab_split_ties(modules: list[fx.GraphModule], tied: set[int], vocabularies: set[int]) -> set[int]:
+    """The tied weights that every layer holding them would split over the vocabulary."""
+    held, unsplit = set(), set()
+    for index, gm in enumerate(modules):
+        split = vocab_sharding(gm, last_layer=index == len(modules) - 1, tied=set(), vocabularies=vocabularies)
+        for path, module in gm.named_modules():
+            for p in module.parameters(recurse=False):
+                if id(p) in tied:
+                    held.add(id(p))
+                    if path not in split:
+                        unsplit.add(id(p))
+    return held - unsplit
+
+
+def _split_everywhere(pid: int, stages: list[Stage], measured: list[_Measured], names: list[str]) -> bool:
+    """Whether every layer that holds parameter ``pid`` split each of its modules that hold it."""
+    for stage, m, name in zip(stages, measured, names):
+        split = _absolute(m.relative_sharding, name)
+        for path, module in stage.module.named_modules():
+            if any(id(p) == pid for p in module.parameters(recurse=False)) and path not in split:
+                return False
+    return True
 
 
 def _layer_inputs(lg: LayeredGraph, values: dict[str, Any], stage: Stage, meta_inputs: tuple,
@@ -399,18 +460,20 @@ def _tied_parameters(model: torch.nn.Module) -> set[int]:
     return {pid for pid, count in holders.items() if count > 1}
 
 
-def _owned_params(module: fx.GraphModule, held: set[int]) -> tuple[int, int, int]:
+def _owned_params(module: fx.GraphModule, held: set[int]) -> tuple[int, int, int, list[torch.Tensor]]:
     """(parameters this layer holds first, parameters an earlier layer already holds,
-    tensors this layer holds first); updates ``held``."""
+    tensors this layer holds first, the tensors an earlier layer already holds); updates ``held``."""
     owned = tied = tensors = 0
+    tied_held = []
     for p in module.parameters():
         if id(p) in held:
             tied += p.numel()
+            tied_held.append(p)
         else:
             held.add(id(p))
             owned += p.numel()
             tensors += 1
-    return owned, tied, tensors
+    return owned, tied, tensors, tied_held
 
 
 def _structure_key(stage: Stage, layer_name: str, inputs: list[torch.Tensor]) -> Any:

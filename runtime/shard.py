@@ -299,10 +299,45 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
         if kind not in _STYLES:
             raise ShardError(f"tp_sharding of {path!r} is {kind!r}; expected one of {', '.join(_STYLES)}")
         styles[path] = _STYLES[kind](shared)
+    ties = _ties(module)
     parallelize_module(module, mesh, styles, src_data_rank=None)
+    _retie(module, ties)
     for stage_module in chunk_modules(module):
         stage_module.register_forward_pre_hook(shared.forget)
         stage_module.register_forward_hook(shared.forget)
+
+
+def _ties(module: nn.Module) -> list[list[tuple[str, str]]]:
+    """The parameters ``module`` holds in more than one submodule, each as its (submodule
+    path, attribute) holders."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for path, sub in module.named_modules():
+        for key, p in sub.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((path, key))
+    return [h for h in holders.values() if len(h) > 1]
+
+
+def _retie(module: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
+    """Make the holders of each tied parameter hold one tensor again after tensor
+    parallelism gave each its own ([Note: tied vocab-parallel weights] in planner/trace.py:
+    an embedding and a head split over the vocabulary hold the same Shard(0) DTensor, and
+    autograd sums both uses' gradients into it).
+
+    Raises:
+        ShardError: the holders were split differently (one whole, one split), so no
+            one tensor can serve them.
+    """
+    for holders in ties:
+        params = [module.get_submodule(path).get_parameter(key) for path, key in holders]
+        if all(p is params[0] for p in params):
+            continue
+        layouts = {(p.placements, p.shape) if isinstance(p, DTensor) else None for p in params}
+        if len(layouts) > 1:
+            where = ", ".join(f"{path}.{key}" if path else key for path, key in holders)
+            raise ShardError(f"the tied weight {where} is split differently by tp_sharding across its holders; "
+                             f"split all of them the same way or none")
+        for path, key in holders[1:]:
+            setattr(module.get_submodule(path), key, params[0])
 
 
 Microbatch = tuple[tuple[torch.Tensor, ...], torch.Tensor]

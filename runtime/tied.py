@@ -27,8 +27,11 @@ in megatron/core/distributed/finalize_model_grads.py) is the one taken here:
 The groups are created on every rank, in one order (``dist.new_group`` is collective),
 from what every rank reports of its stages (one ``all_gather_object``). The stages
 that hold one tied parameter must have equal tensor-parallel and data-parallel degrees,
-and tensor parallelism must not split it: else its copies would be shaped differently
-on different stages, and the program refuses to start. A rank holding two stages that
+and tensor parallelism must split every copy over the vocabulary (an embedding's and a
+head's [V, H] weight, Shard(0): [Note: tied vocab-parallel weights] in planner/trace.py)
+or none: else its copies would be shaped differently on different stages, and the
+program refuses to start. Split alike, rank t's copies are the same rows, and the
+all-reduce of each rank's local shard of the gradient sums the whole gradient's rows. A rank holding two stages that
 use the parameter (the interleaved schedule) holds it once, and autograd already sums
 its two uses. The planner's memory model counts a tied copy on every stage but the
 first (``tied_params``, planner.costs); the all-reduce's time is not in the estimate.
@@ -46,6 +49,11 @@ from torch.distributed.tensor import DTensor
 
 from runtime.distributed import Placement, StageSpec
 from runtime.shard import chunk_modules
+
+
+# The splits that cut a tied [V, H] weight alike wherever it is held: Shard(0), rank t
+# holding rows t V / tp to (t + 1) V / tp ([Note: tied vocab-parallel weights] in planner/trace.py).
+VOCAB_SPLITS = frozenset({"vocab_embedding", "vocab_head"})
 
 
 class TiedWeightError(ValueError):
@@ -97,14 +105,14 @@ def sync_groups(tied: list[TiedWeight], stages: list[StageSpec], aliases: dict[s
         tied: the tied weights (``find_tied``).
         stages: the program's stages.
         aliases: every name of each tied weight in the whole model, to check that
-            tensor parallelism splits none of their modules.
+            tensor parallelism splits every copy alike or none.
 
     Returns:
         Sorted rank tuples, each with the names of the weights its ranks sum.
 
     Raises:
         TiedWeightError: the stages of a weight differ in tensor- or data-parallel
-            degree, or tensor parallelism splits the weight.
+            degree, or tensor parallelism splits its copies differently.
     """
     groups: dict[tuple[int, ...], list[str]] = {}
     for weight in tied:
@@ -123,10 +131,15 @@ def _check(weight: TiedWeight, holders: list[StageSpec], names: list[str]) -> No
     if len({(len(h.ranks), h.tensor_parallel) for h in holders}) > 1:
         raise TiedWeightError(f"{weight.name} is tied across {where}: its stages need equal data- and tensor-parallel "
                               f"degrees to keep its copies equal; plan them so, or keep its uses in one stage")
-    split = sorted({name.rpartition(".")[0] for name in names} & {m for h in holders for m in h.tp_sharding})
-    if split and holders[0].tensor_parallel > 1:
-        raise TiedWeightError(f"{weight.name} is tied across {where}, and tensor parallelism splits {split[0]}, "
-                              f"which holds it: its copies would differ in shape; leave {split[0]} out of tp_sharding")
+    if holders[0].tensor_parallel == 1:
+        return
+    modules = {name.rpartition(".")[0] for name in names}
+    split = [{m: h.tp_sharding[m] for m in sorted(modules & set(h.tp_sharding))} for h in holders]
+    kinds = {kind for s in split for kind in s.values()}
+    if kinds and (not all(split) or kinds - VOCAB_SPLITS):
+        module, kind = next(iter(next(s for s in split if s).items()))
+        raise TiedWeightError(f"{weight.name} is tied across {where}, and tensor parallelism splits {module} ({kind}), "
+                              f"which holds it, {'not over the vocabulary' if all(split) else 'but not every copy'}: its copies would differ in shape; split every copy over the vocabulary or none")
 
 
 class TiedGradients:
@@ -174,6 +187,9 @@ class TiedGradients:
                 param = self.module.get_parameter(name)
                 if param.grad is None:  # a stage that holds the weight without using it
                     param.grad = torch.zeros_like(param)
+                if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+                    # an Embedding split over the vocabulary gets a replicated gradient; keep this rank's rows
+                    param.grad = param.grad.redistribute(param.device_mesh, param.placements)
                 grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
                 dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
 

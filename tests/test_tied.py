@@ -49,3 +49,13 @@ def test_tied_weights_that_cannot_stay_equal_are_refused():
     split = [stage([[0, 1]]), stage([[2, 3]], {"lm_head": "colwise"})]
     with pytest.raises(TiedWeightError, match="tensor parallelism splits lm_head"):
         sync_groups(tied, split, {W: [W, "lm_head.weight"]})
+    whole_copy = [stage([[0, 1]]), stage([[2, 3]], {"lm_head": "vocab_head"})]
+    with pytest.raises(TiedWeightError, match="tensor parallelism splits lm_head \\(vocab_head\\).*but not every copy"):
+        sync_groups(tied, whole_copy, {W: [W, "lm_head.weight"]})
+
+
+def test_copies_split_alike_over_the_vocabulary_sum_shard_by_shard():
+    """[Note: tied vocab-parallel weights]: rank t of each stage holds the same rows."""
+    tied = [TiedWeight(name=W, stages=(0, 1))]
+    split = [stage([[0, 1]], {"transformer.wte": "vocab_embedding"}), stage([[2, 3]], {"lm_head": "vocab_head"})]
+    assert sync_groups(tied, split, {W: [W, "lm_head.weight"]}) == {(0, 2): [W], (1, 3): [W]}

@@ -70,11 +70,28 @@ def test_the_vocabulary_splits_with_its_work_parameters_and_collectives(graph):
     assert 2 in head.tp_degrees and 3 not in head.tp_degrees  # 512 splits 2 ways, not 3
 
 
-def test_tied_weights_stay_whole(tmp_path):
+def test_a_tied_embedding_and_head_split_together_and_count_the_weight_once(tmp_path):
+    """[Note: tied vocab-parallel weights]: the head's layer holds the embedding's weight,
+    counted by the embedding's layer and split there as here."""
     (tmp_path / "tied.py").write_text(TIED)
+    tied = trace_model(load_model_file(tmp_path / "tied.py", {}))
+    first, head = tied.layers[0], tied.layers[-1]
+    assert tied.tp_sharding[0] == {"emb": Sharding.VOCAB_EMBEDDING} and tied.tp_sharding[-1] == {"head": Sharding.VOCAB_HEAD}
+    vocab_hidden = 64 * 32
+    assert first.params == first.tp_split_params == vocab_hidden
+    assert head.params == 0 and head.tied_params == head.tp_split_tied_params == vocab_hidden
+    assert head.tied_at(4) == vocab_hidden / 4 and head.tied_at(1) == vocab_hidden
+    assert head.tp_capable and head.tp_split_flops_fraction == 1.0
+
+
+def test_a_weight_also_read_as_an_attribute_stays_whole(tmp_path):
+    """``F.linear(x, emb.weight)`` uses the embedding's weight outside any split module."""
+    (tmp_path / "tied.py").write_text(TIED.replace("return self.head(x + self.mlp(x))",
+                                                   "return F.linear(x + self.mlp(x), self.emb.weight)"))
     tied = trace_model(load_model_file(tmp_path / "tied.py", {}))
     assert all(how not in (Sharding.VOCAB_EMBEDDING, Sharding.VOCAB_HEAD)
                for layer in tied.tp_sharding for how in layer.values())
+    assert tied.layers[-1].tied_params == 64 * 32 and tied.layers[-1].tp_split_tied_params == 0
 
 
 def test_planned_tensor_parallel_stages_carry_the_vocab_split(graph):
@@ -102,4 +119,27 @@ def test_a_planned_vocab_parallel_program_trains_like_one_process(tmp_path, pp, 
     plan = replace(plan, model=replace(plan.model, file=str(Path("examples/gpt.py").resolve())))
     assert plan.stages[0].tp_sharding["tok_emb"] is Sharding.VOCAB_EMBEDDING
     assert plan.stages[-1].tp_sharding["lm_head"] is Sharding.VOCAB_HEAD
+    assert_trains_like_one_process(plan, tmp_path, optimizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,optimizer", [(1, "adamw"), (2, "sgd")])
+def test_a_planned_tied_vocab_parallel_program_trains_like_one_process(tmp_path, pp, optimizer):
+    """The tied embedding and head split over the vocabulary: in one stage, one DTensor
+    both modules hold (tp 2); on two stages, copies whose local shards' gradients are
+    summed (tp 2 x pp 2). The tied weights end equal on every rank (the helper checks
+    every rank's parameters against the reference)."""
+    from dataclasses import replace
+
+    from test_distributed import assert_trains_like_one_process
+
+    path = tmp_path / "tied.py"
+    path.write_text(TIED)
+    graph = trace_model(load_model_file(path, {}))
+    options = SearchOptions(global_batch_size=4, dtype="fp32", tp=2, pp=pp, dp=1, micro_batch_size=2, zero=0,
+                            recompute="none", schedule="1f1b")
+    plan = plan_graph(graph, parse_cluster(f"1x{2 * pp}xcpu"), options, hetero_dp="off")
+    plan = replace(plan, model=replace(plan.model, file=str(path.resolve())))
+    assert plan.stages[0].tp_sharding["emb"] is Sharding.VOCAB_EMBEDDING
+    assert plan.stages[-1].tp_sharding["head"] is Sharding.VOCAB_HEAD
     assert_trains_like_one_process(plan, tmp_path, optimizer)
