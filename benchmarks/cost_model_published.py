@@ -26,10 +26,8 @@ step times follow from what was published:
   tokens / measured tokens per second.
 
 Megatron splits the word embedding and the output layer over tensor-parallel ranks
-(vocabulary-parallel; Shoeybi et al. 2019, section 3). hetpar's tensor-parallel finder
-keeps a tied output layer replicated, so for Megatron rows ``megatron_vocab_parallel``
-marks those two layers split, as Megatron runs them. It is a statement about the
-measured system, the same for every row, not a fitted factor.
+(vocabulary-parallel; Shoeybi et al. 2019, section 3); hetpar's tracer splits the
+model's tied pair the same way ([Note: tied vocab-parallel weights] in planner/trace.py).
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,18 +170,6 @@ def published_rows() -> list[Row]:
     return rows
 
 
-def megatron_vocab_parallel(graph: ModelGraph, tp: int) -> ModelGraph:
-    """Megatron's vocabulary-parallel embedding and output layer (see the module docstring)."""
-    layers = list(graph.layers)
-    emb, head = layers[0], layers[-1]
-    vocab_hidden = graph.args["vocab"] * graph.args["hidden"]
-    # The embedding all-reduces its output in forward; the output layer's input gradient is all-reduced in backward.
-    layers[0] = replace(emb, tp_split_params=vocab_hidden, tp_collectives=(("forward", "all_reduce", emb.boundary_bytes),))
-    layers[-1] = replace(head, tp_split_flops_fraction=1.0, tied_params=head.tied_params // tp,
-                         tp_collectives=(("backward", "all_reduce", layers[-2].boundary_bytes),))
-    return replace(graph, layers=layers)
-
-
 _TRACES: dict[tuple, ModelGraph] = {}
 
 
@@ -191,8 +177,7 @@ def model_graph(row: Row) -> ModelGraph:
     key = tuple(sorted(row.model.items()))
     if key not in _TRACES:
         _TRACES[key] = trace_model(load_model_file(ROOT / MODEL_FILE, dict(row.model)))
-    graph = _TRACES[key]
-    return megatron_vocab_parallel(graph, row.tp) if row.source.startswith(NARAYANAN) and row.tp > 1 else graph
+    return _TRACES[key]
 
 
 def stage_layers(row: Row) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ colwise``, ...) of the plain colwise/rowwise styles, it is used when it is a val
 layout of the ILP and its dry run passes, and the finder's own answer is kept next to
 it (``BlockSharding``), so the two can be compared; a test holds them equal on Llama.
 This module splits blocks; the token embedding and ``lm_head`` split over the
-vocabulary where they are untied (planner.trace ``_with_vocab_split``, [Note:
+vocabulary where they are untied or tied to each other (planner.trace ``_with_vocab_split``, [Note:
 vocab-parallel layers] in planner.tensor_parallel). A mixture of experts' experts stay
 replicated (Mixtral's are 3-D parameters, not Linears): its attention is split.
 """

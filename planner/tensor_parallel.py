@@ -761,8 +761,9 @@ def check_sharded_shapes(reference_out: Any, sharded_out: Any, vocab_split: int 
 # the cross-entropy; backward, the all-reduce of the Linear's input gradient, as any
 # colwise Linear). Both cut the vocabulary-sized work, parameters, gradients,
 # optimizer state and logits by tp. A weight tied to another module (GPT-2's wte and
-# lm_head) stays replicated: the two would need one sharding and the tied copy
-# across stages is kept in sync whole (runtime/tied.py). The vocabulary must divide by tp.
+# lm_head) splits only where every module holding it splits alike: the tracer decides
+# ([Note: tied vocab-parallel weights] in planner/trace.py) and passes the others in
+# ``tied``. The vocabulary must divide by tp.
 def vocab_sharding(gm: fx.GraphModule, *, last_layer: bool, tied: set[int], vocabularies: set[int] = frozenset()
                    ) -> dict[str, Sharding]:
     """The vocab-parallel modules of one layer ([Note: vocab-parallel layers]).

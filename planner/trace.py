@@ -115,11 +115,15 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
     tied_ids = _tied_parameters(model)
     vocabularies = {m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     stages = [build_stage(lg, values, index, index) for index in range(lg.num_layers)]
-    split_ties = _vocab_split_ties([s.module for s in stages], tied_ids, vocabularies) if lg.capture == "fx" else set()
+    if lg.capture == "fx":
+        split_ties = _vocab_split_ties([s.module for s in stages], tied_ids, vocabularies)
+    else:
+        split_ties = _module_stage_ties(model, layout, tied_ids) if layout is not None else set()
     while True:  # [Note: tied vocab-parallel weights]
         measured_layers = _measure_layers(lg, stages, values, meta_inputs, needs_grad, model, layout, example,
                                           tied_ids - split_ties, vocabularies)
-        unsplit = {pid for pid in split_ties if not _split_everywhere(pid, stages, measured_layers, lg.layer_names)}
+        unsplit = {pid for pid in split_ties if lg.capture == "fx"
+                   and not _split_everywhere(pid, stages, measured_layers, lg.layer_names)}
         if not unsplit:
             break
         split_ties -= unsplit
@@ -197,6 +201,9 @@ def _measure_layers(lg: LayeredGraph, stages: list[Stage], values: dict[str, Any
 # and gives up a candidate that a layer's measurement did not split after all (a dry run
 # failed), measuring again without it. The head's layer counts the tied weight as its
 # earlier holder's (``tied_params``), its split share as ``tp_split_tied_params``.
+# A Hugging Face decoder's module stages split its tied embedding and ``lm_head`` when
+# nothing else holds the weight (``_module_stage_ties``; its exported graphs cannot be
+# measured split, [Note: stages of the eager model]).
 def _vocab_split_ties(modules: list[fx.GraphModule], tied: set[int], vocabularies: set[int]) -> set[int]:
     """The tied weights that every layer holding them would split over the vocabulary."""
     held, unsplit = set(), set()
@@ -209,6 +216,19 @@ def _vocab_split_ties(modules: list[fx.GraphModule], tied: set[int], vocabularie
                     if path not in split:
                         unsplit.add(id(p))
     return held - unsplit
+
+
+def _module_stage_ties(model: torch.nn.Module, layout: DecoderLayout, tied: set[int]) -> set[int]:
+    """The token embedding's weight of a Hugging Face decoder when it is tied to the head
+    and to nothing else (GPT-2's wte and lm_head): its module stages split both
+    (``_with_vocab_split``) or neither."""
+    embedding = model.get_submodule(f"{layout.base}.{layout.embed[0]}")
+    head = model.get_submodule(layout.head)
+    if not isinstance(embedding, torch.nn.Embedding) or not isinstance(head, torch.nn.Linear) \
+            or head.weight is not embedding.weight or id(embedding.weight) not in tied:
+        return set()
+    holders = [m for m in model.modules() if any(p is embedding.weight for p in m.parameters(recurse=False))]
+    return {id(embedding.weight)} if len(holders) == 2 else set()
 
 
 def _split_everywhere(pid: int, stages: list[Stage], measured: list[_Measured], names: list[str]) -> bool:

@@ -164,8 +164,9 @@ def test_the_planner_plans_hugging_face_decoders_at_tp_2(tmp_path, source, split
     (stage,) = plan.stages
     blocks = plan.model.layer_names[1:-1]
     assert stage.tensor_parallel == 2 and stage.ranks == [[0, 1]]
-    # Llama's untied embedding and head split over the vocabulary too; GPT-2's are tied and stay whole
-    vocab = {"model.embed_tokens": "vocab_embedding", "lm_head": "vocab_head"} if source is HF_LLAMA else {}
+    # the embedding and head split over the vocabulary too: Llama's untied, GPT-2's tied together
+    embedding = "model.embed_tokens" if source is HF_LLAMA else "transformer.wte"
+    vocab = {embedding: "vocab_embedding", "lm_head": "vocab_head"}
     assert {path: how.value for path, how in stage.tp_sharding.items()} == {
         **{f"{block}.{path}": how for block in blocks for path, how in splits.items()}, **vocab}
     assert plan.predicted.tp_comm_time_s > 0  # the all-reduces of the split blocks are costed

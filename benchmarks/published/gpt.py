@@ -67,13 +67,15 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(hidden, heads, bias, dropout) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(hidden, bias=bias)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # output layer tied to the word embedding
 
     def forward(self, idx):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
-        return F.linear(self.ln_f(x), self.tok_emb.weight)  # output layer tied to the word embedding
+        return self.lm_head(self.ln_f(x))
 
 
 def build_model(n_layers=DEFAULTS["n_layers"], hidden=DEFAULTS["hidden"], heads=DEFAULTS["heads"], vocab=DEFAULTS["vocab"],
