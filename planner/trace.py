@@ -112,9 +112,9 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
     layout = layout_for(model, lg.layer_names, example) if lg.capture == "export" else None
     values = record_values(lg, example)
     needs_grad = differentiable_values(lg, values)
-    tied_ids = _tied_parameters(model)
     vocabularies = {m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     stages = [build_stage(lg, values, index, index) for index in range(lg.num_layers)]
+    tied_ids = _tied_parameters(model) | _shared_by_layers([s.module for s in stages])
     if lg.capture == "fx":
         split_ties = _vocab_split_ties([s.module for s in stages], tied_ids, vocabularies)
     else:
@@ -478,6 +478,16 @@ def _tied_parameters(model: torch.nn.Module) -> set[int]:
         for p in module.parameters(recurse=False):
             holders[id(p)] = holders.get(id(p), 0) + 1
     return {pid for pid, count in holders.items() if count > 1}
+
+
+def _shared_by_layers(modules: list[torch.nn.Module]) -> set[int]:
+    """Ids of the parameters that more than one layer holds: a later layer that reads a
+    weight as an attribute (``F.linear(x, emb.weight)``) holds it too (runtime.graph)."""
+    layers: dict[int, int] = {}
+    for module in modules:
+        for pid in {id(p) for p in module.parameters()}:
+            layers[pid] = layers.get(pid, 0) + 1
+    return {pid for pid, count in layers.items() if count > 1}
 
 
 def _owned_params(module: fx.GraphModule, held: set[int]) -> tuple[int, int, int, list[torch.Tensor]]:

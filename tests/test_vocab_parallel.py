@@ -86,12 +86,15 @@ def test_a_tied_embedding_and_head_split_together_and_count_the_weight_once(tmp_
 
 def test_a_weight_also_read_as_an_attribute_stays_whole(tmp_path):
     """``F.linear(x, emb.weight)`` uses the embedding's weight outside any split module."""
-    (tmp_path / "tied.py").write_text(TIED.replace("return self.head(x + self.mlp(x))",
-                                                   "return F.linear(x + self.mlp(x), self.emb.weight)"))
-    tied = trace_model(load_model_file(tmp_path / "tied.py", {}))
-    assert all(how not in (Sharding.VOCAB_EMBEDDING, Sharding.VOCAB_HEAD)
-               for layer in tied.tp_sharding for how in layer.values())
-    assert tied.layers[-1].tied_params == 64 * 32 and tied.layers[-1].tp_split_tied_params == 0
+    functional = TIED.replace("return self.head(x + self.mlp(x))", "return F.linear(x + self.mlp(x), self.emb.weight)")
+    (tmp_path / "tied.py").write_text(functional)
+    (tmp_path / "functional.py").write_text(functional.replace("        self.head.weight = self.emb.weight\n", "")
+                                            .replace("        self.head = nn.Linear(hidden, vocab, bias=False)\n", ""))
+    for name in ("tied.py", "functional.py"):  # with and without a head module that holds it too
+        tied = trace_model(load_model_file(tmp_path / name, {}))
+        assert all(how not in (Sharding.VOCAB_EMBEDDING, Sharding.VOCAB_HEAD)
+                   for layer in tied.tp_sharding for how in layer.values()), name
+        assert tied.layers[-1].tied_params == 64 * 32 and tied.layers[-1].tp_split_tied_params == 0
 
 
 def test_planned_tensor_parallel_stages_carry_the_vocab_split(graph):
