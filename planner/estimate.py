@@ -503,7 +503,7 @@ def _boundary_s(model: ModelGraph, cluster: Cluster, config: EstimateConfig, las
 class _Played:
     schedule: list[list[Action]]
     run: TimedRun
-    run_without_transfers: TimedRun
+    run_without_transfers: TimedRun | None  # None: not simulated (``estimate(breakdown=False)``)
     parts: dict[tuple[int, Kind], tuple[float, float, float]]  # (stage, kind) -> (compute, tensor-parallel, exposed ZeRO-3) seconds
 
 
@@ -514,7 +514,7 @@ def _schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int) ->
     return build_schedule(name, pp, num_microbatches, virtual_stages)
 
 
-def _play(model, cluster, config, layouts, bounds, costs: list[_ChunkCost]) -> _Played:
+def _play(model, cluster, config, layouts, bounds, costs: list[_ChunkCost], breakdown: bool = True) -> _Played:
     try:
         plan = _schedule(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
     except ScheduleError as exc:
@@ -535,7 +535,7 @@ def _play(model, cluster, config, layouts, bounds, costs: list[_ChunkCost]) -> _
     late = [getattr(cluster.profile(layouts[k % config.pp].device_type), "late_receive_s", None) or 0.0
             for k in range(len(bounds))]
     return _Played(schedule=plan, run=simulate_timed(plan, duration, transfer, (lambda a: late[a.stage]) if any(late) else None),
-                   run_without_transfers=simulate_timed(plan, duration), parts=parts)
+                   run_without_transfers=simulate_timed(plan, duration) if breakdown else None, parts=parts)
 
 
 def _stage_params(model: ModelGraph, tp: int, chunks: list[tuple[int, int]]) -> float:
@@ -618,13 +618,21 @@ def _rank_memory(model: ModelGraph, config: EstimateConfig, bounds, chunks: list
 # --- The estimate --------------------------------------------------------------------------
 
 
-def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -> Estimate:
+def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig, *, breakdown: bool = True,
+             memo: dict | None = None) -> Estimate:
     """Predict step time, memory per stage and throughput of ``config`` for ``model`` on ``cluster``.
 
     Args:
         model: the traced model (planner.trace.trace_model).
         cluster: the cluster (cost_models.cluster.parse_cluster).
         config: the parallel configuration.
+        breakdown: tell pipeline transfers apart from the bubble, which takes a second
+            simulation of the schedule without them; False counts them in the bubble
+            (``pp_comm_s`` 0) and leaves the step time as it is, for callers that
+            compare step times by the thousand (planner.hetero_dp).
+        memo: the tensor-parallel collectives' seconds by layer kind, group and size,
+            kept across calls on one ``cluster`` (and ``model``) by a caller that makes
+            many; a fresh one per call by default.
 
     Returns:
         The estimate; ``fits`` says whether every stage fits its devices' memory.
@@ -639,9 +647,9 @@ def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -> Est
     layouts = stage_layout(cluster, config)
     split = stage_split(model, config)
     bounds = split.bounds
-    memo: dict = {}
+    memo = {} if memo is None else memo
     costs = [_chunk_cost(model, cluster, config, b, layouts[k % config.pp], k, memo) for k, b in enumerate(bounds)]
-    played = _play(model, cluster, config, layouts, bounds, costs)
+    played = _play(model, cluster, config, layouts, bounds, costs, breakdown)
     stages = [_stage_estimate(model, config, layouts, bounds, played, r) for r in range(config.pp)]
     return _assemble(model, cluster, config, layouts, split, played, stages)
 
@@ -673,7 +681,8 @@ def _assemble(model, cluster, config, layouts, split: StageSplit, played: _Playe
     dp = max(run.end_s(r) + dp_s[r] for r in range(c.pp)) - pipeline_end
     busiest = max(range(c.pp), key=run.busy_s)
     compute, tp, zero3 = (sum(played.parts[t.action.stage, t.action.kind][i] for t in run.ranks[busiest]) for i in range(3))
-    pp = max(0.0, run.end_s(busiest) - played.run_without_transfers.end_s(busiest))
+    alone = played.run_without_transfers
+    pp = max(0.0, run.end_s(busiest) - alone.end_s(busiest)) if alone is not None else 0.0
     def count(s: StageEstimate, attribute: str) -> int:
         return sum(getattr(model.layers[l], attribute) for first, last in s.chunks for l in range(first, last + 1))
 

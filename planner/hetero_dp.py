@@ -25,7 +25,13 @@ and the number of micro-batches m. So:
    schedule simulated action by action, memory checked). Shares minimise
    max_d T(b_d) subject to sum_d b_d = global batch / m, b_d >= 1 (``balance_shares``;
    T is non-decreasing in b, so this is a bisection on the time). The plan's
-   micro_batch_size is the mean share, so dp must divide global batch / m.
+   micro_batch_size is the mean share, so dp must divide global batch / m. An m is
+   not balanced when its step cannot beat the best found so far, of any layout: every
+   replica takes at least one sample and some replica at least the mean share, so the
+   step is at least max_g T_g(1) and min_g T_g(mean). The balancing estimates without
+   the transfer breakdown (the same step time, one simulation instead of two) and
+   keeps each class's collective times across its estimates; the chosen shares are
+   estimated in full (a test holds the result equal to balancing every m in full).
 4. Step time: the slowest replica's pipeline, then the gradient all-reduce of each
    stage over its replicas (the group spans device types, so it runs at the slowest
    link; cost_models.collectives; times the largest ``grad_sync_scale`` of the types
@@ -223,7 +229,7 @@ def hetero_dp_plan(model: ModelGraph, cluster: Cluster, options: SearchOptions) 
         classes = replica_classes(cluster, size)
         for layout in _layouts(model, cluster, classes, options):
             layouts += 1
-            choice = _best_choice(model, cluster, classes, layout, options)
+            choice = _best_choice(model, cluster, classes, layout, options, best.predicted.step_time_s if best else math.inf)
             if choice is not None and (best is None or choice.predicted.step_time_s < best.predicted.step_time_s):
                 best = choice
     if best is None:
@@ -262,12 +268,20 @@ def _replica_options(options: SearchOptions, batch: int) -> SearchOptions:
     return replace(options, **pins)
 
 
-def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, options: SearchOptions) -> _Choice | None:
-    """The best number of micro-batches and shares for ``layout``; steps 3 and 4 of the Note."""
+def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, options: SearchOptions,
+                 to_beat_s: float = math.inf) -> _Choice | None:
+    """The best number of micro-batches and shares for ``layout``; steps 3 and 4 of the Note. None when
+    nothing fits or nothing is faster than ``to_beat_s`` (another layout's best step).
+
+    The balancing compares thousands of step times, so it estimates without the
+    transfer breakdown (``estimate(breakdown=False)``: the same step time); the chosen
+    shares are estimated in full."""
     gbs = options.global_batch_size
     replica_class = [k for k, c in enumerate(classes) for _ in range(c.count)]
     dp = len(replica_class)
-    runs: dict[tuple[int, int], Estimate | None] = {}
+    runs: dict[tuple[int, int, int], Estimate | None] = {}
+    quick: dict[tuple[int, int, int], Estimate | None] = {}
+    memos: dict[int, dict] = {}  # per replica class: its collectives' seconds, kept across the estimates
 
     best: _Choice | None = None
     for m in divisors(gbs)[::-1]:  # many micro-batches first: short bubbles, a best plan early for the bound below
@@ -275,18 +289,22 @@ def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, op
             continue
 
         def time_s(k: int, b: int, m: int = m) -> float:
-            run = _replica_run(model, classes[k], layout, options, b, m, runs)
+            run = _replica_run(model, classes[k], layout, options, b, m, quick, breakdown=False, memos=memos)
             return math.inf if run is None else run.predicted.step_time_s - run.time.optimizer_s
 
-        # Every replica takes at least one sample per micro-batch and the pipeline time grows with it, so the
-        # step is at least the slowest class at one: an m that cannot beat the best so far needs no balance.
-        if best is not None and max(time_s(k, 1) for k in set(replica_class)) >= best.predicted.step_time_s:
+        # Every replica takes at least one sample per micro-batch, some replica at least the mean share, and
+        # the pipeline time grows with the share, so the step is at least the slowest class at one and the
+        # quickest class at the mean: an m that cannot beat the best so far (of any layout) needs no balance.
+        to_beat = min(best.predicted.step_time_s if best else math.inf, to_beat_s)
+        kinds, mean = set(replica_class), -(-(gbs // m) // dp)
+        if max(time_s(k, 1) for k in kinds) >= to_beat or min(time_s(k, mean) for k in kinds) >= to_beat:
             continue
         shares = balance_shares(time_s, replica_class, gbs // m)
         if shares is None:
             continue
         # The trim in balance_shares leaves sizes its bisection never estimated: estimate them here.
-        chosen = {(k, b): _replica_run(model, classes[k], layout, options, b, m, runs) for k, b in zip(replica_class, shares)}
+        chosen = {(k, b): _replica_run(model, classes[k], layout, options, b, m, runs, memos=memos)
+                  for k, b in zip(replica_class, shares)}
         if any(run is None for run in chosen.values()):
             continue
         predicted = _predicted(model, cluster, classes, layout, options, replica_class, shares, chosen)
@@ -295,15 +313,22 @@ def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, op
     return best
 
 
-def _replica_run(model, klass: ReplicaClass, layout: Layout, options: SearchOptions, b: int, m: int, cache: dict) -> Estimate | None:
-    """planner.estimate of one replica of ``klass`` at micro-batch size b, m micro-batches; None if it does not fit."""
+def _replica_config(layout: Layout, options: SearchOptions, b: int, m: int) -> EstimateConfig:
+    return EstimateConfig(global_batch_size=b * m, dp=1, tp=layout.tp, pp=layout.pp, micro_batch_size=b, dtype=options.dtype,
+                          schedule=layout.schedule, optimizer=options.optimizer, stage_layers=layout.stage_layers,
+                          stage_recompute=layout.stage_recompute)
+
+
+def _replica_run(model, klass: ReplicaClass, layout: Layout, options: SearchOptions, b: int, m: int, cache: dict, *,
+                 breakdown: bool = True, memos: dict | None = None) -> Estimate | None:
+    """planner.estimate of one replica of ``klass`` at micro-batch size b, m micro-batches; None if it does not fit.
+    ``memos`` keeps each class's collective seconds across calls (``estimate``'s memo)."""
     key = (klass.group, b, m)
     if key not in cache:
-        config = EstimateConfig(global_batch_size=b * m, dp=1, tp=layout.tp, pp=layout.pp, micro_batch_size=b, dtype=options.dtype,
-                                schedule=layout.schedule, optimizer=options.optimizer, stage_layers=layout.stage_layers,
-                                stage_recompute=layout.stage_recompute)
+        config = _replica_config(layout, options, b, m)
         try:
-            run = estimate(model, klass.replica_cluster, config)
+            run = estimate(model, klass.replica_cluster, config, breakdown=breakdown,
+                           memo=memos.setdefault(klass.group, {}) if memos is not None else None)
         except (EstimateError, ProfileError, ValueError):
             run = None
         cache[key] = run if run is not None and run.fits else None

@@ -131,6 +131,38 @@ def test_the_all_reduce_costs_what_the_slowest_type_pays_inside_a_step(gpt):
     assert slowed.predicted.dp_comm_time_s == pytest.approx(3 * base.predicted.dp_comm_time_s)
 
 
+@pytest.mark.parametrize("spec,batch", [(MIXED, 64), ("1x2xA100-80GB+1x2xT4-16GB", 32), ("1x4xA100-80GB+1x4xV100-32GB", 128)])
+def test_the_pruned_plan_is_the_best_of_every_layout_and_micro_batch_count(gpt, spec, batch):
+    """hetero_dp_plan skips a layout's micro-batch count m when a bound says it cannot beat
+    the best so far, and balances on estimates without the transfer breakdown: every m of
+    every layout balanced with full estimates finds no faster plan."""
+    from planner import hetero_dp as h
+    from planner.options import divisors
+
+    cluster, opts = parse_cluster(spec), options(batch)
+    plan = hetero_dp_plan(gpt, cluster, opts)
+    best = math.inf
+    for size in replica_sizes(cluster, opts):
+        classes = replica_classes(cluster, size)
+        replica_class = [k for k, c in enumerate(classes) for _ in range(c.count)]
+        for layout in h._layouts(gpt, cluster, classes, opts):
+            runs: dict = {}
+            for m in divisors(batch):
+                if (batch // m) % len(replica_class):
+                    continue
+
+                def time_s(k, b, m=m):
+                    run = h._replica_run(gpt, classes[k], layout, opts, b, m, runs)
+                    return math.inf if run is None else run.predicted.step_time_s - run.time.optimizer_s
+
+                shares = balance_shares(time_s, replica_class, batch // m)
+                if shares is None or any(math.isinf(time_s(k, b)) for k, b in zip(replica_class, shares)):
+                    continue
+                chosen = {(k, b): h._replica_run(gpt, classes[k], layout, opts, b, m, runs) for k, b in zip(replica_class, shares)}
+                best = min(best, h._predicted(gpt, cluster, classes, layout, opts, replica_class, shares, chosen).step_time_s)
+    assert plan.predicted.step_time_s == pytest.approx(best, rel=1e-12)
+
+
 @pytest.mark.parametrize("spec,batch", [(MIXED, 64), (MIXED, 512), ("1x2xA100-80GB+1x2xT4-16GB", 32), ("1x4xA100-80GB+1x4xV100-32GB", 128)])
 def test_auto_is_never_slower_than_either_kind_and_records_the_other(gpt, spec, batch):
     cluster = parse_cluster(spec)
