@@ -763,7 +763,19 @@ def check_sharded_shapes(reference_out: Any, sharded_out: Any, vocab_split: int 
 # optimizer state and logits by tp. A weight tied to another module (GPT-2's wte and
 # lm_head) splits only where every module holding it splits alike: the tracer decides
 # ([Note: tied vocab-parallel weights] in planner/trace.py) and passes the others in
-# ``tied``. The vocabulary must divide by tp.
+# ``tied``. The vocabulary must divide by 16 (``VOCAB_MULTIPLE``).
+# A vocabulary splits only where 16 divides it: every tensor-parallel degree a node's
+# devices allow (2, 4, 8, 16) then divides it too, so the split never rules a degree out
+# for the whole model. GPT-2's 50257 stays whole; Megatron pads its vocabulary to a
+# multiple of 128 x tp (--make-vocab-size-divisible-by) for the same reason.
+VOCAB_MULTIPLE = 16
+
+
+def splits_vocabulary(size: int) -> bool:
+    """Whether a vocabulary of ``size`` rows may split over tensor-parallel ranks."""
+    return size % VOCAB_MULTIPLE == 0
+
+
 def vocab_sharding(gm: fx.GraphModule, *, last_layer: bool, tied: set[int], vocabularies: set[int] = frozenset()
                    ) -> dict[str, Sharding]:
     """The vocab-parallel modules of one layer ([Note: vocab-parallel layers]).
@@ -779,7 +791,8 @@ def vocab_sharding(gm: fx.GraphModule, *, last_layer: bool, tied: set[int], voca
     for node in gm.graph.nodes:
         if node.op == "call_module" and isinstance(module := gm.get_submodule(str(node.target)), nn.Embedding):
             looks_up_tokens = isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
-            if looks_up_tokens and id(module.weight) not in tied and module.padding_idx is None and module.max_norm is None:
+            if looks_up_tokens and id(module.weight) not in tied and module.padding_idx is None and module.max_norm is None \
+                    and splits_vocabulary(module.num_embeddings):
                 out[str(node.target)] = Sharding.VOCAB_EMBEDDING
     if last_layer:
         (result,) = [n for n in gm.graph.nodes if n.op == "output"]
@@ -787,7 +800,7 @@ def vocab_sharding(gm: fx.GraphModule, *, last_layer: bool, tied: set[int], voca
         if isinstance(head, fx.Node) and head.op == "call_module":
             module = gm.get_submodule(str(head.target))
             if isinstance(module, nn.Linear) and id(module.weight) not in tied and module.bias is None \
-                    and module.out_features in vocabularies:
+                    and module.out_features in vocabularies and splits_vocabulary(module.out_features):
                 out[str(head.target)] = Sharding.VOCAB_HEAD
     return out
 

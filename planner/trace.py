@@ -31,7 +31,7 @@ from planner.measure import UNATTRIBUTED, Measurement, NodeCounts, measure, node
 from planner.plan import Sharding
 from planner.module_tp import BlockDryRun, block_sharding
 from planner.tensor_parallel import (
-    check_sharded_shapes, find_sharding, layer_collectives, shard_on_meta, split_nodes, vocab_sharding,
+    check_sharded_shapes, find_sharding, layer_collectives, shard_on_meta, split_nodes, splits_vocabulary, vocab_sharding,
 )
 from runtime.graph import LayeredGraph, Stage, boundary_values, build_stage, meta_run_error, record_values, trace_layers
 from runtime.model_file import ModelFile, file_fingerprint
@@ -225,7 +225,8 @@ def _module_stage_ties(model: torch.nn.Module, layout: DecoderLayout, tied: set[
     embedding = model.get_submodule(f"{layout.base}.{layout.embed[0]}")
     head = model.get_submodule(layout.head)
     if not isinstance(embedding, torch.nn.Embedding) or not isinstance(head, torch.nn.Linear) \
-            or head.weight is not embedding.weight or id(embedding.weight) not in tied:
+            or head.weight is not embedding.weight or head.bias is not None or id(embedding.weight) not in tied \
+            or embedding.padding_idx is not None or not splits_vocabulary(embedding.num_embeddings):
         return set()
     holders = [m for m in model.modules() if any(p is embedding.weight for p in m.parameters(recurse=False))]
     return {id(embedding.weight)} if len(holders) == 2 else set()
@@ -445,7 +446,8 @@ def _with_vocab_split(measured: _Measured, model: torch.nn.Module, layout: Decod
     head's 6 T H V FLOPs per sample (forward and backward) and its logits, and the
     collectives the runtime issues."""
     embedding = model.get_submodule(f"{layout.base}.{layout.embed[0]}")
-    if not isinstance(embedding, torch.nn.Embedding) or id(embedding.weight) in tied or embedding.padding_idx is not None:
+    if not isinstance(embedding, torch.nn.Embedding) or id(embedding.weight) in tied or embedding.padding_idx is not None \
+            or not splits_vocabulary(embedding.num_embeddings):
         return measured
     vocab, hidden = embedding.num_embeddings, embedding.embedding_dim
     if head:

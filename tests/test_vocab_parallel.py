@@ -150,3 +150,14 @@ def test_a_planned_tied_vocab_parallel_program_trains_like_one_process(tmp_path,
     assert not torch.equal(run.final["head.weight"], run.init_state["head.weight"])  # trained
     assert torch.equal(run.final["emb.weight"], run.final["head.weight"])  # each stage saves its copy
     assert_matches_reference(plan, run.init_state, optimizer, STEPS, run.losses, run.final, run.ref_state)
+
+
+def test_a_vocabulary_sixteen_does_not_divide_stays_whole_and_rules_no_degree_out(tmp_path):
+    """GPT-2's 50257 rows: split, they would allow no tensor-parallel degree at all."""
+    odd = trace_model(load_model_file("examples/gpt.py", {**GPT, "vocab": 50257}))
+    assert all(how not in (Sharding.VOCAB_EMBEDDING, Sharding.VOCAB_HEAD)
+               for layer in odd.tp_sharding for how in layer.values())
+    assert all(layer.splits_at(2) and layer.splits_at(4) for layer in odd.layers)
+    (tmp_path / "tied.py").write_text(TIED.replace("vocab=64", "vocab=72").replace("0, 64", "0, 72"))
+    tied = trace_model(load_model_file(tmp_path / "tied.py", {}))
+    assert tied.layers[-1].tp_split_tied_params == 0 and not tied.tp_sharding[0]
