@@ -31,9 +31,9 @@ and tensor parallelism must split every copy over the vocabulary (an embedding's
 head's [V, H] weight, Shard(0): [Note: tied vocab-parallel weights] in planner/trace.py)
 or none: else its copies would be shaped differently on different stages, and the
 program refuses to start. Split alike, rank t's copies are the same rows, and the
-all-reduce of each rank's local shard of the gradient sums the whole gradient's rows. A rank holding two stages that
-use the parameter (the interleaved schedule) holds it once, and autograd already sums
-its two uses. The planner's memory model counts a tied copy on every stage but the
+all-reduce of each rank's local shard of the gradient sums the whole gradient's rows.
+A rank holding two stages that use the parameter (the interleaved schedule) holds it
+once, and autograd already sums its two uses. The planner's memory model counts a tied copy on every stage but the
 first (``tied_params``, planner.costs); the all-reduce's time is not in the estimate.
 """
 
@@ -138,8 +138,10 @@ def _check(weight: TiedWeight, holders: list[StageSpec], names: list[str]) -> No
     kinds = {kind for s in split for kind in s.values()}
     if kinds and (not all(split) or kinds - VOCAB_SPLITS):
         module, kind = next(iter(next(s for s in split if s).items()))
+        how = "not over the vocabulary" if all(split) else "but not every copy"
         raise TiedWeightError(f"{weight.name} is tied across {where}, and tensor parallelism splits {module} ({kind}), "
-                              f"which holds it, {'not over the vocabulary' if all(split) else 'but not every copy'}: its copies would differ in shape; split every copy over the vocabulary or none")
+                              f"which holds it, {how}: its copies would differ in shape; split every copy over the "
+                              f"vocabulary or none")
 
 
 class TiedGradients:
