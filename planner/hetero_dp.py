@@ -271,11 +271,7 @@ def _replica_options(options: SearchOptions, batch: int) -> SearchOptions:
 def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, options: SearchOptions,
                  to_beat_s: float = math.inf) -> _Choice | None:
     """The best number of micro-batches and shares for ``layout``; steps 3 and 4 of the Note. None when
-    nothing fits or nothing is faster than ``to_beat_s`` (another layout's best step).
-
-    The balancing compares thousands of step times, so it estimates without the
-    transfer breakdown (``estimate(breakdown=False)``: the same step time); the chosen
-    shares are estimated in full."""
+    nothing fits or nothing is faster than ``to_beat_s`` (another layout's best step)."""
     gbs = options.global_batch_size
     replica_class = [k for k, c in enumerate(classes) for _ in range(c.count)]
     dp = len(replica_class)

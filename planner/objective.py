@@ -57,7 +57,7 @@ from cost_models.memory import stage_memory
 from planner.plan import ParallelPlan
 from planner.hetero_dp import sync_floor_s
 from planner.bounds import lower_bound_s, memory_may_fit
-from planner.options import PlanningError, SearchOptions, divisors
+from planner.options import PlanningError, SearchOptions, divisors, misfit_fix
 from planner.search import enumerate_candidates, search
 from planner.subcluster import GroupUse, group_uses, subcluster
 from planner.trace import ModelGraph
@@ -417,9 +417,7 @@ def _unreachable(model, cluster: Cluster, options: SearchOptions, candidates: li
             solve(model, cluster, options)
         except PlanningError as exc:
             raise PlanningError(f"no sub-cluster of {cluster.spec} has a plan; on all of it: {exc}") from None
-        fix = "add devices, lower --global-batch or use --dtype bf16" if options.dtype in ("fp32", "float32") else \
-            "add devices or lower --global-batch"
-        raise PlanningError(f"no sub-cluster of the cluster fits the model; {fix}")
+        raise PlanningError(f"no sub-cluster of the cluster fits the model; {misfit_fix(options.dtype)}")
     best = max(found, key=lambda p: p.predicted.throughput_samples_per_s)
     reached = best.predicted.throughput_samples_per_s
     ceiling = max(reached, ranked[0][0] if ranked else 0.0)  # the sub-clusters not ranked have loose bounds below ranked[0]'s

@@ -59,6 +59,12 @@ class SearchOptions:
     min_dp: int = 1  # fewest data-parallel replicas (robust aggregation and local SGD need several)
 
 
+def misfit_fix(dtype: str) -> str:
+    """What a plan that does not fit memory can change: more devices, a smaller batch,
+    and 2-byte training where it trains in fp32."""
+    return "add devices, lower --global-batch or use --dtype bf16" if dtype == "fp32" else "add devices or lower --global-batch"
+
+
 def to_ticks(seconds: float, tick_s: float) -> int:
     """The one place where seconds become integer solver ticks (``planner.split_model._ticks`` maps it over arrays)."""
     return int(round(seconds / tick_s))

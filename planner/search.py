@@ -40,7 +40,7 @@ from planner.costs import (
 )
 from planner.default_split import default_split
 from planner.estimate import EstimateConfig, EstimateError, estimate, stage_devices_of
-from planner.options import PlanningError, SearchOptions, check_pins, cp_solver, divisors, limit_hit, pinned_pp, to_ticks
+from planner.options import PlanningError, SearchOptions, check_pins, cp_solver, divisors, limit_hit, misfit_fix, pinned_pp, to_ticks
 from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
 from planner.split_model import (
     _TICKS_PER_OBJECTIVE,
@@ -541,9 +541,7 @@ def _explain_misfit(model: ModelGraph, options: SearchOptions, tables: CostTable
     return (
         f"no plan fits in memory: the closest ({cand.describe()}, {what}) needs "
         f"{cost.stage_memory_bytes[r] / gib:.1f} GiB on stage {r}, {tables.device_types[r]} has "
-        f"{tables.capacity_bytes[r] / gib:.1f} GiB (mostly {breakdown.dominant_term()}); "
-        + ("add devices, lower --global-batch or use --dtype bf16" if options.dtype in ("fp32", "float32")
-           else "add devices or lower --global-batch")
+        f"{tables.capacity_bytes[r] / gib:.1f} GiB (mostly {breakdown.dominant_term()}); {misfit_fix(options.dtype)}"
     )
 
 

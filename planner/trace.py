@@ -122,8 +122,9 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
     while True:  # [Note: tied vocab-parallel weights]
         measured_layers = _measure_layers(lg, stages, values, meta_inputs, needs_grad, model, layout, example,
                                           tied_ids - split_ties, vocabularies)
-        unsplit = {pid for pid in split_ties if lg.capture == "fx"
-                   and not _split_everywhere(pid, stages, measured_layers, lg.layer_names)}
+        if lg.capture != "fx":  # module stages split the pair by rule, not by measurement
+            break
+        unsplit = {pid for pid in split_ties if not _split_everywhere(pid, stages, measured_layers, lg.layer_names)}
         if not unsplit:
             break
         split_ties -= unsplit
@@ -222,11 +223,9 @@ def _module_stage_ties(model: torch.nn.Module, layout: DecoderLayout, tied: set[
     """The token embedding's weight of a Hugging Face decoder when it is tied to the head
     and to nothing else (GPT-2's wte and lm_head): its module stages split both
     (``_with_vocab_split``) or neither."""
-    embedding = model.get_submodule(f"{layout.base}.{layout.embed[0]}")
-    head = model.get_submodule(layout.head)
-    if not isinstance(embedding, torch.nn.Embedding) or not isinstance(head, torch.nn.Linear) \
-            or head.weight is not embedding.weight or head.bias is not None or id(embedding.weight) not in tied \
-            or embedding.padding_idx is not None or not splits_vocabulary(embedding.num_embeddings):
+    embedding = _splittable_embedding(model, layout)
+    head = _splittable_head(model, layout, embedding.num_embeddings) if embedding is not None else None
+    if head is None or head.weight is not embedding.weight or id(embedding.weight) not in tied:
         return set()
     holders = [m for m in model.modules() if any(p is embedding.weight for p in m.parameters(recurse=False))]
     return {id(embedding.weight)} if len(holders) == 2 else set()
@@ -445,15 +444,13 @@ def _with_vocab_split(measured: _Measured, model: torch.nn.Module, layout: Decod
     run split, so the split's terms are counted from the module: V x H parameters, the
     head's 6 T H V FLOPs per sample (forward and backward) and its logits, and the
     collectives the runtime issues."""
-    embedding = model.get_submodule(f"{layout.base}.{layout.embed[0]}")
-    if not isinstance(embedding, torch.nn.Embedding) or id(embedding.weight) in tied or embedding.padding_idx is not None \
-            or not splits_vocabulary(embedding.num_embeddings):
+    embedding = _splittable_embedding(model, layout)
+    if embedding is None or id(embedding.weight) in tied:
         return measured
     vocab, hidden = embedding.num_embeddings, embedding.embedding_dim
     if head:
-        path, module = layout.head, model.get_submodule(layout.head)
-        if not isinstance(module, torch.nn.Linear) or module.bias is not None or id(module.weight) in tied \
-                or module.out_features != vocab:
+        path, module = layout.head, _splittable_head(model, layout, vocab)
+        if module is None or id(module.weight) in tied:
             return measured
         whole_flops = measured.whole.total("fwd_flops") + measured.whole.total("bwd_flops")
         fraction = min(1.0, 6.0 * tokens * hidden * vocab / whole_flops) if whole_flops > 0 else 0.0
@@ -466,6 +463,23 @@ def _with_vocab_split(measured: _Measured, model: torch.nn.Module, layout: Decod
     return replace(measured, relative_sharding={path: how}, split_fraction=fraction, split_params=vocab * hidden,
                    split_saved=saved, collectives=collectives, sharded_tensors=1,
                    tp_degrees=tuple(tp for tp in range(2, _MAX_TP_CHECKED + 1) if vocab % tp == 0))
+
+
+def _splittable_embedding(model: torch.nn.Module, layout: DecoderLayout) -> torch.nn.Embedding | None:
+    """A Hugging Face decoder's token embedding if it may split over the vocabulary
+    (no padding row, a vocabulary ``splits_vocabulary`` allows), else None."""
+    embedding = model.get_submodule(f"{layout.base}.{layout.embed[0]}")
+    if isinstance(embedding, torch.nn.Embedding) and embedding.padding_idx is None \
+            and splits_vocabulary(embedding.num_embeddings):
+        return embedding
+    return None
+
+
+def _splittable_head(model: torch.nn.Module, layout: DecoderLayout, vocab: int) -> torch.nn.Linear | None:
+    """A Hugging Face decoder's ``lm_head`` if it may split over a vocabulary of ``vocab``
+    rows (a Linear without bias, as wide as the vocabulary), else None."""
+    head = model.get_submodule(layout.head)
+    return head if isinstance(head, torch.nn.Linear) and head.bias is None and head.out_features == vocab else None
 
 
 def _vocab_split(sharding: dict[str, Sharding], tp: int) -> int:
