@@ -272,6 +272,13 @@ _STYLES = {
 }
 
 
+# The styles that cut a [V, H] weight alike wherever it is held, an Embedding's and a
+# head's: Shard(0), rank t holding rows t V / tp to (t + 1) V / tp, so a weight tied
+# between them splits the same way in both ([Note: tied vocab-parallel weights] in
+# planner/trace.py; runtime/tied.py).
+VOCAB_SPLITS = frozenset({"vocab_embedding", "vocab_head"})
+
+
 def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict[str, str]) -> None:
     """Shard the named submodules over ``mesh`` with DTensor (docs/plan-format.md, tp_sharding).
 
@@ -440,6 +447,6 @@ def loss_weight(micro_batch_sizes: list[int], replica: int) -> float:
 
 
 __all__ = [
-    "Chunks", "Microbatch", "ShardError", "apply_tensor_parallel", "chunk_modules", "compile_stages", "cut_stage", "rank_module",
+    "Chunks", "Microbatch", "ShardError", "VOCAB_SPLITS", "apply_tensor_parallel", "chunk_modules", "compile_stages", "cut_stage", "rank_module",
     "loss_weight", "microbatches", "replica_batches", "replica_rows",
 ]

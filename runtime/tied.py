@@ -48,12 +48,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from runtime.distributed import Placement, StageSpec
-from runtime.shard import chunk_modules
-
-
-# The splits that cut a tied [V, H] weight alike wherever it is held: Shard(0), rank t
-# holding rows t V / tp to (t + 1) V / tp ([Note: tied vocab-parallel weights] in planner/trace.py).
-VOCAB_SPLITS = frozenset({"vocab_embedding", "vocab_head"})
+from runtime.shard import VOCAB_SPLITS, chunk_modules
 
 
 class TiedWeightError(ValueError):
