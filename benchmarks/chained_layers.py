@@ -22,9 +22,9 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from profiler import reference_model  # noqa: E402
-from profiler.layers import layer_times  # noqa: E402
-from profiler.reference import reference_step_time  # noqa: E402
+from hetpar.profiler import reference_model  # noqa: E402
+from hetpar.profiler.layers import layer_times  # noqa: E402
+from hetpar.profiler.reference import reference_step_time  # noqa: E402
 
 SMALL_GPT = {"n_layers": 4, "hidden": 128}
 

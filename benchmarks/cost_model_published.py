@@ -43,11 +43,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cost_models.cluster import parse_cluster  # noqa: E402
-from cost_models.compute import TRAINING_KERNEL_EFFICIENCY  # noqa: E402
-from planner.estimate import Estimate, EstimateConfig, estimate  # noqa: E402
-from planner.trace import ModelGraph, trace_model  # noqa: E402
-from runtime.model_file import load_model_file  # noqa: E402
+from hetpar.cost_models.cluster import parse_cluster  # noqa: E402
+from hetpar.cost_models.compute import TRAINING_KERNEL_EFFICIENCY  # noqa: E402
+from hetpar.planner.estimate import Estimate, EstimateConfig, estimate  # noqa: E402
+from hetpar.planner.trace import ModelGraph, trace_model  # noqa: E402
+from hetpar.runtime.model_file import load_model_file  # noqa: E402
 
 MODEL_FILE = "benchmarks/published/gpt.py"
 SECTION = "## Cost model vs published measurements"

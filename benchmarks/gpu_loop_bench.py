@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from runtime.model_file import load_model_file, parse_model_args  # noqa: E402
+from hetpar.runtime.model_file import load_model_file, parse_model_args  # noqa: E402
 
 
 def time_loop(model, model_file, batches, *, fused: bool, compiled: bool, microbatches: int, steps: int,

@@ -33,7 +33,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from profiler.collectives import (  # noqa: E402
+from hetpar.profiler.collectives import (  # noqa: E402
     LATE_RECEIVE_BYTES, LATE_RECEIVE_LEAD_S, LATE_RECEIVE_SENDER_BUSY_S, LATE_RECEIVE_WIDTH, compute_for)
 
 

@@ -27,13 +27,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from cost_models.calibrate import fit_profile  # noqa: E402
-from cost_models.compute import layer_timing  # noqa: E402
-from cost_models.devices import get_device  # noqa: E402
-from planner.trace import trace_model  # noqa: E402
-from profiler import reference_model  # noqa: E402
-from runtime.model_file import load_model_file  # noqa: E402
-from profiler.layers import module_times  # noqa: E402
+from hetpar.cost_models.calibrate import fit_profile  # noqa: E402
+from hetpar.cost_models.compute import layer_timing  # noqa: E402
+from hetpar.cost_models.devices import get_device  # noqa: E402
+from hetpar.planner.trace import trace_model  # noqa: E402
+from hetpar.profiler import reference_model  # noqa: E402
+from hetpar.runtime.model_file import load_model_file  # noqa: E402
+from hetpar.profiler.layers import module_times  # noqa: E402
 
 # (name, model file, model args, micro-batch size, traced layer -> the modules it times)
 CASES = [

@@ -44,9 +44,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, Sharding, SolverInfo, StagePlan  # noqa: E402
-from rewriters import compile_plan  # noqa: E402
-from runtime.model_file import file_fingerprint  # noqa: E402
+from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, Sharding, SolverInfo, StagePlan  # noqa: E402
+from hetpar.rewriters import compile_plan  # noqa: E402
+from hetpar.runtime.model_file import file_fingerprint  # noqa: E402
 
 GPT = ROOT / "examples" / "gpt.py"
 BLOCK_TP = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
@@ -134,10 +134,10 @@ def one_stage(path: Path, layers: tuple[int, int], model_args: dict) -> dict:
 
     import torch
 
-    from runtime import shard
-    from runtime.graph import trace_layers
-    from runtime.materialize import build_on_meta, materialize_stages
-    from runtime.model_file import load_model_file
+    from hetpar.runtime import shard
+    from hetpar.runtime.graph import trace_layers
+    from hetpar.runtime.materialize import build_on_meta, materialize_stages
+    from hetpar.runtime.model_file import load_model_file
 
     model_file = load_model_file(path, model_args)
     torch.manual_seed(0)
@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("-a", "--model-arg", action="append", default=[], help="with --one-stage: key=value")
     args = parser.parse_args()
     if args.one_stage:
-        from runtime.model_file import parse_model_args
+        from hetpar.runtime.model_file import parse_model_args
 
         first, last = (int(x) for x in args.layers.split(","))
         r = one_stage(args.one_stage, (first, last), parse_model_args(args.model_arg))

@@ -27,10 +27,10 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime import executor, schedule, shard, timing  # noqa: E402
-from runtime.distributed import Peers  # noqa: E402
-from runtime.graph import trace_layers  # noqa: E402
-from runtime.model_file import load_model_file, parse_model_args  # noqa: E402
+from hetpar.runtime import executor, schedule, shard, timing  # noqa: E402
+from hetpar.runtime.distributed import Peers  # noqa: E402
+from hetpar.runtime.graph import trace_layers  # noqa: E402
+from hetpar.runtime.model_file import load_model_file, parse_model_args  # noqa: E402
 
 
 def main() -> None:

@@ -26,10 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cost_models.cluster import parse_cluster  # noqa: E402
-from planner.search import PlanningError, SearchOptions, search  # noqa: E402
-from planner.trace import trace_model  # noqa: E402
-from runtime.model_file import load_model_file  # noqa: E402
+from hetpar.cost_models.cluster import parse_cluster  # noqa: E402
+from hetpar.planner.search import PlanningError, SearchOptions, search  # noqa: E402
+from hetpar.planner.trace import trace_model  # noqa: E402
+from hetpar.runtime.model_file import load_model_file  # noqa: E402
 
 GPT = str(Path(__file__).resolve().parent.parent / "examples" / "gpt.py")
 # Standard GPT shapes (GPT-3 paper Table 2.1; 1T from Narayanan et al. 2021 Table 1).

@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     ns = parser.parse_args()
     sys.path.insert(0, str(ns.code.resolve()))
-    from runtime import schedule
+    from hetpar.runtime import schedule
 
     late = "late_receive_s" in inspect.signature(schedule.simulate_timed).parameters
 

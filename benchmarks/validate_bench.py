@@ -84,10 +84,10 @@ def _reference_layers():
 def _layer_model_prediction(plan_path: Path, profile_path: Path) -> float:
     """The plan's step time estimated again with the profile it was planned with, refitted
     from the same measurements less the timed layers: what the layer model alone predicts."""
-    from cost_models.calibrate import fit_profile
-    from cost_models.devices import get_device
-    from planner.explain import explain_plan
-    from planner.plan import ParallelPlan
+    from hetpar.cost_models.calibrate import fit_profile
+    from hetpar.cost_models.devices import get_device
+    from hetpar.planner.explain import explain_plan
+    from hetpar.planner.plan import ParallelPlan
 
     plan = ParallelPlan.load(plan_path)
     record = json.loads(profile_path.with_suffix(".measurements.json").read_text())

@@ -22,13 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cost_models.cluster import cluster_from_dict, parse_cluster  # noqa: E402
-from planner.api import plan_graph  # noqa: E402
-from planner.objective import Objective, with_energy  # noqa: E402
-from planner.options import SearchOptions  # noqa: E402
-from planner.sync_methods import DataParallelSync  # noqa: E402
-from planner.trace import trace_model  # noqa: E402
-from runtime.model_file import load_model_file  # noqa: E402
+from hetpar.cost_models.cluster import cluster_from_dict, parse_cluster  # noqa: E402
+from hetpar.planner.api import plan_graph  # noqa: E402
+from hetpar.planner.objective import Objective, with_energy  # noqa: E402
+from hetpar.planner.options import SearchOptions  # noqa: E402
+from hetpar.planner.sync_methods import DataParallelSync  # noqa: E402
+from hetpar.planner.trace import trace_model  # noqa: E402
+from hetpar.runtime.model_file import load_model_file  # noqa: E402
 
 GPT = str(Path(__file__).resolve().parent.parent / "examples" / "gpt.py")
 MODEL = dict(n_layers=24, hidden=1024, heads=16, seq_len=1024, vocab=51200)  # GPT-3 350M's shape (Brown et al. 2020, Table 2.1), 1k context

@@ -14,7 +14,7 @@ echo "== torchrun --nproc_per_node=$NPROC train.py --steps 8"
 rm -f "$OUT/metrics.jsonl"
 (cd "$OUT/build" && torchrun --standalone --nproc_per_node="$NPROC" train.py --steps 8 --metrics ../metrics.jsonl)
 python -c "
-from runtime.training import read_metrics
+from hetpar.runtime.training import read_metrics
 rows = read_metrics('$OUT/metrics.jsonl')
 print(f'== losses: {rows[0][\"loss\"]:.4f} at step 1 -> {rows[-1][\"loss\"]:.4f} at step {rows[-1][\"step\"]} (per-step metrics: $OUT/metrics.jsonl)')
 "

@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, Sharding, SolverInfo, StagePlan  # noqa: E402
-from runtime.graph import trace_layers  # noqa: E402
-from runtime.model_file import file_fingerprint, load_model_file  # noqa: E402
+from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, Sharding, SolverInfo, StagePlan  # noqa: E402
+from hetpar.runtime.graph import trace_layers  # noqa: E402
+from hetpar.runtime.model_file import file_fingerprint, load_model_file  # noqa: E402
 
 TORCHRUN_TIMEOUT_S = 180
 

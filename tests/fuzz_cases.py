@@ -257,8 +257,8 @@ class Outcome:
 
 @functools.lru_cache(maxsize=None)
 def _traced(path: str, args: tuple, leaf_modules: tuple):
-    from planner.trace import trace_model as trace
-    from runtime.model_file import load_model_file
+    from hetpar.planner.trace import trace_model as trace
+    from hetpar.runtime.model_file import load_model_file
 
     return trace(load_model_file(path, dict(args)), leaf_modules)
 
@@ -270,10 +270,9 @@ def cached_trace(model_file, leaf_modules: tuple[str, ...] = ()):
 
 def use_cached_traces(monkeypatch=None) -> None:
     """Make plan_model and explain_plan trace each model size once (with pytest's monkeypatch, or for good)."""
-    import planner.api
-    import planner.explain
+    from hetpar.planner import api, explain
 
-    for module in (planner.api, planner.explain):
+    for module in (api, explain):
         if monkeypatch is not None:
             monkeypatch.setattr(module, "trace_model", cached_trace)
         else:
@@ -299,12 +298,12 @@ def run_case(case: Case, workdir: Path, *, work_limit_s: float = 1.0, time_limit
         InvariantError: the plan or the error breaks the invariant.
         Exception: whatever the planner raised that is not a domain error (a crash).
     """
-    from cost_models.cluster import parse_cluster
-    from cost_models.devices import get_device
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.cost_models.devices import get_device
     from hetpar.commands.common import DOMAIN_ERRORS, default_compiled, default_dtype
-    from planner.api import plan_model
-    from planner.objective import Objective
-    from planner.search import SearchOptions
+    from hetpar.planner.api import plan_model
+    from hetpar.planner.objective import Objective
+    from hetpar.planner.search import SearchOptions
 
     workdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -341,8 +340,8 @@ def check_plan(plan, case: Case, cluster, options, workdir: Path, *, compile_pla
     """The plan half of the invariant; returns a few facts for the report."""
     from hetpar.commands.common import console
     from hetpar.commands.plan import print_summary
-    from planner.explain import explain_plan, timeline_svg
-    from planner.plan import ParallelPlan
+    from hetpar.planner.explain import explain_plan, timeline_svg
+    from hetpar.planner.plan import ParallelPlan
 
     # Round trip through JSON, in memory and through a file.
     text = plan.to_json()
@@ -393,7 +392,7 @@ def check_plan(plan, case: Case, cluster, options, workdir: Path, *, compile_pla
              f"explain's estimate is not finite: step {e.step_time_s}, memory {e.peak_memory_bytes}")
     timeline_svg(explained.timeline, [f"stage {s.index}" for s in plan.stages], "fuzz")
     if compile_plans:
-        from rewriters.torchrun import compile_plan
+        from hetpar.rewriters.torchrun import compile_plan
 
         written = compile_plan(loaded, workdir / "build")
         train = workdir / "build" / "train.py"

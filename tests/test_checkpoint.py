@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from conftest import build_plan, run_torchrun
-from rewriters import compile_plan
-from runtime.checkpoint import MARKER, CheckpointError, Checkpointer, list_complete
-from runtime.model_file import load_model_file
-from runtime.precision import LossScaler
-from runtime.training import read_metrics
+from hetpar.rewriters import compile_plan
+from hetpar.runtime.checkpoint import MARKER, CheckpointError, Checkpointer, list_complete
+from hetpar.runtime.model_file import load_model_file
+from hetpar.runtime.precision import LossScaler
+from hetpar.runtime.training import read_metrics
 from test_distributed import LR, MLP_ARGS, assert_matches_reference, reference_run
 
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.cluster import Cluster, ClusterSpecError, cluster_to_toml, parse_cluster
-from cost_models.devices import get_device
+from hetpar.cost_models.cluster import Cluster, ClusterSpecError, cluster_to_toml, parse_cluster
+from hetpar.cost_models.devices import get_device
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "mixed.toml"
 GBPS = 1e9 / 8  # bytes per second in one Gb/s

@@ -12,8 +12,8 @@ cpu:       gloo fits at 2 ranks: all_reduce 189e-6 s + P / 1.33e9, all_gather 19
 
 import pytest
 
-from cost_models.cluster import parse_cluster
-from cost_models.collectives import (
+from hetpar.cost_models.cluster import parse_cluster
+from hetpar.cost_models.collectives import (
     all_gather_time_s,
     all_reduce_time_s,
     best_all_reduce,

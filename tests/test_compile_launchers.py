@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import build_plan
-from rewriters import compile_plan
+from hetpar.rewriters import compile_plan
 
 GPT_ARGS = {"n_layers": 2, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64}
 

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from conftest import ROOT
 from hetpar.cli import app
-from planner.plan import ParallelPlan
-from rewriters import compile_plan
+from hetpar.planner.plan import ParallelPlan
+from hetpar.rewriters import compile_plan
 
 GPT = str(ROOT / "examples" / "gpt.py")
 SMALL = ["-a", "n_layers=2", "-a", "hidden=64", "-a", "heads=4", "-a", "seq_len=16", "-a", "vocab=64"]

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from cost_models.compute import DEFAULT_OP_OVERHEAD_S, HBM_STREAM_EFFICIENCY, layer_timing
-from cost_models.devices import get_device
-from cost_models.layers import LayerProfile
+from hetpar.cost_models.compute import DEFAULT_OP_OVERHEAD_S, HBM_STREAM_EFFICIENCY, layer_timing
+from hetpar.cost_models.devices import get_device
+from hetpar.cost_models.layers import LayerProfile
 
 A100 = get_device("A100-80GB")
 
@@ -51,7 +51,7 @@ def test_efficiency_must_be_positive():
 
 def test_small_matmuls_run_at_the_measured_row_efficiency():
     from dataclasses import replace
-    from cost_models.compute import matmul_rows_slowdown, rows_efficiency
+    from hetpar.cost_models.compute import matmul_rows_slowdown, rows_efficiency
     curve = {1: 0.25, 16: 0.5, 256: 1.0}
     # Linear in log rows between measured points, flat beyond them.
     assert rows_efficiency(curve, 4) == pytest.approx(0.375)
@@ -74,7 +74,7 @@ def test_small_matmuls_run_at_the_measured_row_efficiency():
 
 def test_narrow_matmuls_run_between_the_two_measured_widths():
     from dataclasses import replace
-    from cost_models.compute import ROWS_CURVE_WIDTH, matmul_efficiency, matmul_rows_slowdown
+    from hetpar.cost_models.compute import ROWS_CURVE_WIDTH, matmul_efficiency, matmul_rows_slowdown
     wide, narrow = {1: 0.5, 256: 1.0}, {1: 0.25, 256: 0.5}
     cpu = replace(get_device("cpu"), matmul_rows_efficiency={"forward": wide, "backward": wide},
                   matmul_narrow_efficiency={"forward": narrow, "backward": narrow}, matmul_narrow_width=128,
@@ -115,7 +115,7 @@ def test_gpu_profiles_charge_a_sourced_launch_per_op_in_every_pass(name, tmp_pat
     once per op in the forward, the input gradient and the weight gradient."""
     import json
 
-    from cost_models.devices import dump_profile, load_profile, profile_to_dict
+    from hetpar.cost_models.devices import dump_profile, load_profile, profile_to_dict
 
     gpu = get_device(name)
     assert gpu.op_overhead_s > 0 and gpu.op_overhead_s != DEFAULT_OP_OVERHEAD_S and gpu.sources["op_overhead_s"]
@@ -133,7 +133,7 @@ def test_a_compiled_layer_launches_a_kernel_per_matmul_and_one_per_gap_between_t
     kernels; a layer with fewer eager ops than that keeps its own count."""
     from dataclasses import replace
 
-    from cost_models.compute import compiled_layer
+    from hetpar.cost_models.compute import compiled_layer
 
     layer = replace(block(num_ops=24), matmul_ops=8)
     assert compiled_layer(layer).num_ops == 17

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from conftest import build_plan, run_torchrun
-from rewriters.torchrun import compile_plan
-from runtime.compression import pack_bits, sign_compress, sign_decompress, topk_compress, topk_decompress, unpack_bits
-from runtime.model_file import load_model_file
-from runtime.rebalance import split_by_speed
-from runtime.robust import coordinate_rule, krum_choice, squared_distances
-from runtime.shard import replica_rows
-from runtime.training import read_metrics
+from hetpar.rewriters.torchrun import compile_plan
+from hetpar.runtime.compression import pack_bits, sign_compress, sign_decompress, topk_compress, topk_decompress, unpack_bits
+from hetpar.runtime.model_file import load_model_file
+from hetpar.runtime.rebalance import split_by_speed
+from hetpar.runtime.robust import coordinate_rule, krum_choice, squared_distances
+from hetpar.runtime.shard import replica_rows
+from hetpar.runtime.training import read_metrics
 from test_distributed import LR, MLP_ARGS, assert_within_rounding, reference_run, _to, _to_state
 
 

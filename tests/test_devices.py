@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.devices import (
+from hetpar.cost_models.devices import (
     DeviceProfile,
     ProfileError,
     UnknownDeviceError,
@@ -252,7 +252,7 @@ TORCH_NAMES = {
 
 @pytest.mark.parametrize("name", PCIE_GPUS)
 def test_torch_device_name_matches_exactly_its_profile(name):
-    from runtime.devices import FoundDevice, matches
+    from hetpar.runtime.devices import FoundDevice, matches
 
     torch_name, memory_bytes = TORCH_NAMES[name]
     found = FoundDevice(name=torch_name, memory_bytes=memory_bytes)
@@ -267,7 +267,7 @@ def test_torch_device_name_matches_exactly_its_profile(name):
 ])
 def test_other_cards_of_a_family_match_no_profile(torch_name):
     """A variant with other numbers is not planned as its sibling."""
-    from runtime.devices import FoundDevice, matches
+    from hetpar.runtime.devices import FoundDevice, matches
 
     found = FoundDevice(name=torch_name, memory_bytes=24 * GiB)
     assert [p.name for p in known_devices() if matches(p.name, found)] == []
@@ -293,18 +293,18 @@ def test_plan_on_rtx_2080_ti_picks_fp16_by_default(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_gpt():
-    from planner.trace import trace_model
-    from runtime.model_file import load_model_file
+    from hetpar.planner.trace import trace_model
+    from hetpar.runtime.model_file import load_model_file
 
     return trace_model(load_model_file(GPT, {"n_layers": 4, "hidden": 64, "seq_len": 16, "vocab": 128}))
 
 
 @pytest.mark.parametrize("name", PCIE_GPUS)
 def test_plan_on_a_cluster_of_each_pcie_gpu(name, small_gpt):
-    from cost_models.cluster import parse_cluster
+    from hetpar.cost_models.cluster import parse_cluster
     from hetpar.commands.common import default_dtype
-    from planner.api import plan_graph
-    from planner.search import SearchOptions
+    from hetpar.planner.api import plan_graph
+    from hetpar.planner.search import SearchOptions
 
     dtype = default_dtype([name])
     plan = plan_graph(small_gpt, parse_cluster(f"2x4x{name}"), SearchOptions(global_batch_size=16, dtype=dtype, workers=1))

@@ -14,9 +14,9 @@ import subprocess
 import sys
 
 from conftest import TORCHRUN_TIMEOUT_S, build_plan, run_torchrun, subprocess_env
-from rewriters import compile_plan
-from runtime.model_file import load_model_file
-from runtime.training import read_metrics
+from hetpar.rewriters import compile_plan
+from hetpar.runtime.model_file import load_model_file
+from hetpar.runtime.training import read_metrics
 
 STEPS = 3
 LR = {"sgd": 0.1, "adamw": 1e-2}
@@ -285,9 +285,9 @@ def test_data_parallel_2_by_tensor_parallel_2(tmp_path, gpt_path):
 @pytest.mark.parametrize("pins", [dict(dp=2, pp=2, tp=1), dict(dp=1, pp=2, tp=2)], ids=["dp2xpp2", "tp2xpp2"])
 def test_plans_from_the_planner_train_like_one_process(tmp_path, gpt_path, pins):
     """End to end: hetpar's own search (its layer split and the TP sharding it found) compiled and run."""
-    from cost_models.cluster import parse_cluster
-    from planner.api import plan_model
-    from planner.search import SearchOptions
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.api import plan_model
+    from hetpar.planner.search import SearchOptions
 
     options = SearchOptions(global_batch_size=8, dtype="fp32", schedule="1f1b", micro_batch_size=2, **pins)
     plan = plan_model(gpt_path, parse_cluster("1x4xcpu"), options, model_args=GPT_ARGS)
@@ -303,7 +303,7 @@ def interleaved_plan(model_path: Path, model_args: dict, *, chunks: list[list[in
     ``chunks[s]`` on the ranks of stage ``s % pipeline_ranks``."""
     from dataclasses import replace
 
-    from planner.plan import ClusterRef, Schedule
+    from hetpar.planner.plan import ClusterRef, Schedule
 
     flat = build_plan(model_path, model_args, splits=chunks, data_parallel=data_parallel,
                       num_microbatches=num_microbatches)
@@ -393,7 +393,7 @@ def exported_layers(monkeypatch):
     """build_plan names the layers of the torch.export graph (torch.fx cannot trace transformers)."""
     pytest.importorskip("transformers")
     import conftest
-    from runtime.graph import trace_layers
+    from hetpar.runtime.graph import trace_layers
 
     def exported_layer_names(path, args):
         model_file = load_model_file(path, args)

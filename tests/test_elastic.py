@@ -24,12 +24,12 @@ import torch
 
 from cli_helpers import assert_one_line_error, hetpar
 from conftest import build_plan, free_port, subprocess_env
-from rewriters import compile_plan
-from rewriters.torchrun import CompileError
-from runtime.checkpoint import Checkpointer
-from runtime.cli import Replan, replan_message
-from runtime.model_file import load_model_file
-from runtime.precision import LossScaler
+from hetpar.rewriters import compile_plan
+from hetpar.rewriters.torchrun import CompileError
+from hetpar.runtime.checkpoint import Checkpointer
+from hetpar.runtime.cli import Replan, replan_message
+from hetpar.runtime.model_file import load_model_file
+from hetpar.runtime.precision import LossScaler
 from test_compile_launchers import GPT_ARGS, fake_bin, on_cluster, sbatch
 from test_distributed import MLP_ARGS
 

@@ -10,14 +10,14 @@ import pytest
 
 from cli_helpers import assert_one_line_error, hetpar
 from conftest import ROOT
-from cost_models.cluster import cluster_from_dict, parse_cluster
-from cost_models.devices import get_device
-from cost_models.energy import IDLE_POWER_FRACTION, JOULES_PER_KWH
-from planner.objective import Objective, least_energy_plan, step_energy
-from planner.search import PlanningError, SearchOptions, search
-from planner.subcluster import group_uses, subcluster
-from planner.trace import trace_model
-from runtime.model_file import load_model_file
+from hetpar.cost_models.cluster import cluster_from_dict, parse_cluster
+from hetpar.cost_models.devices import get_device
+from hetpar.cost_models.energy import IDLE_POWER_FRACTION, JOULES_PER_KWH
+from hetpar.planner.objective import Objective, least_energy_plan, step_energy
+from hetpar.planner.search import PlanningError, SearchOptions, search
+from hetpar.planner.subcluster import group_uses, subcluster
+from hetpar.planner.trace import trace_model
+from hetpar.runtime.model_file import load_model_file
 
 GPT_ARGS = {"n_layers": 4, "hidden": 256, "heads": 4, "seq_len": 128, "vocab": 512}
 CLUSTER = "1x2xA100-80GB+1x4xV100-32GB"

@@ -5,14 +5,14 @@ from dataclasses import fields
 
 import pytest
 
-from cost_models.cluster import parse_cluster
-from cost_models.compute import layer_timing
-from cost_models.devices import get_device
-from cost_models.layers import LayerProfile
-from cost_models.memory import FRAGMENTATION_MARGIN
-from planner.estimate import EstimateConfig, EstimateError, estimate, stage_layout
-from planner.plan import Predicted
-from planner.trace import ModelGraph
+from hetpar.cost_models.cluster import parse_cluster
+from hetpar.cost_models.compute import layer_timing
+from hetpar.cost_models.devices import get_device
+from hetpar.cost_models.layers import LayerProfile
+from hetpar.cost_models.memory import FRAGMENTATION_MARGIN
+from hetpar.planner.estimate import EstimateConfig, EstimateError, estimate, stage_layout
+from hetpar.planner.plan import Predicted
+from hetpar.planner.trace import ModelGraph
 
 A100 = get_device("A100-80GB")
 
@@ -179,8 +179,8 @@ def test_config_checks_itself(kw, message):
 
 
 def test_traced_gpt_end_to_end(gpt_path):
-    from planner.trace import trace_model
-    from runtime.model_file import load_model_file
+    from hetpar.planner.trace import trace_model
+    from hetpar.runtime.model_file import load_model_file
 
     model = trace_model(load_model_file(gpt_path, dict(n_layers=4, hidden=64, heads=4, vocab=128, seq_len=32)))
     e = estimate(model, parse_cluster("1x8xA100-80GB"),

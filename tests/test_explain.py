@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from cost_models.cluster import parse_cluster
-from planner.api import plan_model
-from planner.explain import explain_plan, timeline_svg
-from planner.plan import PlanError
-from planner.search import SearchOptions
+from hetpar.cost_models.cluster import parse_cluster
+from hetpar.planner.api import plan_model
+from hetpar.planner.explain import explain_plan, timeline_svg
+from hetpar.planner.plan import PlanError
+from hetpar.planner.search import SearchOptions
 
 GPT_ARGS = {"n_layers": 4, "hidden": 64, "heads": 4, "seq_len": 16, "vocab": 64}
 
@@ -59,9 +59,9 @@ def test_cli_writes_svg_and_json(plan, tmp_path):
 def test_a_plan_with_unequal_replica_shares_is_explained_at_its_predicted_pace(tmp_path):
     """Replicas of A100s take more samples than replicas of V100s (planner.hetero_dp); explaining the plan
     estimates each replica at its own share, so it reports the plan's prediction, not the slowest type's pace."""
-    from planner.hetero_dp import hetero_dp_plan
-    from planner.trace import trace_model
-    from runtime.model_file import load_model_file
+    from hetpar.planner.hetero_dp import hetero_dp_plan
+    from hetpar.planner.trace import trace_model
+    from hetpar.runtime.model_file import load_model_file
 
     model = tmp_path / "gpt.py"
     shutil.copy("examples/gpt.py", model)

@@ -81,10 +81,10 @@ def estimate_configs(draw):
 @given(estimate_configs())
 def test_estimate_is_finite_or_one_line(drawn):
     """`hetpar estimate`'s library call on random configurations: finite numbers, or a one-line domain error."""
-    from cost_models.cluster import parse_cluster
+    from hetpar.cost_models.cluster import parse_cluster
     from hetpar.commands.common import default_dtype
-    from planner.estimate import EstimateConfig, estimate
-    from runtime.model_file import load_model_file
+    from hetpar.planner.estimate import EstimateConfig, estimate
+    from hetpar.runtime.model_file import load_model_file
 
     from fuzz_cases import EXAMPLES
 
@@ -107,7 +107,7 @@ def test_estimate_is_finite_or_one_line(drawn):
 
 def test_model_table_matches_the_traces():
     """fuzz_cases.MODELS' layer counts (stage-layer pins are drawn from them) are what the tracer sees."""
-    from runtime.model_file import load_model_file
+    from hetpar.runtime.model_file import load_model_file
 
     from fuzz_cases import EXAMPLES
 

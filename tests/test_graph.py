@@ -2,8 +2,8 @@
 
 import torch
 
-from runtime.graph import build_stage, record_values, trace_layers
-from runtime.model_file import load_model_file
+from hetpar.runtime.graph import build_stage, record_values, trace_layers
+from hetpar.runtime.model_file import load_model_file
 
 
 def chain(lg, values, inputs, bounds):

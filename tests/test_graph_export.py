@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runtime.capture import export_graph, module_paths
-from runtime.graph import TraceError, build_stage, record_values, trace_layers
-from runtime.model_file import load_model_file
+from hetpar.runtime.capture import export_graph, module_paths
+from hetpar.runtime.graph import TraceError, build_stage, record_values, trace_layers
+from hetpar.runtime.model_file import load_model_file
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCH_ZOO = ROOT / "tests" / "models" / "torch_zoo.py"

@@ -12,9 +12,9 @@ from test_distributed import HF_GPT2, HF_LLAMA, assert_trains_like_one_process
 
 tf = pytest.importorskip("transformers")
 
-from planner.plan import Sharding  # noqa: E402
-from runtime.model_file import turn_off_kv_cache  # noqa: E402
-from runtime.module_stage import cut_module_stage, decoder_layout  # noqa: E402
+from hetpar.planner.plan import Sharding  # noqa: E402
+from hetpar.runtime.model_file import turn_off_kv_cache  # noqa: E402
+from hetpar.runtime.module_stage import cut_module_stage, decoder_layout  # noqa: E402
 
 SEQ = 16
 SMALL = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -85,11 +85,11 @@ def test_module_stages_pin_no_device(kind):
 
 def _block_sharding(source: str, tmp_path, block: int = 0):
     """planner.module_tp.block_sharding of a model file's block, as the planner's trace calls it."""
-    from planner.module_tp import block_sharding
-    from planner.trace import differentiable_values
-    from runtime.graph import boundary_values, build_stage, record_values, trace_layers
-    from runtime.model_file import load_model_file
-    from runtime.module_stage import layout_for
+    from hetpar.planner.module_tp import block_sharding
+    from hetpar.planner.trace import differentiable_values
+    from hetpar.runtime.graph import boundary_values, build_stage, record_values, trace_layers
+    from hetpar.runtime.model_file import load_model_file
+    from hetpar.runtime.module_stage import layout_for
 
     path = tmp_path / "hfmodel.py"
     path.write_text(source)
@@ -120,7 +120,7 @@ def test_finder_on_the_exported_llama_agrees_with_its_base_model_tp_plan(tmp_pat
 
 
 def test_gpt2_splits_its_conv1d_mlp_and_never_its_fused_qkv_colwise(tmp_path):
-    from planner.module_tp import BlockDryRun
+    from hetpar.planner.module_tp import BlockDryRun
 
     split = _block_sharding(HF_GPT2, tmp_path)
     assert split.config is None and split.source == "finder"  # GPT2Config has no base_model_tp_plan
@@ -143,9 +143,9 @@ def _gpt2_meta() -> torch.nn.Module:
 
 
 def _plan(tmp_path, source: str, *, tp: int, pp: int):
-    from cost_models.cluster import parse_cluster
-    from planner.api import plan_model
-    from planner.search import SearchOptions
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.api import plan_model
+    from hetpar.planner.search import SearchOptions
 
     path = tmp_path / "hfmodel.py"
     path.write_text(source)
@@ -187,9 +187,9 @@ def test_zero_3_on_module_stages_of_a_tied_model_trains_like_one_process(tmp_pat
     """GPT-2's module stages under FSDP2 (dp 2 x pp 2, ZeRO-3): wte on stage 0 and the
     tied lm_head on stage 1 are each sharded over the replicas and kept equal across the
     stages (runtime/tied.py), as AdamW in one process trains them."""
-    from cost_models.cluster import parse_cluster
-    from planner.api import plan_model
-    from planner.search import SearchOptions
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.api import plan_model
+    from hetpar.planner.search import SearchOptions
 
     path = tmp_path / "hfmodel.py"
     path.write_text(HF_GPT2)

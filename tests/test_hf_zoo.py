@@ -30,13 +30,13 @@ from test_distributed import HF_GPT2, HF_LLAMA, LR, assert_matches_reference, re
 
 tf = pytest.importorskip("transformers")
 
-from cost_models.cluster import parse_cluster  # noqa: E402
-from planner.api import plan_model  # noqa: E402
-from planner.search import SearchOptions  # noqa: E402
-from rewriters import compile_plan  # noqa: E402
-from runtime.model_file import load_model_file  # noqa: E402
-from runtime.module_stage import cut_module_stage, decoder_layout  # noqa: E402
-from runtime.training import read_metrics  # noqa: E402
+from hetpar.cost_models.cluster import parse_cluster  # noqa: E402
+from hetpar.planner.api import plan_model  # noqa: E402
+from hetpar.planner.search import SearchOptions  # noqa: E402
+from hetpar.rewriters import compile_plan  # noqa: E402
+from hetpar.runtime.model_file import load_model_file  # noqa: E402
+from hetpar.runtime.module_stage import cut_module_stage, decoder_layout  # noqa: E402
+from hetpar.runtime.training import read_metrics  # noqa: E402
 
 ZOO = ROOT / "tests" / "models" / "hf_default_zoo.py"
 DECODERS = ("llama", "mistral", "qwen2", "gemma", "phi", "gpt_neox", "mixtral", "gpt2", "opt")

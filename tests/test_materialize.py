@@ -13,11 +13,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import ROOT, build_plan, run_torchrun
-from rewriters import compile_plan
-from runtime import shard
-from runtime.graph import trace_layers
-from runtime.materialize import MaterializeError, build_on_meta, materialize, materialize_stages, named_tensors
-from runtime.model_file import load_model_file
+from hetpar.rewriters import compile_plan
+from hetpar.runtime import shard
+from hetpar.runtime.graph import trace_layers
+from hetpar.runtime.materialize import MaterializeError, build_on_meta, materialize, materialize_stages, named_tensors
+from hetpar.runtime.model_file import load_model_file
 
 HF_ZOO = ROOT / "tests" / "models" / "hf_zoo.py"
 GPT_ARGS = {"n_layers": 2, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64}

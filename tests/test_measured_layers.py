@@ -9,13 +9,13 @@ import torch
 from cli_helpers import assert_one_line_error, hetpar
 from test_profile import record
 
-from cost_models.calibrate import fit_profile
-from cost_models.compute import layer_timing
-from cost_models.devices import ProfileError, dump_profile, get_device, load_profile, profile_to_dict
-from cost_models.layers import LayerProfile
-from planner.trace import trace_model
-from runtime.model_file import load_model_file
-from profiler.layers import chained_pass_s, layer_stages, layer_times
+from hetpar.cost_models.calibrate import fit_profile
+from hetpar.cost_models.compute import layer_timing
+from hetpar.cost_models.devices import ProfileError, dump_profile, get_device, load_profile, profile_to_dict
+from hetpar.cost_models.layers import LayerProfile
+from hetpar.planner.trace import trace_model
+from hetpar.runtime.model_file import load_model_file
+from hetpar.profiler.layers import chained_pass_s, layer_stages, layer_times
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"

@@ -2,8 +2,8 @@
 
 import pytest
 
-from cost_models.layers import LayerProfile
-from cost_models.memory import (
+from hetpar.cost_models.layers import LayerProfile
+from hetpar.cost_models.memory import (
     FRAGMENTATION_MARGIN,
     MemoryBreakdown,
     activation_bytes_per_microbatch,

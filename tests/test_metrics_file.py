@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from runtime.training import StepLogger, read_metrics
+from hetpar.runtime.training import StepLogger, read_metrics
 
 STEP_FIELDS = {"kind", "step", "loss", "step_time_s", "samples_per_s"}
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from runtime.model_file import ModelFileError, default_loss, load_model_file, parse_model_args
+from hetpar.runtime.model_file import ModelFileError, default_loss, load_model_file, parse_model_args
 
 EXAMPLES = "examples"
 

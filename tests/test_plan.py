@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from planner.plan import ClusterRef, ModelRef, ParallelPlan, PlanError, Predicted, Schedule, Sharding, SolverInfo, StagePlan
+from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, PlanError, Predicted, Schedule, Sharding, SolverInfo, StagePlan
 
 
 def make_plan(**overrides):

@@ -7,12 +7,12 @@ import pytest
 import torch
 from cli_helpers import assert_one_line_error, hetpar
 
-from cost_models.calibrate import LAUNCHES_PER_OP, fit_line, fit_profile
-from cost_models.cluster import parse_cluster
-from cost_models.devices import ProfileError, dump_profile, get_device, load_profile, profile_to_dict
-from planner.estimate import EstimateConfig, estimate
-from planner.trace import ModelGraph
-from cost_models.layers import LayerProfile
+from hetpar.cost_models.calibrate import LAUNCHES_PER_OP, fit_line, fit_profile
+from hetpar.cost_models.cluster import parse_cluster
+from hetpar.cost_models.devices import ProfileError, dump_profile, get_device, load_profile, profile_to_dict
+from hetpar.planner.estimate import EstimateConfig, estimate
+from hetpar.planner.trace import ModelGraph
+from hetpar.cost_models.layers import LayerProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -120,7 +120,7 @@ def test_a_dispatch_probe_in_groups_of_two_is_charged_the_all_reduce_of_two_rank
 
 
 def test_the_reference_workload_sets_forward_and_backward_efficiencies():
-    from cost_models.compute import layer_timing
+    from hetpar.cost_models.compute import layer_timing
     layers = [LayerProfile(name=f"l{i}", fwd_flops=4e6 * (i + 1), bwd_flops=8e6 * (i + 1), params=1000,
                            saved_activation_bytes=2e4, boundary_bytes=1e3, num_ops=12) for i in range(3)]
     plain = fit_profile(record(), get_device("cpu"))
@@ -141,7 +141,7 @@ def test_the_reference_workload_sets_forward_and_backward_efficiencies():
 
 
 def test_a_measured_profile_uses_its_own_kernel_efficiency_unless_one_is_given():
-    from cost_models.compute import TRAINING_KERNEL_EFFICIENCY, layer_timing
+    from hetpar.cost_models.compute import TRAINING_KERNEL_EFFICIENCY, layer_timing
     measured = fit_profile(record(), get_device("cpu"))
     layer = _tiny_graph().layers[0]
     own = layer_timing(layer, measured, tp=1, micro_batch_size=4, dtype="fp32")
@@ -155,7 +155,7 @@ def test_a_measured_profile_uses_its_own_kernel_efficiency_unless_one_is_given()
 
 def test_tensor_parallel_dispatch_is_charged_per_sharded_module_only_under_tp():
     from dataclasses import replace
-    from cost_models.compute import layer_timing
+    from hetpar.cost_models.compute import layer_timing
     measured = replace(fit_profile(record(), get_device("cpu")), tp_module_overhead_s=3e-3,
                        sources={**fit_profile(record(), get_device("cpu")).sources, "tp_module_overhead_s": "test"})
     plain = LayerProfile(name="l", fwd_flops=1e6, bwd_flops=2e6, params=1000, saved_activation_bytes=1e3,
@@ -184,8 +184,8 @@ def test_the_tensor_parallel_step_splits_into_per_collective_and_per_tensor_cost
     # take with `per_collective` more per collective and `per_tensor` more per DTensor
     # parameter tensor than the estimator charges without them.
     from dataclasses import replace
-    from cost_models.compute import layer_timing, optimizer_rates
-    from cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
+    from hetpar.cost_models.compute import layer_timing, optimizer_rates
+    from hetpar.cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
     collectives = (("forward", "all_reduce", 4e3), ("backward", "all_reduce", 4e3), ("forward", "all_gather", 8e3))
     layers = [LayerProfile(name=f"l{i}", fwd_flops=4e6, bwd_flops=8e6, params=1000, saved_activation_bytes=2e4,
                            boundary_bytes=1e3, num_ops=12, param_tensors=3, tp_split_flops_fraction=0.9, tp_split_params=900,
@@ -392,8 +392,8 @@ def test_a_row_curve_outside_zero_to_one_is_refused(tmp_path):
 
 def test_the_reference_step_through_the_runtime_scales_both_efficiencies():
     from dataclasses import replace
-    from cost_models.compute import layer_timing
-    from cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
+    from hetpar.cost_models.compute import layer_timing
+    from hetpar.cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
     layers = [LayerProfile(name=f"l{i}", fwd_flops=4e6 * (i + 1), bwd_flops=8e6 * (i + 1), params=1000,
                            saved_activation_bytes=2e4, boundary_bytes=1e3, num_ops=12, param_tensors=2) for i in range(3)]
     data = record()
@@ -432,7 +432,7 @@ def test_the_reference_step_timed_pass_by_pass_sets_each_efficiency_apart():
     # The loop's split of forward and backward (data["reference"]) is not the program's:
     # inside the step the forwards may fall further short than the backwards. With the
     # passes timed apart, each efficiency follows its own pass.
-    from cost_models.compute import layer_timing
+    from hetpar.cost_models.compute import layer_timing
     layers = [LayerProfile(name=f"l{i}", fwd_flops=4e6 * (i + 1), bwd_flops=8e6 * (i + 1), params=1000,
                            saved_activation_bytes=2e4, boundary_bytes=1e3, num_ops=12, param_tensors=2) for i in range(3)]
     data = record()
@@ -460,7 +460,7 @@ def test_the_reference_step_timed_pass_by_pass_sets_each_efficiency_apart():
 
 
 def test_passes_keep_the_median_of_every_number_and_the_sizes_as_they_are():
-    from profiler import median_record
+    from hetpar.profiler import median_record
     a = {"copy": [2e9, 0.25], "matmul": {"fp32": [[1e6, 1.0], [1e7, 5.0]]}, "workers": 2, "model": "m.py"}
     b = {"copy": [2e9, 0.35], "matmul": {"fp32": [[1e6, 3.0], [1e7, 4.0]]}, "workers": 2, "model": "m.py"}
     c = {"copy": [2e9, 0.30], "matmul": {"fp32": [[1e6, 2.0], [1e7, 9.0]]}, "workers": 2, "model": "m.py"}
@@ -477,7 +477,7 @@ def test_passes_below_one_are_refused(tmp_path):
 def test_a_pass_whose_worker_died_is_measured_once_more(monkeypatch):
     # gloo can abort a worker on a busy host; one more pass with fresh workers is taken,
     # a second death (or a worker that raised) is a one-line error.
-    import profiler
+    from hetpar import profiler
     from hetpar.commands.profile import _one_pass
     calls, shown = [], []
 
@@ -538,7 +538,7 @@ def test_one_gpu_worker_keeps_the_datasheet_links_and_the_gpu_name(tmp_path):
 
 
 def test_one_worker_reference_step_sets_efficiencies_in_its_dtype_and_no_sync_scale():
-    from cost_models.compute import layer_timing
+    from hetpar.cost_models.compute import layer_timing
     layers = [LayerProfile(name=f"l{i}", fwd_flops=4e9 * (i + 1), bwd_flops=8e9 * (i + 1), params=1000,
                            saved_activation_bytes=2e6, boundary_bytes=1e3, num_ops=12, param_tensors=2) for i in range(3)]
     data = one_worker_gpu_record()
@@ -569,7 +569,7 @@ def test_nproc_defaults_to_the_visible_gpus_and_may_not_exceed_them(monkeypatch)
 
 def test_a_gpu_host_profiles_as_its_builtin_type(monkeypatch):
     from hetpar.commands import profile as command
-    from runtime.devices import FoundDevice
+    from hetpar.runtime.devices import FoundDevice
     found = {0: FoundDevice(name="NVIDIA H200", memory_bytes=150_106_652_672),
              1: FoundDevice(name="NVIDIA H200", memory_bytes=150_106_652_672)}
     monkeypatch.setattr(command.devices, "this_device", lambda device: found[device.index])
@@ -607,8 +607,8 @@ def test_on_cuda_the_microbenchmarks_wait_for_the_device_and_the_host_maps_to_it
     """Rates timed with a synchronize around each region stay below the datasheet's
     peaks (a host clock without one would time the launches: far above them)."""
     from hetpar.commands.profile import host_profile
-    from profiler import micro
-    from profiler.clock import compute_dtype
+    from hetpar.profiler import micro
+    from hetpar.profiler.clock import compute_dtype
     device = torch.device("cuda", 0)
     datasheet = host_profile("cuda", 1)
     dtype = compute_dtype(device)

@@ -29,13 +29,13 @@ import torch
 
 from cli_helpers import assert_one_line_error, hetpar
 from conftest import TORCHRUN_TIMEOUT_S, build_plan, run_torchrun, subprocess_env
-from planner.resume import find_resume_point
-from rewriters import compile_plan
-from runtime.checkpoint import CheckpointError, Checkpointer, list_complete, resume_point, saved_tensors
-from runtime.model_file import load_model_file
-from runtime.precision import LossScaler
-from runtime.shard import Chunks
-from runtime.training import read_metrics
+from hetpar.planner.resume import find_resume_point
+from hetpar.rewriters import compile_plan
+from hetpar.runtime.checkpoint import CheckpointError, Checkpointer, list_complete, resume_point, saved_tensors
+from hetpar.runtime.model_file import load_model_file
+from hetpar.runtime.precision import LossScaler
+from hetpar.runtime.shard import Chunks
+from hetpar.runtime.training import read_metrics
 from test_distributed import GPT_ARGS, LR, MLP_ARGS, assert_matches_reference, interleaved_plan, reference_run
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

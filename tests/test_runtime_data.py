@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 
-from runtime.model_file import load_model_file
-from runtime.shard import ShardError, microbatches, replica_batches, replica_rows
+from hetpar.runtime.model_file import load_model_file
+from hetpar.runtime.shard import ShardError, microbatches, replica_batches, replica_rows
 
 GPT_ARGS = {"n_layers": 1, "hidden": 16, "heads": 2, "seq_len": 8, "vocab": 32}
 MLP_ARGS = {"depth": 1, "width": 8, "in_features": 6, "out_features": 3}

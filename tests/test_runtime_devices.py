@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from conftest import build_plan, run_torchrun, subprocess_env
-from rewriters import compile_plan
-from runtime import devices
-from runtime.devices import FoundDevice, matches
+from hetpar.rewriters import compile_plan
+from hetpar.runtime import devices
+from hetpar.runtime.devices import FoundDevice, matches
 
 GIB = 2**30
 MLP_ARGS = {"depth": 2, "width": 16, "in_features": 8, "out_features": 4}

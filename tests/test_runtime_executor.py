@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.distributed import Peers
-from runtime.executor import StageExecutor
-from runtime.graph import trace_layers
-from runtime.model_file import load_model_file
-from runtime.schedule import Action, Kind, make_schedule
-from runtime.shard import cut_stage, microbatches
+from hetpar.runtime.distributed import Peers
+from hetpar.runtime.executor import StageExecutor
+from hetpar.runtime.graph import trace_layers
+from hetpar.runtime.model_file import load_model_file
+from hetpar.runtime.schedule import Action, Kind, make_schedule
+from hetpar.runtime.shard import cut_stage, microbatches
 
 GPT_ARGS = {"n_layers": 2, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64}
 NO_PEERS = Peers(recv_activations_from=None, send_activations_to=(), recv_grads_from=None, send_grads_to=())

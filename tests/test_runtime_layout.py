@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from runtime import cli
-from runtime.distributed import StageSpec, locate, peers_of
-from runtime.shard import ShardError, loss_weight, microbatches
+from hetpar.runtime import cli
+from hetpar.runtime.distributed import StageSpec, locate, peers_of
+from hetpar.runtime.shard import ShardError, loss_weight, microbatches
 
 
 def layout(tps: list[int], dp: int) -> list[StageSpec]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.precision import LossScaler
+from hetpar.runtime.precision import LossScaler
 
 
 def params_with_grads(*grads: float) -> list[torch.nn.Parameter]:

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from runtime import schedule
-from runtime.schedule import Action, Kind, ScheduleError
+from hetpar.runtime import schedule
+from hetpar.runtime.schedule import Action, Kind, ScheduleError
 
 GRID = [(p, m) for p in range(1, 6) for m in range(1, 9)]
 

@@ -5,8 +5,8 @@ import itertools
 import numpy as np
 import pytest
 
-from planner.costs import CostTables, evaluate_split
-from planner.search import SearchOptions, equal_split, solve_split, to_ticks
+from hetpar.planner.costs import CostTables, evaluate_split
+from hetpar.planner.search import SearchOptions, equal_split, solve_split, to_ticks
 from tests.search_tables import compositions, random_tables
 
 INSTANCES = [(seed, L, P, m, tight) for seed, (L, P, m, tight) in enumerate(
@@ -56,10 +56,10 @@ def test_ticks_round_to_nearest():
                                                           ("1x4xcpu", "fp32", "gpipe"), ("1x4xcpu", "fp32", "interleaved")])
 def test_pruned_search_finds_the_best_candidate(cluster_spec, dtype, schedule):
     """The bound-pruned search returns the best plan over every candidate solved exhaustively."""
-    from cost_models.cluster import parse_cluster
-    from planner.search import enumerate_candidates, lower_bound_s, search, solve_candidate
-    from planner.trace import trace_model
-    from runtime.model_file import load_model_file
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.search import enumerate_candidates, lower_bound_s, search, solve_candidate
+    from hetpar.planner.trace import trace_model
+    from hetpar.runtime.model_file import load_model_file
 
     graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 4, "hidden": 64, "seq_len": 16}))
     cluster = parse_cluster(cluster_spec)
@@ -87,8 +87,8 @@ def typed_instance(seed, num_layers, num_stages):
 ])
 def test_type_orders_match_brute_force(seed, num_layers, num_stages, counts):
     """Device-type order and the split, chosen together, against enumerating both."""
-    from planner.costs import compose_tables
-    from planner.search import solve_type_orders, type_sequence
+    from hetpar.planner.costs import compose_tables
+    from hetpar.planner.search import solve_type_orders, type_sequence
 
     tables = typed_instance(seed, num_layers, num_stages)
     stages_per_type = {k: n for k, n in zip(tables, counts) if n}
@@ -111,10 +111,10 @@ def test_type_orders_match_brute_force(seed, num_layers, num_stages, counts):
 
 def test_mixed_cluster_stages_choose_their_device_types():
     """On A100 + V100 the slow type gets fewer layers, and the plan's ranks are the devices of its type."""
-    from cost_models.cluster import parse_cluster
-    from planner.search import search
-    from planner.trace import trace_model
-    from runtime.model_file import load_model_file
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.search import search
+    from hetpar.planner.trace import trace_model
+    from hetpar.runtime.model_file import load_model_file
 
     graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 8, "hidden": 1024, "heads": 16, "seq_len": 512, "vocab": 1024}))
     cluster = parse_cluster("1x4xV100-32GB+1x4xA100-80GB")
@@ -128,15 +128,15 @@ def test_mixed_cluster_stages_choose_their_device_types():
 
 
 def _gpt_graph():
-    from planner.trace import trace_model
-    from runtime.model_file import load_model_file
+    from hetpar.planner.trace import trace_model
+    from hetpar.runtime.model_file import load_model_file
 
     return trace_model(load_model_file("examples/gpt.py", {"n_layers": 6, "hidden": 256, "heads": 4, "seq_len": 64}))
 
 
 def test_pinned_stage_layers_and_devices_are_honoured():
-    from cost_models.cluster import parse_cluster
-    from planner.search import search
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.search import search
 
     graph = _gpt_graph()  # 8 layers
     cluster = parse_cluster("1x4xV100-32GB+1x4xA100-80GB")
@@ -155,8 +155,8 @@ def test_pinned_stage_layers_and_devices_are_honoured():
     (dict(stage_devices=("A100-80GB", "A100-80GB")), "puts 2 of 2 stages on A100-80GB: 8 devices"),
 ])
 def test_bad_stage_pins_are_explained(pins, message):
-    from cost_models.cluster import parse_cluster
-    from planner.search import PlanningError, search
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.search import PlanningError, search
 
     with pytest.raises(PlanningError, match=message):
         search(_gpt_graph(), parse_cluster("1x4xV100-32GB+1x4xA100-80GB"), SearchOptions(global_batch_size=16, dtype="fp16", **pins))
@@ -165,8 +165,8 @@ def test_bad_stage_pins_are_explained(pins, message):
 def _solver_and_brute_force(graph, cluster, options):
     """Per candidate of the search: the solver's objective and brute force's over every type order, split
     and mode (degrees included), and brute force's over plans whose stages share one degree."""
-    from planner.costs import build_tables, compose_tables, tables_by_type
-    from planner.search import enumerate_candidates, solve_split, solve_type_orders, type_sequence
+    from hetpar.planner.costs import build_tables, compose_tables, tables_by_type
+    from hetpar.planner.search import enumerate_candidates, solve_split, solve_type_orders, type_sequence
     from tests.search_tables import brute_force
 
     out = []
@@ -190,10 +190,10 @@ def test_stages_of_different_degrees_beat_every_one_degree_plan():
     """A100 nodes of two devices and a V100 node of one: one degree for all stages can only be 1 (three
     stages); a stage of degree 2 on the A100s and one of 1 on the V100 is faster. Brute force over every
     candidate, type order, split and mode agrees with the solver, and finds no one-degree plan as fast."""
-    from cost_models.cluster import parse_cluster
-    from planner.search import search
-    from planner.trace import trace_model
-    from runtime.model_file import load_model_file
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.search import search
+    from hetpar.planner.trace import trace_model
+    from hetpar.runtime.model_file import load_model_file
 
     graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 4, "hidden": 2048, "heads": 16, "seq_len": 512, "vocab": 32000}))
     cluster = parse_cluster("1x2xA100-80GB+1x1xV100-32GB")
@@ -215,11 +215,11 @@ def test_stages_of_different_degrees_beat_every_one_degree_plan():
 def test_a_plan_of_mixed_degrees_is_estimated_as_the_search_predicted():
     """The plan's prediction comes from planner.estimate on the plan's own ranks ([Note: plan prediction]);
     explaining the plan estimates it again from the plan file's fields and must agree."""
-    from cost_models.cluster import parse_cluster
-    from planner.explain import explain_plan
-    from planner.search import search
-    from planner.trace import trace_model
-    from runtime.model_file import load_model_file
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.explain import explain_plan
+    from hetpar.planner.search import search
+    from hetpar.planner.trace import trace_model
+    from hetpar.runtime.model_file import load_model_file
 
     args = {"n_layers": 4, "hidden": 2048, "heads": 16, "seq_len": 512, "vocab": 32000}
     graph = trace_model(load_model_file("examples/gpt.py", args))
@@ -234,7 +234,7 @@ def test_a_plan_of_mixed_degrees_is_estimated_as_the_search_predicted():
 
 @pytest.mark.parametrize("dp,degrees,width", [(1, [2, 4, 1, 1], 4), (2, [1, 2, 1], 4), (1, [8, 4, 2, 1, 1], 8), (3, [2, 2], 2)])
 def test_stage_blocks_keep_tensor_parallel_groups_inside_a_node(dp, degrees, width):
-    from planner.costs import pack_stage_ranks
+    from hetpar.planner.costs import pack_stage_ranks
 
     world = dp * sum(degrees)
     stages = pack_stage_ranks(list(range(world)), dp, degrees)
@@ -249,10 +249,10 @@ def test_candidates_the_solver_does_not_settle_leave_the_search_feasible_with_it
     their lower bounds open and reports status feasible with a gap that the true optimum respects."""
     import dataclasses
 
-    import planner.search as search_module
-    from cost_models.cluster import parse_cluster
-    from planner.trace import trace_model
-    from runtime.model_file import load_model_file
+    import hetpar.planner.search as search_module
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.trace import trace_model
+    from hetpar.runtime.model_file import load_model_file
 
     graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 8, "hidden": 64, "seq_len": 16}))
     cluster = parse_cluster("1x4xcpu")
@@ -279,8 +279,8 @@ def test_candidates_the_solver_does_not_settle_leave_the_search_feasible_with_it
 def test_a_searched_plan_of_mixed_degrees_trains_like_one_process(tmp_path, gpt_path):
     """Three stages on four devices: the search gives one stage degree 2 and two degree 1 (their blocks
     largest first), and the compiled program trains like one process."""
-    from cost_models.cluster import parse_cluster
-    from planner.api import plan_model
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.api import plan_model
     from tests.test_distributed import GPT_ARGS, assert_trains_like_one_process
 
     options = SearchOptions(global_batch_size=8, dtype="fp32", schedule="1f1b", micro_batch_size=2, pp=3, dp=1)

@@ -7,10 +7,10 @@ import zlib
 import numpy as np
 import pytest
 
-from cost_models.pipeline import bubble_time_s, linear_step_time_s
-from planner.costs import CostTables, evaluate_split
-from planner.search import SearchOptions, solve_split
-from runtime.schedule import Kind, build_schedule, simulate_timed
+from hetpar.cost_models.pipeline import bubble_time_s, linear_step_time_s
+from hetpar.planner.costs import CostTables, evaluate_split
+from hetpar.planner.search import SearchOptions, solve_split
+from hetpar.runtime.schedule import Kind, build_schedule, simulate_timed
 from tests.cli_helpers import assert_one_line_error, hetpar
 from tests.search_tables import RECOMPUTE, ZERO, brute_force, random_tables
 
@@ -135,7 +135,7 @@ def test_linear_step_time_tracks_the_simulator_on_unequal_stages(schedule, v):
 
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("zb", 1), ("interleaved", 2), ("interleaved", 3), ("interleaved", 4)])
 def test_activation_multipliers_match_the_action_lists(schedule, v):
-    from planner.costs import _counted_multipliers, activation_multipliers
+    from hetpar.planner.costs import _counted_multipliers, activation_multipliers
 
     for p in range(1, 6):
         for m in range(1, 31):
@@ -182,10 +182,10 @@ def test_impossible_plan_pins_are_one_line_errors(pins, fragments):
 def test_zero_on_a_real_model_when_memory_forces_it_and_only_then():
     """A 1B-parameter GPT does not fit four T4s as plain data parallelism; a small one does, and
     takes ZeRO only where the cost model says it makes the step faster."""
-    from cost_models.cluster import parse_cluster
-    from planner.search import PlanningError, search
-    from planner.trace import trace_model
-    from runtime.model_file import load_model_file
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.search import PlanningError, search
+    from hetpar.planner.trace import trace_model
+    from hetpar.runtime.model_file import load_model_file
 
     cluster = parse_cluster("1x4xT4-16GB")
     options = dict(global_batch_size=8, dtype="fp16", pp=1, tp=1, workers=1)
@@ -205,7 +205,7 @@ def test_zero_on_a_real_model_when_memory_forces_it_and_only_then():
 @pytest.mark.parametrize("num_layers,pp,v,m,schedule,modes,memory", SPACE[::3])
 def test_pace_bound_never_rules_out_a_better_split(num_layers, pp, v, m, schedule, modes, memory):
     """[Note: pace bound]: a cutoff just above the brute-force optimum keeps the candidate."""
-    from planner.search import may_beat
+    from hetpar.planner.search import may_beat
 
     rng = np.random.default_rng(zlib.crc32(repr((num_layers, pp, v, m, schedule, len(modes), memory)).encode()))
     tables = random_tables(rng, num_layers, pp, m, modes=modes, schedule=schedule, virtual_stages=v, memory=memory)
@@ -244,7 +244,7 @@ def test_solver_matches_brute_force_over_stage_degrees(num_layers, pp, degrees, 
 @pytest.mark.parametrize("num_layers,pp,degrees,devices,modes,memory,unsplit", DEGREE_SPACE[::4])
 def test_pace_bound_with_degrees_never_rules_out_a_better_split(num_layers, pp, degrees, devices, modes, memory, unsplit):
     """[Note: degree budget bound] inside may_beat: a cutoff just above the brute-force optimum keeps the candidate."""
-    from planner.search import may_beat
+    from hetpar.planner.search import may_beat
 
     rng = np.random.default_rng(zlib.crc32(repr((num_layers, pp, degrees, devices, len(modes), memory, unsplit)).encode()))
     tables = random_tables(rng, num_layers, pp, 4, modes=modes, memory=memory, degrees=degrees, devices=devices, unsplit=unsplit)
@@ -258,8 +258,8 @@ def test_degree_sums_per_device_type_in_every_type_order():
     import itertools
     from dataclasses import replace
 
-    from planner.costs import compose_tables
-    from planner.search import solve_type_orders, type_sequence
+    from hetpar.planner.costs import compose_tables
+    from hetpar.planner.search import solve_type_orders, type_sequence
 
     rng = np.random.default_rng(11)
     shares = {"A100-80GB": 3, "V100-32GB": 2}

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from cost_models.pipeline import bubble_time_s
-from runtime import schedule
-from runtime.schedule import Kind, ScheduleError
+from hetpar.cost_models.pipeline import bubble_time_s
+from hetpar.runtime import schedule
+from hetpar.runtime.schedule import Kind, ScheduleError
 
 GRID = [(p, m) for p in range(1, 7) for m in range(1, 13)]
 
@@ -130,7 +130,7 @@ def test_peak_in_flight_of_a_timed_run():
 def test_timed_simulation_in_order_equals_in_time_order(name, pp, m, v):
     """Without late receives the simulator plays each rank on until it waits ([Note: late receives] needs the
     time order): every action's start and end equal the time-ordered play's (a zero charge takes that path)."""
-    from runtime.schedule import build_schedule, simulate_timed
+    from hetpar.runtime.schedule import build_schedule, simulate_timed
 
     rng = random.Random(f"{name}{pp}{m}{v}")
     durations, hops = {}, [rng.uniform(0, 0.3) for _ in range(pp * v)]

@@ -7,10 +7,10 @@ import zlib
 import numpy as np
 import pytest
 
-from cost_models.pipeline import linear_step_weights
-from planner.costs import chunk_terms, evaluate_split
-from planner.split_bound import split_sum_bound
-from planner.split_model import objective_floor
+from hetpar.cost_models.pipeline import linear_step_weights
+from hetpar.planner.costs import chunk_terms, evaluate_split
+from hetpar.planner.split_bound import split_sum_bound
+from hetpar.planner.split_model import objective_floor
 from search_tables import RECOMPUTE, ZERO, brute_force, compositions, random_tables
 
 # (layers, pp, v, m, schedule, modes, memory, degrees, devices)

@@ -9,13 +9,13 @@ import json
 import pytest
 
 from cli_helpers import assert_one_line_error, hetpar
-from cost_models.cluster import parse_cluster
-from cost_models.collectives import all_gather_time_s, all_reduce_time_s
-from cost_models.grad_sync import CAST_BYTES, PLAIN, SyncMethod, collective_over, sync_seconds
-from planner.options import PlanningError, SearchOptions
-from planner.sync_methods import DataParallelSync, cost_method, matrix_width
-from planner.trace import trace_model
-from runtime.model_file import load_model_file
+from hetpar.cost_models.cluster import parse_cluster
+from hetpar.cost_models.collectives import all_gather_time_s, all_reduce_time_s
+from hetpar.cost_models.grad_sync import CAST_BYTES, PLAIN, SyncMethod, collective_over, sync_seconds
+from hetpar.planner.options import PlanningError, SearchOptions
+from hetpar.planner.sync_methods import DataParallelSync, cost_method, matrix_width
+from hetpar.planner.trace import trace_model
+from hetpar.runtime.model_file import load_model_file
 
 SLOW_LINK = "2x2xA100-80GB@10gx1"  # two nodes joined by one 10 Gb/s NIC each
 GPT = {"n_layers": 4, "hidden": 256, "heads": 4, "seq_len": 64, "vocab": 1024}
@@ -55,7 +55,7 @@ def test_powersgd_sends_rank_times_two_over_width(graph):
 def test_search_tables_price_sync_as_the_estimator(graph):
     """The search's linear tables and the estimator's collectives agree on every method's sync
     (ring collectives are affine in bytes), so the plan the search picks is predicted as priced."""
-    from planner.costs import Candidate, StageMode, _data_parallel_linear, _sync_linear, stage_slots
+    from hetpar.planner.costs import Candidate, StageMode, _data_parallel_linear, _sync_linear, stage_slots
 
     cluster = parse_cluster(SLOW_LINK)
     device = cluster.profile("A100-80GB")
@@ -75,7 +75,7 @@ def test_search_tables_price_sync_as_the_estimator(graph):
 def test_pruned_search_with_a_sync_method_finds_the_best_candidate(graph, text, aggregation, every):
     """The bounds that prune candidates price the method as the tables do: the search returns the
     best plan over every candidate solved, and no bound exceeds its candidate's optimum."""
-    from planner.search import enumerate_candidates, lower_bound_s, search, solve_candidate
+    from hetpar.planner.search import enumerate_candidates, lower_bound_s, search, solve_candidate
 
     cluster = parse_cluster("2x2xA100-80GB@10gx1")
     method = cost_method(text, aggregation, every, "all", optimizer="adamw", width=matrix_width(graph.layers))
@@ -145,8 +145,8 @@ def test_cli_refuses_bad_sync_options_in_one_line(tmp_path, args, message):
 
 
 def test_explain_prices_the_plans_sync_and_what_a_plain_all_reduce_would_take():
-    from planner.api import plan_model
-    from planner.explain import explain_plan
+    from hetpar.planner.api import plan_model
+    from hetpar.planner.explain import explain_plan
 
     plan = plan_model("examples/gpt.py", parse_cluster(SLOW_LINK), SearchOptions(global_batch_size=32, dtype="bf16", dp=4),
                       model_args=GPT, sync=DataParallelSync(grad_compression="topk:0.01"))

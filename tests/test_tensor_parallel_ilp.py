@@ -16,11 +16,11 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from planner.plan import Sharding
-from planner.tensor_parallel import (
+from hetpar.planner.plan import Sharding
+from hetpar.planner.tensor_parallel import (
     TpCostModel, build_problem, dry_run, evaluate, find_sharding, forward_all_reduces, layer_collectives, solve, solve_checked,
 )
-from runtime.model_file import load_model_file
+from hetpar.runtime.model_file import load_model_file
 
 
 # Models ---------------------------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def test_megatron_pattern_on_transformer_blocks(name):
 
 
 def test_megatron_pattern_on_every_gpt_layer_of_a_traced_model():
-    from planner.trace import trace_model
+    from hetpar.planner.trace import trace_model
 
     graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 3, "hidden": 128}))
     for index in range(1, 4):
@@ -332,7 +332,7 @@ def test_runtime_accepts_every_sharding(tmp_path):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from runtime.shard import apply_tensor_parallel
+    from hetpar.runtime.shard import apply_tensor_parallel
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -355,7 +355,7 @@ def test_a_plan_with_every_sharding_trains_like_one_process(tmp_path, mlp_path):
     from conftest import build_plan
     from test_distributed import assert_trains_like_one_process
 
-    from planner.trace import trace_model
+    from hetpar.planner.trace import trace_model
 
     args = {"depth": 1, "width": 256, "in_features": 128, "out_features": 64}
     graph = trace_model(load_model_file(mlp_path, args))

@@ -4,9 +4,9 @@ that sum their gradients ([Note: tied weights across stages] in runtime/tied.py)
 import pytest
 import torch
 
-from runtime.distributed import StageSpec
-from runtime.graph import build_stage, record_values, trace_layers
-from runtime.tied import TiedWeight, TiedWeightError, find_tied, held_parameters, model_names, sync_groups
+from hetpar.runtime.distributed import StageSpec
+from hetpar.runtime.graph import build_stage, record_values, trace_layers
+from hetpar.runtime.tied import TiedWeight, TiedWeightError, find_tied, held_parameters, model_names, sync_groups
 
 W = "transformer.wte.weight"
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import ROOT
-from runtime import executor, schedule, shard
-from runtime.distributed import Peers
-from runtime.model_file import load_model_file
-from runtime.graph import trace_layers
-from runtime.timing import StepTimer
+from hetpar.runtime import executor, schedule, shard
+from hetpar.runtime.distributed import Peers
+from hetpar.runtime.model_file import load_model_file
+from hetpar.runtime.graph import trace_layers
+from hetpar.runtime.timing import StepTimer
 
 
 def test_receives_waits_come_out_of_the_action_they_happen_in():

@@ -28,10 +28,10 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from conftest import ROOT
-from planner.plan import Sharding
-from planner.tensor_parallel import find_sharding, layer_collectives
-from runtime.model_file import load_model_file
-from runtime.shard import apply_tensor_parallel
+from hetpar.planner.plan import Sharding
+from hetpar.planner.tensor_parallel import find_sharding, layer_collectives
+from hetpar.runtime.model_file import load_model_file
+from hetpar.runtime.shard import apply_tensor_parallel
 
 TP = 2
 BATCH = 3  # samples per micro-batch: the planner counts bytes per sample

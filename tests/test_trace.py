@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from planner.plan import Sharding
-from planner.trace import trace_model
-from runtime.model_file import load_model_file
+from hetpar.planner.plan import Sharding
+from hetpar.planner.trace import trace_model
+from hetpar.runtime.model_file import load_model_file
 
 
 def gpt_closed_form_fwd_flops(n_layers, hidden, seq_len, vocab):

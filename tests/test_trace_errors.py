@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from planner.trace import trace_model
-from runtime.graph import TraceError, trace_layers
-from runtime.model_file import load_model_file
+from hetpar.planner.trace import trace_model
+from hetpar.runtime.graph import TraceError, trace_layers
+from hetpar.runtime.model_file import load_model_file
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCH_ZOO = ROOT / "tests" / "models" / "torch_zoo.py"

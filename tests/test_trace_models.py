@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from cli_helpers import hetpar
-from cost_models.cluster import parse_cluster
-from planner.api import plan_model
-from planner.search import SearchOptions, search
-from planner.trace import trace_model
-from runtime import model_file as model_file_module
-from runtime.model_file import load_model_file
+from hetpar.cost_models.cluster import parse_cluster
+from hetpar.planner.api import plan_model
+from hetpar.planner.search import SearchOptions, search
+from hetpar.planner.trace import trace_model
+from hetpar.runtime import model_file as model_file_module
+from hetpar.runtime.model_file import load_model_file
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCH_ZOO = ROOT / "tests" / "models" / "torch_zoo.py"

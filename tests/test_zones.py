@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from cost_models.cluster import ClusterSpecError, cluster_from_dict, cluster_to_toml, parse_cluster
-from cost_models.collectives import (
+from hetpar.cost_models.cluster import ClusterSpecError, cluster_from_dict, cluster_to_toml, parse_cluster
+from hetpar.cost_models.collectives import (
     all_gather_time_s, all_reduce_time_s, best_all_reduce, broadcast_time_s, p2p_time_s, reduce_scatter_time_s,
 )
-from planner.search import SearchOptions, enumerate_candidates, search, solve_candidate
-from planner.trace import trace_model
-from runtime.model_file import load_model_file
+from hetpar.planner.search import SearchOptions, enumerate_candidates, search, solve_candidate
+from hetpar.planner.trace import trace_model
+from hetpar.runtime.model_file import load_model_file
 
 GBPS = 1e9 / 8
 

@@ -11,13 +11,13 @@ from typing import Any, Callable
 import typer
 from rich.console import Console
 
-from cost_models.cluster import ClusterSpecError
-from cost_models.devices import ProfileError, UnknownDeviceError, get_device
-from planner.plan import PlanError
-from planner.search import PlanningError
-from rewriters.torchrun import CompileError
-from runtime.graph import TraceError
-from runtime.model_file import ModelFileError
+from hetpar.cost_models.cluster import ClusterSpecError
+from hetpar.cost_models.devices import ProfileError, UnknownDeviceError, get_device
+from hetpar.planner.plan import PlanError
+from hetpar.planner.search import PlanningError
+from hetpar.rewriters.torchrun import CompileError
+from hetpar.runtime.graph import TraceError
+from hetpar.runtime.model_file import ModelFileError
 
 console = Console(stderr=True, highlight=False)
 

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from hetpar.commands.common import console, domain_errors, fail, print_json
-from planner.plan import ParallelPlan
-from rewriters.torchrun import compile_plan
+from hetpar.planner.plan import ParallelPlan
+from hetpar.rewriters.torchrun import compile_plan
 
 
 @domain_errors

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from cost_models.devices import known_devices
+from hetpar.cost_models.devices import known_devices
 from hetpar.commands.common import console, print_json
 
 

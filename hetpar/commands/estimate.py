@@ -9,15 +9,15 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from cost_models.cluster import parse_cluster
-from cost_models.compute import TRAINING_KERNEL_EFFICIENCY
+from hetpar.cost_models.cluster import parse_cluster
+from hetpar.cost_models.compute import TRAINING_KERNEL_EFFICIENCY
 from hetpar.commands.profile import profiles_option
 from hetpar.commands.common import console, domain_errors, gib, print_json, rank_ranges, seconds
 from hetpar.commands.common import DType, Recompute, default_compiled, default_dtype
-from planner.estimate import Estimate, EstimateConfig, EstimateError, estimate as estimate_plan
-from planner.api import compiled_graph
-from planner.trace import trace_model
-from runtime.model_file import load_model_file, parse_model_args
+from hetpar.planner.estimate import Estimate, EstimateConfig, EstimateError, estimate as estimate_plan
+from hetpar.planner.api import compiled_graph
+from hetpar.planner.trace import trace_model
+from hetpar.runtime.model_file import load_model_file, parse_model_args
 
 
 class ScheduleName(str, Enum):

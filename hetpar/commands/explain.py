@@ -10,9 +10,9 @@ from rich.table import Table
 
 from hetpar.commands.common import console, domain_errors, gib, print_json, seconds
 from hetpar.commands.plan import sync_description
-from planner.explain import explain_plan, timeline_svg
-from planner.plan import ParallelPlan, write_text_atomic
-from runtime.schedule import Kind
+from hetpar.planner.explain import explain_plan, timeline_svg
+from hetpar.planner.plan import ParallelPlan, write_text_atomic
+from hetpar.runtime.schedule import Kind
 
 
 @domain_errors

@@ -10,17 +10,17 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cost_models.cluster import parse_cluster
-from cost_models.devices import get_device
+from hetpar.cost_models.cluster import parse_cluster
+from hetpar.cost_models.devices import get_device
 from hetpar.commands.profile import profiles_option
 from hetpar.commands.common import DType, Recompute, console, default_compiled, default_dtype, domain_errors, fail, gib, print_json, rank_ranges, seconds
-from planner.default_split import default_split
-from planner.plan import ParallelPlan
-from planner.api import plan_model
-from planner.objective import Objective, resolve_prices, usd_per_step
-from planner.search import SearchOptions
-from planner.sync_methods import DataParallelSync
-from runtime.model_file import parse_model_args
+from hetpar.planner.default_split import default_split
+from hetpar.planner.plan import ParallelPlan
+from hetpar.planner.api import plan_model
+from hetpar.planner.objective import Objective, resolve_prices, usd_per_step
+from hetpar.planner.search import SearchOptions
+from hetpar.planner.sync_methods import DataParallelSync
+from hetpar.runtime.model_file import parse_model_args
 
 
 class ScheduleChoice(str, Enum):
@@ -99,7 +99,7 @@ def plan(
     )
     resume = None
     if resume_from:
-        from planner.resume import find_resume_point  # here: torch.distributed.checkpoint takes a second to import
+        from hetpar.planner.resume import find_resume_point  # here: torch.distributed.checkpoint takes a second to import
 
         resume = find_resume_point(model_file, parse_model_args(model_arg or []), resume_from)
     notes: list[str] = []

@@ -13,14 +13,14 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-import profiler
-from cost_models.calibrate import fit_profile
-from cost_models.devices import DeviceProfile, ProfileError, dump_profile, get_device, known_devices, load_profile, profile_to_dict
+from hetpar import profiler
+from hetpar.cost_models.calibrate import fit_profile
+from hetpar.cost_models.devices import DeviceProfile, ProfileError, dump_profile, get_device, known_devices, load_profile, profile_to_dict
 from hetpar.commands.common import console, domain_errors, seconds
-from planner.trace import ModelGraph, trace_model
-from profiler import reference_model
-from runtime import devices
-from runtime.model_file import load_model_file, parse_model_args
+from hetpar.planner.trace import ModelGraph, trace_model
+from hetpar.profiler import reference_model
+from hetpar.runtime import devices
+from hetpar.runtime.model_file import load_model_file, parse_model_args
 
 # (matmul sizes, collective sizes in bytes, repeats) by device and --quick. The default
 # stays under 3 minutes on a 2-core host and on one GPU (CUDA timings are steady, so 10

@@ -10,8 +10,8 @@ import typer
 from rich.table import Table
 
 from hetpar.commands.common import console, domain_errors, fail, gib, print_json
-from planner.trace import ModelGraph, trace_model
-from runtime.model_file import load_model_file, parse_model_args
+from hetpar.planner.trace import ModelGraph, trace_model
+from hetpar.runtime.model_file import load_model_file, parse_model_args
 
 # Per-sample quantities that scale with the batch size; parameters and shapes do not.
 _SCALED_LAYER_KEYS = ("fwd_flops", "bwd_flops", "saved_activation_bytes", "boundary_bytes", "fwd_elementwise_flops",

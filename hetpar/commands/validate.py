@@ -17,10 +17,10 @@ import typer
 from rich.table import Table
 
 from hetpar.commands.common import console, domain_errors, print_json, seconds
-from planner.plan import ParallelPlan, PlanError
-from rewriters.launchers import PROGRAM
-from rewriters.torchrun import compile_plan
-from runtime import devices
+from hetpar.planner.plan import ParallelPlan, PlanError
+from hetpar.rewriters.launchers import PROGRAM
+from hetpar.rewriters.torchrun import compile_plan
+from hetpar.runtime import devices
 
 # Steps whose time is dropped: the first builds the process groups' buffers and warms
 # the allocator and the autograd graph; the second still pays some of it.
@@ -124,7 +124,7 @@ def _run(build: Path, world: int, steps: int, timeout_s: float, compile: str) ->
         raise ValidateError(f"the run failed with exit code {done.returncode}: {last[0].strip()}")
     if not metrics.is_file():
         raise ValidateError("the run wrote no metrics")
-    from runtime.training import read_metrics  # here: it imports torch.distributed.tensor, a second at every hetpar start
+    from hetpar.runtime.training import read_metrics  # here: it imports torch.distributed.tensor, a second at every hetpar start
 
     times = [r["step_time_s"] for r in read_metrics(metrics, "step")]
     if not times:

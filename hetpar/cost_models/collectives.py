@@ -1,0 +1,511 @@
+"""Time of collectives over a group of global ranks of a Cluster: alpha-beta models.
+
+[Note: collective model]
+
+Symbols: P = nbytes, n = ranks in the group, k = nodes it spans, c = its ranks on a
+node. alpha is the latency of one algorithm step, B a bandwidth in bytes/s, one
+direction. ``nbytes`` is always the full tensor: the all-reduce buffer, the gathered
+output of an all-gather, the scattered input of a reduce-scatter (as nccl-tests
+counts it).
+
+Links of a group:
+- inside a node: B_intra(c) = intra_node_bw, or min(intra_node_bw, (c - 1) * peer_bw)
+  on point-to-point meshes (xGMI, HCCS), which give each peer pair one link.
+  alpha_intra is the device's intra-node step latency.
+- across nodes: a node's egress for the group is
+  E = min(nic_bw * nics_per_node / concurrent, c * per_device_nic_bw), where
+  per_device_nic_bw = nic_bw * max(1, nics_per_node / devices_per_node) is the NIC
+  share a device can drive (one rail per GPU on DGX-style nodes; a lone NIC when there
+  are fewer NICs than devices). ``concurrent`` counts identical groups running the same
+  collective on the same nodes at once (the t data-parallel groups of a TP-t stage):
+  they share the NICs. alpha_inter is the device's inter-node step latency.
+- a group that spans nodes or device types takes the slowest link: the smallest B and
+  the largest alpha over its nodes.
+
+A ring across nodes runs as NCCL runs it, with one channel per NIC: each node boundary
+carries the same bytes as one device's link, so the ring's bottleneck is
+B_ring = min(B_intra, E) (NVIDIA/nccl src/graph/tuning.cc: busBw = nChannels *
+per-channel bandwidth). This reproduces the measured ~85-96 GB/s busbw of 3 nodes of
+8 A100s with 4 x HDR (100 GB/s per node; hardware.md §3.2). Inside one node a ring
+step costs alpha_intra; once the ring leaves the node every step costs alpha_inter.
+
+All-reduce takes the cheapest of:
+- ring: 2(n-1) alpha + 2(n-1)/n * P / B_ring
+- tree, as NCCL builds it (a chain inside each node, a double binary tree across
+  nodes; tuning.cc's latency 2((n/k - 1) alpha_intra + log2(k) alpha_inter), its
+  algorithm bandwidth half the bus bandwidth, derated by 0.9 for trees):
+  2((c_max - 1) alpha_intra + ceil(log2 k) alpha_inter) + 2P / (0.9 B_ring)
+- hierarchical (hardware.md §3.3), when the group has the same c >= 2 ranks on each of
+  k >= 2 nodes: intra-node reduce-scatter, then c concurrent inter-node all-reduces of
+  the P/c shard (ring or tree as above, each device getting E/c of its node's egress), then an
+  intra-node all-gather:
+  2[(c-1) alpha_intra + (c-1)/c * P / B_intra] + allreduce_k(P/c, per-device bw E/c)
+
+On balanced InfiniBand nodes (8 x HDR for 8 A100s) the ring wins on bandwidth, as NCCL
+picks Ring there; with a thin network (one 25 Gb/s NIC for 8 V100s) hierarchical wins,
+because the ring's every step then waits on the NIC.
+
+All-gather and reduce-scatter are rings: (n-1) alpha + (n-1)/n * P / B_ring.
+Broadcast is the cheaper of a pipelined chain, (n-1) alpha + P / B_ring, and a binomial
+tree, ceil(log2 n) (alpha + P / B_ring).
+
+Measured fits. A device profile may carry a measured fit ``time = latency + P / bw``
+per collective at ``ranks`` = n0 (the cpu profile: torch's gloo, which is not a
+textbook ring). For a group inside one node that fit is used as measured, scaled to n
+ranks by the ring's step and volume factors: latency * steps(n) / steps(n0) +
+P / bw * volume(n) / volume(n0), with steps and volume 2(n-1) and 2(n-1)/n for
+all-reduce, n-1 and (n-1)/n for all-gather and reduce-scatter, n-1 and 1 for
+broadcast, 1 and 1 for p2p. At n = n0 this is exactly the measurement.
+
+A group of one rank, or zero bytes, costs 0.
+
+[Note: collectives across zones]
+
+A group whose ranks sit in z >= 2 zones (sites joined by WAN links; docs/cluster-format.md)
+is priced hierarchically: the collective runs inside each zone as above, and the zones
+exchange over the WAN as z endpoints of a ring. The WAN has bandwidth
+B_wan = min(min over the group's zone pairs of link_bw / concurrent, min over zones of
+the zone's egress, the sum of E over its nodes in the group), since every shard of the
+group crosses the same link, and a step latency a_wan = the largest one-way link
+latency + alpha_inter. With m_z the group's ranks in zone z:
+
+- all-reduce: max_z reduce_scatter(P, m_z) + [2(z-1) a_wan + 2(z-1)/z * P / B_wan]
+  + max_z all_gather(P, m_z) (each zone reduce-scatters, the zones all-reduce their
+  shards concurrently, so the WAN carries one all-reduce of P among z endpoints, then each
+  zone all-gathers);
+- all-gather, reduce-scatter: max_z (the same collective over m_z) + (z-1) a_wan +
+  (z-1)/z * P / B_wan;
+- broadcast: the root's zone chains P to the others, (z-1) a_wan + P / B_wan, then each
+  zone broadcasts inside it;
+- p2p between zones: a_wan + P / min(B_link, the two devices' NIC shares).
+
+The one-site algorithms (ring, tree, node-hierarchical) with every node-to-node step
+at a_wan and the egress capped at B_wan, are the other candidates; the cheapest is
+taken (the zone-hierarchical one on any real WAN; with an unbounded, zero-latency link no
+price exceeds the one-site one, and the two-level ring's fewer steps may undercut it). The
+prices are a two-level implementation's: torch.distributed's NCCL and gloo collectives
+build one ring or tree over all ranks and do not know the zones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from hetpar.cost_models.cluster import Cluster, NodeGroup
+from hetpar.cost_models.devices import MeasuredCollective
+
+# NCCL derates tree bandwidth to 0.9 of the ring's (NVIDIA/nccl src/graph/tuning.cc,
+# "if (a == NCCL_ALGO_TREE) busBw = std::min(busBw*.9, ...)").
+TREE_BW_FACTOR = 0.9
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveCost:
+    """The predicted time of one collective and the algorithm that achieves it."""
+
+    algorithm: str  # "ring", "tree", "hierarchical", "chain", "binomial", "measured" or "none"
+    time_s: float
+    candidates_s: dict[str, float]  # every algorithm considered -> its time
+
+
+@dataclass(frozen=True, kw_only=True)
+class _GroupLinks:
+    """The links a group of ranks runs over (see [Note: collective model])."""
+
+    n: int
+    k: int  # nodes spanned
+    ranks_per_node: tuple[int, ...]  # c of each spanned node
+    intra_bw_bytes_per_s: float  # min over nodes with c >= 2; inf when none has two ranks
+    intra_latency_s: float
+    egress_bw_bytes_per_s: float  # min over nodes of E; inf when k == 1
+    inter_latency_s: float
+    measured: dict[str, MeasuredCollective]  # fits usable for this group (k == 1 only)
+
+    @property
+    def ring_bw_bytes_per_s(self) -> float:
+        return min(self.intra_bw_bytes_per_s, self.egress_bw_bytes_per_s)
+
+    @property
+    def ring_latency_s(self) -> float:
+        return self.intra_latency_s if self.k == 1 else self.inter_latency_s
+
+
+def _links(ranks: Sequence[int], cluster: Cluster, concurrent: int) -> _GroupLinks:
+    """Summarise the slowest links of ``ranks`` (see [Note: collective model])."""
+    if concurrent < 1:
+        raise ValueError(f"concurrent must be >= 1, got {concurrent}")
+    if len(set(ranks)) != len(ranks):
+        repeated = sorted({r for r in ranks if list(ranks).count(r) > 1})
+        raise ValueError(f"ranks {list(ranks)} repeat {repeated}; a group lists each rank once")
+    by_node: dict[int, list[int]] = {}
+    for rank in ranks:
+        by_node.setdefault(cluster.node_of(rank), []).append(rank)
+    node_groups = {node: cluster.group_of(members[0]) for node, members in by_node.items()}
+    counts = {node: len(members) for node, members in by_node.items()}
+    intra_bw = min(
+        (_intra_bw(node_groups[node], c) for node, c in counts.items() if c >= 2),
+        default=math.inf,
+    )
+    egress = math.inf
+    if len(by_node) > 1:
+        egress = min(_egress_bw(node_groups[node], c, concurrent) for node, c in counts.items())
+    devices = [g.device for g in node_groups.values()]
+    measured: dict[str, MeasuredCollective] = {}
+    if len(by_node) == 1:
+        measured = dict(devices[0].collectives)
+    return _GroupLinks(
+        n=len(ranks),
+        k=len(by_node),
+        ranks_per_node=tuple(counts.values()),
+        intra_bw_bytes_per_s=intra_bw,
+        intra_latency_s=max((d.intra_node_latency_s for d in devices), default=0.0),
+        egress_bw_bytes_per_s=egress,
+        inter_latency_s=max((d.inter_node_latency_s for d in devices), default=0.0),
+        measured=measured,
+    )
+
+
+def _intra_bw(group: NodeGroup, c: int) -> float:
+    """B_intra(c): one device's intra-node bandwidth when c devices of its node take part."""
+    peer = group.device.intra_node_peer_bw_bytes_per_s
+    if peer is None:
+        return group.intra_node_bw_bytes_per_s
+    return min(group.intra_node_bw_bytes_per_s, (c - 1) * peer)
+
+
+def _per_device_nic_bw(group: NodeGroup) -> float:
+    """The NIC bandwidth one device of ``group`` can drive on its own."""
+    return group.nic_bw_bytes_per_s * max(1.0, group.nics_per_node / group.devices_per_node)
+
+
+def _egress_bw(group: NodeGroup, c: int, concurrent: int) -> float:
+    """E: what c devices of one node of ``group`` can send off the node, sharing it with ``concurrent`` groups."""
+    return min(group.node_nic_bw_bytes_per_s / concurrent, c * _per_device_nic_bw(group))
+
+
+def _check_nbytes(nbytes: float) -> None:
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+
+
+# Steps and volume of each collective by ranks n, which scale a measured fit ([Note: collective model]).
+_RING_FACTORS = {
+    "all_reduce": (lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
+    "all_gather": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "reduce_scatter": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "broadcast": (lambda n: n - 1, lambda n: 1),
+    "p2p": (lambda n: 1, lambda n: 1),
+}
+
+
+def measured_collective_s(name: str, fit: MeasuredCollective, nbytes: float, n: int) -> float:
+    """Seconds of collective ``name`` of ``nbytes`` over ``n`` ranks of one node from its
+    measured fit at ``fit.ranks``, scaled by the step and volume factors."""
+    steps, volume = _RING_FACTORS[name]
+    n0 = fit.ranks
+    return fit.latency_s * steps(n) / steps(n0) + nbytes / fit.bw_bytes_per_s * volume(n) / volume(n0)
+
+
+def _log2_ceil(x: int) -> int:
+    return math.ceil(math.log2(x)) if x > 1 else 0
+
+
+# --- All-reduce --------------------------------------------------------------------------
+
+
+def _ring_all_reduce_s(nbytes: float, n: int, latency_s: float, bw: float) -> float:
+    return 2 * (n - 1) * latency_s + 2 * (n - 1) / n * nbytes / bw
+
+
+def _tree_all_reduce_s(nbytes: float, links: _GroupLinks) -> float:
+    chain_steps = max(links.ranks_per_node) - 1
+    latency = 2 * (chain_steps * links.intra_latency_s + _log2_ceil(links.k) * links.inter_latency_s)
+    return latency + 2 * nbytes / (TREE_BW_FACTOR * links.ring_bw_bytes_per_s)
+
+
+def _hierarchical_all_reduce_s(nbytes: float, links: _GroupLinks) -> float:
+    c, k = links.ranks_per_node[0], links.k
+    intra_phase = (c - 1) * links.intra_latency_s + (c - 1) / c * nbytes / links.intra_bw_bytes_per_s
+    shard, per_device_bw = nbytes / c, links.egress_bw_bytes_per_s / c
+    inter_ring = _ring_all_reduce_s(shard, k, links.inter_latency_s, per_device_bw)
+    inter_tree = 2 * _log2_ceil(k) * links.inter_latency_s + 2 * shard / (TREE_BW_FACTOR * per_device_bw)
+    return 2 * intra_phase + min(inter_ring, inter_tree)
+
+
+def best_all_reduce(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, concurrent: int = 1) -> CollectiveCost:
+    """The cheapest all-reduce of ``nbytes`` over ``ranks``, with every candidate's time.
+
+    Candidates (formulas in [Note: collective model]): ring
+    ``2(n-1) a + 2(n-1)/n * P / B``; NCCL's tree
+    ``2((c-1) a_intra + ceil(log2 k) a_inter) + 2P / (0.9 B)``; hierarchical (intra-node
+    reduce-scatter, inter-node all-reduce of the P/c shard, intra-node all-gather) when
+    the group has the same c >= 2 ranks on each of k >= 2 nodes. A group inside one node
+    of a device with a measured all-reduce fit (cpu) uses that fit instead.
+
+    Args:
+        nbytes: bytes of the buffer each rank holds.
+        ranks: global ranks of the group, each once.
+        cluster: the cluster the ranks belong to.
+        concurrent: identical groups doing the same all-reduce at once on the same
+            nodes; they share each node's NICs.
+
+    Returns:
+        The chosen algorithm, its time and all candidates' times.
+
+    Raises:
+        ValueError: negative nbytes, a repeated or out-of-range rank, concurrent < 1.
+    """
+    _check_nbytes(nbytes)
+    links = _links(ranks, cluster, concurrent)
+    if links.n <= 1 or nbytes == 0:
+        return CollectiveCost(algorithm="none", time_s=0.0, candidates_s={"none": 0.0})
+    zones = _by_zone(ranks, cluster)
+    across = {}
+    if len(zones) > 1:
+        links, across = _across_zones("all_reduce", nbytes, zones, links, cluster, concurrent)
+    fit = links.measured.get("all_reduce")
+    if fit is not None:
+        time_s = measured_collective_s("all_reduce", fit, nbytes, links.n)
+        return CollectiveCost(algorithm="measured", time_s=time_s, candidates_s={"measured": time_s})
+    candidates = {
+        "ring": _ring_all_reduce_s(nbytes, links.n, links.ring_latency_s, links.ring_bw_bytes_per_s),
+        "tree": _tree_all_reduce_s(nbytes, links),
+    }
+    if links.k >= 2 and len(set(links.ranks_per_node)) == 1 and links.ranks_per_node[0] >= 2:
+        candidates["hierarchical"] = _hierarchical_all_reduce_s(nbytes, links)
+    candidates.update(across)
+    algorithm = min(candidates, key=candidates.__getitem__)  # ties keep the earlier: ring first
+    return CollectiveCost(algorithm=algorithm, time_s=candidates[algorithm], candidates_s=candidates)
+
+
+def all_reduce_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, concurrent: int = 1) -> float:
+    """Seconds for an all-reduce of ``nbytes`` over ``ranks``: the cheapest of ring, tree, hierarchical.
+
+    Ring: ``2(n-1) a + 2(n-1)/n * P / B``; tree and hierarchical as in ``best_all_reduce``
+    and [Note: collective model].
+
+    Args:
+        nbytes: bytes of the buffer each rank holds.
+        ranks: global ranks of the group, each once.
+        cluster: the cluster the ranks belong to.
+        concurrent: identical groups doing the same all-reduce at once on the same nodes.
+
+    Returns:
+        Seconds; 0 for one rank or zero bytes.
+
+    Raises:
+        ValueError: negative nbytes, a repeated or out-of-range rank, concurrent < 1.
+    """
+    return best_all_reduce(nbytes, ranks, cluster, concurrent=concurrent).time_s
+
+
+# --- All-gather, reduce-scatter, broadcast, p2p ------------------------------------------
+
+
+def _ring_collective_s(name: str, nbytes: float, ranks: Sequence[int], cluster: Cluster, concurrent: int) -> float:
+    """(n-1) a + (n-1)/n * P / B_ring, or the measured fit of ``name`` inside one node."""
+    _check_nbytes(nbytes)
+    links = _links(ranks, cluster, concurrent)
+    n = links.n
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    zones = _by_zone(ranks, cluster)
+    across = {}
+    if len(zones) > 1:
+        links, across = _across_zones(name, nbytes, zones, links, cluster, concurrent)
+    fit = links.measured.get(name)
+    if fit is not None:
+        return measured_collective_s(name, fit, nbytes, n)
+    return min([(n - 1) * links.ring_latency_s + (n - 1) / n * nbytes / links.ring_bw_bytes_per_s, *across.values()])
+
+
+def all_gather_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, concurrent: int = 1) -> float:
+    """Seconds for a ring all-gather whose gathered output is ``nbytes``: ``(n-1) a + (n-1)/n * P / B``.
+
+    Args:
+        nbytes: bytes of the gathered output (each rank contributes nbytes / n).
+        ranks: global ranks of the group, each once.
+        cluster: the cluster the ranks belong to.
+        concurrent: identical groups doing the same all-gather at once on the same nodes.
+
+    Returns:
+        Seconds; 0 for one rank or zero bytes.
+
+    Raises:
+        ValueError: negative nbytes, a repeated or out-of-range rank, concurrent < 1.
+    """
+    return _ring_collective_s("all_gather", nbytes, ranks, cluster, concurrent)
+
+
+def reduce_scatter_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, concurrent: int = 1) -> float:
+    """Seconds for a ring reduce-scatter of an ``nbytes`` input: ``(n-1) a + (n-1)/n * P / B``.
+
+    Args:
+        nbytes: bytes of each rank's full input (each rank keeps nbytes / n).
+        ranks: global ranks of the group, each once.
+        cluster: the cluster the ranks belong to.
+        concurrent: identical groups doing the same reduce-scatter at once on the same nodes.
+
+    Returns:
+        Seconds; 0 for one rank or zero bytes.
+
+    Raises:
+        ValueError: negative nbytes, a repeated or out-of-range rank, concurrent < 1.
+    """
+    return _ring_collective_s("reduce_scatter", nbytes, ranks, cluster, concurrent)
+
+
+def broadcast_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, concurrent: int = 1) -> float:
+    """Seconds to broadcast ``nbytes`` from one rank of ``ranks`` to the others.
+
+    The cheaper of a pipelined chain, ``(n-1) a + P / B``, and a binomial tree,
+    ``ceil(log2 n) (a + P / B)``, with the ring's a and B ([Note: collective model]).
+
+    Args:
+        nbytes: bytes broadcast.
+        ranks: global ranks of the group, root included, each once.
+        cluster: the cluster the ranks belong to.
+        concurrent: identical groups broadcasting at once on the same nodes.
+
+    Returns:
+        Seconds; 0 for one rank or zero bytes.
+
+    Raises:
+        ValueError: negative nbytes, a repeated or out-of-range rank, concurrent < 1.
+    """
+    _check_nbytes(nbytes)
+    links = _links(ranks, cluster, concurrent)
+    n = links.n
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    zones = _by_zone(ranks, cluster)
+    across = {}
+    if len(zones) > 1:
+        links, across = _across_zones("broadcast", nbytes, zones, links, cluster, concurrent)
+    fit = links.measured.get("broadcast")
+    if fit is not None:
+        return measured_collective_s("broadcast", fit, nbytes, n)
+    latency, bw = links.ring_latency_s, links.ring_bw_bytes_per_s
+    chain = (n - 1) * latency + nbytes / bw
+    binomial = _log2_ceil(n) * (latency + nbytes / bw)
+    return min(chain, binomial, *across.values())
+
+
+# --- Across zones ([Note: collectives across zones]) -------------------------------------
+
+
+def _by_zone(ranks: Sequence[int], cluster: Cluster) -> dict[str, list[int]]:
+    """The group's ranks by zone, in the order the zones first appear; one entry on a one-zone cluster."""
+    if not cluster.links:
+        return {"": list(ranks)}
+    out: dict[str, list[int]] = {}
+    for rank in ranks:
+        out.setdefault(cluster.zone_of(rank), []).append(rank)
+    return out
+
+
+def _wan_step(cluster: Cluster, zones: Sequence[str], devices) -> tuple[float, float]:
+    """(a_wan, the slowest link's bandwidth) among ``zones``."""
+    pairs = [cluster.wan_link(a, b) for i, a in enumerate(zones) for b in zones[i + 1:]]
+    latency = max(link.latency_s for link in pairs) + max(d.inter_node_latency_s for d in devices)
+    return latency, min(link.bw_bytes_per_s for link in pairs)
+
+
+def _zone_egress_bw(members: Sequence[int], cluster: Cluster, concurrent: int) -> float:
+    """What the group's ranks in one zone can send off their nodes together."""
+    counts: dict[int, int] = {}
+    for rank in members:
+        counts[cluster.node_of(rank)] = counts.get(cluster.node_of(rank), 0) + 1
+    return sum(_egress_bw(cluster.group_of(cluster.ranks_of_node(node)[0]), c, concurrent) for node, c in counts.items())
+
+
+def _across_zones(name: str, nbytes: float, zones: dict[str, list[int]], links: _GroupLinks, cluster: Cluster,
+                  concurrent: int) -> tuple[_GroupLinks, dict[str, float]]:
+    """A group in several zones: its links with every node-to-node step over the WAN (for the one-site
+    algorithms), and the zone-hierarchical candidate; see [Note: collectives across zones]."""
+    z = len(zones)
+    devices = [cluster.group_of(m[0]).device for m in zones.values()]
+    a_wan, link_bw = _wan_step(cluster, list(zones), devices)
+    wan_bw = min(link_bw / concurrent, min(_zone_egress_bw(m, cluster, concurrent) for m in zones.values()))
+    flat = replace(links, egress_bw_bytes_per_s=min(links.egress_bw_bytes_per_s, wan_bw), inter_latency_s=a_wan, measured={})
+
+    def inside(kind: str) -> float:
+        if kind == "broadcast":
+            return max(broadcast_time_s(nbytes, m, cluster, concurrent=concurrent) for m in zones.values())
+        return max(_ring_collective_s(kind, nbytes, m, cluster, concurrent) for m in zones.values())
+
+    if name == "all_reduce":
+        time_s = inside("reduce_scatter") + 2 * (z - 1) * a_wan + 2 * (z - 1) / z * nbytes / wan_bw + inside("all_gather")
+    elif name == "broadcast":
+        time_s = (z - 1) * a_wan + nbytes / wan_bw + inside("broadcast")
+    else:
+        time_s = inside(name) + (z - 1) * a_wan + (z - 1) / z * nbytes / wan_bw
+    return flat, {"zone-hierarchical": time_s}
+
+
+def grad_sync_scale(device) -> float:
+    """How many times its collectives' time the data-parallel synchronisation (the
+    gradient all-reduce, ZeRO's reduce-scatters and gathers) takes inside a training
+    step on ``device`` (a measured profile's ``grad_sync_scale``; 1 for datasheet
+    profiles)."""
+    return getattr(device, "grad_sync_scale", None) or 1.0
+
+
+def tensor_parallel_pass_s(collectives, pass_: str, scale: float, ranks: Sequence[int], cluster: Cluster) -> float:
+    """Seconds of a layer's tensor-parallel collectives in one pass over the group ``ranks``.
+
+    Each costs its algorithm's time and the device profile's ``tp_collective_overhead_s``
+    (measured by ``hetpar profile``: what a collective between kernels costs beyond a
+    tight loop of them, where the ranks arrive apart; zero for datasheet profiles).
+
+    Args:
+        collectives: ``LayerProfile.tp_collectives``, (pass, collective, bytes per sample).
+        pass_: "forward" or "backward".
+        scale: bytes per sample in fp32 to bytes per micro-batch in the training dtype.
+    """
+    if len(ranks) < 2:
+        return 0.0
+    time = {"all_reduce": all_reduce_time_s, "all_gather": all_gather_time_s}
+    extra = getattr(cluster.group_of(ranks[0]).device, "tp_collective_overhead_s", None) or 0.0
+    return sum(time[kind](nbytes * scale, ranks, cluster) + extra for p, kind, nbytes in collectives if p == pass_ and nbytes > 0)
+
+
+def p2p_time_s(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:
+    """Seconds to send ``nbytes`` from global rank ``src`` to ``dst``: ``a + P / B``.
+
+    Same node: a = alpha_intra, B = the peer link (intra_node_peer_bw on meshes, else the
+    node group's intra-node bandwidth), or the device's measured p2p fit (cpu).
+    Different nodes: a = the larger alpha_inter of the two, B = the smaller per-device
+    NIC bandwidth of the two ([Note: collective model]). Different zones: a = the WAN
+    link's latency + alpha_inter, B = the link's bandwidth where it is the smaller
+    ([Note: collectives across zones]).
+
+    Args:
+        nbytes: bytes sent.
+        src: sending global rank.
+        dst: receiving global rank.
+        cluster: the cluster the ranks belong to.
+
+    Returns:
+        Seconds; 0 when src == dst or nbytes == 0.
+
+    Raises:
+        ValueError: negative nbytes, or a rank out of range.
+    """
+    _check_nbytes(nbytes)
+    src_group, dst_group = cluster.group_of(src), cluster.group_of(dst)
+    if src == dst or nbytes == 0:
+        return 0.0
+    if src_group.zone != dst_group.zone:
+        latency, wan_bw = _wan_step(cluster, [src_group.zone, dst_group.zone], [src_group.device, dst_group.device])
+        return latency + nbytes / min(wan_bw, _per_device_nic_bw(src_group), _per_device_nic_bw(dst_group))
+    if cluster.node_of(src) == cluster.node_of(dst):
+        fit = src_group.device.collectives.get("p2p")
+        if fit is not None:
+            return fit.latency_s + nbytes / fit.bw_bytes_per_s
+        return src_group.device.intra_node_latency_s + nbytes / _intra_bw(src_group, 2)
+    latency = max(src_group.device.inter_node_latency_s, dst_group.device.inter_node_latency_s)
+    bw = min(_per_device_nic_bw(src_group), _per_device_nic_bw(dst_group))
+    return latency + nbytes / bw

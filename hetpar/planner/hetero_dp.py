@@ -1,0 +1,449 @@
+"""Heterogeneous data parallelism: replicas of one stage layout on different device types.
+
+On a mixed cluster the search (planner.search) pipelines across device types: each
+stage's replicas share one type. The other way to use such a cluster is to give every
+data-parallel replica devices of a single type and let the faster replicas take more
+samples (``ParallelPlan.replica_batch_shares``), which the runtime executes with a
+weighted gradient average (runtime.shard.loss_weight). ``hetero_dp_plan`` builds the
+best such plan; planner.api keeps whichever of the two is faster.
+
+[Note: heterogeneous data parallelism]
+A plan's replicas share everything but their ranks and their micro-batch size: the
+layers per stage, the tensor- and pipeline-parallel degrees, the schedule, recompute
+and the number of micro-batches m. So:
+
+1. Replica size R (devices per replica) divides every node group's devices, and a
+   replica fills whole nodes or a divisor of one (so its tensor-parallel groups stay in
+   a node, as the search keeps them). Group g then hosts n_g = devices_g / R replicas
+   of its device type, ranks in cluster order; dp = world / R.
+2. The stage layout of a replica of size R comes from the search itself, run on one
+   replica of each device type (dp pinned to 1) with that replica's share of the batch
+   at the device's achievable matmul rate: the fast type's best layout and the slow
+   type's best layout are both tried.
+3. For a layout and m, replica d with micro-batch size b_d runs its pipeline in
+   T_g(b_d) seconds, predicted by planner.estimate on the replica's own devices (the
+   schedule simulated action by action, memory checked). Shares minimise
+   max_d T(b_d) subject to sum_d b_d = global batch / m, b_d >= 1 (``balance_shares``;
+   T is non-decreasing in b, so this is a bisection on the time). The plan's
+   micro_batch_size is the mean share, so dp must divide global batch / m. An m is
+   not balanced when its step cannot beat the best found so far, of any layout: every
+   replica takes at least one sample and some replica at least the mean share, so the
+   step is at least max_g T_g(1) and min_g T_g(mean). The balancing estimates without
+   the transfer breakdown (the same step time, one simulation instead of two) and
+   keeps each class's collective times across its estimates; the chosen shares are
+   estimated in full (a test holds the result equal to balancing every m in full).
+4. Step time: the slowest replica's pipeline, then the gradient all-reduce of each
+   stage over its replicas (the group spans device types, so it runs at the slowest
+   link; cost_models.collectives; times the largest ``grad_sync_scale`` of the types
+   taking part, as planner.estimate charges a measured profile's sync inside a step),
+   then the slowest replica's optimizer step. The
+   all-reduce moves the same bytes whatever the shares, so the shares minimise the
+   first term alone.
+
+``StagePlan.device_type`` of such a plan is the type of the stage's first replica; the
+type of every rank is in ``plan.cluster.device_types``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from hetpar.cost_models.cluster import Cluster
+from hetpar.cost_models.collectives import all_reduce_time_s, grad_sync_scale
+from hetpar.cost_models.grad_sync import collective_over, sync_seconds
+from hetpar.cost_models.compute import dtype_bytes
+from hetpar.cost_models.devices import ProfileError
+from hetpar.planner.estimate import Estimate, EstimateConfig, EstimateError, estimate, stage_split
+from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
+from hetpar.planner.options import PlanningError, SearchOptions, divisors
+from hetpar.planner.search import search
+from hetpar.planner.subcluster import shorthand
+from hetpar.planner.trace import ModelGraph
+
+# Bisection on the slowest replica's time stops within this relative width; T takes
+# discrete values, so the shares found are those of the optimum unless two share
+# vectors' times lie closer than this.
+_TIME_TOLERANCE = 1e-12
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaClass:
+    """The replicas one node group hosts: ``count`` replicas of ``replica_cluster``'s devices."""
+
+    group: int  # index in the cluster's groups
+    device_type: str
+    first_rank: int  # global rank of the first device of the first replica
+    count: int
+    replica_cluster: Cluster  # one replica's devices, as a cluster of their own
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """What every replica of a heterogeneous data-parallel plan shares."""
+
+    tp: int
+    pp: int
+    stage_layers: tuple[int, ...]
+    schedule: str
+    stage_recompute: tuple[str, ...]  # per stage
+    tp_sharding: tuple[dict, ...]  # per stage, from the search's plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Choice:
+    layout: Layout
+    num_microbatches: int
+    shares: list[int]  # micro-batch size of each replica
+    runs: dict[tuple[int, int], Estimate]  # (class index, micro-batch size) -> the replica's estimate
+    classes: list[int]  # class index of each replica
+    predicted: Predicted
+
+
+def replica_classes(cluster: Cluster, size: int) -> list[ReplicaClass] | None:
+    """The replicas of ``size`` devices each group hosts; None when ``size`` does not tile every group.
+
+    See [Note: heterogeneous data parallelism], step 1.
+    """
+    out, first = [], 0
+    for index, g in enumerate(cluster.groups):
+        if g.num_devices % size or (g.devices_per_node % size and size % g.devices_per_node):
+            return None
+        nodes, per_node = (1, size) if size <= g.devices_per_node else (size // g.devices_per_node, g.devices_per_node)
+        one = replace(g, num_nodes=nodes, devices_per_node=per_node)
+        out.append(ReplicaClass(group=index, device_type=g.device.name, first_rank=first, count=g.num_devices // size,
+                                replica_cluster=Cluster(spec=shorthand([one]), groups=(one,))))
+        first += g.num_devices
+    return out
+
+
+def replica_sizes(cluster: Cluster, options: SearchOptions) -> list[int]:
+    """Replica sizes R that tile every group, give dp = world / R >= 2 dividing the global batch, and meet a --dp pin."""
+    world = cluster.world_size
+    out = []
+    for size in divisors(world):
+        dp = world // size
+        if dp < 2 or options.global_batch_size % dp or (options.dp is not None and options.dp != dp):
+            continue
+        if replica_classes(cluster, size) is not None:
+            out.append(size)
+    return out
+
+
+def sync_floor_s(model: ModelGraph, cluster: Cluster, options: SearchOptions) -> float | None:
+    """The least time the gradient all-reduce across replicas takes in any heterogeneous data-parallel
+    plan on ``cluster``; None when no such plan exists.
+
+    With replicas of R devices some rank holds at least 1/R of the gradients (tensor
+    parallelism splits no parameter into more parts than its degree), all-reduced over
+    one rank of each replica.
+    """
+    if len(cluster.count_by_type()) < 2:
+        return None
+    if not options.sync.plain:
+        return 0.0  # compression, robust rules, local SGD: priced per plan, no floor kept here
+    grad_bytes = sum(l.params_at(1) for l in model.layers) * dtype_bytes(options.dtype)
+    floors = []
+    for size in replica_sizes(cluster, options):
+        firsts = [c.first_rank + i * size for c in replica_classes(cluster, size) for i in range(c.count)]
+        floors.append(all_reduce_time_s(grad_bytes / size, firsts, cluster))
+    least_scale = min(grad_sync_scale(g.device) for g in cluster.groups)  # a floor: the least any replica pays
+    return min(floors) * least_scale if floors else None
+
+
+def balance_shares(time_s: Callable[[int, int], float], classes: list[int], total: int) -> list[int] | None:
+    """Micro-batch sizes b_d >= 1 summing to ``total`` that minimise max_d time_s(classes[d], b_d).
+
+    Args:
+        time_s: (class, micro-batch size) -> seconds; non-decreasing in the size, ``inf``
+            where it does not fit.
+        classes: the class of each replica.
+        total: samples per micro-batch step over all replicas.
+
+    Returns:
+        One size per replica, or None when no sizes fit.
+    """
+    kinds = sorted(set(classes))
+    count = {k: classes.count(k) for k in kinds}
+    most = total - len(classes) + 1  # one replica takes at most this many, the others one each
+    if most < 1:
+        return None
+
+    def cap(k: int, limit_s: float) -> int:
+        """The largest size one replica of class k runs within ``limit_s`` (0 if none)."""
+        lo, hi = 0, most
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            t = time_s(k, mid)
+            lo, hi = (mid, hi) if t <= limit_s and not math.isinf(t) else (lo, mid - 1)
+        return lo
+
+    def enough(limit_s: float) -> bool:
+        caps = {k: cap(k, limit_s) for k in kinds}
+        return all(caps.values()) and sum(count[k] * caps[k] for k in kinds) >= total
+
+    if not enough(math.inf):
+        return None
+    lo = max(time_s(k, 1) for k in kinds)
+    hi = max(time_s(k, max(1, cap(k, math.inf))) for k in kinds)
+    if enough(lo):
+        hi = lo
+    while hi - lo > _TIME_TOLERANCE * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if enough(mid) else (mid, hi)
+    shares = [cap(k, hi) for k in classes]
+    for _ in range(sum(shares) - total):  # trim the excess from the slowest replicas
+        d = max((d for d in range(len(shares)) if shares[d] > 1), key=lambda d: time_s(classes[d], shares[d]))
+        shares[d] -= 1
+    return shares
+
+
+def hetero_dp_plan(model: ModelGraph, cluster: Cluster, options: SearchOptions) -> ParallelPlan:
+    """The fastest plan whose data-parallel replicas each run on one device type; see
+    [Note: heterogeneous data parallelism].
+
+    Raises:
+        PlanningError: the cluster has one device type, the pins rule heterogeneous data
+            parallelism out, no replica size tiles the cluster, or nothing fits; says why.
+    """
+    if len(cluster.count_by_type()) < 2:
+        raise PlanningError("heterogeneous data parallelism needs at least two device types in the cluster")
+    if options.micro_batch_size is not None or options.stage_devices is not None:
+        raise PlanningError("heterogeneous data parallelism chooses each replica's micro-batch size and device type; "
+                            "drop --micro-batch-size and --stage-devices")
+    if options.zero or (options.virtual_stages or 1) > 1:
+        raise PlanningError("heterogeneous data parallelism runs ZeRO 0 and one model chunk per pipeline rank; "
+                            "drop --zero and --virtual-stages")
+    sizes = replica_sizes(cluster, options)
+    if not sizes:
+        raise PlanningError(
+            f"heterogeneous data parallelism: no replica size tiles every node group of {cluster.spec} with "
+            f"dp dividing --global-batch {options.global_batch_size}" + (f" and dp = {options.dp}" if options.dp else "")
+        )
+    start = time.perf_counter()
+    best: _Choice | None = None
+    layouts = 0
+    for size in sizes:
+        classes = replica_classes(cluster, size)
+        for layout in _layouts(model, cluster, classes, options):
+            layouts += 1
+            choice = _best_choice(model, cluster, classes, layout, options, best.predicted.step_time_s if best else math.inf)
+            if choice is not None and (best is None or choice.predicted.step_time_s < best.predicted.step_time_s):
+                best = choice
+    if best is None:
+        raise PlanningError(f"heterogeneous data parallelism: no replica layout fits on every device type of {cluster.spec}")
+    info = SolverInfo(status="heuristic", search_time_s=round(time.perf_counter() - start, 3), candidates=layouts,
+                      objective_s=best.predicted.step_time_s)
+    return _assemble(model, cluster, options, best, info)
+
+
+def _layouts(model: ModelGraph, cluster: Cluster, classes: list[ReplicaClass], options: SearchOptions) -> list[Layout]:
+    """The best layout of one replica of each device type at its share of the batch; step 2 of the Note."""
+    speed = [c.replica_cluster.world_size * cluster.profile(c.device_type).achievable_matmul_flops(options.dtype) for c in classes]
+    total_speed = sum(s * c.count for s, c in zip(speed, classes))
+    out: dict[tuple, Layout] = {}
+    for k in {c.device_type: i for i, c in reversed(list(enumerate(classes)))}.values():
+        batch = max(1, round(options.global_batch_size * speed[k] / total_speed))
+        try:
+            plan = search(model, classes[k].replica_cluster, _replica_options(options, batch))
+        except PlanningError:
+            continue
+        if plan.virtual_stages != 1 or plan.replica_batch_shares is not None or len({s.tensor_parallel for s in plan.stages}) > 1:
+            continue  # replicas share one degree for every stage (Layout.tp)
+        layout = Layout(tp=plan.stages[0].tensor_parallel, pp=plan.pipeline_parallel,
+                        stage_layers=tuple(len(s.layers) for s in plan.stages), schedule=plan.schedule.value,
+                        stage_recompute=tuple(s.recompute for s in plan.stages),
+                        tp_sharding=tuple(dict(s.tp_sharding) for s in plan.stages))
+        out.setdefault((layout.tp, layout.pp, layout.stage_layers, layout.schedule, layout.stage_recompute), layout)
+    return list(out.values())
+
+
+def _replica_options(options: SearchOptions, batch: int) -> SearchOptions:
+    """The search's options for one replica taking ``batch`` samples: dp 1, one chunk per pipeline rank, no ZeRO
+    (a single replica has nothing to shard over)."""
+    pins = {"global_batch_size": batch, "dp": 1, "top_k": 0}
+    pins.update({name: value for name, value in (("virtual_stages", 1), ("zero", 0)) if hasattr(options, name)})
+    return replace(options, **pins)
+
+
+def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, options: SearchOptions,
+                 to_beat_s: float = math.inf) -> _Choice | None:
+    """The best number of micro-batches and shares for ``layout``; steps 3 and 4 of the Note. None when
+    nothing fits or nothing is faster than ``to_beat_s`` (another layout's best step)."""
+    gbs = options.global_batch_size
+    replica_class = [k for k, c in enumerate(classes) for _ in range(c.count)]
+    dp = len(replica_class)
+    runs: dict[tuple[int, int, int], Estimate | None] = {}
+    quick: dict[tuple[int, int, int], Estimate | None] = {}
+    memos: dict[int, dict] = {}  # per replica class: its collectives' seconds, kept across the estimates
+
+    best: _Choice | None = None
+    for m in divisors(gbs)[::-1]:  # many micro-batches first: short bubbles, a best plan early for the bound below
+        if (gbs // m) % dp or (layout.schedule == "interleaved" and m % layout.pp):
+            continue
+
+        def time_s(k: int, b: int, m: int = m) -> float:
+            run = _replica_run(model, classes[k], layout, options, b, m, quick, breakdown=False, memos=memos)
+            return math.inf if run is None else run.predicted.step_time_s - run.time.optimizer_s
+
+        # Every replica takes at least one sample per micro-batch, some replica at least the mean share, and
+        # the pipeline time grows with the share, so the step is at least the slowest class at one and the
+        # quickest class at the mean: an m that cannot beat the best so far (of any layout) needs no balance.
+        to_beat = min(best.predicted.step_time_s if best else math.inf, to_beat_s)
+        kinds, mean = set(replica_class), -(-(gbs // m) // dp)
+        if max(time_s(k, 1) for k in kinds) >= to_beat or min(time_s(k, mean) for k in kinds) >= to_beat:
+            continue
+        shares = balance_shares(time_s, replica_class, gbs // m)
+        if shares is None:
+            continue
+        # The trim in balance_shares leaves sizes its bisection never estimated: estimate them here.
+        chosen = {(k, b): _replica_run(model, classes[k], layout, options, b, m, runs, memos=memos)
+                  for k, b in zip(replica_class, shares)}
+        if any(run is None for run in chosen.values()):
+            continue
+        predicted = _predicted(model, cluster, classes, layout, options, replica_class, shares, chosen)
+        if best is None or predicted.step_time_s < best.predicted.step_time_s:
+            best = _Choice(layout=layout, num_microbatches=m, shares=shares, runs=chosen, classes=replica_class, predicted=predicted)
+    return best
+
+
+def _replica_config(layout: Layout, options: SearchOptions, b: int, m: int) -> EstimateConfig:
+    return EstimateConfig(global_batch_size=b * m, dp=1, tp=layout.tp, pp=layout.pp, micro_batch_size=b, dtype=options.dtype,
+                          schedule=layout.schedule, optimizer=options.optimizer, stage_layers=layout.stage_layers,
+                          stage_recompute=layout.stage_recompute)
+
+
+def _replica_run(model, klass: ReplicaClass, layout: Layout, options: SearchOptions, b: int, m: int, cache: dict, *,
+                 breakdown: bool = True, memos: dict | None = None) -> Estimate | None:
+    """planner.estimate of one replica of ``klass`` at micro-batch size b, m micro-batches; None if it does not fit.
+    ``memos`` keeps each class's collective seconds across calls (``estimate``'s memo)."""
+    key = (klass.group, b, m)
+    if key not in cache:
+        config = _replica_config(layout, options, b, m)
+        try:
+            run = estimate(model, klass.replica_cluster, config, breakdown=breakdown,
+                           memo=memos.setdefault(klass.group, {}) if memos is not None else None)
+        except (EstimateError, ProfileError, ValueError):
+            run = None
+        cache[key] = run if run is not None and run.fits else None
+    return cache[key]
+
+
+def _stage_ranks(classes: list[ReplicaClass], layout: Layout) -> list[list[list[int]]]:
+    """ranks[s][d][t] of pipeline rank s, replica d, tensor-parallel index t, in each replica estimate's own order."""
+    size = layout.tp * layout.pp
+    firsts = [c.first_rank + i * size for c in classes for i in range(c.count)]
+    return [[[f + s * layout.tp + t for t in range(layout.tp)] for f in firsts] for s in range(layout.pp)]
+
+
+def _stage_params(model: ModelGraph, tp: int, first: int, last: int) -> float:
+    """Parameters one rank of a stage holds, a tied copy on a stage without layer 0 included."""
+    params = sum(model.layers[l].params_at(tp) for l in range(first, last + 1))
+    if first > 0:
+        params += sum(model.layers[l].tied_at(tp) for l in range(first, last + 1))
+    return params
+
+
+def _predicted(model, cluster, classes, layout: Layout, options, replica_class, shares, runs) -> Predicted:
+    """The step of step 4 in the Note, broken down on the slowest replica."""
+    slowest = max(runs.values(), key=lambda r: r.predicted.step_time_s - r.time.optimizer_s)
+    ranks = _stage_ranks(classes, layout)
+    sync_s, first = 0.0, 0
+    for s, n in enumerate(layout.stage_layers):
+        params = _stage_params(model, layout.tp, first, first + n - 1)
+        group = [rep[0] for rep in ranks[s]]
+        # As planner/estimate.py's data-parallel sync: what it costs inside a training step
+        # (a measured profile's grad_sync_scale), set by the slowest device type taking part.
+        scale = max(grad_sync_scale(cluster.group_of(rank).device) for rank in group)
+        narrowest = min((cluster.group_of(rank).device for rank in group), key=lambda d: d.mem_bw_bytes_per_s)
+        seconds = sync_seconds(options.sync, params, dtype_bytes(options.dtype), len(group), narrowest,
+                               collective_over(group, cluster, concurrent=layout.tp))
+        sync_s = max(sync_s, seconds * scale)
+        first += n
+    optimizer_s = max(r.time.optimizer_s for r in runs.values())
+    step = slowest.predicted.step_time_s - slowest.time.optimizer_s + sync_s + optimizer_s
+    t = slowest.time
+    return Predicted(
+        step_time_s=step,
+        throughput_samples_per_s=options.global_batch_size / step,
+        peak_memory_bytes=[max(r.predicted.peak_memory_bytes[s] for r in runs.values()) for s in range(layout.pp)],
+        compute_time_s=t.compute_s + optimizer_s,
+        bubble_time_s=t.bubble_s,
+        dp_comm_time_s=sync_s,
+        pp_comm_time_s=t.pp_comm_s,
+        tp_comm_time_s=t.tp_comm_s,
+    )
+
+
+def _assemble(model: ModelGraph, cluster: Cluster, options: SearchOptions, choice: _Choice, info: SolverInfo) -> ParallelPlan:
+    layout = choice.layout
+    ranks = _stage_ranks(_classes_of(cluster, layout), layout)
+    stages, first = [], 0
+    for s, n in enumerate(layout.stage_layers):
+        stages.append(StagePlan(index=s, layers=list(range(first, first + n)), device_type=cluster.device_types()[ranks[s][0][0]],
+                                tensor_parallel=layout.tp, ranks=ranks[s], tp_sharding=dict(layout.tp_sharding[s]),
+                                recompute=layout.stage_recompute[s]))
+        first += n
+    dp = len(choice.shares)
+    return ParallelPlan(
+        model=ModelRef(file=model.file, args=dict(model.args), fingerprint=model.fingerprint, layer_names=model.layer_names),
+        cluster=ClusterRef(spec=cluster.spec, world_size=cluster.world_size, device_types=cluster.device_types()),
+        global_batch_size=options.global_batch_size,
+        micro_batch_size=sum(choice.shares) // dp,
+        num_microbatches=choice.num_microbatches,
+        schedule=Schedule(layout.schedule),
+        data_parallel=dp,
+        dtype=options.dtype,
+        stages=stages,
+        predicted=choice.predicted,
+        solver=info,
+        replica_batch_shares=list(choice.shares),
+    )
+
+
+def estimate_shares(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -> Estimate:
+    """planner.estimate of a plan whose replicas take ``config.replica_batch_shares``: each replica's pipeline
+    estimated on its own devices, then step 4 of [Note: heterogeneous data parallelism], as the plan was predicted.
+
+    Raises:
+        EstimateError: the replicas do not tile the cluster as the Note lays them out, or one does not fit.
+    """
+    pp, tp, m = config.pp, config.tp, config.num_microbatches
+    classes = replica_classes(cluster, tp * pp)
+    if config.virtual_stages > 1 or config.stage_tp is not None or classes is None:
+        raise EstimateError(f"replica_batch_shares needs replicas of tp({tp}) * pp({pp}) devices of one type each, one "
+                            "chunk per rank and one degree for every stage")
+    split = stage_split(model, config)
+    layers = tuple(b - a + 1 for a, b in split.bounds)
+    layout = Layout(tp=tp, pp=pp, stage_layers=layers, schedule=config.schedule,
+                    stage_recompute=tuple(config.recompute_of(s) for s in range(pp)), tp_sharding=({},) * pp)
+    replica_class = [k for k, c in enumerate(classes) for _ in range(c.count)]
+    options = SearchOptions(global_batch_size=config.global_batch_size, dtype=config.dtype, optimizer=config.optimizer)
+    runs: dict = {}
+    chosen = {}
+    for d, (k, b) in enumerate(zip(replica_class, config.replica_batch_shares)):
+        run = _replica_run(model, classes[k], layout, options, b, m, runs)
+        if run is None:
+            raise EstimateError(f"replica {d} ({classes[k].device_type}) does not fit micro-batches of {b}")
+        chosen[(k, b)] = run
+    predicted = _predicted(model, cluster, classes, layout, options, replica_class, list(config.replica_batch_shares), chosen)
+    slowest = max(chosen.values(), key=lambda r: r.predicted.step_time_s - r.time.optimizer_s)
+    ranks = _stage_ranks(classes, layout)
+    flops = slowest.model_flops_per_step / (slowest.config.global_batch_size or 1) * config.global_batch_size
+    peak = sum(cluster.profile(t).peak_flops(config.dtype) for t in cluster.device_types())
+    step = predicted.step_time_s
+    return replace(slowest, config=config, cluster_spec=cluster.spec, world_size=cluster.world_size, predicted=predicted,
+                   time=replace(slowest.time, dp_comm_s=predicted.dp_comm_time_s, optimizer_s=max(r.time.optimizer_s for r in chosen.values())),
+                   stages=[replace(st, ranks=ranks[st.index]) for st in slowest.stages], model_flops_per_step=flops,
+                   tflops_per_device=flops / step / cluster.world_size / 1e12, mfu=flops / step / peak, layout=split.layout)
+
+
+def _classes_of(cluster: Cluster, layout: Layout) -> list[ReplicaClass]:
+    classes = replica_classes(cluster, layout.tp * layout.pp)
+    assert classes is not None, "a chosen layout's replica size tiles the cluster"
+    return classes
+
+
+__all__ = ["ReplicaClass", "Layout", "balance_shares", "estimate_shares", "hetero_dp_plan", "replica_classes", "replica_sizes", "sync_floor_s"]

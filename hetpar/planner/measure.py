@@ -1,0 +1,390 @@
+"""Measure a graph module on the meta device, node by node: FLOPs, bytes, saved activations.
+
+Nothing is allocated and nothing is guessed: the module runs forward and backward on
+meta tensors under a dispatch mode that sees every ATen kernel, and a second forward
+runs under saved-tensor hooks that see every tensor autograd keeps.
+
+[Note: what a kernel costs]
+- FLOPs of matmuls, convolutions and attention come from torch's own formulas
+  (``torch.utils.flop_counter``), so totals equal ``FlopCounterMode``'s.
+- Elementwise FLOPs (pointwise ops, reductions, norms, softmax) are counted as one per
+  element of the largest operand: a floor, since these kernels are bound by memory
+  traffic, which the byte counts give.
+- Bytes: a kernel reads each tensor operand once and writes each output once; views
+  move nothing. Fusion would lower the real traffic.
+- Backward kernels are charged to the forward node that created the autograd node
+  running them (``torch._C._current_autograd_node``); the accumulation of parameter
+  and input gradients is charged to no node but counted in the totals.
+- Saved bytes count each storage once, parameters excluded; see
+  [Note: fused attention on meta].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from hetpar.runtime.capture import module_path
+
+aten = torch.ops.aten
+UNATTRIBUTED = ""  # the bucket of kernels that belong to no node (gradient accumulation)
+
+# Queries of tensor metadata: no kernel runs (the same list FlopCounterMode skips).
+_METADATA_OPS = {
+    aten.sym_is_contiguous.default, aten.is_contiguous.default, aten.is_contiguous.memory_format,
+    aten.is_strides_like_format.default, aten.is_non_overlapping_and_dense.default, aten.size.default,
+    aten.sym_size.default, aten.stride.default, aten.sym_stride.default, aten.storage_offset.default,
+    aten.sym_storage_offset.default, aten.numel.default, aten.sym_numel.default, aten.dim.default,
+    torch.ops.prim.layout.default, torch.ops.prim.device.default,
+}
+# Ops that allocate without reading (their tensor arguments only give a shape).
+_ALLOCATING = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like",
+               "ones", "ones_like", "full", "full_like", "new_zeros", "new_ones", "new_full", "arange", "scalar_tensor"}
+# Ops that alias their input without the schema saying so: no bytes move.
+_FREE = {"_unsafe_view", "_reshape_alias", "lift_fresh"}
+# Elementwise-work ops that carry neither the pointwise nor the reduction tag.
+_ELEMENTWISE_EXTRA = {
+    "native_layer_norm", "native_layer_norm_backward", "_softmax", "_softmax_backward_data", "_log_softmax",
+    "_log_softmax_backward_data", "native_batch_norm", "native_batch_norm_backward", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional", "native_group_norm",
+    "native_group_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward", "gelu_backward",
+    "threshold_backward", "silu_backward", "tanh_backward", "sigmoid_backward", "native_dropout",
+    "native_dropout_backward", "max_pool2d_with_indices", "max_pool2d_with_indices_backward", "avg_pool2d",
+    "avg_pool2d_backward", "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward", "embedding_dense_backward",
+}
+
+
+@dataclass
+class NodeCounts:
+    """What one node's kernels cost, forward and backward; see [Note: what a kernel costs]."""
+
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    fwd_elementwise_flops: float = 0.0
+    bwd_elementwise_flops: float = 0.0
+    fwd_bytes: float = 0.0  # read + written
+    bwd_bytes: float = 0.0
+    saved_bytes: float = 0.0
+    output_bytes: float = 0.0
+    param_bytes: float = 0.0
+    # Forward matmul FLOPs by (rows, rows grow with the batch, width); see [Note: matmul rows].
+    matmul_rows: dict[tuple[int, bool, int], float] = field(default_factory=dict)
+    fwd_matmuls: int = 0  # forward ops with FLOPs (matmuls, convolutions, attention): kernels compiling keeps
+
+
+@dataclass
+class Measurement:
+    """A module's counts per node (in graph order, ``UNATTRIBUTED`` last) and its outputs."""
+
+    nodes: dict[str, NodeCounts] = field(default_factory=dict)
+    outputs: Any = None
+
+    def total(self, what: str) -> float:
+        return float(sum(getattr(c, what) for c in self.nodes.values()))
+
+
+def measure(module: fx.GraphModule, inputs: list[torch.Tensor]) -> Measurement:
+    """Run ``module`` forward and backward on meta ``inputs`` and count its kernels.
+
+    Inputs that require gradients (activations received from an earlier layer) get
+    them; the others (data, masks) do not, as in training.
+    """
+    result = Measurement(nodes={n.name: NodeCounts() for n in module.graph.nodes if n.op not in ("placeholder", "output")})
+    result.nodes[UNATTRIBUTED] = NodeCounts()
+    _count_kernels(module, inputs, result)
+    _count_saved(module, inputs, result)
+    _count_params(module, result)
+    return result
+
+
+def _grad_inputs(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fresh leaves for each run, requiring gradients where the given inputs do."""
+    return [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs]
+
+
+class _NodeRunner(fx.Interpreter):
+    """Runs a graph node by node, calling ``before(node)`` and ``after(node, value)`` around each."""
+
+    def __init__(self, module: fx.GraphModule, before: Any = None, after: Any = None):
+        super().__init__(module)
+        self.before, self.after = before, after
+
+    def run_node(self, n: fx.Node) -> Any:
+        if self.before:
+            self.before(n)
+        out = super().run_node(n)
+        if self.after:
+            self.after(n, out)
+        return out
+
+
+class _KernelCounter(TorchDispatchMode):
+    """Charges every kernel's FLOPs and bytes to the node that runs it."""
+
+    def __init__(self, result: Measurement):
+        super().__init__()
+        self.result = result
+        self.current = UNATTRIBUTED
+        self.backward = False
+        self.owner: dict[int, str] = {}  # id(autograd node) -> fx node name
+        self.keep: list[Any] = []  # the autograd nodes themselves, so their ids stay unique
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA_OPS:
+            return func(*args, **kwargs)
+        if func not in flop_registry:  # as FlopCounterMode: count composite ops by their parts
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        self._charge(func, args, kwargs, out)
+        return out
+
+    def _charge(self, func, args, kwargs, out) -> None:
+        counts = self.result.nodes[self._node()]
+        packet = func._overloadpacket
+        flops, elementwise = 0.0, 0.0
+        if packet in flop_registry:
+            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif torch.Tag.pointwise in func.tags or torch.Tag.reduction in func.tags or packet.__name__ in _ELEMENTWISE_EXTRA:
+            elementwise = float(max((t.numel() for t in _tensors((args, kwargs, out))), default=0))
+        written = float(sum(_nbytes(t) for t in _tensors(out)))
+        if func.is_view or packet.__name__ in _FREE:
+            moved = 0.0
+        elif packet.__name__ in _ALLOCATING:
+            moved = written
+        else:
+            moved = float(sum(_nbytes(t) for t in _tensors((args, kwargs)))) + written
+        if self.backward:
+            counts.bwd_flops += flops
+            counts.bwd_elementwise_flops += elementwise
+            counts.bwd_bytes += moved
+        else:
+            counts.fwd_flops += flops
+            counts.fwd_elementwise_flops += elementwise
+            counts.fwd_bytes += moved
+            counts.fwd_matmuls += int(flops > 0)
+            rows = matmul_rows(packet.__name__, args, out) if flops > 0 else None
+            if rows is not None:
+                counts.matmul_rows[rows] = counts.matmul_rows.get(rows, 0.0) + flops
+
+    def _node(self) -> str:
+        if not self.backward:
+            return self.current
+        autograd_node = torch._C._current_autograd_node()
+        return self.owner.get(id(autograd_node), UNATTRIBUTED) if autograd_node is not None else UNATTRIBUTED
+
+    def claim(self, node: fx.Node, out: Any) -> None:
+        """Mark the autograd nodes that ``node`` created (those not yet claimed) as its own.
+
+        Gradient accumulation into leaves (parameters, inputs) stays unclaimed.
+        """
+        stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn is None or id(fn) in self.owner or type(fn).__name__ == "AccumulateGrad":
+                continue
+            self.owner[id(fn)] = node.name
+            self.keep.append(fn)
+            stack.extend(next_fn for next_fn, _ in fn.next_functions)
+
+
+# [Note: matmul rows]
+# A matmul's throughput on a CPU (and, less so, on a GPU) falls with its row count M:
+# the profile measures that curve (docs/profiling.md, "matmul by rows").
+# The layer cost model therefore needs each forward matmul's M, not only its FLOPs:
+# the rows of the left operand of mm/addmm (a Linear's batch and sequence positions
+# flattened, so they grow with the micro-batch), the rows of each matrix of bmm/baddbmm
+# and of attention (the query length: the batch goes into the batch dimension, so
+# they do not grow), and a convolution's output positions per image (they grow). Other
+# FLOP-counted kernels record none. The backward's matmuls of a forward matmul run
+# with the same M (the input gradient has M rows; the weight gradient sums over M).
+# It falls with the matmul's width too (a transposed weight and a bias weigh more on
+# fewer FLOPs per output; docs/BENCHMARKS.md, "Matmul width in the layer model"), so
+# each matmul also records its width, the geometric mean of its inner dimension K and
+# its output columns N (of attention: the head size and the key length), and the cost
+# model interpolates between curves measured at two widths (cost_models/compute.py
+# ``matmul_efficiency``).
+def matmul_rows(op: str, args: tuple, out: Any) -> tuple[int, bool, int] | None:
+    """(rows M at the traced batch, whether M grows with the batch, width sqrt(K N)) of a
+    FLOP-counted kernel; see [Note: matmul rows]."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if op in ("mm", "bmm") and len(tensors) >= 2:
+        a, b = tensors[0], tensors[1]
+        return int(a.shape[-2]), op == "mm", _width(a.shape[-1], b.shape[-1])
+    if op in ("addmm", "baddbmm") and len(tensors) >= 3:
+        a, b = tensors[1], tensors[2]
+        return int(a.shape[-2]), op == "addmm", _width(a.shape[-1], b.shape[-1])
+    if op.startswith("_scaled_dot_product") and len(tensors) >= 2:
+        return int(tensors[0].shape[-2]), False, _width(tensors[0].shape[-1], tensors[1].shape[-2])
+    if op == "convolution" and len(tensors) >= 2:
+        result = _tensors(out)
+        if result and result[0].dim() > 2:
+            weight = tensors[1]
+            return int(result[0][0, 0].numel()), True, _width(weight[0].numel(), weight.shape[0])
+    return None
+
+
+def _width(inner: int, columns: int) -> int:
+    return max(1, round(math.sqrt(int(inner) * int(columns))))
+
+
+def _count_kernels(module: fx.GraphModule, inputs: list[torch.Tensor], result: Measurement) -> None:
+    counter = _KernelCounter(result)
+
+    def before(n: fx.Node) -> None:
+        counter.current = n.name if n.name in result.nodes else UNATTRIBUTED
+
+    def after(n: fx.Node, out: Any) -> None:
+        if n.name in result.nodes:
+            counter.claim(n, out)
+        if n.name in result.nodes and n.op != "get_attr":
+            result.nodes[n.name].output_bytes = float(sum(_nbytes(t) for t in _tensors(out)))
+
+    args = _grad_inputs(inputs)
+    with counter:
+        out = _NodeRunner(module, before, after).run(*args)
+    result.outputs = out
+    grads = [t for t in _tensors(out) if t.requires_grad]
+    counter.backward = True
+    with counter:
+        if grads:
+            torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+
+
+def _count_saved(module: fx.GraphModule, inputs: list[torch.Tensor], result: Measurement) -> None:
+    """Bytes autograd keeps for backward, per node, parameters excluded, each storage once."""
+    params = {p.untyped_storage()._cdata for p in module.parameters()}
+    seen: set[int] = set()
+    current = [UNATTRIBUTED]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in params and storage._cdata not in seen:
+            seen.add(storage._cdata)
+            result.nodes[current[0]].saved_bytes += storage.nbytes()
+        return t
+
+    def before(n: fx.Node) -> None:
+        current[0] = n.name if n.name in result.nodes else UNATTRIBUTED
+
+    with _fused_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _NodeRunner(module, before).run(*_grad_inputs(inputs))
+
+
+def _count_params(module: fx.GraphModule, result: Measurement) -> None:
+    """Bytes of the parameters each node reads (get_attr) or owns (a module call)."""
+    seen: set[int] = set()
+    for node in module.graph.nodes:
+        if node.op == "get_attr":
+            tensors = [_attr(module, str(node.target))]
+        elif node.op == "call_module":
+            tensors = list(module.get_submodule(str(node.target)).parameters())
+        else:
+            continue
+        for t in tensors:
+            if isinstance(t, torch.nn.Parameter) and id(t) not in seen:
+                seen.add(id(t))
+                result.nodes[node.name].param_bytes += _nbytes(t)
+
+
+def _attr(module: torch.nn.Module, path: str) -> Any:
+    owner, _, name = path.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, name)
+
+
+# [Note: fused attention on meta]
+# On the meta device scaled_dot_product_attention always takes the math path, which
+# saves the T x T attention matrix. Real devices run a fused kernel (flash attention on
+# CUDA and on CPU) that saves only q, k, v, the mask, the output and the row
+# log-sum-exp. The saved-bytes pass stands in that kernel's footprint, for the
+# function (torch.fx graphs, and modules that call it) and for the ATen op (exported
+# graphs); the FLOP pass keeps the math path, whose FLOPs equal the fused kernel's.
+class _FusedSDPA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        # Fused kernels return (B, T, H, D) memory seen as (B, H, T, D), so the usual
+        # transpose(1, 2).reshape(B, T, -1) after attention is a view, not a copy.
+        batch, heads, length = q.shape[0], q.shape[1], q.shape[2]
+        out = q.new_empty((batch, length, heads, v.shape[-1])).transpose(1, 2)
+        logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        saved = (q, k, v, out, logsumexp) + ((mask,) if mask is not None else ())
+        ctx.save_for_backward(*saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors[:3]
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+
+
+_SDPA = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
+
+
+def _fused_sdpa(query, key, value, attn_mask=None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return _FusedSDPA.apply(query, key, value, attn_mask if isinstance(attn_mask, torch.Tensor) else None)
+
+
+class _FusedAttentionMode(TorchFunctionMode):
+    """Sees the attention calls of a graph: fx's function nodes and export's ATen op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _SDPA:
+            return _fused_sdpa(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _fused_attention():
+    """Stand in fused attention; see [Note: fused attention on meta].
+
+    A torch-function mode only sees the outermost call, so attention inside a function
+    it passes on (``F.multi_head_attention_forward`` of an opaque nn.MultiheadAttention)
+    is reached by swapping ``F.scaled_dot_product_attention``, which such code looks up
+    when it runs, for the duration of the pass.
+    """
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _fused_sdpa
+    try:
+        with _FusedAttentionMode():
+            yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def node_label(node: fx.Node) -> str:
+    """What a node runs, short: ``aten.linear``, ``attn.q`` (a module), ``view``."""
+    if node.op == "call_module":
+        return str(node.target)
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target._overloadpacket.__name__}"
+    return getattr(target, "__name__", str(target))
+
+
+def node_module(node: fx.Node) -> str:
+    """The innermost module a node runs in."""
+    return module_path(node)
+
+
+__all__ = ["Measurement", "NodeCounts", "UNATTRIBUTED", "matmul_rows", "measure", "node_label", "node_module"]

@@ -1,0 +1,223 @@
+"""What the user asks of the search, and the checks of it: the leaf the planner's modules share.
+
+``SearchOptions`` (pins, limits), ``PlanningError`` (a request no plan meets, said in
+the user's terms), ``check_pins`` (impossible pins, caught before any search), ``to_ticks``
+and ``cp_solver`` (CP-SAT configured for [Note: deterministic search]). Imports nothing of
+planner but under type checking, so that search, estimate, hetero_dp and bounds can all
+build on it without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ortools.sat.python import cp_model
+
+from hetpar.cost_models.devices import ProfileError
+from hetpar.cost_models.grad_sync import PLAIN, SyncMethod
+from hetpar.cost_models.layers import tp_misfit
+from hetpar.cost_models.pipeline import SCHEDULES
+
+if TYPE_CHECKING:
+    from hetpar.planner.trace import ModelGraph
+
+
+class PlanningError(Exception):
+    """No plan satisfies the request; the message says why and what to change."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchOptions:
+    """What the user asked for; ``None`` pins leave the choice to the search."""
+
+    global_batch_size: int
+    dtype: str
+    optimizer: str = "adamw"
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    micro_batch_size: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None  # model chunks per pipeline rank, pinned (interleaved when > 1)
+    recompute: str | None = None  # "none" | "selective" | "full" on every stage; none and full are searched per stage when None
+    zero: int | None = None  # ZeRO stage of every stage, pinned; searched per stage when None
+    stage_layers: tuple[int, ...] | None = None  # layers per stage (pp * virtual stages entries), pinned
+    stage_devices: tuple[str, ...] | None = None  # device type per pipeline rank, pinned
+    max_tp: int = 8
+    max_virtual_stages: int = 4  # the interleaved schedules searched: 2..this many chunks per rank
+    work_limit_s: float = 10.0  # CP-SAT deterministic seconds per solve ([Note: deterministic search])
+    time_limit_s: float | None = None  # wall-clock seconds per solve: an opt-in safety net whose cuts depend on the machine
+    gap_limit: float = 0.0  # stop a candidate's solve once proven within this relative gap
+    uniform_split: bool = False  # equal layers per stage in Megatron's layout (a baseline, not a search)
+    megatron_split: bool = False  # layers per stage as Megatron splits them ([Note: default stage split]), degrees searched
+    workers: int = 1  # CP-SAT workers per solve; > 1 runs them in deterministic batches ([Note: deterministic search])
+    seed: int = 0
+    top_k: int = 3
+    compiled: bool = False  # stages run under torch.compile ([Note: compiled stages] in cost_models.compute)
+    sync: SyncMethod = PLAIN  # how replicas agree, priced (planner.sync_methods); not PLAIN: ZeRO 0 only
+    min_dp: int = 1  # fewest data-parallel replicas (robust aggregation and local SGD need several)
+
+
+def misfit_fix(dtype: str) -> str:
+    """What a plan that does not fit memory can change: more devices, a smaller batch,
+    and 2-byte training where it trains in fp32."""
+    return "add devices, lower --global-batch or use --dtype bf16" if dtype == "fp32" else "add devices or lower --global-batch"
+
+
+def to_ticks(seconds: float, tick_s: float) -> int:
+    """The one place where seconds become integer solver ticks (``planner.split_model._ticks`` maps it over arrays)."""
+    return int(round(seconds / tick_s))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
+    world = cluster.world_size
+    gbs = options.global_batch_size
+    if gbs < 1:
+        raise PlanningError(f"--global-batch must be positive, got {gbs}")
+    if not options.work_limit_s > 0:
+        raise PlanningError(f"--work-limit must be a positive number of deterministic seconds, got {options.work_limit_s:g}")
+    if options.time_limit_s is not None and not options.time_limit_s > 0:
+        raise PlanningError(f"--time-limit must be a positive number of seconds, got {options.time_limit_s:g}")
+    for name, value in (("dp", options.dp), ("tp", options.tp)):
+        if value is not None and (value < 1 or world % value):
+            raise PlanningError(f"--{name} {value} does not divide the cluster's world size ({world})")
+    if options.pp is not None and not 1 <= options.pp <= world:
+        raise PlanningError(f"--pp {options.pp} must be between 1 and the cluster's world size ({world})")
+    dp, tp, pp = options.dp, options.tp, options.pp
+    if dp and tp and pp and dp * tp * pp != world:
+        raise PlanningError(f"dp({dp}) * tp({tp}) * pp({pp}) = {dp * tp * pp} != world_size({world})")
+    if pp and pp > len(model.layers):
+        raise PlanningError(f"--pp {pp} exceeds the model's {len(model.layers)} layers")
+    if tp and tp > 1 and not any(l.tp_capable for l in model.layers):
+        raise PlanningError(f"--tp {tp}: the model has no layer that tensor parallelism can split")
+    misfit = tp_misfit(model.layers, tp) if tp else None
+    if misfit is not None:
+        degrees = ", ".join(map(str, misfit.tp_degrees or ())) or "no"
+        raise PlanningError(f"--tp {tp}: layer {misfit.name} splits only {degrees} ways (heads or features do not divide by {tp}); pick one of those")
+    if dp and gbs % dp:
+        raise PlanningError(f"--global-batch {gbs} is not divisible by dp({dp})")
+    mbs = options.micro_batch_size
+    if mbs and dp and (gbs // dp) % mbs:
+        raise PlanningError(f"--micro-batch-size {mbs} does not divide the per-replica batch {gbs // dp}")
+    if mbs and mbs > gbs:
+        raise PlanningError(f"--micro-batch-size {mbs} exceeds --global-batch {gbs}")
+    if options.recompute and options.recompute not in ("none", "selective", "full"):
+        raise PlanningError(f"unknown --recompute {options.recompute!r}; use none, selective or full")
+    if options.schedule and options.schedule not in SCHEDULES:
+        raise PlanningError(f"unknown --schedule {options.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    for device_type in cluster.count_by_type():  # else every time is infinite and nothing seems to fit
+        try:
+            cluster.profile(device_type).peak_flops(options.dtype)
+        except ProfileError as exc:
+            raise PlanningError(str(exc)) from None
+    check_schedule_pins(model, options)
+    check_stage_pins(model, cluster, options)
+
+
+def check_schedule_pins(model: ModelGraph, options: SearchOptions) -> None:
+    v, schedule, zero, dp = options.virtual_stages, options.schedule, options.zero, options.dp
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise PlanningError(f"unknown --zero {zero}; use 0, 1, 2 or 3")
+    if schedule == "interleaved" and v is None and options.stage_layers is not None:
+        raise PlanningError(f"--stage-layers with --schedule interleaved needs --virtual-stages: how many of the "
+                            f"{len(options.stage_layers)} stages each pipeline rank runs")
+    if v is not None:
+        if v < 1:
+            raise PlanningError(f"--virtual-stages must be at least 1, got {v}")
+        if v > 1 and schedule not in (None, "interleaved"):
+            raise PlanningError(f"--virtual-stages {v} needs --schedule interleaved, not {schedule}")
+        if v > 1 and options.tp not in (None, 1):
+            raise PlanningError(f"--virtual-stages {v} runs with tp 1 (the program runs interleaved chunks without tensor parallelism), not --tp {options.tp}")
+        if v > 1 and options.pp and options.pp * v > len(model.layers):
+            raise PlanningError(f"--pp {options.pp} * --virtual-stages {v} = {options.pp * v} stages, the model has only {len(model.layers)} layers")
+    if zero:
+        if dp == 1:
+            raise PlanningError(f"--zero {zero} shards over data-parallel replicas; --dp 1 has none (use --zero 0)")
+        if schedule in ("zb", "interleaved") or (v or 1) > 1:
+            what = "interleaved" if (v or 1) > 1 else schedule
+            raise PlanningError(f"--zero {zero} runs with schedule 1f1b or gpipe only (FSDP cannot run {what}'s stages); use --zero 0")
+
+
+def check_stage_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
+    layers, devices, pp, v = options.stage_layers, options.stage_devices, options.pp, options.virtual_stages or 1
+    if layers is not None:
+        if any(n < 1 for n in layers) or sum(layers) != len(model.layers):
+            raise PlanningError(
+                f"--stage-layers {','.join(map(str, layers))} sums to {sum(layers)}; the model has {len(model.layers)} layers "
+                "(each stage needs at least one; see hetpar trace)"
+            )
+        if len(layers) % v:
+            raise PlanningError(f"--stage-layers gives {len(layers)} stages, not a multiple of --virtual-stages {v}")
+        if pp is not None and pp * v != len(layers):
+            what = f"--pp is {pp}" if v == 1 else f"--pp {pp} * --virtual-stages {v} is {pp * v}"
+            raise PlanningError(f"--stage-layers gives {len(layers)} stages but {what}")
+    if devices is not None:
+        stages = pp or (len(layers) // v if layers else None)
+        if stages is not None and len(devices) != stages:
+            raise PlanningError(f"--stage-devices names {len(devices)} device types for {stages} stages")
+        present = set(cluster.device_types())
+        missing = [d for d in devices if d not in present]
+        if missing:
+            raise PlanningError(f"--stage-devices: {', '.join(missing)} not in the cluster (it has {', '.join(sorted(present))})")
+        types = cluster.device_types()
+        per_stage, rest = divmod(len(types), len(devices))
+        for k in sorted(present):
+            if rest or devices.count(k) * per_stage != types.count(k):
+                raise PlanningError(
+                    f"--stage-devices puts {devices.count(k)} of {len(devices)} stages on {k}: "
+                    f"{devices.count(k) * per_stage} devices at {len(types)}/{len(devices)} per stage, the cluster has {types.count(k)}"
+                )
+
+
+def pinned_pp(options: SearchOptions) -> int | None:
+    """The pipeline depth the pins imply, if any."""
+    if options.pp:
+        return options.pp
+    if options.stage_layers:
+        return len(options.stage_layers) // (options.virtual_stages or 1)
+    return len(options.stage_devices) if options.stage_devices else None
+
+
+# [Note: deterministic search]
+# A plan must not depend on how fast or how busy the machine is. Every CP-SAT solve of
+# the planner stops on a work limit, CP-SAT's deterministic time (max_deterministic_time:
+# a weighted count of the solver's operations, calibrated to about a second of one core);
+# one worker is then deterministic, and several run in lockstep batches (interleave_search:
+# the search is a function of the model, num_workers and random_seed, per sat_parameters.proto).
+# The same request gives the same plan, status and gap on a laptop or a busy login node,
+# only later. A wall-clock --time-limit stays as an opt-in safety net; a solve it cuts
+# short is named in the plan's status, as where it stopped depends on the machine.
+# One worker by default: OR-Tools 9.15's interleaved search with 2 workers and its default
+# batch of 3 * workers tasks aborted the process (CHECK "heuristics.fixed_search !=
+# nullptr") on a split model that max_lp proves infeasible while loading; batches of
+# `workers` tasks did not, so more workers run with that batch size.
+def cp_solver(*, work_limit_s: float, workers: int, seed: int, time_limit_s: float | None = None) -> cp_model.CpSolver:
+    """A CP-SAT solver whose answer depends only on its model and these arguments; see [Note: deterministic search].
+
+    Args:
+        work_limit_s: deterministic seconds the solve may take.
+        workers: CP-SAT workers; more than one run in deterministic batches.
+        seed: CP-SAT's random seed.
+        time_limit_s: wall-clock seconds, when a safety net is wanted (None: none).
+    """
+    solver = cp_model.CpSolver()
+    solver.parameters.max_deterministic_time = work_limit_s
+    solver.parameters.num_workers = workers
+    if workers > 1:
+        solver.parameters.interleave_search = True
+        solver.parameters.interleave_batch_size = workers
+    solver.parameters.random_seed = seed
+    if time_limit_s is not None:
+        solver.parameters.max_time_in_seconds = time_limit_s
+    return solver
+
+
+def limit_hit(solver: cp_model.CpSolver, time_limit_s: float | None) -> str:
+    """Which limit stopped a solve that did not finish: "time" (the wall clock) or "work"."""
+    return "time" if time_limit_s is not None and solver.wall_time >= time_limit_s else "work"
+

@@ -1,0 +1,377 @@
+"""ParallelPlan: the one object that says everything about a plan.
+
+The search returns it, ``hetpar compile`` consumes it, and it round-trips to JSON with
+real lists and numbers. The format is documented in docs/plan-format.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from hetpar.runtime.sync_spec import check_sync
+
+SCHEMA_VERSION = 1
+PLAN_KIND = "hetpar.plan"
+
+
+class PlanError(ValueError):
+    """A plan is inconsistent, or a plan file is corrupt or not a hetpar plan."""
+
+
+class Schedule(str, Enum):
+    """Pipeline schedules hetpar can run."""
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+    INTERLEAVED = "interleaved"  # interleaved 1F1B over ``virtual_stages`` chunks per pipeline rank
+    ZERO_BUBBLE = "zb"  # ZB-H1: backward split into input-gradient (B) and weight-gradient (W) actions
+
+
+ZERO_STAGES = (0, 1, 2, 3)  # 0: plain data parallel; 1-3: ZeRO through FSDP2 (docs/plan-format.md)
+RECOMPUTE = ("none", "selective", "full")  # activation recomputation of a stage's layers
+
+
+class Sharding(str, Enum):
+    """How a module's weight is split across the tensor-parallel ranks of its stage."""
+
+    COLWISE = "colwise"  # output features split; the output stays sharded
+    ROWWISE = "rowwise"  # input features split; outputs are summed (all-reduce)
+    COLWISE_GATHER = "colwise_gather"  # output features split, the output all-gathered (replicated)
+    ROWWISE_SLICE = "rowwise_slice"  # input features split from a replicated input; outputs all-reduced
+    VOCAB_EMBEDDING = "vocab_embedding"  # an Embedding's rows (the vocabulary) split; outputs all-reduced
+    VOCAB_HEAD = "vocab_head"  # the output Linear's vocabulary split; logits stay split into the loss
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRef:
+    """Which model a plan is for."""
+
+    file: str  # absolute path of the model file when planned
+    args: dict[str, Any] = field(default_factory=dict)
+    fingerprint: str  # sha256 of the model file's bytes
+    layer_names: list[str]
+    leaf_modules: list[str] = field(default_factory=list)  # --leaf-module paths the layers were traced with
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage: a contiguous run of layers on ``data_parallel * tensor_parallel`` ranks.
+
+    ``ranks[d][t]`` is the global rank of data-parallel replica d, tensor-parallel index t.
+    """
+
+    index: int
+    layers: list[int]  # layer indices, contiguous, ascending
+    device_type: str
+    tensor_parallel: int
+    ranks: list[list[int]]
+    tp_sharding: dict[str, Sharding] = field(default_factory=dict)  # module path -> sharding
+    zero_stage: int = 0  # ZeRO stage of the data-parallel replicas of this stage (0 = plain all-reduce)
+    recompute: str = "none"  # "none" | "selective" | "full": activation recomputation of this stage's layers
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in ZERO_STAGES:
+            raise PlanError(f"stage {self.index}: zero_stage({self.zero_stage!r}) must be one of 0, 1, 2, 3")
+        if self.recompute not in RECOMPUTE:
+            raise PlanError(f"stage {self.index}: recompute {self.recompute!r} must be one of {', '.join(map(repr, RECOMPUTE))}")
+        if not self.layers:
+            raise PlanError(f"stage {self.index} has no layers")
+        if self.layers != list(range(self.layers[0], self.layers[-1] + 1)):
+            raise PlanError(f"stage {self.index} layers {self.layers} are not contiguous")
+        if self.tensor_parallel < 1:
+            raise PlanError(f"stage {self.index}: tensor_parallel({self.tensor_parallel}) must be >= 1")
+        widths = {len(r) for r in self.ranks}
+        if widths != {self.tensor_parallel}:
+            raise PlanError(
+                f"stage {self.index}: each replica needs tensor_parallel({self.tensor_parallel}) ranks, got {sorted(widths)}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Predicted:
+    """What the cost model predicts for one training step."""
+
+    step_time_s: float
+    throughput_samples_per_s: float
+    peak_memory_bytes: list[int]  # per stage, per device
+    compute_time_s: float = 0.0
+    bubble_time_s: float = 0.0
+    dp_comm_time_s: float = 0.0
+    pp_comm_time_s: float = 0.0
+    tp_comm_time_s: float = 0.0
+    # One micro-batch on each pipeline rank (all its virtual stages), forward and backward,
+    # tensor-parallel and ZeRO-3 communication included: what ``hetpar validate`` compares
+    # with the run's stage times. Empty where the prediction has none (hetero-DP plans).
+    stage_fwd_s: list[float] = field(default_factory=list)
+    stage_bwd_s: list[float] = field(default_factory=list)
+    # Joules one step draws on the plan's devices, and grams of CO2 where every zone gives its
+    # grid intensity ([Note: energy model] in cost_models/energy.py); None unless --objective energy.
+    energy_j_per_step: float | None = None
+    co2_g_per_step: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverInfo:
+    """How the search ended."""
+
+    status: str  # "optimal", "feasible", "pinned", "heuristic"
+    search_time_s: float  # wall-clock seconds of the search (machine-dependent; the plan itself is not)
+    reason: str = ""  # why the status is not "optimal", e.g. which limits stopped candidates and the gap left
+    trace_time_s: float = 0.0  # wall-clock seconds of tracing the model, when the plan came from a model file
+    objective_gap: float = 0.0
+    candidates: int = 0  # outer (dp, tp, pp, micro-batch) combinations solved
+    objective_s: float = 0.0  # the linear step time the search minimised ([Note: plan prediction])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterRef:
+    """The cluster a plan is for, as the user gave it and as hetpar laid it out."""
+
+    spec: str
+    world_size: int
+    device_types: list[str]  # device type of each global rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelPlan:
+    """A complete parallel execution plan. Degrees check themselves on construction."""
+
+    model: ModelRef
+    cluster: ClusterRef
+    global_batch_size: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: Schedule
+    data_parallel: int
+    dtype: str
+    stages: list[StagePlan]
+    predicted: Predicted
+    solver: SolverInfo
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+    grad_compression: str = "none"  # none|bf16|fp16|powersgd:R|topk:F|sign: how data-parallel gradients travel
+    aggregation: str = "mean"  # mean|trimmed-mean:B|median|krum:F: how replicas' gradients combine
+    sync_every: int = 1  # local SGD: replicas average parameters and optimizer state every K steps (1: every step's gradients)
+    sync_scope: str = "all"  # "all", or "node": gradients all-reduced inside a node every step, across nodes every K
+    rebalance_every: int = 0  # replica shares of the batch moved by measured speed every N steps (0: never)
+    replica_batch_shares: list[int] | None = None  # micro-batch size of each replica; None: micro_batch_size each
+    virtual_stages: int = 1  # model chunks per pipeline rank; stages[s] runs on the ranks of stages[s % pp]
+    compiled: bool = False  # stages run under torch.compile; the costs count fused kernels ([Note: compiled stages])
+    schema_version: int = SCHEMA_VERSION
+    kind: str = PLAN_KIND
+
+    def __post_init__(self) -> None:
+        self._check_virtual_stages()
+        pp = self.pipeline_parallel
+        physical = self.stages[:pp]  # the stages that own their ranks; the others reuse them
+        world = self.cluster.world_size
+        tps = {s.tensor_parallel for s in physical}
+        used = sum(self.data_parallel * s.tensor_parallel for s in physical)
+        if used != world:
+            tp_text = f"tp({tps.pop()})" if len(tps) == 1 else "sum of stage tp"
+            raise PlanError(f"dp({self.data_parallel}) * {tp_text} * pp({pp}) = {used} != world_size({world})")
+        expected = self.data_parallel * self.micro_batch_size * self.num_microbatches
+        if expected != self.global_batch_size:
+            raise PlanError(
+                f"dp({self.data_parallel}) * micro_batch_size({self.micro_batch_size}) * "
+                f"num_microbatches({self.num_microbatches}) = {expected} != global_batch_size({self.global_batch_size})"
+            )
+        for s in self.stages:
+            if len(s.ranks) != self.data_parallel:
+                raise PlanError(f"stage {s.index} has {len(s.ranks)} replicas, data_parallel is {self.data_parallel}")
+        all_ranks = sorted(r for s in physical for rep in s.ranks for r in rep)
+        if all_ranks != list(range(world)):
+            raise PlanError(f"stage ranks must cover 0..{world - 1} exactly once")
+        layers = [l for s in self.stages for l in s.layers]
+        if layers != list(range(len(self.model.layer_names))):
+            raise PlanError(f"stages cover layers {layers}, the model has {len(self.model.layer_names)} layers")
+        self._check_data_parallel_options()
+
+    def _check_virtual_stages(self) -> None:
+        """[Note: virtual stages] A plan with ``virtual_stages`` v > 1 lists pp * v stages in
+        layer order; stage s runs on the ranks of stage ``s % pp`` (Megatron's interleaving:
+        rank r holds chunks r, r + pp, ...), under the interleaved schedule."""
+        v, count = self.virtual_stages, len(self.stages)
+        if not isinstance(v, int) or v < 1:
+            raise PlanError(f"virtual_stages({v!r}) must be an integer >= 1")
+        if count % v:
+            raise PlanError(f"{count} stages do not split into pp * virtual_stages({v}) chunks")
+        if v > 1 and Schedule(self.schedule) is not Schedule.INTERLEAVED:
+            raise PlanError(f"virtual_stages({v}) needs schedule 'interleaved', not {self.schedule.value!r}")
+        if v == 1:
+            return
+        pp = count // v
+        if self.num_microbatches % pp:
+            raise PlanError(
+                f"the interleaved schedule needs num_microbatches({self.num_microbatches}) to be a multiple of pp({pp})"
+            )
+        for s in self.stages[pp:]:
+            owner = self.stages[s.index % pp]
+            if (s.ranks, s.tensor_parallel, s.device_type) != (owner.ranks, owner.tensor_parallel, owner.device_type):
+                raise PlanError(
+                    f"stage {s.index} is chunk {s.index // pp} of pipeline rank {s.index % pp}: it needs the ranks, "
+                    f"tensor_parallel and device_type of stage {owner.index}"
+                )
+        if any(s.zero_stage or s.tensor_parallel > 1 for s in self.stages):
+            raise PlanError("virtual_stages > 1 runs with zero_stage 0 and tensor_parallel 1 on every stage")
+
+    def _check_data_parallel_options(self) -> None:
+        zero = [s.index for s in self.stages if s.zero_stage > 0]
+        if zero and Schedule(self.schedule) is Schedule.ZERO_BUBBLE:
+            raise PlanError(
+                f"schedule 'zb' needs zero_stage 0 on every stage (FSDP reduces gradients inside the backward, which "
+                f"'zb' splits), stage {zero[0]} has zero_stage {self.stages[zero[0]].zero_stage}"
+            )
+        try:
+            check_sync(self.grad_compression, self.aggregation, self.sync_every, self.sync_scope,
+                       data_parallel=self.data_parallel, zero_stages=[s.zero_stage for s in self.stages],
+                       equal_shares=self.replica_batch_shares is None)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+        self._check_rebalance()
+        shares = self.replica_batch_shares
+        if shares is None:
+            return
+        if len(shares) != self.data_parallel or any(not isinstance(n, int) or n < 1 for n in shares):
+            raise PlanError(
+                f"replica_batch_shares {shares} must hold one micro-batch size >= 1 per replica, data_parallel is "
+                f"{self.data_parallel}"
+            )
+        if sum(shares) != self.data_parallel * self.micro_batch_size:
+            raise PlanError(
+                f"replica_batch_shares {shares} sum to {sum(shares)} != dp({self.data_parallel}) * "
+                f"micro_batch_size({self.micro_batch_size}) = {self.data_parallel * self.micro_batch_size}"
+            )
+
+    def _check_rebalance(self) -> None:
+        every = self.rebalance_every
+        if not isinstance(every, int) or every < 0:
+            raise PlanError(f"rebalance_every {every!r} must be an integer >= 0 (0: never)")
+        if not every:
+            return
+        if self.data_parallel < 2:
+            raise PlanError("rebalance_every needs data_parallel >= 2: it moves samples between replicas")
+        if len(self.stages) > 1:
+            raise PlanError(f"rebalance_every needs one pipeline stage (the plan has {len(self.stages)}): a stage's "
+                            f"pipeline buffers are sized for its micro-batch at start-up")
+        if self.aggregation != "mean" or self.sync_every > 1:
+            raise PlanError("rebalance_every needs aggregation 'mean' and sync_every 1 (those need equal shares)")
+
+    @property
+    def replica_micro_batch_sizes(self) -> list[int]:
+        """The micro-batch size of each data-parallel replica (``replica_batch_shares`` or equal sizes)."""
+        if self.replica_batch_shares is not None:
+            return list(self.replica_batch_shares)
+        return [self.micro_batch_size] * self.data_parallel
+
+    @property
+    def pipeline_parallel(self) -> int:
+        """Pipeline ranks per replica: ``len(stages) // virtual_stages``."""
+        return len(self.stages) // self.virtual_stages
+
+    def to_json(self) -> str:
+        """The plan as indented JSON text."""
+        return json.dumps(_to_jsonable(asdict(self)), indent=2) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan atomically: a crash never leaves a half-written file."""
+        write_text_atomic(Path(path), self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "ParallelPlan":
+        """Build a plan from parsed JSON.
+
+        Raises:
+            PlanError: not a hetpar plan, another schema version, or inconsistent.
+        """
+        if not isinstance(data, dict) or data.get("kind") != PLAN_KIND:
+            raise PlanError("not a hetpar plan (no \"kind\": \"hetpar.plan\"); make one with `hetpar plan`")
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise PlanError(
+                f"plan schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}; re-run `hetpar plan`"
+            )
+        try:
+            stages = [
+                StagePlan(**{**s, "tp_sharding": {k: Sharding(v) for k, v in s.get("tp_sharding", {}).items()}})
+                for s in data["stages"]
+            ]
+            return cls(
+                **{
+                    **data,
+                    "model": ModelRef(**data["model"]),
+                    "cluster": ClusterRef(**data["cluster"]),
+                    "schedule": Schedule(data["schedule"]),
+                    "stages": stages,
+                    "predicted": Predicted(**data["predicted"]),
+                    "solver": SolverInfo(**_renamed(data["solver"], wall_time_s="search_time_s")),
+                }
+            )
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"plan is malformed: {type(exc).__name__}: {exc}") from exc
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ParallelPlan":
+        """Read a plan file.
+
+        Raises:
+            PlanError: missing, unreadable, not JSON, or not a valid plan.
+        """
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise PlanError(f"cannot read plan {str(path)!r}: {exc.strerror}") from exc
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan {str(path)!r} is not valid JSON (line {exc.lineno}): {exc.msg}") from exc
+        return cls.from_dict(data)
+
+
+def _to_jsonable(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_jsonable(v) for v in value]
+    return value
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+
+def _renamed(fields: dict, **old_to_new: str) -> dict:
+    """``fields`` with keys of older plan files under their current names."""
+    return {old_to_new.get(k, k): v for k, v in fields.items()}
+
+__all__ = [
+    "ParallelPlan",
+    "StagePlan",
+    "ModelRef",
+    "ClusterRef",
+    "Predicted",
+    "SolverInfo",
+    "Schedule",
+    "Sharding",
+    "PlanError",
+    "write_text_atomic",
+]

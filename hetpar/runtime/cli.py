@@ -1,0 +1,229 @@
+"""The command line every generated program shares, and its world-size check.
+
+    torchrun --nproc_per_node=4 train.py --steps 100 --optimizer adamw --lr 3e-4 \
+        --init-from init.pt --save-final final.pt --metrics metrics.jsonl \
+        --checkpoint-dir ckpt --checkpoint-every 20 --allow-device-mismatch
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainArgs:
+    """Options of one training run."""
+
+    steps: int
+    lr: float
+    optimizer: str  # "sgd" or "adamw"
+    seed: int
+    init_from: Path | None  # a full state_dict (torch.save file or DCP directory): each rank reads its tensors
+    save_final: Path | None  # where rank 0 writes the trained full state_dict
+    metrics: Path | None  # one JSON line per step
+    dist_timeout_s: float  # bound on every collective and on rendezvous
+    checkpoint_dir: Path | None = None  # periodic checkpoints; a (re)started run resumes from the newest intact one
+    checkpoint_every: int = 100  # steps between checkpoints
+    checkpoint_keep: int = 3  # newest checkpoints kept
+    powersgd_rank: int = 1  # plan.grad_compression "powersgd": rank of the gradient approximation
+    powersgd_start_step: int = 2  # ... and plain all-reduce steps before it compresses
+    allow_device_mismatch: bool = False  # warn, not stop, when a rank's device is not the plan's (runtime.devices)
+    compile: str = "auto"  # torch.compile each stage: "on", "off", or "auto" (as planned: plan.compiled)
+    inject_bad_gradients: int | None = None  # testing: this rank's gradients replaced by noise (runtime.faults)
+    inject_slowdown: tuple[int, float] | None = None  # testing: (rank, seconds per sample) it sleeps in each forward
+
+
+def parse_args(description: str | None = None, argv: list[str] | None = None) -> TrainArgs:
+    """Parse the program's options; ``description`` is the program's docstring."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps (one per global batch)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw", help="plain SGD or AdamW (torch defaults)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds model init (torch.manual_seed) and the data")
+    parser.add_argument("--init-from", type=Path, metavar="PATH",
+                        help="full state_dict to start from: a torch.save file or a torch.distributed.checkpoint directory; "
+                             "each rank reads only its own tensors")
+    parser.add_argument("--save-final", type=Path, metavar="FILE", help="write the trained full state_dict here (rank 0)")
+    parser.add_argument("--metrics", type=Path, metavar="FILE", help="append one JSON line per step (rank 0)")
+    parser.add_argument("--dist-timeout-s", type=float, default=300.0, help="timeout of collectives and rendezvous")
+    parser.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                        help="save checkpoints here; a (re)started run resumes from the newest intact one in it")
+    parser.add_argument("--checkpoint-every", type=int, metavar="N", help="steps between checkpoints (default 100)")
+    parser.add_argument("--checkpoint-keep", type=int, default=3, metavar="K", help="newest checkpoints kept")
+    parser.add_argument("--powersgd-rank", type=int, default=1, metavar="R",
+                        help="plans with grad_compression powersgd: rank of the low-rank gradient approximation")
+    parser.add_argument("--powersgd-start-step", type=int, default=2, metavar="N",
+                        help="plans with grad_compression powersgd: steps of plain all-reduce first (>= 2)")
+    parser.add_argument("--allow-device-mismatch", action="store_true",
+                        help="run even where a rank's device is not the plan's device type for it (one warning)")
+    parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                        help="torch.compile each stage (auto: as the plan says, plan.compiled, which its costs "
+                             "assume); a stage that does not compile runs eagerly")
+    parser.add_argument("--inject-bad-gradients", type=int, metavar="RANK",
+                        help="testing: RANK sends random gradients (std 100) instead of its own, e.g. to try "
+                             "the plan's robust aggregation")
+    parser.add_argument("--inject-slowdown", metavar="RANK:SECONDS",
+                        help="testing: RANK sleeps SECONDS per sample in each forward, e.g. to try --rebalance-every")
+    ns = parser.parse_args(argv)
+    if ns.steps < 0:
+        parser.error(f"--steps {ns.steps} must be >= 0")
+    if ns.checkpoint_every is not None and ns.checkpoint_dir is None:
+        parser.error("--checkpoint-every needs --checkpoint-dir")
+    for name in ("checkpoint_every", "checkpoint_keep", "powersgd_rank"):
+        if getattr(ns, name) is not None and getattr(ns, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(ns, name)} must be >= 1")
+    if ns.powersgd_start_step < 2:
+        parser.error(f"--powersgd-start-step {ns.powersgd_start_step} must be >= 2 (PowerSGD needs warm-up steps)")
+    slowdown = _rank_and_seconds(parser, ns.inject_slowdown) if ns.inject_slowdown else None
+    if ns.init_from is not None and not ns.init_from.exists():
+        parser.error(f"--init-from {str(ns.init_from)!r}: no such file or directory")
+    return TrainArgs(
+        steps=ns.steps,
+        lr=ns.lr,
+        optimizer=ns.optimizer,
+        seed=ns.seed,
+        init_from=ns.init_from,
+        save_final=ns.save_final,
+        metrics=ns.metrics,
+        dist_timeout_s=ns.dist_timeout_s,
+        checkpoint_dir=ns.checkpoint_dir,
+        checkpoint_every=ns.checkpoint_every or 100,
+        checkpoint_keep=ns.checkpoint_keep,
+        powersgd_rank=ns.powersgd_rank,
+        powersgd_start_step=ns.powersgd_start_step,
+        allow_device_mismatch=ns.allow_device_mismatch,
+        compile=ns.compile,
+        inject_bad_gradients=ns.inject_bad_gradients,
+        inject_slowdown=slowdown,
+    )
+
+
+def _rank_and_seconds(parser: argparse.ArgumentParser, text: str) -> tuple[int, float]:
+    rank, _, seconds = text.partition(":")
+    try:
+        value = (int(rank), float(seconds))
+    except ValueError:
+        value = (-1, -1.0)
+    if value[0] < 0 or not value[1] >= 0:
+        parser.error(f"--inject-slowdown {text!r} must be RANK:SECONDS, e.g. 1:0.01")
+    return value
+
+
+def world_size_from_env() -> int | None:
+    """The world size torchrun set, or None when the program runs without torchrun."""
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replan:
+    """What a program needs to say how to go on when it is started on other nodes than
+    planned ([Note: membership change]): the ``hetpar plan`` request of its plan and
+    where its checkpoints are."""
+
+    model_file: str  # MODEL_FILE, next to the program
+    plan_options: str  # hetpar plan options that ask for this plan again, e.g. "--global-batch 8 --dtype fp32"
+    device_types: list[str]  # DEVICE_TYPES: the plan's device type of each rank
+    checkpoint_dir: Path | None  # --checkpoint-dir
+
+
+def check_launch(expected: int, program: str, replan: Replan | None = None) -> None:
+    """Exit with code 2 and one line on stderr unless torchrun started ``expected``
+    processes that can meet; with ``replan``, a start on other nodes than planned (an
+    elastic job's membership changed) says how to re-plan and resume.
+
+    A plan for one process also runs as plain ``python train.py``: the rendezvous
+    variables torchrun would set are filled in for a single local process.
+    ``torchrun --master-port 0`` hands the workers port 0 instead of the port it bound,
+    so they would wait for the whole timeout; that is refused at once.
+    """
+    check_world_size(expected, program, replan)
+    if os.environ.get("MASTER_PORT") == "0":
+        _fail(
+            "torchrun --master-port 0 gives the workers port 0, so they cannot meet; pass a free port, "
+            "or --rdzv-backend=c10d --rdzv-endpoint=localhost:0"
+        )
+
+
+def check_world_size(expected: int, program: str, replan: Replan | None = None) -> None:
+    """Exit with code 2 and one line on stderr unless torchrun started ``expected`` processes.
+
+    [Note: membership change]
+    An elastic job (``hetpar compile --elastic MIN:MAX``: torchrun ``--nnodes=MIN:MAX``
+    with the c10d rendezvous) goes on when a node is lost or added: torchrun stops every
+    worker and starts them again with the new world size. A plan is for one world size,
+    so the program then stops before it joins the others: the first process of each host
+    prints one line with the ``hetpar plan ... --resume-from`` command that plans for the
+    nodes there are and continues from the newest checkpoint, and every process exits
+    with code 2. torchrun counts that as a failure and, while restarts are left, tries a
+    new rendezvous, which trains on if the planned nodes are back; otherwise the job
+    ends with that line. The launch files set ``HETPAR_ELASTIC``; a start on several
+    nodes (``GROUP_WORLD_SIZE`` > 1) says the same.
+    """
+    started = world_size_from_env()
+    if started is None and expected == 1:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        return
+    if started == expected:
+        return
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE") or 1)
+    if replan is not None and started is not None and (os.environ.get("HETPAR_ELASTIC") or nodes > 1):
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or started)
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"hetpar: {replan_message(expected, nodes, per_node, program, replan)}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    name = Path(program).name
+    got = "it was started without torchrun" if started is None else (
+        f"torchrun started {started} process{'es' if started != 1 else ''}"
+    )
+    _fail(f"this program was compiled for world size {expected} but {got}; run: torchrun --nproc_per_node={expected} {name}")
+
+
+def replan_message(expected: int, nodes: int, per_node: int, program: str, replan: Replan) -> str:
+    """The line of [Note: membership change]: what torchrun started, and the commands that
+    re-plan for it and resume from the newest checkpoint in ``replan.checkpoint_dir``."""
+    from hetpar.runtime.checkpoint import list_complete
+
+    started = nodes * per_node
+    kinds = sorted(set(replan.device_types))
+    one_type = len(kinds) == 1
+    cluster = f"{nodes}x{per_node}x{kinds[0]}" if one_type else "<the nodes there are>"
+    model = Path(program).resolve().with_name(replan.model_file)
+    found = list_complete(replan.checkpoint_dir) if replan.checkpoint_dir is not None else []
+    resume = f" --resume-from {replan.checkpoint_dir}" if found else ""
+    if found:
+        where = f"resume from the newest checkpoint (step {found[0].step} in {replan.checkpoint_dir})"
+    elif replan.checkpoint_dir is not None:
+        where = f"start again (no checkpoint in {replan.checkpoint_dir} yet, so from step 0)"
+    else:
+        where = "start again (no --checkpoint-dir, so from step 0)"
+    return (
+        f"the job's nodes changed: torchrun started {started} process{'es' if started != 1 else ''} "
+        f"({nodes} node{'s' if nodes != 1 else ''} of {per_node}), this program is planned for {expected}; it stops "
+        f"here. To go on with these nodes, re-plan and {where}: hetpar plan {model} --cluster {cluster} "
+        f"{replan.plan_options}{resume} -o plan.json && hetpar compile plan.json -o "
+        f"{'build-' + cluster if one_type else '<new build dir>'}, then launch the new build"
+    )
+
+
+def _fail(message: str) -> None:
+    print(f"hetpar: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+__all__ = ["Replan", "TrainArgs", "check_launch", "check_world_size", "parse_args", "replan_message",
+           "world_size_from_env"]

@@ -1,0 +1,242 @@
+"""The parts of a training step around the pipeline: optimizer, the reported loss,
+progress and metrics, and the final state_dict. (Data-parallel gradients:
+runtime.data_parallel; loss scaling: runtime.precision; checkpoints: runtime.checkpoint.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from hetpar.runtime.distributed import Placement, StageSpec
+from hetpar.runtime.shard import chunk_modules
+
+
+def make_optimizer(name: str, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """Plain SGD (no momentum) or AdamW with torch's defaults, at learning rate ``lr``.
+
+    AdamW on GPU parameters is torch's fused kernel (one launch for all tensors, as
+    torchtitan does); on a CPU the default implementation, whose arithmetic the
+    distributed tests compare with one process.
+    """
+    params = list(params)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adamw":
+        fused = bool(params) and all(p.device.type == "cuda" for p in params)
+        return torch.optim.AdamW(params, lr=lr, fused=fused or None)
+    raise ValueError(f"unknown optimizer {name!r}; choose sgd or adamw")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def announce(me: Placement, stage: StageSpec, grad_sync: object) -> None:
+    """One line on stderr per stage, from its first rank: how it is run, e.g.
+    ``hetpar: stage 1 (layers 2-3): tp 1, ZeRO-3 through FSDP2 over 2 replicas, recompute full``."""
+    if me.replica == 0 and me.tp_index == 0:
+        first, last = stage.layers
+        print(f"hetpar: stage {me.stage} (layers {first}-{last}): tp {stage.tensor_parallel}, {grad_sync}, "
+              f"recompute {stage.recompute}", file=sys.stderr, flush=True)
+
+
+class LossReport:
+    """The mean loss of each step's global batch, reduced without holding up the next step.
+
+    [Note: loss report]
+    ``local_loss`` is a replica's mean over its micro-batches on the last stage. The
+    tensor-parallel index 0 of each replica of the last stage contributes
+    ``local_loss / dp``, every other rank zero, and one all-reduce over the world sums.
+    The all-reduce is asynchronous and a step's line is logged once the next step's
+    report starts (or at ``flush``): a blocking one would hold every rank at the end of
+    each step until the last stage finished, where a pipeline's first stages would
+    otherwise start the next step's forwards while the last ones finish the step (as a
+    hand-written ``torch.distributed.pipelining`` loop does). By the time step k + 1
+    ends, every rank has passed step k's report, so waiting for it stalls nothing.
+    ``flush`` before a checkpoint keeps the metrics file complete up to the checkpoint.
+    """
+
+    def __init__(self, me: Placement, logger: "StepLogger", *, last_stage: int, data_parallel: int):
+        self.me, self.logger = me, logger
+        self.last_stage, self.data_parallel = last_stage, data_parallel
+        self._pending: tuple[int, float, torch.Tensor, dist.Work] | None = None
+
+    def submit(self, step: int, local_loss: torch.Tensor, step_time_s: float) -> None:
+        """Start step ``step``'s all-reduce (collective) and log the step before it."""
+        reports = self.me.stage == self.last_stage and self.me.tp_index == 0
+        value = (local_loss.detach().float() / self.data_parallel) if reports else torch.zeros((), device=local_loss.device)
+        value = value.reshape(1).clone()
+        work = dist.all_reduce(value, op=dist.ReduceOp.SUM, async_op=True)
+        self.flush()
+        self._pending = (step, step_time_s, value, work)
+
+    def flush(self) -> None:
+        """Wait for the pending report, if any, and log it."""
+        if self._pending is not None:
+            step, step_time_s, value, work = self._pending
+            self._pending = None
+            work.wait()
+            self.logger.log(step, float(value.item()), step_time_s)
+
+
+class StepLogger:
+    """A progress line per step on stderr, and one JSON line per step in ``metrics``.
+
+    [Note: metrics file]
+    The metrics file holds one JSON object per line. A step's line is
+    ``{"kind": "step", "step", "loss", "step_time_s", "samples_per_s"}``; every other
+    record names another ``kind`` (``"stages"``: each pipeline rank's seconds per
+    micro-batch, which ``hetpar validate`` reads), and a reader of steps skips it
+    (``step_records``). docs/running.md documents the contract.
+
+    Only the rank that logs (rank 0) writes. The metrics file is truncated at start; a
+    run resumed after step ``start_step`` keeps the records of steps up to it and drops
+    later ones (steps the interrupted run did after its last checkpoint), so the file
+    ends up with every step once.
+    """
+
+    def __init__(self, *, enabled: bool, total_steps: int, global_batch_size: int, metrics: Path | None,
+                 start_step: int = 0):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.global_batch_size = global_batch_size
+        self._file = None
+        if enabled and metrics is not None:
+            metrics.parent.mkdir(parents=True, exist_ok=True)
+            kept = _records_up_to(metrics, start_step) if start_step > 0 else []
+            self._file = open(metrics, "w")
+            self._file.writelines(kept)
+            self._file.flush()
+
+    def log(self, step: int, loss: float, step_time_s: float) -> None:
+        """Record step ``step`` (1-based)."""
+        if not self.enabled:
+            return
+        samples_per_s = self.global_batch_size / step_time_s if step_time_s > 0 else float("inf")
+        width = len(str(self.total_steps))
+        print(
+            f"step {step:>{width}}/{self.total_steps} | loss {loss:.6f} | "
+            f"{step_time_s * 1e3:8.1f} ms | {samples_per_s:9.1f} samples/s",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self._file is not None:
+            record = {"kind": "step", "step": step, "loss": loss, "step_time_s": step_time_s, "samples_per_s": samples_per_s}
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def log_stages(self, stages: list[dict]) -> None:
+        """Record each pipeline rank's seconds per micro-batch (``report_stage_times``)."""
+        if not self.enabled:
+            return
+        times = ", ".join(f"stage {s['stage']} forward {s['fwd_s'] * 1e3:.2f} ms backward {s['bwd_s'] * 1e3:.2f} ms" for s in stages)
+        print(f"per micro-batch: {times}", file=sys.stderr, flush=True)
+        if self._file is not None:
+            self._file.write(json.dumps({"kind": "stages", "stages": stages}) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def report_stage_times(me: Placement, times: list[tuple[float, float]], num_microbatches: int, logger: StepLogger) -> None:
+    """Log each pipeline rank's forward and backward seconds per micro-batch (collective).
+
+    ``times`` holds this rank's (forward, backward) seconds of each step, receives'
+    waits left out (``StepTimer.steps``); a rank's figure is the median over the
+    steps divided by the micro-batches. Replica 0, tensor-parallel index 0 of each
+    pipeline rank reports; rank 0 logs them (``StepLogger.log_stages``).
+    """
+    mine = None
+    if me.replica == 0 and me.tp_index == 0 and times:
+        mine = {"stage": me.stage, "fwd_s": statistics.median(f for f, _ in times) / num_microbatches,
+                "bwd_s": statistics.median(b for _, b in times) / num_microbatches}
+    gathered: list | None = [None] * dist.get_world_size() if me.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is not None:
+        logger.log_stages(sorted((g for g in gathered if g is not None), key=lambda g: g["stage"]))
+
+
+def read_metrics(metrics: Path, kind: str = "step") -> list[dict]:
+    """The records of one ``kind`` in a metrics file, in file order ([Note: metrics file]).
+
+    A line cut short (a crash mid-write) is skipped.
+    """
+    records = []
+    for line in Path(metrics).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("kind") == kind:
+            records.append(record)
+    return records
+
+
+def _records_up_to(metrics: Path, step: int) -> list[str]:
+    if not metrics.is_file():
+        return []
+    kept = []
+    for line in metrics.read_text().splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the crash
+        if isinstance(record, dict) and record.get("kind") == "step" and isinstance(record.get("step"), int) \
+                and record["step"] <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
+
+
+def save_full_state(path: Path, model: nn.Module, stage_module: nn.Module, me: Placement) -> None:
+    """Gather the trained full state_dict to rank 0 and write it atomically (collective).
+
+    Every rank turns its stage's DTensors into full tensors (collective within its
+    tensor-parallel group); replica 0, tensor-parallel index 0 of each stage sends its
+    stage's tensors to rank 0. Rank 0 orders the keys as ``model.state_dict()`` does;
+    a key no stage holds (a parameter no layer uses) keeps rank 0's value.
+    """
+    local = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        for chunk in chunk_modules(stage_module)  # the stage, or each chunk under the interleaved schedule
+        for k, v in chunk.state_dict().items()
+    }
+    mine = local if (me.replica, me.tp_index) == (0, 0) else {}
+    gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] if me.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if me.rank != 0:
+        return
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    full = {k: merged[k] if k in merged else _local(v).detach().cpu() for k, v in model.state_dict().items()}
+    save_atomic(full, path)
+
+
+def save_atomic(obj: object, path: Path) -> None:
+    """``torch.save`` through a temporary file in the same directory and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+__all__ = ["LossReport", "StepLogger", "announce", "make_optimizer", "read_metrics", "report_stage_times", "save_atomic", "save_full_state"]

@@ -1,5 +1,0 @@
-"""rewriters: ParallelPlan -> a runnable torch program and its launch files. Reads planner.plan only."""
-
-from rewriters.torchrun import CompileError, compile_plan
-
-__all__ = ["CompileError", "compile_plan"]
