@@ -131,6 +131,7 @@ from hetpar.cost_models.compute import layer_timing, optimizer_rates
 from hetpar.cost_models.devices import DeviceProfile, MeasuredCollective, ProfileError
 from hetpar.cost_models.layers import LayerProfile
 from hetpar.cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
+from hetpar.vocabulary import DType, Optimizer
 
 # The cost model charges each op three launches per micro-batch; see [Note: calibrated fits].
 LAUNCHES_PER_OP = 3
@@ -228,11 +229,11 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
     if measurements.get("device", "cpu") == "cpu":  # [Note: weight traffic] in cost_models/compute.py
         fields["weight_stream_bytes_per_s"] = copy[0] / copy[1]
     rows = measurements.get("matmul_rows")
-    if rows and "fp32" in peaks:
-        fields["matmul_rows_efficiency"] = rows_curves(rows, peaks["fp32"])
+    if rows and DType.FP32 in peaks:
+        fields["matmul_rows_efficiency"] = rows_curves(rows, peaks[DType.FP32])
         narrow = measurements.get("matmul_rows_narrow")
         if narrow:
-            fields["matmul_narrow_efficiency"] = rows_curves(narrow, peaks["fp32"])
+            fields["matmul_narrow_efficiency"] = rows_curves(narrow, peaks[DType.FP32])
             try:
                 fields["matmul_narrow_width"] = int(narrow["width"])
             except (KeyError, TypeError, ValueError):
@@ -308,7 +309,7 @@ def layer_corrections(profile: DeviceProfile, timed: dict[str, Any], layers: Seq
     """
     by_name = {layer.name: layer for layer in layers}
     ratios: dict[str, dict[str, Any]] = {}
-    dtype = timed.get("dtype", "fp32")  # the autocast dtype the layers ran in
+    dtype = timed.get("dtype", DType.FP32)  # the autocast dtype the layers ran in
     try:
         for row in timed["layers"]:
             layer = by_name.get(row["name"])
@@ -383,7 +384,7 @@ def _runtime_fit(profile: DeviceProfile, step: dict[str, Any], layers: Sequence[
     all-reduce's wait together against one all-reduce of the gradients at the fitted
     alpha and beta (None for one worker, which has no all-reduce)."""
     try:
-        batch, workers, dtype = int(step["batch_size"]), int(step["workers"]), step.get("dtype", "fp32")
+        batch, workers, dtype = int(step["batch_size"]), int(step["workers"]), step.get("dtype", DType.FP32)
         slopes = [1.0 / fit_line([(float(m), float(compute)) for m, compute, _, _ in step["steps"]])[1]]
         if "passes" in step:
             slopes = [1.0 / fit_line([(float(row[0]), float(row[1 + k])) for row in step["passes"]])[1] for k in (0, 1)]
@@ -428,7 +429,7 @@ def _reference_efficiencies(profile: DeviceProfile, reference: dict[str, Any], l
     """(forward, backward) fractions of the fitted rates that the reference model's
     kernels reach: the layer cost model's FLOP and byte seconds at efficiency 1 over the
     measured seconds less the per-op overheads it charges; see [Note: calibrated fits]."""
-    batch, dtype = int(reference["batch_size"]), reference.get("dtype", "fp32")
+    batch, dtype = int(reference["batch_size"]), reference.get("dtype", DType.FP32)
     times = [layer_timing(l, profile, tp=1, micro_batch_size=batch, dtype=dtype, kernel_efficiency=1.0) for l in layers]
     launch = sum(l.num_ops for l in layers) * (profile.op_overhead_s or 0.0)
     fwd_work = sum(t.fwd_s for t in times) - launch
@@ -450,7 +451,7 @@ def _tensor_parallel_costs(profile: DeviceProfile, step: dict[str, Any], layers:
         optimizer_s = statistics.median(float(optimizer) for _, _, optimizer in step["steps"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileError(f"profile measurements: reference_tp_step is malformed ({exc})") from None
-    layer_s = sum(t.fwd_s + t.bwd_s for t in (layer_timing(l, profile, tp=tp, micro_batch_size=batch, dtype="fp32") for l in layers))
+    layer_s = sum(t.fwd_s + t.bwd_s for t in (layer_timing(l, profile, tp=tp, micro_batch_size=batch, dtype=DType.FP32) for l in layers))
     collective_s, collectives = 0.0, 0
     for layer in layers:
         for _, kind, nbytes in layer.tp_collectives:
@@ -458,7 +459,7 @@ def _tensor_parallel_costs(profile: DeviceProfile, step: dict[str, Any], layers:
             collective_s += measured_collective_s(name, profile.collectives[name], nbytes * batch, tp)
             collectives += 1
     per_collective = max(0.0, 1.0 / microbatches_per_s - layer_s - collective_s) / collectives
-    plain_s = optimizer_rates(profile).seconds(sum(l.params_at(tp) for l in layers) * OPTIMIZER_BYTES_PER_PARAM["adamw"],
+    plain_s = optimizer_rates(profile).seconds(sum(l.params_at(tp) for l in layers) * OPTIMIZER_BYTES_PER_PARAM[Optimizer.ADAMW],
                                                sum(l.param_tensors for l in layers))
     sharded = sum(l.tp_sharded_tensors for l in layers)
     return per_collective, (max(0.0, optimizer_s - plain_s) / sharded if sharded else 0.0)

@@ -40,8 +40,9 @@ import math
 from dataclasses import dataclass, replace
 
 from hetpar.cost_models.layers import LayerProfile
+from hetpar.vocabulary import DType
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2}
 
 # Per-op launch/dispatch cost when a profile does not state one (the built-in cpu
 # profile; a measured one and the GPU datasheet profiles state ``op_overhead_s``, charged

@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import tomllib
+from hetpar.vocabulary import Precision
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,19 +24,19 @@ COLLECTIVE_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "
 
 # Spellings users and torch use for the same dtype; the profile keys are the values.
 _DTYPE_ALIASES = {
-    "float32": "fp32",
-    "float": "fp32",
-    "torch.float32": "fp32",
-    "bfloat16": "bf16",
-    "torch.bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-    "torch.float16": "fp16",
-    "tensorfloat32": "tf32",
-    "float8": "fp8",
+    "float32": Precision.FP32,
+    "float": Precision.FP32,
+    "torch.float32": Precision.FP32,
+    "bfloat16": Precision.BF16,
+    "torch.bfloat16": Precision.BF16,
+    "float16": Precision.FP16,
+    "half": Precision.FP16,
+    "torch.float16": Precision.FP16,
+    "tensorfloat32": Precision.TF32,
+    "float8": Precision.FP8,
 }
-_KNOWN_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
-_REQUIRED_DTYPES = ("fp32",)
+_KNOWN_DTYPES = tuple(Precision)
+_REQUIRED_DTYPES = (Precision.FP32,)
 
 _NUMERIC_FIELDS = (
     "memory_bytes",
@@ -191,7 +192,7 @@ class DeviceProfile:
             return self.peak_flops_per_s[key]
         if key not in _KNOWN_DTYPES:
             raise ProfileError(f"unknown dtype '{dtype}'; known: {', '.join(_KNOWN_DTYPES)}")
-        alternatives = [d for d in ("bf16", "fp16", "fp32") if d in self.peak_flops_per_s]
+        alternatives = [d for d in (Precision.BF16, Precision.FP16, Precision.FP32) if d in self.peak_flops_per_s]
         raise ProfileError(f"{self.name} has no {key}; use --dtype {alternatives[0]}")
 
     def achievable_matmul_flops(self, dtype: str) -> float:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from hetpar.cost_models.collectives import all_gather_time_s, all_reduce_time_s
+from hetpar.vocabulary import AggregationKind, CompressionKind, DType, Optimizer, SyncScope
 
 # Memory traffic of each encoding, in bytes per gradient element, counted from the
 # runtime's tensor operations (each reads its inputs and writes its output once):
@@ -44,7 +45,7 @@ SIGN_ENCODE_BYTES = 45.0  # + residual (12), mean |.| (4), >= 0 (5), +-s (9), ne
 SIGN_DECODE_BYTES_PER_REPLICA = 24.0  # unpack to int32 bits (read 1/8, write 4), +-s (8), accumulate (12)
 SORT_BYTES_PER_VALUE = 24.0  # a sort along dp reads and writes each gathered value and its index, then the kept ones are summed
 DISTANCE_BYTES_PER_PAIR = 24.0  # two rows read as float64 (16), the squared difference written and summed (8)
-OPTIMIZER_STATE_BYTES = {"sgd": 0.0, "adamw": 8.0}  # float32 state per parameter local SGD averages (AdamW's moments)
+OPTIMIZER_STATE_BYTES = {Optimizer.SGD: 0.0, Optimizer.ADAMW: 8.0}  # float32 state per parameter local SGD averages (AdamW's moments)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,8 +53,8 @@ class SyncMethod:
     """How a stage's replicas agree, as the cost model sees it (planner.sync_methods builds it
     from the plan's options)."""
 
-    name: str = "none"  # as the plan or the user writes it, for reports
-    kind: str = "none"  # none | cast | powersgd | topk | sign | coordinate | krum | local_sgd
+    name: str = CompressionKind.NONE  # as the plan or the user writes it, for reports
+    kind: str = CompressionKind.NONE  # none | cast | powersgd | topk | sign | coordinate | krum | local_sgd
     rank: int = 1  # powersgd: approximation rank
     fraction: float = 1.0  # topk: share of the elements sent
     width: float = 1.0  # powersgd: the model's typical weight-matrix width
@@ -63,7 +64,7 @@ class SyncMethod:
 
     @property
     def plain(self) -> bool:
-        return self.kind == "none"
+        return self.kind == CompressionKind.NONE
 
 
 PLAIN = SyncMethod()
@@ -79,7 +80,7 @@ def collective_over(group: Sequence[int], cluster, *, concurrent: int = 1) -> Co
     times = {"all_reduce": all_reduce_time_s, "all_gather": all_gather_time_s}
 
     def seconds(kind: str, nbytes: float, scope: str) -> float:
-        return times[kind](nbytes, inside if scope == "node" else list(group), cluster, concurrent=concurrent)
+        return times[kind](nbytes, inside if scope == SyncScope.NODE else list(group), cluster, concurrent=concurrent)
 
     return seconds
 
@@ -96,29 +97,29 @@ def sync_seconds(method: SyncMethod, params: float, elem_bytes: float, dp: int, 
         return 0.0
     memory_s = params / device.mem_bw_bytes_per_s  # seconds per byte of traffic per element, times params
     k = method.kind
-    if k == "none":
-        return collective("all_reduce", params * elem_bytes, "all")
+    if k == CompressionKind.NONE:
+        return collective("all_reduce", params * elem_bytes, SyncScope.ALL)
     if k == "cast":
-        return collective("all_reduce", params * 2, "all") + CAST_BYTES * memory_s
-    if k == "powersgd":
+        return collective("all_reduce", params * 2, SyncScope.ALL) + CAST_BYTES * memory_s
+    if k == CompressionKind.POWERSGD:
         share = min(1.0, 2 * method.rank / method.width)
-        flops_s = 6 * method.rank * params / device.peak_flops("fp32")
-        return collective("all_reduce", params * 4 * share, "all") + flops_s + POWERSGD_FEEDBACK_BYTES * memory_s
-    if k == "topk":
+        flops_s = 6 * method.rank * params / device.peak_flops(DType.FP32)
+        return collective("all_reduce", params * 4 * share, SyncScope.ALL) + flops_s + POWERSGD_FEEDBACK_BYTES * memory_s
+    if k == CompressionKind.TOPK:
         sent = method.fraction * dp
-        return (collective("all_gather", dp * params * 8 * method.fraction, "all")
+        return (collective("all_gather", dp * params * 8 * method.fraction, SyncScope.ALL)
                 + (TOPK_ENCODE_BYTES + 4 + TOPK_DECODE_BYTES_PER_SENT * sent) * memory_s)
-    if k == "sign":
-        return collective("all_gather", dp * params / 8, "all") + (SIGN_ENCODE_BYTES + SIGN_DECODE_BYTES_PER_REPLICA * dp) * memory_s
+    if k == CompressionKind.SIGN:
+        return collective("all_gather", dp * params / 8, SyncScope.ALL) + (SIGN_ENCODE_BYTES + SIGN_DECODE_BYTES_PER_REPLICA * dp) * memory_s
     if k == "coordinate":
-        return collective("all_gather", dp * params * elem_bytes, "all") + SORT_BYTES_PER_VALUE * dp * memory_s
-    if k == "krum":
+        return collective("all_gather", dp * params * elem_bytes, SyncScope.ALL) + SORT_BYTES_PER_VALUE * dp * memory_s
+    if k == AggregationKind.KRUM:
         pairs = dp * (dp - 1) / 2
-        return (collective("all_gather", dp * params * elem_bytes, "all") + collective("all_reduce", params * elem_bytes, "all")
+        return (collective("all_gather", dp * params * elem_bytes, SyncScope.ALL) + collective("all_reduce", params * elem_bytes, SyncScope.ALL)
                 + DISTANCE_BYTES_PER_PAIR * pairs * memory_s)
     if k == "local_sgd":
-        inside = collective("all_reduce", params * elem_bytes, "node") if method.inside_node else 0.0
-        return inside + collective("all_reduce", params * (4 + method.state_bytes), "all") / method.every
+        inside = collective("all_reduce", params * elem_bytes, SyncScope.NODE) if method.inside_node else 0.0
+        return inside + collective("all_reduce", params * (4 + method.state_bytes), SyncScope.ALL) / method.every
     raise ValueError(f"unknown sync method kind {k!r}")
 
 

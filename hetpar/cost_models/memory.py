@@ -40,15 +40,16 @@ from dataclasses import dataclass
 
 from hetpar.cost_models.compute import dtype_bytes
 from hetpar.cost_models.layers import LayerProfile
+from hetpar.vocabulary import Optimizer, Recompute, ZeroStage
 
 # Allocator fragmentation and workspace margin on top of the tensors we count: a
 # documented conservative choice (PyTorch's caching allocator typically reserves
 # 5-15% above allocated bytes), not a measured constant.
 FRAGMENTATION_MARGIN = 1.10
 
-RECOMPUTE_CHOICES = ("none", "selective", "full")
-ZERO_STAGES = (0, 1, 2, 3)
-OPTIMIZERS = ("adamw", "adam", "sgd")
+RECOMPUTE_CHOICES = tuple(Recompute)
+ZERO_STAGES = tuple(ZeroStage)
+OPTIMIZERS = tuple(Optimizer)
 
 # Of a transformer layer's saved activations, the share its weight gradients (W) need
 # once the input gradient (B) is done: the inputs of the four matmuls, 2sbh (QKV) +
@@ -60,7 +61,7 @@ WEIGHT_GRAD_ACTIVATION_SHARE = 14 / 34
 # mixed precision, 4 in fp32), reads and writes the fp32 master weight (8) and both fp32
 # moments (16), and writes the working copy (2; none in fp32, the master is it): 28
 # either way. SGD without momentum: gradient, master read and write, copy: 12.
-OPTIMIZER_BYTES_PER_PARAM = {"adamw": 28, "adam": 28, "sgd": 12}
+OPTIMIZER_BYTES_PER_PARAM = {Optimizer.ADAMW: 28, Optimizer.ADAM: 28, Optimizer.SGD: 12}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +102,7 @@ class MemoryBreakdown:
         return max(terms, key=terms.get)
 
 
-def check_choices(*, optimizer: str = "adamw", zero_stage: int = 0, recompute: str = "none") -> None:
+def check_choices(*, optimizer: str = Optimizer.ADAMW, zero_stage: int = 0, recompute: str = Recompute.NONE) -> None:
     """Raise ValueError naming a choice this module does not know.
 
     Raises:
@@ -115,16 +116,16 @@ def check_choices(*, optimizer: str = "adamw", zero_stage: int = 0, recompute: s
         raise ValueError(f"unknown recompute {recompute!r}; use one of {', '.join(RECOMPUTE_CHOICES)}")
 
 
-def state_bytes_per_param(dtype: str, optimizer: str = "adamw") -> tuple[float, float, float]:
+def state_bytes_per_param(dtype: str, optimizer: str = Optimizer.ADAMW) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter; see [Note: training-state bytes per parameter]."""
     w = dtype_bytes(dtype)
     master = 4 if w < 4 else 0
-    moments = 0 if optimizer == "sgd" else 8
+    moments = 0 if optimizer == Optimizer.SGD else 8
     return float(w), float(w), float(master + moments)
 
 
 def training_state_bytes(
-    layers: Sequence[LayerProfile], *, tp: int, dtype: str, optimizer: str = "adamw", dp: int = 1, zero_stage: int = 0,
+    layers: Sequence[LayerProfile], *, tp: int, dtype: str, optimizer: str = Optimizer.ADAMW, dp: int = 1, zero_stage: int = 0,
     extra_params: float = 0.0,
 ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes one rank holds for ``layers``; see [Note: ZeRO stages].
@@ -154,7 +155,7 @@ def training_state_bytes(
     return weights, grads, opt
 
 
-def sharded_state_bytes_per_param(dtype: str, optimizer: str = "adamw", *, dp: int = 1, zero_stage: int = 0) -> tuple[float, float, float]:
+def sharded_state_bytes_per_param(dtype: str, optimizer: str = Optimizer.ADAMW, *, dp: int = 1, zero_stage: int = 0) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes one rank keeps per parameter of its stage under
     ZeRO ``zero_stage`` over ``dp`` replicas, between steps; see [Note: ZeRO stages].
 
@@ -165,7 +166,7 @@ def sharded_state_bytes_per_param(dtype: str, optimizer: str = "adamw", *, dp: i
     return w * shard[0], g * shard[1], o * shard[2]
 
 
-def zero3_buffer_bytes(layer: LayerProfile, *, tp: int, dtype: str, optimizer: str = "adamw") -> float:
+def zero3_buffer_bytes(layer: LayerProfile, *, tp: int, dtype: str, optimizer: str = Optimizer.ADAMW) -> float:
     """What a ZeRO-3 rank holds gathered when ``layer`` is its stage's largest: two layers'
     full weights (running and prefetched) and one layer's full gradient; see [Note: ZeRO stages]."""
     w, g, _ = state_bytes_per_param(dtype, optimizer)
@@ -173,7 +174,7 @@ def zero3_buffer_bytes(layer: LayerProfile, *, tp: int, dtype: str, optimizer: s
 
 
 def activation_bytes_per_microbatch(
-    layers: Sequence[LayerProfile], *, tp: int, micro_batch_size: int, dtype: str, recompute: str = "none",
+    layers: Sequence[LayerProfile], *, tp: int, micro_batch_size: int, dtype: str, recompute: str = Recompute.NONE,
     input_bytes: float = 0.0,
 ) -> float:
     """Bytes one rank keeps between the forward and backward of one micro-batch; see
@@ -189,7 +190,7 @@ def activation_bytes_per_microbatch(
     """
     check_choices(recompute=recompute)
     scale = dtype_bytes(dtype) / 4 * micro_batch_size
-    if recompute != "full":
+    if recompute != Recompute.FULL:
         return sum(l.saved_bytes_at(tp) for l in layers) * scale
     inputs = [input_bytes] + [l.boundary_bytes for l in layers[:-1]]
     return sum(inputs) * scale
@@ -197,7 +198,7 @@ def activation_bytes_per_microbatch(
 
 def recompute_workspace_bytes(layers: Sequence[LayerProfile], *, tp: int, micro_batch_size: int, dtype: str, recompute: str) -> float:
     """Bytes a rank needs while full recompute rebuilds one layer (the largest) for backward; 0 otherwise."""
-    if recompute != "full" or not layers:
+    if recompute != Recompute.FULL or not layers:
         return 0.0
     return max(l.saved_bytes_at(tp) for l in layers) * dtype_bytes(dtype) / 4 * micro_batch_size
 
@@ -209,10 +210,10 @@ def stage_memory(
     micro_batch_size: int,
     in_flight: float,
     dtype: str,
-    optimizer: str = "adamw",
+    optimizer: str = Optimizer.ADAMW,
     dp: int = 1,
     zero_stage: int = 0,
-    recompute: str = "none",
+    recompute: str = Recompute.NONE,
     input_bytes: float = 0.0,
 ) -> MemoryBreakdown:
     """Memory of a stage holding ``layers`` on one rank, with ``in_flight`` micro-batches' activations.

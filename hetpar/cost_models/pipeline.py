@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")  # the schedules hetpar knows; runtime.schedule.SCHEDULES is this list, a test says so
+from hetpar.vocabulary import Schedule
+
+SCHEDULES = tuple(Schedule)  # the schedules hetpar knows
 
 # [Note: pipeline bubble closed forms]
 # For p equal stages whose micro-batch takes t_f forward and t_b backward (t_b = B + W
@@ -84,10 +86,10 @@ def linear_step_weights(schedule: str, *, num_stages: int, num_microbatches: int
     p, m, v = num_stages, num_microbatches, virtual_stages
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if v != 1 and schedule != "interleaved":
+    if v != 1 and schedule != Schedule.INTERLEAVED:
         raise ValueError(f"virtual stages ({v}) need the interleaved schedule, not {schedule!r}")
     scale = p * v
-    zb = schedule == "zb"
+    zb = schedule == Schedule.ZERO_BUBBLE
     k = min(m, p) - 1
     return LinearStepWeights(scale=scale, chunk_sum=p, weight_sum=(p + k) if zb else 0, round_max=p * (v * m - 1),
                              weight_max=p if zb else 0, epilogue_max=scale)
@@ -132,10 +134,10 @@ def bubble_time_s(
         ValueError: unknown schedule.
     """
     p = num_stages
-    if schedule in ("1f1b", "gpipe"):
+    if schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
         return (p - 1) * (fwd_s + bwd_s)
-    if schedule == "interleaved":
+    if schedule == Schedule.INTERLEAVED:
         return (p - 1) * (fwd_s + bwd_s) / virtual_stages
-    if schedule == "zb":
+    if schedule == Schedule.ZERO_BUBBLE:
         return (p - 1) * (fwd_s + bwd_s - 2 * weight_s)
     raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")

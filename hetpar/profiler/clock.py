@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from hetpar.vocabulary import Precision
 
 CPU = torch.device("cpu")
 
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {Precision.FP32: torch.float32, Precision.TF32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
 def fingerprint() -> str:
@@ -57,8 +58,8 @@ def compute_dtype(device: torch.device) -> str:
     GPU that has bf16 tensor cores (compute capability 8 or more), fp16 on older ones,
     fp32 on a CPU."""
     if device.type != "cuda":
-        return "fp32"
-    return "bf16" if torch.cuda.get_device_capability(device)[0] >= 8 else "fp16"
+        return Precision.FP32
+    return Precision.BF16 if torch.cuda.get_device_capability(device)[0] >= 8 else Precision.FP16
 
 
 def matmul_dtypes(device: torch.device) -> list[str]:
@@ -66,13 +67,13 @@ def matmul_dtypes(device: torch.device) -> list[str]:
     bf16 is what autocast would run); on a GPU fp32, fp16 and, with tensor cores for
     them (compute capability 8 or more), tf32 and bf16."""
     if device.type != "cuda":
-        return ["fp32", "bf16"]
-    return ["fp32", "tf32", "bf16", "fp16"] if torch.cuda.get_device_capability(device)[0] >= 8 else ["fp32", "fp16"]
+        return [Precision.FP32, Precision.BF16]
+    return [Precision.FP32, Precision.TF32, Precision.BF16, Precision.FP16] if torch.cuda.get_device_capability(device)[0] >= 8 else [Precision.FP32, Precision.FP16]
 
 
 def autocast(device: torch.device, dtype: str):
     """``torch.autocast`` to ``dtype`` on ``device``, disabled for fp32 (as the executor runs a stage)."""
-    return torch.autocast(device.type, dtype=DTYPES[dtype], enabled=dtype != "fp32")
+    return torch.autocast(device.type, dtype=DTYPES[dtype], enabled=dtype != Precision.FP32)
 
 
 def synchronize(device: torch.device) -> None:

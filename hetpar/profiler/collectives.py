@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hetpar.profiler.clock import CPU, synchronize
+from hetpar.vocabulary import Optimizer
 
 
 def bench_collective(name: str, numel: int, rank: int, world: int, repeats: int, *, device: torch.device = CPU,
@@ -135,7 +136,7 @@ def step_overhead_s(repeats: int, *, device: torch.device = CPU) -> float:
 
     with torch.device(device):
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    optimizer = make_optimizer("adamw", model.parameters(), 1e-3)
+    optimizer = make_optimizer(Optimizer.ADAMW, model.parameters(), 1e-3)
     samples = []
     for i in range(repeats + 2):
         dist.barrier()

@@ -12,10 +12,11 @@ import torch
 import torch.nn as nn
 
 from hetpar.profiler.clock import CPU, autocast, mark, seconds_between, synchronize
+from hetpar.vocabulary import DType, Optimizer
 
 
 def layer_times(model_path: str, model_args: dict, batch_sizes: list[int], *, repeats: int, device: torch.device = CPU,
-                dtype: str = "fp32") -> dict:
+                dtype: str = DType.FP32) -> dict:
     """Forward and backward seconds of each of the planner's layers of a model file, at
     each micro-batch size in ``batch_sizes`` (medians over ``repeats``), on ``device``
     under autocast to ``dtype`` (fp32: none).
@@ -45,7 +46,7 @@ def layer_times(model_path: str, model_args: dict, batch_sizes: list[int], *, re
         model = spec.build_model()
     names: list[str] = []
     times: list[list[list[float]]] = []
-    optimizer = make_optimizer("adamw", model.parameters(), 1e-9)
+    optimizer = make_optimizer(Optimizer.ADAMW, model.parameters(), 1e-9)
     for batch in batch_sizes:
         names, stages, inputs, targets = layer_stages(model, spec, batch, device)
         samples = []
@@ -75,7 +76,7 @@ def layer_stages(model: nn.Module, spec, batch: int, device: torch.device = CPU)
 
 
 def chained_pass_s(stages, inputs: tuple, targets, loss_fn, *, device: torch.device = CPU,
-                   dtype: str = "fp32") -> list[tuple[float, float]]:
+                   dtype: str = DType.FP32) -> list[tuple[float, float]]:
     """(forward, backward) seconds of each one-layer stage in one training micro-batch;
     the parameters' gradients accumulate as one backward of the whole model's would.
     Each layer's time lies between two ``mark``s, read after one synchronize at the

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from hetpar.profiler.clock import CPU, DTYPES, median_time_s
+from hetpar.vocabulary import Optimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,14 +162,14 @@ def optimizer_times(*, repeats: int, device: torch.device = CPU, big_numel: int 
         params = [nn.Parameter(torch.randn(numel, device=device)) for _ in range(tensors)]
         for p in params:
             p.grad = torch.randn(numel, device=device)
-        optimizer = make_optimizer("adamw", params, 1e-3)
+        optimizer = make_optimizer(Optimizer.ADAMW, params, 1e-3)
         return median_time_s(optimizer.step, repeats=repeats, device=device)
 
     tiny_tensors, big_tensors = 256, 4
     per_tensor = step_s(tiny_tensors, 8) / tiny_tensors
     big = step_s(big_tensors, big_numel)
     return {"tensor_s": per_tensor, "param_s": max(big - big_tensors * per_tensor, 0.0) / (big_tensors * big_numel),
-            "optimizer": "adamw"}
+            "optimizer": Optimizer.ADAMW}
 
 
 ATTENTION_SEQS = (1024, 2048, 4096)  # sequence lengths of ``attention_times``

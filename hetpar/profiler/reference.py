@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from hetpar.profiler import reference_model
 from hetpar.profiler.clock import DTYPES, autocast, compute_dtype, median_sections_s, median_time_s, synchronize
+from hetpar.vocabulary import Optimizer, Schedule
 
 REFERENCE_MICROBATCHES = (1, 2, 4)  # micro-batch counts of the reference steps
 
@@ -147,7 +148,7 @@ def _timed_reference_steps(stage, model_file, sync, device: torch.device, *, rep
     from hetpar.runtime.training import make_optimizer
 
     none = Peers(recv_activations_from=None, send_activations_to=(), recv_grads_from=None, send_grads_to=())
-    optimizer = make_optimizer("adamw", stage.module.parameters(), 1e-6)
+    optimizer = make_optimizer(Optimizer.ADAMW, stage.module.parameters(), 1e-6)
     batch = reference_model.BATCH[model_file.model_args["size"]]
     steps, passes = [], []
     for m in REFERENCE_MICROBATCHES:
@@ -155,7 +156,7 @@ def _timed_reference_steps(stage, model_file, sync, device: torch.device, *, rep
                                               num_microbatches=m, device=device,
                                               compute_dtype=DTYPES[compute_dtype(device)],
                                               before_backward=sync.before_backward if sync else None)}
-        actions = schedule.make_schedule("1f1b", 1, m, 1)[0]
+        actions = schedule.make_schedule(Schedule.ONE_F_ONE_B, 1, m, 1)[0]
         data = [(tuple(t.to(device) for t in model_file.example_inputs(batch)), torch.zeros((), device=device))
                 for _ in range(m)]
 

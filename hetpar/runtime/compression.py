@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hetpar.runtime.buckets import GradientSync, all_gather_rows, flatten, grad_buckets, local, unflatten
+from hetpar.vocabulary import CompressionKind
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32)
 
@@ -102,14 +103,14 @@ class ErrorFeedbackSync(GradientSync):
         self.residuals: dict[int, torch.Tensor] = {}  # bucket index -> what this replica has not sent yet
 
     def __str__(self) -> str:
-        what = f"top-{self.fraction:g}" if self.kind == "topk" else "scaled sign"
+        what = f"top-{self.fraction:g}" if self.kind == CompressionKind.TOPK else "scaled sign"
         return f"{what} compression with error feedback, all-gathered over {self.group.size()} replicas"
 
     def reduce(self) -> None:
         for i, bucket in enumerate(grad_buckets(self.params)):
             grads = [local(p.grad) for p in bucket]
             flat = flatten(grads)
-            if self.kind == "topk":
+            if self.kind == CompressionKind.TOPK:
                 k = max(1, math.ceil(self.fraction * flat.numel()))
                 indices, values, self.residuals[i] = topk_compress(flat, self.residuals.get(i), k)
                 dense = topk_decompress(all_gather_rows(indices, self.group), all_gather_rows(values, self.group), flat.numel())

@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from hetpar.runtime.graph import Stage, TensorSpec
 from hetpar.runtime.recompute import MODES, checkpoint_call
+from hetpar.vocabulary import Recompute
 
 # Base-model classes whose forward is Llama's (embed, rotary tables, layers called with
 # the mask and the tables, final norm), by class: the embedding modules in the order the
@@ -126,7 +127,7 @@ class DecoderStage(nn.Module):
     """
 
     def __init__(self, model: nn.Module, layout: DecoderLayout, first_layer: int, last_layer: int, *,
-                 recompute: str = "none"):
+                 recompute: str = Recompute.NONE):
         super().__init__()
         if recompute not in MODES:
             raise ValueError(f"recompute {recompute!r} must be one of {', '.join(MODES)}")
@@ -257,7 +258,7 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def cut_module_stage(model: nn.Module, example_inputs: tuple, layers: tuple[int, int],
-                     layer_names: list[str] | tuple[str, ...], *, recompute: str = "none") -> Stage | None:
+                     layer_names: list[str] | tuple[str, ...], *, recompute: str = Recompute.NONE) -> Stage | None:
     """Layers ``layers[0]..layers[1]`` of ``model`` as a module stage ([Note: stages of
     the eager model]), or None when ``model`` is not one hetpar cuts that way.
 

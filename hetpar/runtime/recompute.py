@@ -28,9 +28,10 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from hetpar.vocabulary import Recompute
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-MODES = ("none", "selective", "full")
+MODES = tuple(Recompute)
 
 _aten = torch.ops.aten
 # Ops whose outputs selective recompute keeps (torchtitan's _save_list, less the collectives).
@@ -64,9 +65,9 @@ def apply_recompute(module: fx.GraphModule, node_layer: dict[str, int], mode: st
     """
     if mode not in MODES:
         raise ValueError(f"recompute {mode!r} must be one of {', '.join(MODES)}")
-    if mode == "none":
+    if mode == Recompute.NONE:
         return
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy) if mode == "selective" else None
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy) if mode == Recompute.SELECTIVE else None
     graph = module.graph
     segments = _layer_segments(graph, node_layer)
     new = fx.Graph()
@@ -145,10 +146,10 @@ def _checkpointed(fn: Callable[..., tuple], module: torch.nn.Module, context_fn:
 def checkpoint_call(fn: Callable[..., Any], *inputs: Any, mode: str) -> Any:
     """``fn(*inputs)``, under torch.utils.checkpoint unless ``mode`` is "none": a module
     stage's way to recompute a block it calls as a module (runtime.module_stage)."""
-    if mode == "none":
+    if mode == Recompute.NONE:
         return fn(*inputs)
     kwargs = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)} \
-        if mode == "selective" else {}
+        if mode == Recompute.SELECTIVE else {}
     return checkpoint(fn, *inputs, use_reentrant=False, **kwargs)
 
 

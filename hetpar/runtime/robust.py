@@ -33,16 +33,17 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hetpar.runtime.buckets import GradientSync, all_gather_rows, flatten, grad_buckets, local, unflatten
+from hetpar.vocabulary import AggregationKind
 
 
 def coordinate_rule(stacked: torch.Tensor, kind: str, trim: int = 0) -> torch.Tensor:
     """The trimmed mean (``trim`` per side) or median of (replicas, n) per coordinate."""
     n = stacked.shape[0]
-    if kind == "trimmed-mean":
+    if kind == AggregationKind.TRIMMED_MEAN:
         if trim == 0:
             return stacked.sum(0).div_(n)
         return stacked.sort(0).values[trim : n - trim].sum(0).div_(n - 2 * trim)
-    if kind == "median":
+    if kind == AggregationKind.MEDIAN:
         ordered = stacked.sort(0).values
         return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
     raise ValueError(f"unknown coordinate-wise rule {kind!r}")
@@ -79,13 +80,13 @@ class RobustAggregate(GradientSync):
         self.params, self.group, self.kind, self.param = list(params), group, kind, param
 
     def __str__(self) -> str:
-        rule = {"trimmed-mean": f"trimmed mean (B={self.param})", "median": "coordinate-wise median",
-                "krum": f"Multi-Krum (F={self.param})"}[self.kind]
+        rule = {AggregationKind.TRIMMED_MEAN: f"trimmed mean (B={self.param})", AggregationKind.MEDIAN: "coordinate-wise median",
+                AggregationKind.KRUM: f"Multi-Krum (F={self.param})"}[self.kind]
         return f"{rule} of {self.group.size()} replicas' gathered gradients"
 
     def reduce(self) -> None:
         buckets = [(bucket, [local(p.grad) for p in bucket]) for bucket in grad_buckets(self.params)]
-        if self.kind == "krum":
+        if self.kind == AggregationKind.KRUM:
             self._krum(buckets)
             return
         for _, grads in buckets:

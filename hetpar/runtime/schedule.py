@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import re
+from hetpar.vocabulary import Schedule
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -249,7 +250,7 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]
     return schedule
 
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")  # the plan's schedule names; the runtime runs them all
+SCHEDULES = tuple(Schedule)  # the runtime runs them all
 
 
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
@@ -266,11 +267,11 @@ def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stag
     """
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    if name == "interleaved":
+    if name == Schedule.INTERLEAVED:
         return interleaved_one_f_one_b(num_ranks, num_microbatches, virtual_stages)
     if virtual_stages != 1:
         raise ScheduleError(f"virtual stages ({virtual_stages}) need the interleaved schedule, not {name!r}")
-    generators = {"1f1b": one_f_one_b, "gpipe": gpipe, "zb": zero_bubble_h1}
+    generators = {Schedule.ONE_F_ONE_B: one_f_one_b, Schedule.GPIPE: gpipe, Schedule.ZERO_BUBBLE: zero_bubble_h1}
     return generators[name](num_ranks, num_microbatches)
 
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-COMPRESSION_KINDS = ("none", "bf16", "fp16", "powersgd", "topk", "sign")
-AGGREGATION_KINDS = ("mean", "trimmed-mean", "median", "krum")
-SYNC_SCOPES = ("all", "node")
+from hetpar.vocabulary import AggregationKind, CompressionKind, SyncScope
+
+COMPRESSION_KINDS = tuple(CompressionKind)
+AGGREGATION_KINDS = tuple(AggregationKind)
+SYNC_SCOPES = tuple(SyncScope)
 COMPRESSION_SYNTAX = "none|bf16|fp16|powersgd:R|topk:F|sign"
 AGGREGATION_SYNTAX = "mean|trimmed-mean:B|median|krum:F"
 
@@ -36,22 +38,22 @@ class Compression:
     fraction: float | None = None  # topk: fraction of each bucket's elements sent
 
     def __str__(self) -> str:
-        if self.kind == "powersgd" and self.rank is not None:
+        if self.kind == CompressionKind.POWERSGD and self.rank is not None:
             return f"powersgd:{self.rank}"
-        if self.kind == "topk":
+        if self.kind == CompressionKind.TOPK:
             return f"topk:{self.fraction:g}"
-        return self.kind
+        return str(self.kind)
 
     @property
     def lossy(self) -> bool:
         """Whether the averaged gradient differs from plain all-reduce's."""
-        return self.kind != "none"
+        return self.kind != CompressionKind.NONE
 
     @property
     def gathers(self) -> bool:
         """Whether replicas exchange their compressed gradients by all-gather (sparse or
         bit-packed payloads do not add up in an all-reduce)."""
-        return self.kind in ("topk", "sign")
+        return self.kind in (CompressionKind.TOPK, CompressionKind.SIGN)
 
 
 @dataclass(frozen=True)
@@ -62,17 +64,17 @@ class Aggregation:
     param: int = 0  # trimmed-mean: B per side; krum: F bad replicas tolerated
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.param}" if self.kind in ("trimmed-mean", "krum") else self.kind
+        return f"{self.kind}:{self.param}" if self.kind in (AggregationKind.TRIMMED_MEAN, AggregationKind.KRUM) else str(self.kind)
 
     @property
     def robust(self) -> bool:
-        return self.kind != "mean"
+        return self.kind != AggregationKind.MEAN
 
     def min_replicas(self) -> int:
         """The fewest data-parallel replicas the rule is defined for."""
-        if self.kind == "trimmed-mean":
+        if self.kind == AggregationKind.TRIMMED_MEAN:
             return 2 * self.param + 1
-        if self.kind == "krum":
+        if self.kind == AggregationKind.KRUM:
             return self.param + 3  # a score needs n - f - 2 >= 1 neighbours; Krum's guarantee needs n > 2f + 2
         return 1
 
@@ -87,20 +89,20 @@ def parse_compression(text: str) -> Compression:
     bad = ValueError(f"grad_compression {text!r} must be one of {COMPRESSION_SYNTAX} (R >= 1, 0 < F <= 1)")
     if kind not in COMPRESSION_KINDS:
         raise bad
-    if kind == "powersgd":
+    if kind == CompressionKind.POWERSGD:
         if not arg:
-            return Compression("powersgd")
+            return Compression(CompressionKind.POWERSGD)
         if not arg.isdigit() or int(arg) < 1:
             raise bad
-        return Compression("powersgd", rank=int(arg))
-    if kind == "topk":
+        return Compression(CompressionKind.POWERSGD, rank=int(arg))
+    if kind == CompressionKind.TOPK:
         try:
             fraction = float(arg)
         except ValueError:
             raise bad from None
         if not 0 < fraction <= 1:
             raise bad
-        return Compression("topk", fraction=fraction)
+        return Compression(CompressionKind.TOPK, fraction=fraction)
     if arg:
         raise bad
     return Compression(kind)
@@ -116,7 +118,7 @@ def parse_aggregation(text: str) -> Aggregation:
     bad = ValueError(f"aggregation {text!r} must be one of {AGGREGATION_SYNTAX} (B, F >= 0 integers)")
     if kind not in AGGREGATION_KINDS:
         raise bad
-    if kind in ("trimmed-mean", "krum"):
+    if kind in (AggregationKind.TRIMMED_MEAN, AggregationKind.KRUM):
         if not arg.isdigit():
             raise bad
         return Aggregation(kind, int(arg))
@@ -151,7 +153,7 @@ def check_sync(compression: str, aggregation: str, sync_every: int, sync_scope: 
                          f"the plan has {data_parallel}")
     if (agg.robust or local_sgd) and not equal_shares:
         raise ValueError(f"{chosen[0]} needs equal replica batch shares (replica_batch_shares unset)")
-    if sync_scope == "node" and not local_sgd:
+    if sync_scope == SyncScope.NODE and not local_sgd:
         raise ValueError("sync_scope 'node' applies to local SGD; give sync_every K > 1 with it")
 
 
