@@ -8,7 +8,7 @@ the same model's layers chained (layer_times), then the small validation GPT's l
 chained at micro-batch 8, twice each. Rank 0 prints the ratio of the step's seconds per
 micro-batch to the chained layers' (the "program factor" the measured layers leave out)
 and the GPT's chained forward and backward, to set beside `hetpar validate`'s stage
-table for a plan of that model (docs/BENCHMARKS.md).
+table for a plan of that model (docs/benchmarks/validate_cpu-2core_2026-12-03.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/cost_model_published.py              # the table, with the shipped constant
     .venv/bin/python benchmarks/cost_model_published.py --fit        # refit TRAINING_KERNEL_EFFICIENCY
-    .venv/bin/python benchmarks/cost_model_published.py --write docs/BENCHMARKS.md
+    .venv/bin/python benchmarks/cost_model_published.py --write docs/benchmarks/cost-model-published_<hardware>_<date>.md
 
 Every row is a configuration a paper or a public benchmark table gives with its
 measured throughput; the estimate gets exactly that configuration (model shape,
@@ -143,7 +143,7 @@ _MOSAIC = [
 
 def published_rows() -> list[Row]:
     """Every row, in table order; every other row of each table is in the fitting set, except
-    the DeepSpeed ZeRO-3 rows, which no compute constant can describe (docs/BENCHMARKS.md)."""
+    the DeepSpeed ZeRO-3 rows, which no compute constant can describe (docs/benchmarks/cost-model-published_cpu-2core_2026-12-05.md)."""
     rows = []
     for i, (label, heads, hidden, layers, t, p, gpus, batch, tflops, mb, v) in enumerate(_TABLE_1):
         rows.append(Row(

@@ -16,7 +16,7 @@ Prints the median and mean wait of each and how many took over 1 ms:
     .venv/bin/torchrun --nproc_per_node 2 benchmarks/late_receive_probe.py
     .venv/bin/torchrun --nproc_per_node 2 benchmarks/late_receive_probe.py --width 256 --repeats 200
 
-docs/BENCHMARKS.md, "Late pipeline receives", has the results.
+Results: docs/benchmarks/late-receive_cpu-2core_2026-12-03.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ then the last step's timeline (action: start-end in ms from the step's start, af
     .venv/bin/torchrun --nproc_per_node 2 benchmarks/pipeline_trace.py --schedules gpipe,1f1b --steps 20
 
 It separates what a schedule's step costs in compute from what it spends waiting for
-the other rank's messages (docs/BENCHMARKS.md, "Matmul width in the layer model").
+the other rank's messages (docs/benchmarks/late-receive_cpu-2core_2026-12-03.md).
 """
 
 from __future__ import annotations

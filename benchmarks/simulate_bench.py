@@ -9,7 +9,7 @@ before the charge has no second column):
     .venv/bin/python benchmarks/simulate_bench.py --code /tmp/before
     .venv/bin/python benchmarks/simulate_bench.py
 
-docs/BENCHMARKS.md, "Late pipeline receives", has the results.
+Results: docs/benchmarks/late-receive_cpu-2core_2026-12-03.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GPT of the published training runs that docs/BENCHMARKS.md compares against.
+"""The GPT of the published training runs that benchmarks/cost_model_published.py compares against.
 
 One decoder, two flavours chosen by model args:
 

@@ -22,9 +22,9 @@ from hetpar.profiler import reference_model
 from hetpar.runtime import devices
 from hetpar.runtime.model_file import load_model_file, parse_model_args
 
-# (matmul sizes, collective sizes in bytes, repeats) by device and --quick. The default
-# stays under 3 minutes on a 2-core host and on one GPU (CUDA timings are steady, so 10
-# repeats of each); --quick is for tests and a first look.
+# (matmul sizes, collective sizes in bytes, repeats) by device and --quick. CUDA
+# timings are steady, so a GPU takes fewer repeats of larger sizes than a CPU; --quick
+# is for tests and a first look. How long a profile takes: docs/profiling.md.
 _SIZES = {
     ("cpu", False): ([64, 128, 256, 384, 512, 768], [4096, 65536, 1 << 20, 4 << 20, 16 << 20], 9),
     ("cpu", True): ([64, 256, 512], [4096, 1 << 20, 4 << 20], 3),
@@ -37,7 +37,7 @@ _SIZES = {
 # record keeps the median of every number over the passes (profiler/workers.py
 # ``median_record``), so one slow minute of the shared host or one unlucky set of
 # processes does not set the profile. A GPU's timings are steady from one pass to the
-# next; one pass keeps its profile within the 3 minutes.
+# next, so one pass is enough there.
 PASSES = {"cpu": 3, "cuda": 1}
 
 

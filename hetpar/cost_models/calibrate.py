@@ -76,13 +76,12 @@ squares of the relative error, ``seconds = fixed + size / rate``:
   through (micro-batches, seconds of the forwards) gives what each micro-batch's
   forward costs, and the forward's factor makes the estimator's forward charge for it
   equal; the same for the backward. So the efficiencies carry what the program adds
-  around the kernels, pass by pass: on this host the step's forwards fell further
-  short of the loop's than its backwards (likely because a forward in a loop of
-  forwards finds the weights in the cache, and the step's first follows the
-  optimizer's writes; not measured apart), and one
-  factor on both put a small GPT's stage forward 25-45% short in
-  ``hetpar validate`` (docs/BENCHMARKS.md). A record without the passes gets one
-  factor on both, from the forwards and backwards together;
+  around the kernels, pass by pass: a step's forwards can fall further short of the
+  loop's than its backwards (a forward in a loop of forwards may find the weights in
+  the cache, where the step's first follows the optimizer's writes), which one factor
+  on both would hand to the backward
+  (docs/benchmarks/validate_cpu-2core_2026-12-03.md). A record without the passes gets
+  one factor on both, from the forwards and backwards together;
 - ``grad_sync_scale``: the intercept of the line through (micro-batches, seconds of
   the forwards and backwards plus the wait for the gradient all-reduce), i.e. what the
   all-reduce adds to the step, over its charge at the fitted alpha and beta: on a CPU

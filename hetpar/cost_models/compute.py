@@ -79,8 +79,8 @@ HBM_STREAM_EFFICIENCY = 0.83
 # row of Narayanan et al. 2021 Tables 1 and 2 (Megatron-LM, PTD-P) and of MosaicML
 # llm-foundry's A100-80GB MPT table; tested on the other rows (a refit after later
 # cost-model changes gives 0.766; the constant is kept). The rows, the
-# measured and predicted step times and the errors are in docs/BENCHMARKS.md
-# ("Cost model vs published measurements").
+# measured and predicted step times and the errors:
+# docs/benchmarks/cost-model-published_cpu-2core_2026-12-05.md.
 TRAINING_KERNEL_EFFICIENCY = 0.75
 
 
@@ -105,8 +105,8 @@ class LayerTime:
 # 2 * matmuls + 1 per pass, never more than the eager ops. The launch term of
 # [Note: layer time] then counts those kernels instead of the eager ops; the
 # elementwise traffic is already charged at its floor (the saved activations), which
-# fusion does not lower. Measured on one H200 (docs/BENCHMARKS.md, "One H200"): a
-# compiled 1.3B GPT step ran 8.9% faster than the same program eager.
+# fusion does not lower. The saving this predicts against a compiled program's measured
+# step: docs/benchmarks/gpu-validate_h200_2026-12-04.md.
 def compiled_layer(layer: LayerProfile) -> LayerProfile:
     """``layer`` as a compiled stage runs it: its kernel count after fusion ([Note: compiled stages])."""
     kernels = 2 * layer.matmul_ops + 1
@@ -179,7 +179,7 @@ def layer_timing(
 # measured: a tensor-parallel rank runs other matmul shapes, and its DTensor dispatch
 # and collectives are fitted from the tensor-parallel reference step against the layer
 # model itself ([Note: calibrated fits]), so a ratio measured on the whole layer does not
-# carry over (docs/benchmarks-log.md, "Profiles next to their runs, three rounds").
+# carry over (docs/benchmarks/validate_cpu-2core_2026-12-03.md, "What the runs found").
 # The layer model keeps what a measurement cannot see (dtype, tensor-parallel degree,
 # the B/W split); the measurement is there for what the model misses on some layers
 # (the shapes of small matmuls, framework time per op) that the reference workload's
@@ -258,8 +258,8 @@ def log_interpolate(points: dict[int, float], x: float) -> float:
 # to its copy bandwidth and the layer pays the weights' fp32 bytes at that rate, less
 # the same kernel and stream efficiencies as its activation traffic.
 # benchmarks/layer_bench.py compares the layers, with it and the row curves, against
-# the same layers timed on the host (docs/BENCHMARKS.md, "The layer model against this
-# machine"). Datasheet profiles leave it unset: on a GPU at training sizes a matmul's
+# the same layers timed on the host (docs/benchmarks/layer-model_cpu-2core_2026-12-02.md).
+# Datasheet profiles leave it unset: on a GPU at training sizes a matmul's
 # weight reads hide under its FLOPs, and TRAINING_KERNEL_EFFICIENCY was fitted without
 # them.
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ def layer_times(model_path: str, model_args: dict, batch_sizes: list[int], *, re
     all layers add up to a training micro-batch's compute without any communication.
     Between repeats an AdamW step runs over the model, as between training steps: its
     traffic leaves the caches as cold as the program finds them (back-to-back repeats
-    ran a small GPT's layers 35% faster than the generated program does).
+    would find the weights cached and time the layers faster than the program runs
+    them: docs/benchmarks/validate_cpu-2core_2026-12-03.md).
     cost_models/calibrate.py turns them into the profile's ``layer_corrections``
     ([Note: measured layers] in cost_models/compute.py).
 
