@@ -1,1 +1,1 @@
-"""cost_models: device profiles, clusters, and the time and memory of work on them. Imports nothing of hetpar's."""
+"""cost_models: device profiles, clusters, and the time and memory of work on them. Imports nothing of hetpar's but hetpar.vocabulary."""

@@ -1,4 +1,4 @@
-"""profiler: what ``hetpar profile`` measures on this host. Imports torch and runtime only.
+"""profiler: what ``hetpar profile`` measures on this host. Imports torch, runtime and the vocabulary only.
 
 It times the host's devices, links and a reference training step through ``runtime``
 (as a generated program runs it) and returns raw numbers; cost_models/calibrate.py fits
