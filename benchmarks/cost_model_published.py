@@ -27,7 +27,7 @@ step times follow from what was published:
 
 Megatron splits the word embedding and the output layer over tensor-parallel ranks
 (vocabulary-parallel; Shoeybi et al. 2019, section 3); hetpar's tracer splits the
-model's tied pair the same way ([Note: tied vocab-parallel weights] in planner/trace.py).
+model's tied pair the same way ([Note: tied vocab-parallel weights] in planner/capture/trace.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ One decoder, two flavours chosen by model args:
 q, k and v are separate Linears (Megatron and MPT fuse them into one; same FLOPs and
 parameters) so that hetpar's tensor-parallel finder sees whole heads. Attention is
 ``scaled_dot_product_attention``: hetpar's tracer measures it as a fused kernel keeps
-it ([Note: fused attention on meta] in planner/trace.py).
+it ([Note: fused attention on meta] in planner/capture/measure.py).
 
     hetpar trace benchmarks/published/gpt.py --model-arg n_layers=96 --model-arg hidden=12288 \\
         --model-arg heads=96 --model-arg vocab=51200 --model-arg seq_len=2048

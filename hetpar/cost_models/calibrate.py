@@ -55,7 +55,7 @@ squares of the relative error, ``seconds = fixed + size / rate``:
 - ``matmul_rows_efficiency``: matmuls of a mid-sized Linear (K = N = 512) at row
   counts 1 to 512, forward and backward apart, each rate over the fitted fp32 peak:
   the curve by which a layer's small matmuls fall short ([Note: matmul rows] in
-  planner.measure). Not a fit: the measured points, interpolated in log rows;
+  planner.capture). Not a fit: the measured points, interpolated in log rows;
 - ``matmul_narrow_efficiency``: the same at K = N = ``matmul_narrow_width`` (128), as
   nn.Linear lays the matmuls out (a transposed weight, a bias) at both widths: a
   matmul between the widths interpolates in log width;

@@ -200,7 +200,7 @@ def matmul_rows_slowdown(layer: LayerProfile, device, micro_batch_size: int, cur
     """How many times longer the layer's FLOPs take than at the device's large-matmul rate.
 
     Each forward matmul's share of the FLOPs runs at the device's efficiency for its
-    row count and width (``matmul_efficiency``; [Note: matmul rows] in planner.measure);
+    row count and width (``matmul_efficiency``; [Note: matmul rows] in planner.capture);
     the backward's matmuls take the shares of their forward ones. 1.0 when the device
     has no such curve. The widths are the unsharded layer's: a tensor-parallel rank's
     matmuls are narrower, which the tensor-parallel fits absorb ([Note: calibrated fits]).
@@ -218,7 +218,7 @@ def matmul_efficiency(device, curve: str, rows: float, width: float | None) -> f
     """The fraction of the device's peak that a matmul of ``rows`` rows and ``width`` (sqrt(K N))
     reaches: the rows curve (measured at width ``ROWS_CURVE_WIDTH``), and for a narrower
     matmul on a device that measured a narrow curve too, linear in log width between the
-    two curves at those rows, flat below the narrow one ([Note: matmul rows] in planner.measure)."""
+    two curves at those rows, flat below the narrow one ([Note: matmul rows] in planner.capture)."""
     wide = rows_efficiency(device.matmul_rows_efficiency[curve], rows)
     narrow_points = getattr(device, "matmul_narrow_efficiency", {}).get(curve)
     narrow_width = getattr(device, "matmul_narrow_width", None)
@@ -284,7 +284,7 @@ def optimizer_rates(device, kernel_efficiency: float | None = None) -> Optimizer
     ``step_overhead_s`` (what a training step costs besides the layers and the gradient
     sync; docs/profiling.md); a datasheet profile streams at the HBM rate times the
     kernel efficiency (``kernel_efficiency``, else the device's own) and has none of the
-    fixed costs. planner.estimate, planner.costs, planner.bounds and
+    fixed costs. planner.estimate, planner.costing, planner.search and
     cost_models.calibrate all charge the optimizer step through this.
     """
     efficiency = kernel_efficiency if kernel_efficiency is not None else training_efficiency(device)

@@ -149,7 +149,7 @@ class DeviceProfile:
     weight_stream_bytes_per_s: float | None = None
     fingerprint: str | None = None  # the host a measured profile was fitted on
     # Matmul throughput by row count, as fractions of peak_flops_per_s: {"forward": {rows:
-    # efficiency}, "backward": {...}} ([Note: matmul rows] in planner.measure); measured
+    # efficiency}, "backward": {...}} ([Note: matmul rows] in planner.capture); measured
     # by `hetpar profile`, empty in datasheet profiles (every matmul at matmul_efficiency).
     matmul_rows_efficiency: dict[str, dict[int, float]] = field(default_factory=dict)
     # The same curves for matmuls of K = N = matmul_narrow_width (a narrow Linear's);

@@ -50,7 +50,7 @@ OPTIMIZER_STATE_BYTES = {Optimizer.SGD: 0.0, Optimizer.ADAMW: 8.0}  # float32 st
 
 @dataclass(frozen=True, kw_only=True)
 class SyncMethod:
-    """How a stage's replicas agree, as the cost model sees it (planner.sync_methods builds it
+    """How a stage's replicas agree, as the cost model sees it (planner.strategies builds it
     from the plan's options)."""
 
     name: str = CompressionKind.NONE  # as the plan or the user writes it, for reports

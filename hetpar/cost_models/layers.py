@@ -1,6 +1,6 @@
 """LayerProfile: what the cost models need to know about one layer of a model.
 
-The planner measures these on the meta device (planner.trace); the cost models only
+The planner measures these on the meta device (planner.capture); the cost models only
 read them. Every quantity is per sample (batch size 1) and in fp32 bytes; the cost
 models scale by micro-batch size and training dtype.
 
@@ -34,7 +34,7 @@ class LayerProfile:
     tp_split_params: int = 0
     tp_split_saved_bytes: float = 0.0
     # The collectives a tensor-parallel rank issues per micro-batch, as the runtime
-    # issues them (planner.tensor_parallel.layer_collectives): (pass "forward" |
+    # issues them (planner.capture.tp_collectives.layer_collectives): (pass "forward" |
     # "backward", "all_reduce" | "all_gather", bytes of the whole tensor per sample).
     tp_collectives: tuple[tuple[str, str, float], ...] = ()
     param_tensors: int = 0  # parameter tensors this layer holds (an optimizer step pays per tensor)
@@ -43,7 +43,7 @@ class LayerProfile:
     tp_degrees: tuple[int, ...] | None = None
     tp_sharded_modules: int = 0  # modules split under tensor parallelism ([Note: tensor-parallel dispatch])
     tp_sharded_tensors: int = 0  # their parameter tensors, DTensors under tensor parallelism
-    # Measured alongside (planner.measure, [Note: what a kernel costs]): work that is
+    # Measured alongside (planner.capture, [Note: what a kernel costs]): work that is
     # bound by memory traffic rather than by matmul throughput.
     fwd_elementwise_flops: float = 0.0  # pointwise ops, reductions, norms: one per element
     bwd_elementwise_flops: float = 0.0
@@ -53,7 +53,7 @@ class LayerProfile:
     # Of those, the ones tensor parallelism splits here as the earlier layer splits them
     # (a tied embedding and head, both split over the vocabulary).
     tp_split_tied_params: int = 0
-    # The forward matmuls by row count and width ([Note: matmul rows] in planner.measure):
+    # The forward matmuls by row count and width ([Note: matmul rows] in planner.capture):
     # (rows per matmul at batch 1, whether they grow with the micro-batch, share of
     # fwd_flops, width sqrt(K N)).
     matmul_rows: tuple[tuple[int, bool, float, int], ...] = ()

@@ -18,12 +18,12 @@ before its reduce-scatter.
 
 [Note: activations kept per micro-batch]
 A layer keeps, per micro-batch, what autograd saves for its backward (measured on the
-meta device, planner.trace):
+meta device, planner.capture):
 - no recompute: every saved tensor;
 - selective recompute (Korthikanti et al. 2022, section 5): the attention core (QK^T,
   softmax, dropout, attention over V) is recomputed rather than stored. hetpar's
   tracer already measures attention as a fused kernel keeps it
-  ([Note: fused attention on meta] in planner/trace.py), which is exactly that
+  ([Note: fused attention on meta] in planner/capture/measure.py), which is exactly that
   footprint, so selective keeps the measured bytes; a model that writes attention out
   by hand is not split further (hetpar does not tell its attention core apart);
 - full recompute: only each layer's input, plus, while a layer is rebuilt in backward,

@@ -30,7 +30,7 @@ class Sizes:
     copy_inner: int  # copies per timed region
     elementwise_numel: int
     optimizer_numel: int  # elements of each of the optimizer probe's 4 large tensors
-    rows_curves: bool  # the fp32 Linear row curves (CPU: [Note: matmul rows] in planner.measure)
+    rows_curves: bool  # the fp32 Linear row curves (CPU: [Note: matmul rows] in planner.capture)
 
 
 SIZES = {
@@ -79,7 +79,7 @@ def matmul_row_times(rows: tuple[int, ...] = MATMUL_ROWS, *, width: int = MATMUL
 
     ``forward``: ``x @ w.T + b`` (addmm). ``backward``: the input gradient ``g @ w`` and
     the weight gradient ``g.T @ x`` together. cost_models/calibrate.py divides the rates
-    by the fitted peak ([Note: matmul rows] in planner.measure).
+    by the fitted peak ([Note: matmul rows] in planner.capture).
 
     Returns:
         ``{"forward": [[M, flops, s], ...], "backward": [[M, flops, s], ...]}``.
