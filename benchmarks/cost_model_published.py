@@ -46,7 +46,8 @@ if str(ROOT) not in sys.path:
 from hetpar.cost_models.cluster import parse_cluster  # noqa: E402
 from hetpar.cost_models.compute import TRAINING_KERNEL_EFFICIENCY  # noqa: E402
 from hetpar.planner.estimate import Estimate, EstimateConfig, estimate  # noqa: E402
-from hetpar.planner.trace import ModelGraph, trace_model  # noqa: E402
+from hetpar.planner.capture import trace_model  # noqa: E402
+from hetpar.planner.model_graph import ModelGraph  # noqa: E402
 from hetpar.runtime.model_file import load_model_file  # noqa: E402
 
 MODEL_FILE = "benchmarks/published/gpt.py"

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from hetpar.cost_models.calibrate import fit_profile  # noqa: E402
 from hetpar.cost_models.compute import layer_timing  # noqa: E402
 from hetpar.cost_models.devices import get_device  # noqa: E402
-from hetpar.planner.trace import trace_model  # noqa: E402
+from hetpar.planner.capture import trace_model  # noqa: E402
 from hetpar.profiler import reference_model  # noqa: E402
 from hetpar.runtime.model_file import load_model_file  # noqa: E402
 from hetpar.profiler.layers import module_times  # noqa: E402

@@ -27,8 +27,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetpar.cost_models.cluster import parse_cluster  # noqa: E402
-from hetpar.planner.search import PlanningError, SearchOptions, search  # noqa: E402
-from hetpar.planner.trace import trace_model  # noqa: E402
+from hetpar.planner.capture import trace_model  # noqa: E402
+from hetpar.planner.errors import PlanningError  # noqa: E402
+from hetpar.planner.options import SearchOptions  # noqa: E402
+from hetpar.planner.search import search  # noqa: E402
 from hetpar.runtime.model_file import load_model_file  # noqa: E402
 
 GPT = str(Path(__file__).resolve().parent.parent / "examples" / "gpt.py")

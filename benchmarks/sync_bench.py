@@ -23,11 +23,11 @@ from hetpar.cost_models.cluster import parse_cluster  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 from hetpar.planner.api import plan_graph  # noqa: E402
+from hetpar.planner.capture import trace_model  # noqa: E402
 from hetpar.planner.estimate import estimate  # noqa: E402
 from hetpar.planner.explain import estimate_config  # noqa: E402
 from hetpar.planner.options import SearchOptions  # noqa: E402
-from hetpar.planner.sync_methods import DataParallelSync, cost_method, matrix_width  # noqa: E402
-from hetpar.planner.trace import trace_model  # noqa: E402
+from hetpar.planner.strategies import DataParallelSync, cost_method, matrix_width  # noqa: E402
 from hetpar.runtime.model_file import load_model_file  # noqa: E402
 
 GPT = str(Path(__file__).resolve().parent.parent / "examples" / "gpt.py")

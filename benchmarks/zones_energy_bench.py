@@ -24,10 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetpar.cost_models.cluster import cluster_from_dict, parse_cluster  # noqa: E402
 from hetpar.planner.api import plan_graph  # noqa: E402
-from hetpar.planner.objective import Objective, with_energy  # noqa: E402
+from hetpar.planner.capture import trace_model  # noqa: E402
 from hetpar.planner.options import SearchOptions  # noqa: E402
-from hetpar.planner.sync_methods import DataParallelSync  # noqa: E402
-from hetpar.planner.trace import trace_model  # noqa: E402
+from hetpar.planner.strategies import DataParallelSync, Objective, with_energy  # noqa: E402
 from hetpar.runtime.model_file import load_model_file  # noqa: E402
 
 GPT = str(Path(__file__).resolve().parent.parent / "examples" / "gpt.py")

@@ -257,7 +257,7 @@ class Outcome:
 
 @functools.lru_cache(maxsize=None)
 def _traced(path: str, args: tuple, leaf_modules: tuple):
-    from hetpar.planner.trace import trace_model as trace
+    from hetpar.planner.capture import trace_model as trace
     from hetpar.runtime.model_file import load_model_file
 
     return trace(load_model_file(path, dict(args)), leaf_modules)
@@ -302,8 +302,8 @@ def run_case(case: Case, workdir: Path, *, work_limit_s: float = 1.0, time_limit
     from hetpar.cost_models.devices import get_device
     from hetpar.commands.common import DOMAIN_ERRORS, default_compiled, default_dtype
     from hetpar.planner.api import plan_model
-    from hetpar.planner.objective import Objective
-    from hetpar.planner.search import SearchOptions
+    from hetpar.planner.options import SearchOptions
+    from hetpar.planner.strategies import Objective
 
     workdir.mkdir(parents=True, exist_ok=True)
     try:

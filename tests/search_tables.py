@@ -4,7 +4,7 @@ import itertools
 
 import numpy as np
 
-from hetpar.planner.costs import Candidate, CostTables, StageMode, StageSlot, evaluate_split
+from hetpar.planner.costing import Candidate, CostTables, StageMode, StageSlot, evaluate_split
 
 PLAIN = (StageMode(),)
 RECOMPUTE = (StageMode(recompute="none"), StageMode(recompute="full"))

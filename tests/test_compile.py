@@ -212,7 +212,8 @@ def test_wrong_world_size_is_one_line_and_exit_code(tmp_path, model_copy):
 def test_interleaved_plan_checks_itself_round_trips_and_compiles(tmp_path, gpt_path):
     from dataclasses import replace
 
-    from hetpar.planner.plan import ClusterRef, ParallelPlan, PlanError, Schedule
+    from hetpar.planner.errors import PlanFileError as PlanError
+    from hetpar.planner.plan import ClusterRef, ParallelPlan, Schedule
 
     flat = build_plan(gpt_path, GPT_ARGS, splits=[[0], [1], [2], [3]], num_microbatches=4)
     stages = [replace(s, ranks=flat.stages[s.index % 2].ranks) for s in flat.stages]
@@ -234,7 +235,7 @@ def test_interleaved_plan_checks_itself_round_trips_and_compiles(tmp_path, gpt_p
 
 
 def test_zero_bubble_refuses_zero_stages(gpt_path):
-    from hetpar.planner.plan import PlanError
+    from hetpar.planner.errors import PlanFileError as PlanError
 
     with pytest.raises(PlanError, match="schedule 'zb' needs zero_stage 0"):
         build_plan(gpt_path, GPT_ARGS, splits=[[0, 1], [2, 3]], data_parallel=2, schedule="zb", zero_stage=2)

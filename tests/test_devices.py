@@ -293,7 +293,7 @@ def test_plan_on_rtx_2080_ti_picks_fp16_by_default(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_gpt():
-    from hetpar.planner.trace import trace_model
+    from hetpar.planner.capture import trace_model
     from hetpar.runtime.model_file import load_model_file
 
     return trace_model(load_model_file(GPT, {"n_layers": 4, "hidden": 64, "seq_len": 16, "vocab": 128}))
@@ -304,7 +304,7 @@ def test_plan_on_a_cluster_of_each_pcie_gpu(name, small_gpt):
     from hetpar.cost_models.cluster import parse_cluster
     from hetpar.commands.common import default_dtype
     from hetpar.planner.api import plan_graph
-    from hetpar.planner.search import SearchOptions
+    from hetpar.planner.options import SearchOptions
 
     dtype = default_dtype([name])
     plan = plan_graph(small_gpt, parse_cluster(f"2x4x{name}"), SearchOptions(global_batch_size=16, dtype=dtype, workers=1))

@@ -287,7 +287,7 @@ def test_plans_from_the_planner_train_like_one_process(tmp_path, gpt_path, pins)
     """End to end: hetpar's own search (its layer split and the TP sharding it found) compiled and run."""
     from hetpar.cost_models.cluster import parse_cluster
     from hetpar.planner.api import plan_model
-    from hetpar.planner.search import SearchOptions
+    from hetpar.planner.options import SearchOptions
 
     options = SearchOptions(global_batch_size=8, dtype="fp32", schedule="1f1b", micro_batch_size=2, **pins)
     plan = plan_model(gpt_path, parse_cluster("1x4xcpu"), options, model_args=GPT_ARGS)

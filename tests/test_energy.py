@@ -13,10 +13,12 @@ from conftest import ROOT
 from hetpar.cost_models.cluster import cluster_from_dict, parse_cluster
 from hetpar.cost_models.devices import get_device
 from hetpar.cost_models.energy import IDLE_POWER_FRACTION, JOULES_PER_KWH
-from hetpar.planner.objective import Objective, least_energy_plan, step_energy
-from hetpar.planner.search import PlanningError, SearchOptions, search
-from hetpar.planner.subcluster import group_uses, subcluster
-from hetpar.planner.trace import trace_model
+from hetpar.planner.capture import trace_model
+from hetpar.planner.errors import PlanningError
+from hetpar.planner.options import SearchOptions
+from hetpar.planner.search import search
+from hetpar.planner.strategies import Objective, least_energy_plan, step_energy
+from hetpar.planner.strategies.subcluster import group_uses, subcluster
 from hetpar.runtime.model_file import load_model_file
 
 GPT_ARGS = {"n_layers": 4, "hidden": 256, "heads": 4, "seq_len": 128, "vocab": 512}

@@ -11,8 +11,8 @@ from hetpar.cost_models.devices import get_device
 from hetpar.cost_models.layers import LayerProfile
 from hetpar.cost_models.memory import FRAGMENTATION_MARGIN
 from hetpar.planner.estimate import EstimateConfig, EstimateError, estimate, stage_layout
+from hetpar.planner.model_graph import ModelGraph
 from hetpar.planner.plan import Predicted
-from hetpar.planner.trace import ModelGraph
 
 A100 = get_device("A100-80GB")
 
@@ -179,7 +179,7 @@ def test_config_checks_itself(kw, message):
 
 
 def test_traced_gpt_end_to_end(gpt_path):
-    from hetpar.planner.trace import trace_model
+    from hetpar.planner.capture import trace_model
     from hetpar.runtime.model_file import load_model_file
 
     model = trace_model(load_model_file(gpt_path, dict(n_layers=4, hidden=64, heads=4, vocab=128, seq_len=32)))

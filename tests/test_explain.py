@@ -10,9 +10,9 @@ import pytest
 
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.planner.api import plan_model
+from hetpar.planner.errors import PlanFileError as PlanError
 from hetpar.planner.explain import explain_plan, timeline_svg
-from hetpar.planner.plan import PlanError
-from hetpar.planner.search import SearchOptions
+from hetpar.planner.options import SearchOptions
 
 GPT_ARGS = {"n_layers": 4, "hidden": 64, "heads": 4, "seq_len": 16, "vocab": 64}
 
@@ -59,8 +59,8 @@ def test_cli_writes_svg_and_json(plan, tmp_path):
 def test_a_plan_with_unequal_replica_shares_is_explained_at_its_predicted_pace(tmp_path):
     """Replicas of A100s take more samples than replicas of V100s (planner.hetero_dp); explaining the plan
     estimates each replica at its own share, so it reports the plan's prediction, not the slowest type's pace."""
-    from hetpar.planner.hetero_dp import hetero_dp_plan
-    from hetpar.planner.trace import trace_model
+    from hetpar.planner.capture import trace_model
+    from hetpar.planner.strategies import hetero_dp_plan
     from hetpar.runtime.model_file import load_model_file
 
     model = tmp_path / "gpt.py"

@@ -13,10 +13,12 @@ from conftest import ROOT
 from hetpar.cost_models.cluster import Cluster, parse_cluster
 from hetpar.cost_models.devices import get_device
 from hetpar.planner.api import fastest_plan, plan_graph
+from hetpar.planner.capture import trace_model
+from hetpar.planner.errors import PlanningError
 from hetpar.planner.estimate import EstimateConfig, estimate
-from hetpar.planner.hetero_dp import balance_shares, hetero_dp_plan, replica_classes, replica_sizes
-from hetpar.planner.search import PlanningError, SearchOptions, search
-from hetpar.planner.trace import trace_model
+from hetpar.planner.options import SearchOptions
+from hetpar.planner.search import search
+from hetpar.planner.strategies import balance_shares, hetero_dp_plan, replica_classes, replica_sizes
 from hetpar.runtime.model_file import load_model_file
 
 GPT_ARGS = {"n_layers": 4, "hidden": 256, "heads": 4, "seq_len": 128, "vocab": 512}
@@ -136,8 +138,8 @@ def test_the_pruned_plan_is_the_best_of_every_layout_and_micro_batch_count(gpt, 
     """hetero_dp_plan skips a layout's micro-batch count m when a bound says it cannot beat
     the best so far, and balances on estimates without the transfer breakdown: every m of
     every layout balanced with full estimates finds no faster plan."""
-    from hetpar.planner import hetero_dp as h
-    from hetpar.planner.options import divisors
+    from hetpar.planner.strategies import hetero_dp as h
+    from hetpar.planner.solver import divisors
 
     cluster, opts = parse_cluster(spec), options(batch)
     plan = hetero_dp_plan(gpt, cluster, opts)

@@ -85,8 +85,8 @@ def test_module_stages_pin_no_device(kind):
 
 def _block_sharding(source: str, tmp_path, block: int = 0):
     """planner.module_tp.block_sharding of a model file's block, as the planner's trace calls it."""
-    from hetpar.planner.module_tp import block_sharding
-    from hetpar.planner.trace import differentiable_values
+    from hetpar.planner.capture import block_sharding
+    from hetpar.planner.capture.trace import differentiable_values
     from hetpar.runtime.graph import boundary_values, build_stage, record_values, trace_layers
     from hetpar.runtime.model_file import load_model_file
     from hetpar.runtime.module_stage import layout_for
@@ -120,7 +120,7 @@ def test_finder_on_the_exported_llama_agrees_with_its_base_model_tp_plan(tmp_pat
 
 
 def test_gpt2_splits_its_conv1d_mlp_and_never_its_fused_qkv_colwise(tmp_path):
-    from hetpar.planner.module_tp import BlockDryRun
+    from hetpar.planner.capture.module_tp import BlockDryRun
 
     split = _block_sharding(HF_GPT2, tmp_path)
     assert split.config is None and split.source == "finder"  # GPT2Config has no base_model_tp_plan
@@ -145,7 +145,7 @@ def _gpt2_meta() -> torch.nn.Module:
 def _plan(tmp_path, source: str, *, tp: int, pp: int):
     from hetpar.cost_models.cluster import parse_cluster
     from hetpar.planner.api import plan_model
-    from hetpar.planner.search import SearchOptions
+    from hetpar.planner.options import SearchOptions
 
     path = tmp_path / "hfmodel.py"
     path.write_text(source)
@@ -189,7 +189,7 @@ def test_zero_3_on_module_stages_of_a_tied_model_trains_like_one_process(tmp_pat
     stages (runtime/tied.py), as AdamW in one process trains them."""
     from hetpar.cost_models.cluster import parse_cluster
     from hetpar.planner.api import plan_model
-    from hetpar.planner.search import SearchOptions
+    from hetpar.planner.options import SearchOptions
 
     path = tmp_path / "hfmodel.py"
     path.write_text(HF_GPT2)

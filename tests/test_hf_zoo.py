@@ -32,7 +32,7 @@ tf = pytest.importorskip("transformers")
 
 from hetpar.cost_models.cluster import parse_cluster  # noqa: E402
 from hetpar.planner.api import plan_model  # noqa: E402
-from hetpar.planner.search import SearchOptions  # noqa: E402
+from hetpar.planner.options import SearchOptions  # noqa: E402
 from hetpar.rewriters import compile_plan  # noqa: E402
 from hetpar.runtime.model_file import load_model_file  # noqa: E402
 from hetpar.runtime.module_stage import cut_module_stage, decoder_layout  # noqa: E402

@@ -13,7 +13,7 @@ from hetpar.cost_models.calibrate import fit_profile
 from hetpar.cost_models.compute import layer_timing
 from hetpar.cost_models.devices import ProfileError, dump_profile, get_device, load_profile, profile_to_dict
 from hetpar.cost_models.layers import LayerProfile
-from hetpar.planner.trace import trace_model
+from hetpar.planner.capture import trace_model
 from hetpar.runtime.model_file import load_model_file
 from hetpar.profiler.layers import chained_pass_s, layer_stages, layer_times
 

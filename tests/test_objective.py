@@ -12,10 +12,12 @@ from cli_helpers import assert_one_line_error, hetpar
 from conftest import ROOT
 from hetpar.cost_models.cluster import ClusterSpecError, cluster_to_toml, parse_cluster
 from hetpar.planner.api import fastest_plan, plan_graph
-from hetpar.planner.objective import Objective, cheapest_plan, resolve_prices, usd_per_step
-from hetpar.planner.search import PlanningError, SearchOptions, search
-from hetpar.planner.subcluster import group_uses, subcluster
-from hetpar.planner.trace import trace_model
+from hetpar.planner.capture import trace_model
+from hetpar.planner.errors import PlanningError
+from hetpar.planner.options import SearchOptions
+from hetpar.planner.search import search
+from hetpar.planner.strategies import Objective, cheapest_plan, resolve_prices, usd_per_step
+from hetpar.planner.strategies.subcluster import group_uses, subcluster
 from hetpar.runtime.model_file import load_model_file
 
 GPT_ARGS = {"n_layers": 4, "hidden": 256, "heads": 4, "seq_len": 128, "vocab": 512}

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, PlanError, Predicted, Schedule, Sharding, SolverInfo, StagePlan
+from hetpar.planner.errors import PlanFileError as PlanError
+from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, Sharding, SolverInfo, StagePlan
 
 
 def make_plan(**overrides):

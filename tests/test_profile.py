@@ -11,7 +11,7 @@ from hetpar.cost_models.calibrate import LAUNCHES_PER_OP, fit_line, fit_profile
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.cost_models.devices import ProfileError, dump_profile, get_device, load_profile, profile_to_dict
 from hetpar.planner.estimate import EstimateConfig, estimate
-from hetpar.planner.trace import ModelGraph
+from hetpar.planner.model_graph import ModelGraph
 from hetpar.cost_models.layers import LayerProfile
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,8 +5,11 @@ import itertools
 import numpy as np
 import pytest
 
-from hetpar.planner.costs import CostTables, evaluate_split
-from hetpar.planner.search import SearchOptions, equal_split, solve_split, to_ticks
+from hetpar.planner.costing import CostTables, evaluate_split
+from hetpar.planner.estimate import equal_split
+from hetpar.planner.options import SearchOptions
+from hetpar.planner.search import solve_split
+from hetpar.planner.solver import to_ticks
 from tests.search_tables import compositions, random_tables
 
 INSTANCES = [(seed, L, P, m, tight) for seed, (L, P, m, tight) in enumerate(
@@ -57,8 +60,8 @@ def test_ticks_round_to_nearest():
 def test_pruned_search_finds_the_best_candidate(cluster_spec, dtype, schedule):
     """The bound-pruned search returns the best plan over every candidate solved exhaustively."""
     from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.capture import trace_model
     from hetpar.planner.search import enumerate_candidates, lower_bound_s, search, solve_candidate
-    from hetpar.planner.trace import trace_model
     from hetpar.runtime.model_file import load_model_file
 
     graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 4, "hidden": 64, "seq_len": 16}))
@@ -87,8 +90,8 @@ def typed_instance(seed, num_layers, num_stages):
 ])
 def test_type_orders_match_brute_force(seed, num_layers, num_stages, counts):
     """Device-type order and the split, chosen together, against enumerating both."""
-    from hetpar.planner.costs import compose_tables
-    from hetpar.planner.search import solve_type_orders, type_sequence
+    from hetpar.planner.costing import compose_tables, type_sequence
+    from hetpar.planner.search import solve_type_orders
 
     tables = typed_instance(seed, num_layers, num_stages)
     stages_per_type = {k: n for k, n in zip(tables, counts) if n}
@@ -112,8 +115,8 @@ def test_type_orders_match_brute_force(seed, num_layers, num_stages, counts):
 def test_mixed_cluster_stages_choose_their_device_types():
     """On A100 + V100 the slow type gets fewer layers, and the plan's ranks are the devices of its type."""
     from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.capture import trace_model
     from hetpar.planner.search import search
-    from hetpar.planner.trace import trace_model
     from hetpar.runtime.model_file import load_model_file
 
     graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 8, "hidden": 1024, "heads": 16, "seq_len": 512, "vocab": 1024}))
@@ -128,7 +131,7 @@ def test_mixed_cluster_stages_choose_their_device_types():
 
 
 def _gpt_graph():
-    from hetpar.planner.trace import trace_model
+    from hetpar.planner.capture import trace_model
     from hetpar.runtime.model_file import load_model_file
 
     return trace_model(load_model_file("examples/gpt.py", {"n_layers": 6, "hidden": 256, "heads": 4, "seq_len": 64}))
@@ -156,7 +159,8 @@ def test_pinned_stage_layers_and_devices_are_honoured():
 ])
 def test_bad_stage_pins_are_explained(pins, message):
     from hetpar.cost_models.cluster import parse_cluster
-    from hetpar.planner.search import PlanningError, search
+    from hetpar.planner.errors import PlanningError
+    from hetpar.planner.search import search
 
     with pytest.raises(PlanningError, match=message):
         search(_gpt_graph(), parse_cluster("1x4xV100-32GB+1x4xA100-80GB"), SearchOptions(global_batch_size=16, dtype="fp16", **pins))
@@ -165,8 +169,8 @@ def test_bad_stage_pins_are_explained(pins, message):
 def _solver_and_brute_force(graph, cluster, options):
     """Per candidate of the search: the solver's objective and brute force's over every type order, split
     and mode (degrees included), and brute force's over plans whose stages share one degree."""
-    from hetpar.planner.costs import build_tables, compose_tables, tables_by_type
-    from hetpar.planner.search import enumerate_candidates, solve_split, solve_type_orders, type_sequence
+    from hetpar.planner.costing import build_tables, compose_tables, tables_by_type, type_sequence
+    from hetpar.planner.search import enumerate_candidates, solve_split, solve_type_orders
     from tests.search_tables import brute_force
 
     out = []
@@ -191,8 +195,8 @@ def test_stages_of_different_degrees_beat_every_one_degree_plan():
     stages); a stage of degree 2 on the A100s and one of 1 on the V100 is faster. Brute force over every
     candidate, type order, split and mode agrees with the solver, and finds no one-degree plan as fast."""
     from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.capture import trace_model
     from hetpar.planner.search import search
-    from hetpar.planner.trace import trace_model
     from hetpar.runtime.model_file import load_model_file
 
     graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 4, "hidden": 2048, "heads": 16, "seq_len": 512, "vocab": 32000}))
@@ -216,9 +220,9 @@ def test_a_plan_of_mixed_degrees_is_estimated_as_the_search_predicted():
     """The plan's prediction comes from planner.estimate on the plan's own ranks ([Note: plan prediction]);
     explaining the plan estimates it again from the plan file's fields and must agree."""
     from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.capture import trace_model
     from hetpar.planner.explain import explain_plan
     from hetpar.planner.search import search
-    from hetpar.planner.trace import trace_model
     from hetpar.runtime.model_file import load_model_file
 
     args = {"n_layers": 4, "hidden": 2048, "heads": 16, "seq_len": 512, "vocab": 32000}
@@ -234,7 +238,7 @@ def test_a_plan_of_mixed_degrees_is_estimated_as_the_search_predicted():
 
 @pytest.mark.parametrize("dp,degrees,width", [(1, [2, 4, 1, 1], 4), (2, [1, 2, 1], 4), (1, [8, 4, 2, 1, 1], 8), (3, [2, 2], 2)])
 def test_stage_blocks_keep_tensor_parallel_groups_inside_a_node(dp, degrees, width):
-    from hetpar.planner.costs import pack_stage_ranks
+    from hetpar.planner.costing import pack_stage_ranks
 
     world = dp * sum(degrees)
     stages = pack_stage_ranks(list(range(world)), dp, degrees)
@@ -249,9 +253,9 @@ def test_candidates_the_solver_does_not_settle_leave_the_search_feasible_with_it
     their lower bounds open and reports status feasible with a gap that the true optimum respects."""
     import dataclasses
 
-    import hetpar.planner.search as search_module
+    import hetpar.planner.search.solve as search_module
     from hetpar.cost_models.cluster import parse_cluster
-    from hetpar.planner.trace import trace_model
+    from hetpar.planner.capture import trace_model
     from hetpar.runtime.model_file import load_model_file
 
     graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 8, "hidden": 64, "seq_len": 16}))

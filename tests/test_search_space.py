@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from hetpar.cost_models.pipeline import bubble_time_s, linear_step_time_s
-from hetpar.planner.costs import CostTables, evaluate_split
-from hetpar.planner.search import SearchOptions, solve_split
+from hetpar.planner.costing import CostTables, evaluate_split
+from hetpar.planner.options import SearchOptions
+from hetpar.planner.search import solve_split
 from hetpar.runtime.schedule import Kind, build_schedule, simulate_timed
 from tests.cli_helpers import assert_one_line_error, hetpar
 from tests.search_tables import RECOMPUTE, ZERO, brute_force, random_tables
@@ -135,7 +136,8 @@ def test_linear_step_time_tracks_the_simulator_on_unequal_stages(schedule, v):
 
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("zb", 1), ("interleaved", 2), ("interleaved", 3), ("interleaved", 4)])
 def test_activation_multipliers_match_the_action_lists(schedule, v):
-    from hetpar.planner.costs import _counted_multipliers, activation_multipliers
+    from hetpar.planner.costing import activation_multipliers
+    from hetpar.planner.costing.in_flight import _counted_multipliers
 
     for p in range(1, 6):
         for m in range(1, 31):
@@ -183,8 +185,9 @@ def test_zero_on_a_real_model_when_memory_forces_it_and_only_then():
     """A 1B-parameter GPT does not fit four T4s as plain data parallelism; a small one does, and
     takes ZeRO only where the cost model says it makes the step faster."""
     from hetpar.cost_models.cluster import parse_cluster
-    from hetpar.planner.search import PlanningError, search
-    from hetpar.planner.trace import trace_model
+    from hetpar.planner.capture import trace_model
+    from hetpar.planner.errors import PlanningError
+    from hetpar.planner.search import search
     from hetpar.runtime.model_file import load_model_file
 
     cluster = parse_cluster("1x4xT4-16GB")
@@ -258,8 +261,8 @@ def test_degree_sums_per_device_type_in_every_type_order():
     import itertools
     from dataclasses import replace
 
-    from hetpar.planner.costs import compose_tables
-    from hetpar.planner.search import solve_type_orders, type_sequence
+    from hetpar.planner.costing import compose_tables, type_sequence
+    from hetpar.planner.search import solve_type_orders
 
     rng = np.random.default_rng(11)
     shares = {"A100-80GB": 3, "V100-32GB": 2}

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from hetpar.cost_models.pipeline import linear_step_weights
-from hetpar.planner.costs import chunk_terms, evaluate_split
-from hetpar.planner.split_bound import split_sum_bound
-from hetpar.planner.split_model import objective_floor
+from hetpar.planner.costing import chunk_terms, evaluate_split
+from hetpar.planner.search import objective_floor
+from hetpar.planner.search.split_bound import split_sum_bound
 from search_tables import RECOMPUTE, ZERO, brute_force, compositions, random_tables
 
 # (layers, pp, v, m, schedule, modes, memory, degrees, devices)

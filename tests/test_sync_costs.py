@@ -12,9 +12,10 @@ from cli_helpers import assert_one_line_error, hetpar
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.cost_models.collectives import all_gather_time_s, all_reduce_time_s
 from hetpar.cost_models.grad_sync import CAST_BYTES, PLAIN, SyncMethod, collective_over, sync_seconds
-from hetpar.planner.options import PlanningError, SearchOptions
-from hetpar.planner.sync_methods import DataParallelSync, cost_method, matrix_width
-from hetpar.planner.trace import trace_model
+from hetpar.planner.capture import trace_model
+from hetpar.planner.errors import PlanningError
+from hetpar.planner.options import SearchOptions
+from hetpar.planner.strategies import DataParallelSync, cost_method, matrix_width
 from hetpar.runtime.model_file import load_model_file
 
 SLOW_LINK = "2x2xA100-80GB@10gx1"  # two nodes joined by one 10 Gb/s NIC each
@@ -55,7 +56,7 @@ def test_powersgd_sends_rank_times_two_over_width(graph):
 def test_search_tables_price_sync_as_the_estimator(graph):
     """The search's linear tables and the estimator's collectives agree on every method's sync
     (ring collectives are affine in bytes), so the plan the search picks is predicted as priced."""
-    from hetpar.planner.costs import Candidate, StageMode, _data_parallel_linear, _sync_linear, stage_slots
+    from hetpar.planner.costing import Candidate, StageMode, data_parallel_linear as _data_parallel_linear, stage_slots, sync_linear as _sync_linear
 
     cluster = parse_cluster(SLOW_LINK)
     device = cluster.profile("A100-80GB")

@@ -16,10 +16,11 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hetpar.planner.capture import TpCostModel, find_sharding, layer_collectives
+from hetpar.planner.capture.tp_collectives import forward_all_reduces
+from hetpar.planner.capture.tp_dry_run import dry_run, solve_checked
+from hetpar.planner.capture.tp_ilp import build_problem, evaluate, solve
 from hetpar.planner.plan import Sharding
-from hetpar.planner.tensor_parallel import (
-    TpCostModel, build_problem, dry_run, evaluate, find_sharding, forward_all_reduces, layer_collectives, solve, solve_checked,
-)
 from hetpar.runtime.model_file import load_model_file
 
 
@@ -204,7 +205,7 @@ def test_megatron_pattern_on_transformer_blocks(name):
 
 
 def test_megatron_pattern_on_every_gpt_layer_of_a_traced_model():
-    from hetpar.planner.trace import trace_model
+    from hetpar.planner.capture import trace_model
 
     graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 3, "hidden": 128}))
     for index in range(1, 4):
@@ -355,7 +356,7 @@ def test_a_plan_with_every_sharding_trains_like_one_process(tmp_path, mlp_path):
     from conftest import build_plan
     from test_distributed import assert_trains_like_one_process
 
-    from hetpar.planner.trace import trace_model
+    from hetpar.planner.capture import trace_model
 
     args = {"depth": 1, "width": 256, "in_features": 128, "out_features": 64}
     graph = trace_model(load_model_file(mlp_path, args))

@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from conftest import ROOT
+from hetpar.planner.capture import find_sharding, layer_collectives
 from hetpar.planner.plan import Sharding
-from hetpar.planner.tensor_parallel import find_sharding, layer_collectives
 from hetpar.runtime.model_file import load_model_file
 from hetpar.runtime.shard import apply_tensor_parallel
 

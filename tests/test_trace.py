@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from hetpar.planner.capture import trace_model
 from hetpar.planner.plan import Sharding
-from hetpar.planner.trace import trace_model
 from hetpar.runtime.model_file import load_model_file
 
 

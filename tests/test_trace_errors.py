@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hetpar.planner.trace import trace_model
+from hetpar.planner.capture import trace_model
 from hetpar.runtime.graph import TraceError, trace_layers
 from hetpar.runtime.model_file import load_model_file
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hetpar.planner.measure import measure
-from hetpar.planner.trace import differentiable_values, trace_model
+from hetpar.planner.capture import trace_model
+from hetpar.planner.capture.measure import measure
+from hetpar.planner.capture.trace import differentiable_values
 from hetpar.runtime.graph import boundary_values, build_stage, record_values, trace_layers
 from hetpar.runtime.model_file import load_model_file
 
@@ -177,7 +178,7 @@ def test_matmul_rows_of_a_gpt_block_separate_linears_from_attention():
 
 
 def test_matmul_rows_of_each_kernel_kind():
-    from hetpar.planner.measure import matmul_rows
+    from hetpar.planner.capture.measure import matmul_rows
     meta = lambda *shape: torch.empty(shape, device="meta")
     assert matmul_rows("mm", (meta(12, 8), meta(8, 2)), meta(12, 2)) == (12, True, 4)
     assert matmul_rows("addmm", (meta(2), meta(12, 8), meta(8, 2)), meta(12, 2)) == (12, True, 4)

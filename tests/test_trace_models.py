@@ -8,8 +8,9 @@ import torch
 from cli_helpers import hetpar
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.planner.api import plan_model
-from hetpar.planner.search import SearchOptions, search
-from hetpar.planner.trace import trace_model
+from hetpar.planner.capture import trace_model
+from hetpar.planner.options import SearchOptions
+from hetpar.planner.search import search
 from hetpar.runtime import model_file as model_file_module
 from hetpar.runtime.model_file import load_model_file
 

@@ -9,8 +9,9 @@ from hetpar.cost_models.cluster import ClusterSpecError, cluster_from_dict, clus
 from hetpar.cost_models.collectives import (
     all_gather_time_s, all_reduce_time_s, best_all_reduce, broadcast_time_s, p2p_time_s, reduce_scatter_time_s,
 )
-from hetpar.planner.search import SearchOptions, enumerate_candidates, search, solve_candidate
-from hetpar.planner.trace import trace_model
+from hetpar.planner.capture import trace_model
+from hetpar.planner.options import SearchOptions
+from hetpar.planner.search import enumerate_candidates, search, solve_candidate
 from hetpar.runtime.model_file import load_model_file
 
 GBPS = 1e9 / 8

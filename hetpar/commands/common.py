@@ -13,8 +13,7 @@ from rich.console import Console
 
 from hetpar.cost_models.cluster import ClusterSpecError
 from hetpar.cost_models.devices import ProfileError, UnknownDeviceError, get_device
-from hetpar.planner.plan import PlanError
-from hetpar.planner.search import PlanningError
+from hetpar.planner import PlanFileError as PlanError, PlanningError
 from hetpar.rewriters.torchrun import CompileError
 from hetpar.runtime.graph import TraceError
 from hetpar.runtime.model_file import ModelFileError

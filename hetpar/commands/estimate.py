@@ -14,9 +14,8 @@ from hetpar.cost_models.compute import TRAINING_KERNEL_EFFICIENCY
 from hetpar.commands.profile import profiles_option
 from hetpar.commands.common import console, domain_errors, gib, print_json, rank_ranges, seconds
 from hetpar.commands.common import DType, Recompute, default_compiled, default_dtype
-from hetpar.planner.estimate import Estimate, EstimateConfig, EstimateError, estimate as estimate_plan
-from hetpar.planner.api import compiled_graph
-from hetpar.planner.trace import trace_model
+from hetpar.planner import Estimate, EstimateConfig, EstimateError, compiled_graph, trace_model
+from hetpar.planner.estimate import estimate as estimate_plan
 from hetpar.runtime.model_file import load_model_file, parse_model_args
 
 

@@ -10,8 +10,7 @@ from rich.table import Table
 
 from hetpar.commands.common import console, domain_errors, gib, print_json, seconds
 from hetpar.commands.plan import sync_description
-from hetpar.planner.explain import explain_plan, timeline_svg
-from hetpar.planner.plan import ParallelPlan, write_text_atomic
+from hetpar.planner import ParallelPlan, explain_plan, timeline_svg, write_text_atomic
 from hetpar.runtime.schedule import Kind
 
 

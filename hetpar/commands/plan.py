@@ -14,12 +14,9 @@ from hetpar.cost_models.cluster import parse_cluster
 from hetpar.cost_models.devices import get_device
 from hetpar.commands.profile import profiles_option
 from hetpar.commands.common import DType, Recompute, console, default_compiled, default_dtype, domain_errors, fail, gib, print_json, rank_ranges, seconds
-from hetpar.planner.default_split import default_split
-from hetpar.planner.plan import ParallelPlan
-from hetpar.planner.api import plan_model
-from hetpar.planner.objective import Objective, resolve_prices, usd_per_step
-from hetpar.planner.search import SearchOptions
-from hetpar.planner.sync_methods import DataParallelSync
+from hetpar.planner import (
+    DataParallelSync, Objective, ParallelPlan, SearchOptions, default_split, plan_model, resolve_prices, usd_per_step,
+)
 from hetpar.runtime.model_file import parse_model_args
 
 

@@ -17,7 +17,7 @@ from hetpar import profiler
 from hetpar.cost_models.calibrate import fit_profile
 from hetpar.cost_models.devices import DeviceProfile, ProfileError, dump_profile, get_device, known_devices, load_profile, profile_to_dict
 from hetpar.commands.common import console, domain_errors, seconds
-from hetpar.planner.trace import ModelGraph, trace_model
+from hetpar.planner import ModelGraph, trace_model
 from hetpar.profiler import reference_model
 from hetpar.runtime import devices
 from hetpar.runtime.model_file import load_model_file, parse_model_args

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from hetpar.commands.common import console, domain_errors, fail, gib, print_json
-from hetpar.planner.trace import ModelGraph, trace_model
+from hetpar.planner import ModelGraph, trace_model
 from hetpar.runtime.model_file import load_model_file, parse_model_args
 
 # Per-sample quantities that scale with the batch size; parameters and shapes do not.

@@ -17,7 +17,7 @@ import typer
 from rich.table import Table
 
 from hetpar.commands.common import console, domain_errors, print_json, seconds
-from hetpar.planner.plan import ParallelPlan, PlanError
+from hetpar.planner import ParallelPlan, PlanFileError as PlanError
 from hetpar.rewriters.launchers import PROGRAM
 from hetpar.rewriters.torchrun import compile_plan
 from hetpar.runtime import devices

@@ -13,15 +13,17 @@ from typing import Any, Callable
 
 from hetpar.cost_models.cluster import Cluster
 from hetpar.cost_models.compute import compiled_layer
-from hetpar.planner.hetero_dp import hetero_dp_plan
-from hetpar.planner.objective import Objective, cheapest_plan, least_energy_plan
+from hetpar.planner.capture import trace_model
+from hetpar.planner.errors import PlanningError
+from hetpar.planner.model_graph import ModelGraph
+from hetpar.planner.options import SearchOptions
 from hetpar.planner.plan import ParallelPlan
-from hetpar.planner.options import PlanningError, SearchOptions
 from hetpar.planner.search import search
-from hetpar.planner.sync_methods import LOSSY_MIN_GAIN, DataParallelSync, cost_method, matrix_width
-from hetpar.runtime.sync_spec import parse_aggregation
-from hetpar.planner.trace import ModelGraph, trace_model
+from hetpar.planner.strategies import (
+    LOSSY_MIN_GAIN, DataParallelSync, Objective, cheapest_plan, cost_method, hetero_dp_plan, least_energy_plan, matrix_width,
+)
 from hetpar.runtime.model_file import load_model_file
+from hetpar.runtime.sync_spec import parse_aggregation
 
 HETERO_DP_CHOICES = ("auto", "on", "off")  # consider heterogeneous data parallelism on mixed clusters; force it; never
 

@@ -10,11 +10,11 @@ from html import escape
 from pathlib import Path
 
 from hetpar.cost_models.cluster import parse_cluster
+from hetpar.planner.capture import trace_model
+from hetpar.planner.errors import PlanFileError
 from hetpar.planner.estimate import Estimate, EstimateConfig, estimate, stage_devices_of
-from hetpar.planner.hetero_dp import estimate_shares
-from hetpar.planner.plan import ParallelPlan, PlanError
-from hetpar.planner.sync_methods import cost_method, matrix_width
-from hetpar.planner.trace import trace_model
+from hetpar.planner.plan import ParallelPlan
+from hetpar.planner.strategies import cost_method, estimate_shares, matrix_width
 from hetpar.runtime.model_file import file_fingerprint, load_model_file
 from hetpar.runtime.schedule import Kind, TimedRun
 
@@ -33,13 +33,13 @@ def explain_plan(plan: ParallelPlan, profiles: dict | None = None) -> Explanatio
     name -> profile, in place of the built-in ones, as ``parse_cluster`` takes them).
 
     Raises:
-        PlanError: the plan's model file is gone or changed since planning.
+        PlanFileError: the plan's model file is gone or changed since planning.
     """
     path = Path(plan.model.file)
     if not path.is_file():
-        raise PlanError(f"the plan's model file {str(path)!r} is gone; re-run hetpar plan")
+        raise PlanFileError(f"the plan's model file {str(path)!r} is gone; re-run hetpar plan")
     if file_fingerprint(path) != plan.model.fingerprint:
-        raise PlanError(f"model file {str(path)!r} changed since planning; re-run hetpar plan")
+        raise PlanFileError(f"model file {str(path)!r} changed since planning; re-run hetpar plan")
     graph = trace_model(load_model_file(path, plan.model.args), tuple(plan.model.leaf_modules))
     cluster = parse_cluster(plan.cluster.spec, profiles=profiles)
     config = estimate_config(plan, graph)

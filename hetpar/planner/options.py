@@ -1,30 +1,21 @@
-"""What the user asks of the search, and the checks of it: the leaf the planner's modules share.
+"""What the user asks of the search, and the checks of it: a leaf the planner's modules share.
 
-``SearchOptions`` (pins, limits), ``PlanningError`` (a request no plan meets, said in
-the user's terms), ``check_pins`` (impossible pins, caught before any search), ``to_ticks``
-and ``cp_solver`` (CP-SAT configured for [Note: deterministic search]). Imports nothing of
-planner but under type checking, so that search, estimate, hetero_dp and bounds can all
-build on it without importing each other.
+``SearchOptions`` (pins, limits), ``check_pins`` (impossible pins, caught before any
+search, as a ``PlanningError`` in the user's terms), ``pinned_pp`` and ``misfit_fix``.
+Imports only the planner's leaves (errors, model_graph), so that the search and the
+strategies over it build on it without importing each other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from ortools.sat.python import cp_model
 
 from hetpar.cost_models.devices import ProfileError
 from hetpar.cost_models.grad_sync import PLAIN, SyncMethod
 from hetpar.cost_models.layers import tp_misfit
 from hetpar.cost_models.pipeline import SCHEDULES
-
-if TYPE_CHECKING:
-    from hetpar.planner.trace import ModelGraph
-
-
-class PlanningError(Exception):
-    """No plan satisfies the request; the message says why and what to change."""
+from hetpar.planner.errors import PlanningError
+from hetpar.planner.model_graph import ModelGraph
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +46,7 @@ class SearchOptions:
     seed: int = 0
     top_k: int = 3
     compiled: bool = False  # stages run under torch.compile ([Note: compiled stages] in cost_models.compute)
-    sync: SyncMethod = PLAIN  # how replicas agree, priced (planner.sync_methods); not PLAIN: ZeRO 0 only
+    sync: SyncMethod = PLAIN  # how replicas agree, priced (planner.strategies.sync_methods); not PLAIN: ZeRO 0 only
     min_dp: int = 1  # fewest data-parallel replicas (robust aggregation and local SGD need several)
 
 
@@ -63,15 +54,6 @@ def misfit_fix(dtype: str) -> str:
     """What a plan that does not fit memory can change: more devices, a smaller batch,
     and 2-byte training where it trains in fp32."""
     return "add devices, lower --global-batch or use --dtype bf16" if dtype == "fp32" else "add devices or lower --global-batch"
-
-
-def to_ticks(seconds: float, tick_s: float) -> int:
-    """The one place where seconds become integer solver ticks (``planner.split_model._ticks`` maps it over arrays)."""
-    return int(round(seconds / tick_s))
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
@@ -183,41 +165,4 @@ def pinned_pp(options: SearchOptions) -> int | None:
     return len(options.stage_devices) if options.stage_devices else None
 
 
-# [Note: deterministic search]
-# A plan must not depend on how fast or how busy the machine is. Every CP-SAT solve of
-# the planner stops on a work limit, CP-SAT's deterministic time (max_deterministic_time:
-# a weighted count of the solver's operations, calibrated to about a second of one core);
-# one worker is then deterministic, and several run in lockstep batches (interleave_search:
-# the search is a function of the model, num_workers and random_seed, per sat_parameters.proto).
-# The same request gives the same plan, status and gap on a laptop or a busy login node,
-# only later. A wall-clock --time-limit stays as an opt-in safety net; a solve it cuts
-# short is named in the plan's status, as where it stopped depends on the machine.
-# One worker by default: OR-Tools 9.15's interleaved search with 2 workers and its default
-# batch of 3 * workers tasks aborted the process (CHECK "heuristics.fixed_search !=
-# nullptr") on a split model that max_lp proves infeasible while loading; batches of
-# `workers` tasks did not, so more workers run with that batch size.
-def cp_solver(*, work_limit_s: float, workers: int, seed: int, time_limit_s: float | None = None) -> cp_model.CpSolver:
-    """A CP-SAT solver whose answer depends only on its model and these arguments; see [Note: deterministic search].
-
-    Args:
-        work_limit_s: deterministic seconds the solve may take.
-        workers: CP-SAT workers; more than one run in deterministic batches.
-        seed: CP-SAT's random seed.
-        time_limit_s: wall-clock seconds, when a safety net is wanted (None: none).
-    """
-    solver = cp_model.CpSolver()
-    solver.parameters.max_deterministic_time = work_limit_s
-    solver.parameters.num_workers = workers
-    if workers > 1:
-        solver.parameters.interleave_search = True
-        solver.parameters.interleave_batch_size = workers
-    solver.parameters.random_seed = seed
-    if time_limit_s is not None:
-        solver.parameters.max_time_in_seconds = time_limit_s
-    return solver
-
-
-def limit_hit(solver: cp_model.CpSolver, time_limit_s: float | None) -> str:
-    """Which limit stopped a solve that did not finish: "time" (the wall clock) or "work"."""
-    return "time" if time_limit_s is not None and solver.wall_time >= time_limit_s else "work"
-
+__all__ = ["SearchOptions", "check_pins", "check_schedule_pins", "check_stage_pins", "misfit_fix", "pinned_pp"]

@@ -14,14 +14,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from hetpar.planner.errors import PlanFileError
 from hetpar.runtime.sync_spec import check_sync
 
 SCHEMA_VERSION = 1
 PLAN_KIND = "hetpar.plan"
-
-
-class PlanError(ValueError):
-    """A plan is inconsistent, or a plan file is corrupt or not a hetpar plan."""
 
 
 class Schedule(str, Enum):
@@ -77,18 +74,18 @@ class StagePlan:
 
     def __post_init__(self) -> None:
         if self.zero_stage not in ZERO_STAGES:
-            raise PlanError(f"stage {self.index}: zero_stage({self.zero_stage!r}) must be one of 0, 1, 2, 3")
+            raise PlanFileError(f"stage {self.index}: zero_stage({self.zero_stage!r}) must be one of 0, 1, 2, 3")
         if self.recompute not in RECOMPUTE:
-            raise PlanError(f"stage {self.index}: recompute {self.recompute!r} must be one of {', '.join(map(repr, RECOMPUTE))}")
+            raise PlanFileError(f"stage {self.index}: recompute {self.recompute!r} must be one of {', '.join(map(repr, RECOMPUTE))}")
         if not self.layers:
-            raise PlanError(f"stage {self.index} has no layers")
+            raise PlanFileError(f"stage {self.index} has no layers")
         if self.layers != list(range(self.layers[0], self.layers[-1] + 1)):
-            raise PlanError(f"stage {self.index} layers {self.layers} are not contiguous")
+            raise PlanFileError(f"stage {self.index} layers {self.layers} are not contiguous")
         if self.tensor_parallel < 1:
-            raise PlanError(f"stage {self.index}: tensor_parallel({self.tensor_parallel}) must be >= 1")
+            raise PlanFileError(f"stage {self.index}: tensor_parallel({self.tensor_parallel}) must be >= 1")
         widths = {len(r) for r in self.ranks}
         if widths != {self.tensor_parallel}:
-            raise PlanError(
+            raise PlanFileError(
                 f"stage {self.index}: each replica needs tensor_parallel({self.tensor_parallel}) ranks, got {sorted(widths)}"
             )
 
@@ -174,22 +171,22 @@ class ParallelPlan:
         used = sum(self.data_parallel * s.tensor_parallel for s in physical)
         if used != world:
             tp_text = f"tp({tps.pop()})" if len(tps) == 1 else "sum of stage tp"
-            raise PlanError(f"dp({self.data_parallel}) * {tp_text} * pp({pp}) = {used} != world_size({world})")
+            raise PlanFileError(f"dp({self.data_parallel}) * {tp_text} * pp({pp}) = {used} != world_size({world})")
         expected = self.data_parallel * self.micro_batch_size * self.num_microbatches
         if expected != self.global_batch_size:
-            raise PlanError(
+            raise PlanFileError(
                 f"dp({self.data_parallel}) * micro_batch_size({self.micro_batch_size}) * "
                 f"num_microbatches({self.num_microbatches}) = {expected} != global_batch_size({self.global_batch_size})"
             )
         for s in self.stages:
             if len(s.ranks) != self.data_parallel:
-                raise PlanError(f"stage {s.index} has {len(s.ranks)} replicas, data_parallel is {self.data_parallel}")
+                raise PlanFileError(f"stage {s.index} has {len(s.ranks)} replicas, data_parallel is {self.data_parallel}")
         all_ranks = sorted(r for s in physical for rep in s.ranks for r in rep)
         if all_ranks != list(range(world)):
-            raise PlanError(f"stage ranks must cover 0..{world - 1} exactly once")
+            raise PlanFileError(f"stage ranks must cover 0..{world - 1} exactly once")
         layers = [l for s in self.stages for l in s.layers]
         if layers != list(range(len(self.model.layer_names))):
-            raise PlanError(f"stages cover layers {layers}, the model has {len(self.model.layer_names)} layers")
+            raise PlanFileError(f"stages cover layers {layers}, the model has {len(self.model.layer_names)} layers")
         self._check_data_parallel_options()
 
     def _check_virtual_stages(self) -> None:
@@ -198,32 +195,32 @@ class ParallelPlan:
         rank r holds chunks r, r + pp, ...), under the interleaved schedule."""
         v, count = self.virtual_stages, len(self.stages)
         if not isinstance(v, int) or v < 1:
-            raise PlanError(f"virtual_stages({v!r}) must be an integer >= 1")
+            raise PlanFileError(f"virtual_stages({v!r}) must be an integer >= 1")
         if count % v:
-            raise PlanError(f"{count} stages do not split into pp * virtual_stages({v}) chunks")
+            raise PlanFileError(f"{count} stages do not split into pp * virtual_stages({v}) chunks")
         if v > 1 and Schedule(self.schedule) is not Schedule.INTERLEAVED:
-            raise PlanError(f"virtual_stages({v}) needs schedule 'interleaved', not {self.schedule.value!r}")
+            raise PlanFileError(f"virtual_stages({v}) needs schedule 'interleaved', not {self.schedule.value!r}")
         if v == 1:
             return
         pp = count // v
         if self.num_microbatches % pp:
-            raise PlanError(
+            raise PlanFileError(
                 f"the interleaved schedule needs num_microbatches({self.num_microbatches}) to be a multiple of pp({pp})"
             )
         for s in self.stages[pp:]:
             owner = self.stages[s.index % pp]
             if (s.ranks, s.tensor_parallel, s.device_type) != (owner.ranks, owner.tensor_parallel, owner.device_type):
-                raise PlanError(
+                raise PlanFileError(
                     f"stage {s.index} is chunk {s.index // pp} of pipeline rank {s.index % pp}: it needs the ranks, "
                     f"tensor_parallel and device_type of stage {owner.index}"
                 )
         if any(s.zero_stage or s.tensor_parallel > 1 for s in self.stages):
-            raise PlanError("virtual_stages > 1 runs with zero_stage 0 and tensor_parallel 1 on every stage")
+            raise PlanFileError("virtual_stages > 1 runs with zero_stage 0 and tensor_parallel 1 on every stage")
 
     def _check_data_parallel_options(self) -> None:
         zero = [s.index for s in self.stages if s.zero_stage > 0]
         if zero and Schedule(self.schedule) is Schedule.ZERO_BUBBLE:
-            raise PlanError(
+            raise PlanFileError(
                 f"schedule 'zb' needs zero_stage 0 on every stage (FSDP reduces gradients inside the backward, which "
                 f"'zb' splits), stage {zero[0]} has zero_stage {self.stages[zero[0]].zero_stage}"
             )
@@ -232,18 +229,18 @@ class ParallelPlan:
                        data_parallel=self.data_parallel, zero_stages=[s.zero_stage for s in self.stages],
                        equal_shares=self.replica_batch_shares is None)
         except ValueError as exc:
-            raise PlanError(str(exc)) from None
+            raise PlanFileError(str(exc)) from None
         self._check_rebalance()
         shares = self.replica_batch_shares
         if shares is None:
             return
         if len(shares) != self.data_parallel or any(not isinstance(n, int) or n < 1 for n in shares):
-            raise PlanError(
+            raise PlanFileError(
                 f"replica_batch_shares {shares} must hold one micro-batch size >= 1 per replica, data_parallel is "
                 f"{self.data_parallel}"
             )
         if sum(shares) != self.data_parallel * self.micro_batch_size:
-            raise PlanError(
+            raise PlanFileError(
                 f"replica_batch_shares {shares} sum to {sum(shares)} != dp({self.data_parallel}) * "
                 f"micro_batch_size({self.micro_batch_size}) = {self.data_parallel * self.micro_batch_size}"
             )
@@ -251,16 +248,16 @@ class ParallelPlan:
     def _check_rebalance(self) -> None:
         every = self.rebalance_every
         if not isinstance(every, int) or every < 0:
-            raise PlanError(f"rebalance_every {every!r} must be an integer >= 0 (0: never)")
+            raise PlanFileError(f"rebalance_every {every!r} must be an integer >= 0 (0: never)")
         if not every:
             return
         if self.data_parallel < 2:
-            raise PlanError("rebalance_every needs data_parallel >= 2: it moves samples between replicas")
+            raise PlanFileError("rebalance_every needs data_parallel >= 2: it moves samples between replicas")
         if len(self.stages) > 1:
-            raise PlanError(f"rebalance_every needs one pipeline stage (the plan has {len(self.stages)}): a stage's "
+            raise PlanFileError(f"rebalance_every needs one pipeline stage (the plan has {len(self.stages)}): a stage's "
                             f"pipeline buffers are sized for its micro-batch at start-up")
         if self.aggregation != "mean" or self.sync_every > 1:
-            raise PlanError("rebalance_every needs aggregation 'mean' and sync_every 1 (those need equal shares)")
+            raise PlanFileError("rebalance_every needs aggregation 'mean' and sync_every 1 (those need equal shares)")
 
     @property
     def replica_micro_batch_sizes(self) -> list[int]:
@@ -287,12 +284,12 @@ class ParallelPlan:
         """Build a plan from parsed JSON.
 
         Raises:
-            PlanError: not a hetpar plan, another schema version, or inconsistent.
+            PlanFileError: not a hetpar plan, another schema version, or inconsistent.
         """
         if not isinstance(data, dict) or data.get("kind") != PLAN_KIND:
-            raise PlanError("not a hetpar plan (no \"kind\": \"hetpar.plan\"); make one with `hetpar plan`")
+            raise PlanFileError("not a hetpar plan (no \"kind\": \"hetpar.plan\"); make one with `hetpar plan`")
         if data.get("schema_version") != SCHEMA_VERSION:
-            raise PlanError(
+            raise PlanFileError(
                 f"plan schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}; re-run `hetpar plan`"
             )
         try:
@@ -311,27 +308,27 @@ class ParallelPlan:
                     "solver": SolverInfo(**_renamed(data["solver"], wall_time_s="search_time_s")),
                 }
             )
-        except PlanError:
+        except PlanFileError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
-            raise PlanError(f"plan is malformed: {type(exc).__name__}: {exc}") from exc
+            raise PlanFileError(f"plan is malformed: {type(exc).__name__}: {exc}") from exc
 
     @classmethod
     def load(cls, path: str | Path) -> "ParallelPlan":
         """Read a plan file.
 
         Raises:
-            PlanError: missing, unreadable, not JSON, or not a valid plan.
+            PlanFileError: missing, unreadable, not JSON, or not a valid plan.
         """
         path = Path(path)
         try:
             text = path.read_text()
         except OSError as exc:
-            raise PlanError(f"cannot read plan {str(path)!r}: {exc.strerror}") from exc
+            raise PlanFileError(f"cannot read plan {str(path)!r}: {exc.strerror}") from exc
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise PlanError(f"plan {str(path)!r} is not valid JSON (line {exc.lineno}): {exc.msg}") from exc
+            raise PlanFileError(f"plan {str(path)!r} is not valid JSON (line {exc.lineno}): {exc.msg}") from exc
         return cls.from_dict(data)
 
 
@@ -372,6 +369,5 @@ __all__ = [
     "SolverInfo",
     "Schedule",
     "Sharding",
-    "PlanError",
     "write_text_atomic",
 ]

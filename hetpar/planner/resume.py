@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hetpar.planner.options import PlanningError
+from hetpar.planner.errors import PlanningError
 from hetpar.runtime.checkpoint import CheckpointError, resume_point
 from hetpar.runtime.model_file import load_model_file
 

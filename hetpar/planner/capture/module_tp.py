@@ -43,11 +43,12 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hetpar.planner.measure import Measurement
+from hetpar.planner.capture.measure import Measurement
+from hetpar.planner.capture.tp_dry_run import DryRunFailure, solve_checked
+from hetpar.planner.capture.tp_ilp import TpCostModel, TpProblem, build_problem, evaluate
+from hetpar.planner.capture.tp_meta import local_linear
+from hetpar.planner.capture.tp_ops import TpError
 from hetpar.planner.plan import Sharding
-from hetpar.planner.tensor_parallel import (
-    DryRunFailure, TpCostModel, TpError, TpProblem, build_problem, evaluate, local_linear, solve_checked,
-)
 from hetpar.runtime.capture import locate, quiet_torch_logs
 from hetpar.runtime.module_stage import DecoderLayout, DecoderStage, hidden_size
 

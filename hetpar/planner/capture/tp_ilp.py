@@ -1,5 +1,7 @@
 """Choose, per Linear module of a layer, how tensor-parallel ranks split it: an ILP.
 
+The model, its solve and its brute-force check; tp_dry_run checks an answer and solves again.
+
 [Note: tensor-parallel ILP]
 Each Linear of a layer's fx graph is kept whole on every rank (replicated) or split
 one of four ways, each a DTensor style the runtime applies (runtime.shard):
@@ -17,8 +19,8 @@ Linears read it (q, k and v share one: [Note: one all-reduce per shared input] i
 runtime/shard.py), so the model charges that all-reduce to the value. "split" is a value of which each rank holds a slice of the
 features (or heads).
 A split value passes through ops that treat features independently (activations,
-element-wise arithmetic, views, attention over whole heads: the _FEATURE_WISE_*
-sets) and must reach a rowwise Linear; anything else (a norm over features, a
+element-wise arithmetic, views, attention over whole heads: the FEATURE_WISE_*
+sets of tp_ops) and must reach a rowwise Linear; anything else (a norm over features, a
 reduction, the layer's output) needs a replicated value, and only a Linear's own
 output can be gathered on the way (that is where DTensor can redistribute). A
 rowwise Linear's partial sums are all-reduced at its output, so partial sums never
@@ -43,102 +45,25 @@ failing op, or else the whole assignment) and the model is solved again.
 
 from __future__ import annotations
 
-import copy
-import math
-import operator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
-import torch.nn.functional as F
 from ortools.sat.python import cp_model
 
 from hetpar.cost_models.devices import DeviceProfile, get_device
-from hetpar.planner.measure import Measurement, measure
-from hetpar.planner.options import cp_solver, to_ticks
+from hetpar.planner.capture.measure import Measurement, measure
+from hetpar.planner.capture.tp_ops import (
+    FEATURE_WISE_ATEN, FEATURE_WISE_FUNCTIONS, FEATURE_WISE_METHODS, FEATURE_WISE_MODULES, LinearSite, TpError, is_tensors,
+    linear_site, run_graph, tensor_nbytes,
+)
 from hetpar.planner.plan import Sharding
-
-# Ops that act on each feature independently, or on whole heads: a split feature
-# dimension passes through them unchanged.
-_FEATURE_WISE_FUNCTIONS = {
-    F.gelu, F.relu, F.silu, F.dropout, F.scaled_dot_product_attention,
-    torch.relu, torch.tanh, torch.sigmoid, torch.nn.functional.sigmoid,
-    operator.add, operator.mul, operator.sub, operator.truediv, operator.neg, operator.getitem,
-    torch.add, torch.mul, torch.neg, torch.transpose, torch.reshape,
-    # Dimension-sensitive: valid unless they act along the split dimension (the dry run checks).
-    torch.cat, torch.stack, torch.chunk, torch.split, torch.softmax, F.softmax, operator.matmul, torch.matmul,
-}
-_FEATURE_WISE_METHODS = {
-    "view", "reshape", "transpose", "permute", "contiguous", "size", "relu", "mul", "add", "neg", "float", "to",
-    "type_as", "chunk", "split", "softmax", "matmul",
-}
-_FEATURE_WISE_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Dropout, nn.Tanh, nn.Sigmoid, nn.Identity)
-# The same in an exported graph's ATen ops (dimension-sensitive ones included: the dry
-# run of a module stage checks them; see [Note: tensor parallelism of exported graphs]).
-_aten = torch.ops.aten
-_FEATURE_WISE_ATEN = {
-    _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.transpose.int,
-    _aten.permute.default, _aten.contiguous.default, _aten.clone.default, _aten.unsqueeze.default,
-    _aten.squeeze.dim, _aten.expand.default, _aten.slice.Tensor, _aten.cat.default, _aten.split.Tensor,
-    _aten.split_with_sizes.default, _aten.chunk.default, _aten.mul.Tensor, _aten.add.Tensor, _aten.sub.Tensor,
-    _aten.div.Tensor, _aten.neg.default, _aten.pow.Tensor_Scalar, _aten.silu.default, _aten.gelu.default,
-    _aten.relu.default, _aten.tanh.default, _aten.sigmoid.default, _aten.dropout.default, _aten.to.dtype,
-    _aten._to_copy.default, _aten.type_as.default, _aten.alias.default, _aten.scaled_dot_product_attention.default,
-    _aten.softmax.int, _aten.matmul.default,
-}
-
-
-@dataclass(frozen=True)
-class LinearSite:
-    """A Linear as the graph runs it: a call of the module (torch.fx), or an ``aten.linear``
-    on its weight, or GPT-2's Conv1D as ``aten.addmm(bias, x, weight)`` with the weight
-    stored [in, out] (torch.export)."""
-
-    path: str  # the module's qualified name
-    in_features: int
-    out_features: int
-    input: fx.Node  # the value it multiplies
-
-
-def linear_site(gm: fx.GraphModule, node: fx.Node) -> LinearSite | None:
-    """The Linear ``node`` runs, or None."""
-    if node.op == "call_module":
-        module = gm.get_submodule(str(node.target))
-        if isinstance(module, nn.Linear):
-            return LinearSite(str(node.target), module.in_features, module.out_features, node.args[0])
-        return None
-    if node.op != "call_function" or node.target not in (_aten.linear.default, _aten.addmm.default):
-        return None
-    conv1d = node.target is _aten.addmm.default
-    weight = node.args[2] if conv1d else node.args[1]
-    if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and str(weight.target).endswith(".weight")):
-        return None
-    shape = _get_attr(gm, str(weight.target)).shape
-    out_f, in_f = (shape[1], shape[0]) if conv1d else (shape[0], shape[1])
-    return LinearSite(str(weight.target).removesuffix(".weight"), in_f, out_f, node.args[1] if conv1d else node.args[0])
-
-
-def _get_attr(module: nn.Module, path: str) -> Any:
-    owner, _, name = path.rpartition(".")
-    return getattr(module.get_submodule(owner) if owner else module, name)
-# Dimension-sensitive ops: (function or method name, position of ``dim``, its default).
-_DIM_ARGUMENT = {
-    torch.cat: (1, 0), torch.chunk: (2, 0), torch.split: (2, 0), torch.softmax: (1, None),
-    F.softmax: (1, None), "chunk": (2, 0), "split": (2, 0), "softmax": (1, None),
-}
-_MATMULS = {operator.matmul, torch.matmul, "matmul"}
+from hetpar.planner.solver import cp_solver, to_ticks
 
 _SPLIT_CHOICES = (Sharding.COLWISE, Sharding.COLWISE_GATHER, Sharding.ROWWISE, Sharding.ROWWISE_SLICE)
 _COLWISE = (Sharding.COLWISE, Sharding.COLWISE_GATHER)  # input replicated, its gradient a partial sum
 _CHOICES: tuple[Sharding | None, ...] = (None, *_SPLIT_CHOICES)  # None: replicated
-_MAX_SOLVES = 32  # dry-run failures tolerated before the layer stays replicated
-
-
-class TpError(ValueError):
-    """A sharding does not fit the layer (a split dimension does not divide, a view breaks)."""
 
 
 # Variables ------------------------------------------------------------------------------------------------------
@@ -247,10 +172,10 @@ def build_problem(gm: fx.GraphModule, inputs: list[torch.Tensor], cost: TpCostMo
         gm: one layer's graph module.
         inputs: meta tensors it runs on (one sample's worth).
         cost: the alpha-beta model and the tensor-parallel degree.
-        measurement: ``planner.measure.measure(gm, inputs)`` when already taken.
+        measurement: ``planner.capture.measure.measure(gm, inputs)`` when already taken.
     """
     counts = (measurement or measure(gm, inputs)).nodes
-    values = _run(gm, inputs, grad=True)
+    values = run_graph(gm, inputs, grad=True)
     seconds: dict[str, float] = {}
     linear_s: dict[str, dict[Sharding | None, float]] = {}
     grad_reduce_s: dict[str, float] = {}
@@ -263,15 +188,15 @@ def build_problem(gm: fx.GraphModule, inputs: list[torch.Tensor], cost: TpCostMo
         # A Linear is charged its FLOPs alone: its weight traffic is per micro-batch, not per sample.
         memory_bytes = 0.0 if kind is _Kind.LINEAR or c is None else c.fwd_bytes + c.bwd_bytes
         seconds[node.name] = cost.compute_s(c.fwd_flops + c.bwd_flops, memory_bytes) if c else 0.0
-        tensors = tuple(a.name for a in node.all_input_nodes if _is_tensors(values.get(a.name)))
+        tensors = tuple(a.name for a in node.all_input_nodes if is_tensors(values.get(a.name)))
         if kind is _Kind.LINEAR:
             site = linear_site(gm, node)
             path, tensors = site.path, (site.input.name,)
             x = values[tensors[0]]
-            linear_s[node.name] = _linear_seconds(site, seconds[node.name], _nbytes(x),
-                                                  _nbytes(values[node.name]), getattr(x, "requires_grad", False), cost)
+            linear_s[node.name] = _linear_seconds(site, seconds[node.name], tensor_nbytes(x),
+                                                  tensor_nbytes(values[node.name]), getattr(x, "requires_grad", False), cost)
             if getattr(x, "requires_grad", False):
-                grad_reduce_s[tensors[0]] = cost.all_reduce_s(_nbytes(x))
+                grad_reduce_s[tensors[0]] = cost.all_reduce_s(tensor_nbytes(x))
         elif kind is _Kind.FEATURE:
             shape = getattr(values.get(node.name), "shape", None)
             same = tuple(a for a in tensors if shape is not None and getattr(values[a], "shape", None) == shape)
@@ -316,10 +241,10 @@ def _kind(gm: fx.GraphModule, node: fx.Node) -> _Kind:
     if linear_site(gm, node) is not None:
         return _Kind.LINEAR
     if node.op == "call_module":
-        return _Kind.FEATURE if isinstance(gm.get_submodule(str(node.target)), _FEATURE_WISE_MODULES) else _Kind.OTHER
-    if node.op == "call_function" and (node.target in _FEATURE_WISE_FUNCTIONS or node.target in _FEATURE_WISE_ATEN):
+        return _Kind.FEATURE if isinstance(gm.get_submodule(str(node.target)), FEATURE_WISE_MODULES) else _Kind.OTHER
+    if node.op == "call_function" and (node.target in FEATURE_WISE_FUNCTIONS or node.target in FEATURE_WISE_ATEN):
         return _Kind.FEATURE
-    if node.op == "call_method" and node.target in _FEATURE_WISE_METHODS:
+    if node.op == "call_method" and node.target in FEATURE_WISE_METHODS:
         return _Kind.FEATURE
     return _Kind.OTHER
 
@@ -337,7 +262,7 @@ def solve(problem: TpProblem, *, forbidden_splits: frozenset[str] = frozenset(),
         forbidden_splits: values that must stay replicated.
         forbidden_together: sets of values that must not all be split at once.
         forbidden_assignments: Linear choices (node -> choice) not to return again.
-        work_limit_s, workers, seed: CP-SAT's deterministic seconds, workers and seed ([Note: deterministic search] in planner.options).
+        work_limit_s, workers, seed: CP-SAT's deterministic seconds, workers and seed ([Note: deterministic search] in planner.solver).
 
     Returns:
         The cheapest assignment found; "optimal" when proven.
@@ -463,386 +388,3 @@ def split_nodes(problem: TpProblem, choices: dict[str, Sharding | None]) -> tupl
                 work.add(s.name)
                 saved.add(s.name)
     return work, saved
-
-
-# Dry run --------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class DryRunFailure:
-    """Why a sharded layer cannot run: the op, and its inputs that were split (the values
-    to forbid splitting: one alone, or several together; none: the whole assignment)."""
-
-    node: str
-    split_inputs: frozenset[str]
-    reason: str
-
-
-DryRun = Callable[[dict[str, Sharding], int], "DryRunFailure | None"]
-
-
-def find_sharding(stage_module: fx.GraphModule, inputs: list[torch.Tensor], *,
-                  measurement: Measurement | None = None, cost: TpCostModel | None = None,
-                  work_limit_s: float = 10.0, workers: int = 1, seed: int = 0,
-                  dry_run_fn: DryRun | None = None) -> dict[str, Sharding]:
-    """How tensor-parallel ranks split the Linears of one layer; see [Note: tensor-parallel ILP].
-
-    Args:
-        stage_module: one layer's graph module.
-        inputs: meta tensors it runs on (one sample's worth).
-        measurement: ``planner.measure.measure(stage_module, inputs)`` when already taken.
-        cost: the cost model; ``TpCostModel.for_device()`` (A100, fp32, tp 2) by default.
-        work_limit_s, workers, seed: CP-SAT's, per solve (``solve``).
-        dry_run_fn: ``(sharding, tp) -> failure or None``, the check of a solution;
-            ``dry_run`` of the graph by default.
-
-    Returns:
-        Module path -> Sharding; modules left out stay replicated.
-    """
-    cost = cost or TpCostModel.for_device()
-    problem = build_problem(stage_module, inputs, cost, measurement)
-    return solve_checked(stage_module, inputs, problem, work_limit_s=work_limit_s, workers=workers,
-                         seed=seed, dry_run_fn=dry_run_fn).sharding(problem)
-
-
-def solve_checked(stage_module: fx.GraphModule, inputs: list[torch.Tensor], problem: TpProblem, *,
-                  dry_run_fn: DryRun | None = None, **solver_args: Any) -> TpSolution:
-    """``solve``, then dry-run the answer on the meta device (``dry_run``, or
-    ``dry_run_fn``); forbid what fails and solve again."""
-    check = dry_run_fn or (lambda sharding, tp: dry_run(stage_module, inputs, sharding, tp))
-    splits: set[str] = set()
-    together: list[frozenset[str]] = []
-    assignments: list[dict[str, Sharding | None]] = []
-    for attempt in range(1, _MAX_SOLVES + 1):
-        solution = solve(problem, forbidden_splits=frozenset(splits), forbidden_together=tuple(together),
-                         forbidden_assignments=tuple(assignments), **solver_args)
-        sharding = solution.sharding(problem)
-        failure = check(sharding, problem.tp) if sharding else None
-        if failure is None:
-            return TpSolution(choices=solution.choices, objective_ticks=solution.objective_ticks,
-                              time_s=solution.time_s, status=solution.status, solves=attempt)
-        if len(failure.split_inputs) == 1:
-            splits |= failure.split_inputs
-        elif failure.split_inputs:
-            together.append(failure.split_inputs)
-        else:
-            assignments.append(solution.choices)
-    replicated = {s.name: None for s in problem.linears}
-    ticks = evaluate(problem, replicated)
-    return TpSolution(choices=replicated, objective_ticks=ticks, time_s=ticks * problem.tick_s, status="feasible",
-                      solves=_MAX_SOLVES)
-
-
-def dry_run(stage_module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding],
-            tp: int) -> DryRunFailure | None:
-    """Run the layer as one rank holds it, next to the unsplit layer, on the meta device.
-
-    Returns:
-        None if every op ran on shapes it can handle, else where and why it failed.
-    """
-    reference = _run(stage_module, inputs)
-    try:
-        sharded_module = shard_on_meta(stage_module, sharding, tp)
-    except TpError as exc:
-        return DryRunFailure(node="", split_inputs=frozenset(), reason=str(exc))
-    sharded: dict[str, Any] = {}
-    try:
-        _run(sharded_module, inputs, sharded)
-    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-        node = next(n for n in stage_module.graph.nodes if n.name not in sharded)
-        return _failure(node, reference, sharded, f"{type(exc).__name__}: {exc}")
-    for node in stage_module.graph.nodes:
-        reason = _split_dim_misuse(node, reference, sharded)
-        if reason:
-            return _failure(node, reference, sharded, reason)
-    output = next(n for n in stage_module.graph.nodes if n.op == "output")
-    if not check_sharded_shapes(reference[output.name], sharded[output.name]):
-        return _failure(output, reference, sharded, "a split value reaches the layer's output")
-    return None
-
-
-def _failure(node: fx.Node, reference: dict, sharded: dict, reason: str) -> DryRunFailure:
-    split_inputs = frozenset(a.name for a in node.all_input_nodes
-                             if a.name in sharded and _split_dims(reference[a.name], sharded[a.name]))
-    return DryRunFailure(node=node.name, split_inputs=split_inputs, reason=reason)
-
-
-def _split_dims(full: Any, local: Any) -> list[int]:
-    """Dimensions (negative) in which a rank's value is smaller than the unsplit one."""
-    if isinstance(full, (tuple, list)) and isinstance(local, (tuple, list)):
-        return sorted({d for f, l in zip(full, local) for d in _split_dims(f, l)})
-    if not (isinstance(full, torch.Tensor) and isinstance(local, torch.Tensor)) or full.dim() != local.dim():
-        return []
-    return [d - full.dim() for d in range(full.dim()) if full.shape[d] != local.shape[d]]
-
-
-def _split_dim_misuse(node: fx.Node, reference: dict, sharded: dict) -> str | None:
-    """Why ``node`` computes something else on a split input than on the unsplit one, if it does."""
-    if node.op not in ("call_function", "call_method") or not node.all_input_nodes:
-        return None
-    first = node.args[0] if node.args else None
-    if isinstance(first, (tuple, list)):  # cat, stack: a sequence of tensors
-        first = first[0] if first else None
-    if not isinstance(first, fx.Node):
-        return None
-    split = _split_dims(reference[first.name], sharded[first.name])
-    if not split:
-        return None
-    full = reference[first.name]
-    if node.target in _DIM_ARGUMENT:
-        position, default = _DIM_ARGUMENT[node.target]
-        dim = node.kwargs.get("dim", node.args[position] if len(node.args) > position else default)
-        if dim is None or (isinstance(dim, int) and dim - (full.dim() if dim >= 0 else 0) in split):
-            return f"{node.target if isinstance(node.target, str) else node.target.__name__} acts along the split dimension"
-    if node.target in _MATMULS and -1 in split:
-        return "matmul contracts the split dimension"
-    if node.target is F.scaled_dot_product_attention and set(split) - {-3, -4}:
-        return "attention over a split sequence or head dimension"
-    if node.target in ("view", "reshape", torch.reshape):
-        return _view_misuse(full, reference[node.name], sharded[node.name], split)
-    return None
-
-
-def _view_misuse(full_in: torch.Tensor, full_out: torch.Tensor, local_out: torch.Tensor, split: list[int]) -> str | None:
-    """A view keeps each rank's slice contiguous only if the split dimension stays the
-    outermost of the dimensions it is merged with or cut into ([B, T, h] -> [B, T, heads,
-    head_dim] splits the heads; [B, T, head_dim, heads] would interleave them)."""
-    reason = "the view moves the split dimension inside another"
-    if len(split) != 1:
-        return reason
-    before = math.prod(full_in.shape[: split[0] + full_in.dim()])
-    starts = {j - full_out.dim() for j in range(full_out.dim()) if math.prod(full_out.shape[:j]) == before}
-    out_split = _split_dims(full_out, local_out)
-    return None if len(out_split) == 1 and out_split[0] in starts else reason
-
-
-def _run(module: fx.GraphModule, inputs: list[torch.Tensor], record: dict[str, Any] | None = None, *,
-         grad: bool = False) -> dict[str, Any]:
-    """Run ``module`` on meta ``inputs``; each node's value by name. With ``grad``, inputs
-    require gradients where they do in training, and so do the values made from them."""
-    values = {} if record is None else record
-
-    class _Recorder(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            out = super().run_node(n)
-            values[n.name] = out
-            return out
-
-    with torch.set_grad_enabled(grad):
-        _Recorder(module).run(*[t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
-                                for t in inputs])
-    return values
-
-
-def _is_tensors(value: Any) -> bool:
-    if isinstance(value, (tuple, list)):
-        return any(_is_tensors(v) for v in value)
-    return isinstance(value, torch.Tensor)
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, (tuple, list)):
-        return sum(_nbytes(v) for v in value)
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-
-
-# The layer as one rank holds it ---------------------------------------------------------------------------------
-
-class MetaGathered(nn.Module):
-    """A colwise_gather Linear on the meta device: the local slice, then the gathered width."""
-
-    def __init__(self, local: nn.Linear, tp: int):
-        super().__init__()
-        self.local, self.tp = local, tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.local(x)] * self.tp, dim=-1)
-
-
-class MetaSliced(nn.Module):
-    """A rowwise_slice Linear on the meta device: the rank's slice of the input, then the local Linear."""
-
-    def __init__(self, local: nn.Linear, tp: int):
-        super().__init__()
-        self.local, self.tp = local, tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.local(x[..., : x.shape[-1] // self.tp])
-
-
-def local_linear(module: nn.Module, how: Sharding, tp: int, path: str) -> nn.Module:
-    """One tensor-parallel rank's share of a Linear (or transformers' Conv1D) on the meta
-    device, with the gathered output or sliced input its sharding implies.
-
-    Raises:
-        TpError: the split dimension is not divisible by ``tp``.
-    """
-    conv1d = not isinstance(module, nn.Linear)  # transformers' Conv1D: weight [in, out]
-    in_f, out_f = (module.weight.shape[0], module.weight.shape[1]) if conv1d else (module.in_features, module.out_features)
-    if how in (Sharding.COLWISE, Sharding.COLWISE_GATHER, Sharding.VOCAB_HEAD):
-        if out_f % tp:
-            raise TpError(f"{path}: out_features({out_f}) not divisible by tp({tp})")
-        out_f //= tp
-    else:
-        if in_f % tp:
-            raise TpError(f"{path}: in_features({in_f}) not divisible by tp({tp})")
-        in_f //= tp
-    local = copy.deepcopy(module)
-    local.weight = nn.Parameter(torch.empty((in_f, out_f) if conv1d else (out_f, in_f), device="meta", dtype=module.weight.dtype))
-    if getattr(module, "bias", None) is not None:
-        local.bias = nn.Parameter(torch.empty(out_f, device="meta", dtype=module.weight.dtype))
-    if conv1d:
-        local.nx, local.nf = in_f, out_f
-    else:
-        local.in_features, local.out_features = in_f, out_f
-    if how is Sharding.COLWISE_GATHER:
-        return MetaGathered(local, tp)
-    return MetaSliced(local, tp) if how is Sharding.ROWWISE_SLICE else local
-
-
-def local_embedding(module: nn.Embedding, tp: int, path: str) -> nn.Embedding:
-    """One rank's rows of a vocab-parallel Embedding on the meta device (its output has the
-    whole width: the runtime all-reduces the ranks' partial lookups).
-
-    Raises:
-        TpError: the vocabulary is not divisible by ``tp``.
-    """
-    if module.num_embeddings % tp:
-        raise TpError(f"{path}: num_embeddings({module.num_embeddings}) not divisible by tp({tp})")
-    local = copy.deepcopy(module)
-    local.num_embeddings //= tp
-    local.weight = nn.Parameter(torch.empty((local.num_embeddings, module.embedding_dim), device="meta",
-                                            dtype=module.weight.dtype))
-    return local
-
-
-def shard_on_meta(stage_module: fx.GraphModule, sharding: dict[str, Sharding], tp: int) -> fx.GraphModule:
-    """A meta-device copy of the layer as one tensor-parallel rank holds it.
-
-    Raises:
-        TpError: a split dimension is not divisible by ``tp``.
-    """
-    sharded = copy.deepcopy(stage_module)
-    for path, how in sharding.items():
-        parent_path, _, name = path.rpartition(".")
-        parent = sharded.get_submodule(parent_path) if parent_path else sharded
-        module = getattr(parent, name)
-        local = local_embedding(module, tp, path) if how is Sharding.VOCAB_EMBEDDING else local_linear(module, how, tp, path)
-        setattr(parent, name, local)
-    sharded.recompile()
-    return sharded
-
-
-def check_sharded_shapes(reference_out: Any, sharded_out: Any, vocab_split: int = 1) -> bool:
-    """True if a sharded layer's outputs have the unsharded shapes (split values never escape),
-    but for logits of a vocab-parallel output layer (``vocab_split`` ranks), whose last
-    dimension is split into the loss ([Note: vocab-parallel layers])."""
-    ref = reference_out if isinstance(reference_out, (tuple, list)) else (reference_out,)
-    got = sharded_out if isinstance(sharded_out, (tuple, list)) else (sharded_out,)
-
-    def same(a, b) -> bool:
-        a, b = getattr(a, "shape", None), getattr(b, "shape", None)
-        return a == b or (vocab_split > 1 and a is not None and b is not None and len(a) == len(b) and
-                          a[:-1] == b[:-1] and b[-1] * vocab_split == a[-1])
-
-    return len(ref) == len(got) and all(same(a, b) for a, b in zip(ref, got))
-
-
-# [Note: vocab-parallel layers]
-# Beside the ILP's Linears, two modules split over the vocabulary, as Megatron splits
-# them (Shoeybi et al. 2019, section 3): an ``nn.Embedding`` that looks up the model's
-# input tokens (a position embedding, indexed by computed positions, stays whole, as in
-# Megatron: splitting its few rows would cost an all-reduce for nothing; each rank holds V / tp rows,
-# looks up the tokens in its range, and the partial outputs are all-reduced: one
-# forward all-reduce of the output, nothing in the backward, whose input is token ids)
-# and, on the model's last layer, the Linear whose output is the model's output and as
-# wide as one of its Embeddings' vocabularies, a language model's head (each
-# rank computes V / tp logits, which go split into the loss: [Note: vocab-parallel
-# loss] in runtime/executor.py; forward, three all-reduces of one number per token in
-# the cross-entropy; backward, the all-reduce of the Linear's input gradient, as any
-# colwise Linear). Both cut the vocabulary-sized work, parameters, gradients,
-# optimizer state and logits by tp. A weight tied to another module (GPT-2's wte and
-# lm_head) splits only where every module holding it splits alike: the tracer decides
-# ([Note: tied vocab-parallel weights] in planner/trace.py) and passes the others in
-# ``tied``. The vocabulary must divide by 16 (``VOCAB_MULTIPLE``).
-# A vocabulary splits only where 16 divides it: every tensor-parallel degree a node's
-# devices allow (2, 4, 8, 16) then divides it too, so the split never rules a degree out
-# for the whole model. GPT-2's 50257 stays whole; Megatron pads its vocabulary to a
-# multiple of 128 x tp (--make-vocab-size-divisible-by) for the same reason.
-VOCAB_MULTIPLE = 16
-
-
-def splits_vocabulary(size: int) -> bool:
-    """Whether a vocabulary of ``size`` rows may split over tensor-parallel ranks."""
-    return size % VOCAB_MULTIPLE == 0
-
-
-def vocab_sharding(gm: fx.GraphModule, *, last_layer: bool, tied: set[int], vocabularies: set[int] = frozenset()
-                   ) -> dict[str, Sharding]:
-    """The vocab-parallel modules of one layer ([Note: vocab-parallel layers]).
-
-    Args:
-        last_layer: the layer's output is the model's output (what the loss reads).
-        tied: ids of parameters the model shares between modules.
-        vocabularies: the sizes of the model's Embeddings: an output Linear splits only
-            where its width is one of them (a language model's head, whose loss is a
-            cross-entropy over the vocabulary; a regression or classifier head stays whole).
-    """
-    out: dict[str, Sharding] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_module" and isinstance(module := gm.get_submodule(str(node.target)), nn.Embedding):
-            looks_up_tokens = isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
-            if looks_up_tokens and id(module.weight) not in tied and module.padding_idx is None and module.max_norm is None \
-                    and splits_vocabulary(module.num_embeddings):
-                out[str(node.target)] = Sharding.VOCAB_EMBEDDING
-    if last_layer:
-        (result,) = [n for n in gm.graph.nodes if n.op == "output"]
-        head = result.args[0]
-        if isinstance(head, fx.Node) and head.op == "call_module":
-            module = gm.get_submodule(str(head.target))
-            if isinstance(module, nn.Linear) and id(module.weight) not in tied and module.bias is None \
-                    and module.out_features in vocabularies and splits_vocabulary(module.out_features):
-                out[str(head.target)] = Sharding.VOCAB_HEAD
-    return out
-
-
-def layer_collectives(module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding]
-                      ) -> tuple[tuple[str, str, float], ...]:
-    """The collectives one micro-batch of the layer so sharded issues, as the runtime
-    issues them (runtime.shard; [Note: tensor-parallel ILP], the table): forward, one
-    per rowwise Linear's output and colwise_gather Linear's output; backward, one
-    all-reduce per tensor that colwise Linears read ([Note: one all-reduce per shared
-    input] in runtime/shard.py) and one all-gather per rowwise_slice input, where the
-    input needs a gradient. Each is (pass, collective, bytes per sample): pass
-    "forward" or "backward", collective "all_reduce" or "all_gather", bytes the whole
-    tensor's (the all-reduced buffer, the gathered result)."""
-    values = _run(module, inputs, grad=True)
-    out: list[tuple[str, str, float]] = []
-    colwise_inputs: dict[str, float] = {}
-    for node in module.graph.nodes:
-        if node.op == "call_module" and sharding.get(str(node.target)) is Sharding.VOCAB_EMBEDDING:
-            out.append(("forward", "all_reduce", float(_nbytes(values[node.name]))))
-        site = linear_site(module, node)
-        how = sharding.get(site.path) if site is not None else None
-        if how is None:
-            continue
-        x = values[site.input.name]
-        input_grad = float(_nbytes(x)) if getattr(x, "requires_grad", False) else 0.0
-        output = float(_nbytes(values[node.name]))
-        if how in (Sharding.ROWWISE, Sharding.ROWWISE_SLICE):
-            out.append(("forward", "all_reduce", output))
-        if how is Sharding.COLWISE_GATHER:
-            out.append(("forward", "all_gather", output))
-        if how in (Sharding.COLWISE, Sharding.COLWISE_GATHER, Sharding.VOCAB_HEAD) and input_grad:
-            colwise_inputs[site.input.name] = input_grad
-        if how is Sharding.VOCAB_HEAD:  # the cross-entropy's max, sum of exponentials and target logit, per token
-            tokens = values[node.name].numel() / values[node.name].shape[-1]
-            out.extend([("forward", "all_reduce", 4.0 * tokens)] * 3)
-        if how is Sharding.ROWWISE_SLICE and input_grad:
-            out.append(("backward", "all_gather", input_grad))
-    out.extend(("backward", "all_reduce", nbytes) for nbytes in colwise_inputs.values())
-    return tuple(out)
-
-
-def forward_all_reduces(sharding: dict[str, Sharding]) -> int:
-    """All-reduces one forward pass of a layer so sharded runs: one per rowwise Linear."""
-    return sum(1 for how in sharding.values() if how in (Sharding.ROWWISE, Sharding.ROWWISE_SLICE))

@@ -20,19 +20,22 @@ parameters an earlier layer already holds) is worked out for every layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from hetpar.cost_models.layers import LayerProfile
-from hetpar.planner.measure import UNATTRIBUTED, Measurement, NodeCounts, measure, node_label, node_module
+from hetpar.planner.capture.measure import Measurement, NodeCounts, measure, node_label, node_module
+from hetpar.planner.capture.module_tp import BlockDryRun, block_sharding
+from hetpar.planner.capture.tp_collectives import layer_collectives
+from hetpar.planner.capture.tp_dry_run import find_sharding
+from hetpar.planner.capture.tp_ilp import split_nodes
+from hetpar.planner.capture.tp_meta import check_sharded_shapes, shard_on_meta
+from hetpar.planner.capture.vocab_parallel import splits_vocabulary, vocab_sharding
+from hetpar.planner.model_graph import BoundaryTensor, ModelGraph, NodeProfile
 from hetpar.planner.plan import Sharding
-from hetpar.planner.module_tp import BlockDryRun, block_sharding
-from hetpar.planner.tensor_parallel import (
-    check_sharded_shapes, find_sharding, layer_collectives, shard_on_meta, split_nodes, splits_vocabulary, vocab_sharding,
-)
 from hetpar.runtime.graph import LayeredGraph, Stage, boundary_values, build_stage, meta_run_error, record_values, trace_layers
 from hetpar.runtime.model_file import ModelFile, file_fingerprint
 from hetpar.runtime.module_stage import DecoderLayout, layout_for
@@ -41,60 +44,6 @@ _NO_KERNEL_OPS = ("placeholder", "get_attr", "output")
 _PROBE_TP = 2  # the degree of the second measurement; see [Note: tensor-parallel scaling]
 _MAX_TP_CHECKED = 16  # a split is dry-run at every degree up to this (a node's devices)
 _RELATIVE = "@"  # stands for the layer's own path in structural keys and cached shardings
-
-
-@dataclass(frozen=True, kw_only=True)
-class NodeProfile:
-    """One graph node, per sample, fp32; see [Note: what a kernel costs] in planner.measure."""
-
-    name: str  # the fx node
-    layer: int
-    op: str  # what it runs: aten.linear, attn.q (a module call), view
-    module: str  # the innermost module it runs in
-    fwd_flops: float
-    bwd_flops: float
-    fwd_elementwise_flops: float
-    bwd_elementwise_flops: float
-    fwd_bytes_accessed: float
-    bwd_bytes_accessed: float
-    param_bytes: float
-    saved_activation_bytes: float
-    output_bytes: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class BoundaryTensor:
-    """A tensor crossing the cut after a layer, per sample."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelGraph:
-    """A model as the planner sees it: measured layers in execution order."""
-
-    file: str
-    args: dict[str, Any]
-    fingerprint: str
-    layers: list[LayerProfile]
-    tp_sharding: list[dict[str, Sharding]] = field(default_factory=list)  # per layer
-    # per layer: where its tp_sharding came from ("finder", "base_model_tp_plan"; "" unsplit)
-    tp_source: list[str] = field(default_factory=list)
-    input_bytes: float = 0.0  # per sample
-    capture: str = "fx"  # "fx" or "export"; see [Note: two ways to capture] in runtime.capture
-    boundaries: list[list[BoundaryTensor]] = field(default_factory=list)  # per layer: what crosses the cut after it
-    nodes: list[NodeProfile] = field(default_factory=list)
-    measured_layers: int = 0  # layers measured; the others reused a twin's numbers
-
-    @property
-    def layer_names(self) -> list[str]:
-        return [l.name for l in self.layers]
-
-    @property
-    def total_params(self) -> int:
-        return sum(l.params for l in self.layers)
 
 
 def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> ModelGraph:
@@ -595,4 +544,4 @@ def _node_profiles(module: fx.GraphModule, layer: int, counts: list[NodeCounts])
     return out
 
 
-__all__ = ["BoundaryTensor", "ModelGraph", "NodeProfile", "UNATTRIBUTED", "trace_model"]
+__all__ = ["differentiable_values", "trace_model"]

@@ -48,120 +48,28 @@ span device types is costed on the slowest of them and the smallest memory.
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from hetpar.cost_models.collectives import (
-    all_gather_time_s, all_reduce_time_s, grad_sync_scale, p2p_time_s, reduce_scatter_time_s, tensor_parallel_pass_s,
-)
+from hetpar.cost_models.collectives import grad_sync_scale, tensor_parallel_pass_s
 from hetpar.cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
-from hetpar.cost_models.grad_sync import PLAIN, SyncMethod, sync_seconds
 from hetpar.cost_models.memory import (
     FRAGMENTATION_MARGIN,
     OPTIMIZER_BYTES_PER_PARAM,
-    WEIGHT_GRAD_ACTIVATION_SHARE,
-    MemoryBreakdown,
-    activation_bytes_per_microbatch,
-    recompute_workspace_bytes,
     sharded_state_bytes_per_param,
     state_bytes_per_param,
-    training_state_bytes,
 )
-from hetpar.cost_models.pipeline import linear_step_time_s
-from hetpar.planner.trace import ModelGraph
-from hetpar.runtime.schedule import Kind, build_schedule
+from hetpar.planner.costing.cache import memo, model_token
+from hetpar.planner.costing.candidate import Candidate
+from hetpar.planner.costing.communication import boundary_seconds, data_parallel_linear, placement, sync_linear
+from hetpar.planner.costing.in_flight import activation_multipliers
+from hetpar.planner.costing.slots import RankSlots, StageSlot, stage_slots
+from hetpar.planner.model_graph import ModelGraph
 
-# The size at which a collective's per-byte cost is read off the collective model:
-# DDP's default gradient bucket (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25).
-_DP_BUCKET_BYTES = 25 * 2**20
 
 # Distinct values a range maximum (workspace, ZeRO-3 buffers) keeps; see [Note: split objective].
 _RANGE_MAX_LEVELS = 4
-
-
-@dataclass(frozen=True, order=True)
-class StageMode:
-    """What one stage (chunk) chooses inside the CP-SAT model."""
-
-    recompute: str = "none"  # "none" | "selective" | "full"
-    zero_stage: int = 0
-    tp: int = 1  # tensor-parallel degree of the stage
-
-    def describe(self) -> str:
-        parts = ([f"recompute {self.recompute}"] if self.recompute != "none" else []) + ([f"zero {self.zero_stage}"] if self.zero_stage else [])
-        return ", ".join(parts) or "plain"
-
-
-# [Note: per-stage tensor parallelism]
-# Each stage chooses its tensor-parallel degree inside the CP-SAT model, as part of its
-# mode. A candidate fixes dp, pp, the micro-batch, the schedule and, on a cluster whose
-# device types host whole stages, how many stages each type hosts; the stages on type t
-# then have tensor-parallel degrees that sum to n_t / dp (n_t: the type's devices), so
-# every device runs exactly one stage replica. The degrees offered are the divisors of
-# the node width up to --max-tp that form a chain (each divides the next: powers of
-# two), so the stages' blocks pack every node exactly (largest first, each block
-# aligned to its size; ``pack_stage_ranks``) and a tensor-parallel group never leaves
-# its node; a candidate offers two neighbours of that chain, or the few degrees that
-# can sum right ([Note: stage counts] in planner.search). A layer that does not split a
-# stage's degree forbids that degree to any
-# chunk that holds it (its time is infinite; the CP-SAT model excludes the pair). A
-# stage's degree changes its layers' time, memory and all-reduces, its data-parallel
-# collectives and the hand-off to the next stage: between equal degrees Megatron's
-# scatter/gather (p2p of 1/a of the tensor, then an all-gather), between different
-# degrees what the runtime runs (receiver t reads the whole tensor from sender t mod a,
-# so a sender sends ceil(b / a) whole tensors, one after another). The tables are
-# costed on representative ranks per (type, degree); the plan's exact ranks are costed
-# again after the solve ([Note: stage device types]).
-@dataclass(frozen=True, kw_only=True)
-class Candidate:
-    """The choices the search enumerates outside the CP-SAT model, and the stage modes it offers inside."""
-
-    dp: int
-    pp: int
-    micro_batch_size: int
-    num_microbatches: int
-    schedule: str
-    virtual_stages: int = 1
-    modes: tuple[StageMode, ...] = (StageMode(),)
-    # Device type -> the sum of its stages' tensor-parallel degrees (n_t / dp), on
-    # clusters whose types host whole stages; empty when the layout is Megatron's over
-    # mixed devices (one degree for all). See [Note: per-stage tensor parallelism].
-    tp_sum: tuple[tuple[str, int], ...] = ()
-    stages_per_type: tuple[tuple[str, int], ...] = ()  # device type -> pipeline ranks it hosts (when typed)
-    sync: SyncMethod = PLAIN  # how the replicas agree ([Note: sync method costs] in cost_models.grad_sync)
-
-    @property
-    def num_chunks(self) -> int:
-        """Stages of the plan: pp * virtual_stages."""
-        return self.pp * self.virtual_stages
-
-    @property
-    def tp_degrees(self) -> tuple[int, ...]:
-        """The tensor-parallel degrees the modes offer, ascending."""
-        return tuple(sorted({m.tp for m in self.modes}))
-
-    @property
-    def tp(self) -> int | None:
-        """The one tensor-parallel degree of every stage, or None when stages choose among several."""
-        degrees = self.tp_degrees
-        return degrees[0] if len(degrees) == 1 else None
-
-    def describe(self) -> str:
-        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        tp = f"tp={self.tp}" if self.tp is not None else "tp=" + "|".join(map(str, self.tp_degrees))
-        return f"dp={self.dp} {tp} pp={self.pp} micro-batch {self.micro_batch_size}x{self.num_microbatches} {self.schedule}{v}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class StageSlot:
-    """Where a stage runs: its ranks and the device it is costed on."""
-
-    ranks: list[list[int]]  # [data-parallel replica][tensor-parallel index]
-    device_type: str
-    memory_bytes: int
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -214,220 +122,8 @@ class CostTables:
         return True
 
 
-def _slot(ranks: list[list[int]], device_types: list[str], cluster) -> StageSlot:
-    types = sorted({device_types[r] for rep in ranks for r in rep})
-    profiles = [cluster.profile(t) for t in types]
-    slowest = min(profiles, key=_peak)
-    return StageSlot(ranks=ranks, device_type=slowest.name, memory_bytes=min(p.memory_bytes for p in profiles))
-
-
-# Per pipeline rank: tensor-parallel degree -> where a stage of that degree is costed.
-RankSlots = dict[int, StageSlot]
-
-
-def _block(first: int, dp: int, tp: int) -> list[list[int]]:
-    """Ranks of a stage block starting at ``first``: replica d, tensor-parallel index t at first + d tp + t."""
-    return [[first + d * tp + t for t in range(tp)] for d in range(dp)]
-
-
-def stage_slots(cluster, cand: Candidate) -> list[RankSlots]:
-    """Megatron's rank layout, rank = s * dp * tp + d * tp + t, per offered degree; see [Note: split objective].
-
-    With several degrees, rank s of degree tp is costed on the s-th block of dp * tp
-    devices (cyclically): exact when every stage has that degree, representative
-    otherwise ([Note: per-stage tensor parallelism]).
-    """
-    types = cluster.device_types()
-    out: list[RankSlots] = [{} for _ in range(cand.pp)]
-    for tp in cand.tp_degrees:
-        size = cand.dp * tp
-        blocks = cluster.world_size // size
-        for s in range(cand.pp):
-            if blocks:
-                out[s][tp] = _slot(_block((s % blocks) * size, cand.dp, tp), types, cluster)
-    return out
-
-
-def type_slots(cluster, dp: int, tp: int) -> dict[str, list[StageSlot]]:
-    """The stage-sized blocks of ``dp * tp`` devices each device type offers; see [Note: stage device types].
-
-    Returns:
-        Device type -> its blocks in listed order: as many whole blocks as fit, none
-        where ``tp`` does not divide the type's node width.
-    """
-    return _type_slots(cluster, dp, tp)
-
-
-@functools.lru_cache(maxsize=256)
-def _type_slots(cluster, dp: int, tp: int) -> dict[str, list[StageSlot]]:
-    size = dp * tp
-    out = {}
-    for device_type, ranks in ranks_by_type(cluster).items():
-        if type_width(cluster, ranks) % tp:
-            out[device_type] = []
-            continue
-        memory = cluster.profile(device_type).memory_bytes
-        out[device_type] = [
-            StageSlot(ranks=[ranks[i + d * tp : i + (d + 1) * tp] for d in range(dp)], device_type=device_type, memory_bytes=memory)
-            for i in range(0, len(ranks) - size + 1, size)
-        ]
-    return out
-
-
-def type_width(cluster, ranks: list[int]) -> int:
-    """The largest tensor-parallel degree that tiles every node of these ranks: the gcd of their nodes' widths."""
-    return math.gcd(*{cluster.devices_per_node_of(r) for r in ranks})
-
-
-def ranks_by_type(cluster) -> dict[str, list[int]]:
-    """Device type -> its global ranks, in the order the cluster lists them."""
-    out: dict[str, list[int]] = {}
-    for rank, device_type in enumerate(cluster.device_types()):
-        out.setdefault(device_type, []).append(rank)
-    return out
-
-
-def pack_stage_ranks(ranks: list[int], dp: int, tps: list[int]) -> list[list[list[int]]]:
-    """The ranks of stages of tensor-parallel degrees ``tps`` on the devices ``ranks`` of one type.
-
-    Blocks of dp * tp devices are laid out largest degree first (ties in stage order),
-    each starting where the last ended: with degrees that form a divisor chain every
-    block starts at a multiple of its size, so a tensor-parallel group never crosses a
-    node; see [Note: per-stage tensor parallelism]. One degree gives Megatron's layout.
-
-    Returns:
-        Per stage, in the order of ``tps``: ranks[d][t].
-    """
-    out: list[list[list[int]] | None] = [None] * len(tps)
-    first = 0
-    for s in sorted(range(len(tps)), key=lambda s: -tps[s]):
-        out[s] = [ranks[first + d * tps[s] : first + (d + 1) * tps[s]] for d in range(dp)]
-        first += dp * tps[s]
-    return out
-
-
-# [Note: stage device types]
-# On a cluster whose device types each host whole stages (every type's device count a
-# multiple of dp), the search chooses the order of the device types along the pipeline
-# jointly with the layer split; how many stages each type hosts is part of the outer
-# candidate. A type's stages are consecutive, so the pipeline crosses each type
-# boundary once (one slow inter-type link instead of several); every order of the types
-# (at most 3! = 6 for three types) is solved exactly, which keeps the search exact
-# within that space and fast. (A CP-SAT model over every stage-by-stage type sequence
-# was tried: its bounds were weak and 12-stage instances did not close in 10 s.) Each
-# type gets its own cost columns, built as if every stage ran on that type's first
-# blocks of its degree; a stage that chooses a type reads that type's column. The p2p
-# cost of a cut is the one between the sending type's own blocks, an approximation
-# when neighbouring stages are of different types. After solving, each stage takes its
-# block of its type (``pack_stage_ranks``), and the plan's prediction is recomputed on
-# those exact ranks.
-def tables_by_type(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimizer: str = "adamw",
-                   cache: dict | None = None) -> dict[str, "CostTables"]:
-    """One set of cost columns per device type of ``cand.stages_per_type``, each as if every stage ran on that type."""
-    out = {}
-    blocks = {tp: type_slots(cluster, cand.dp, tp) for tp in cand.tp_degrees}
-    for device_type, _ in cand.stages_per_type:
-        slots: list[RankSlots] = [{} for _ in range(cand.pp)]
-        cut_to: list[RankSlots] = [{} for _ in range(cand.pp)]
-        for tp, available in blocks.items():
-            mine = available.get(device_type, [])
-            if not mine:
-                continue
-            peers = [b[0] for t, b in available.items() if t != device_type and b]
-            for s in range(cand.pp):
-                slots[s][tp] = mine[s % min(len(mine), 2)]
-                # a single block hosts one stage of this degree at most: its cuts go to another type
-                cut_to[s][tp] = mine[1 - s % 2] if len(mine) > 1 else (peers[0] if peers else mine[0])
-        out[device_type] = build_tables(model, cluster, cand, dtype, optimizer, slots=slots, cut_to=cut_to, cache=cache)
-    return out
-
-
-def compose_tables(tables_by_type: dict[str, "CostTables"], types: list[str]) -> "CostTables":
-    """The cost tables of a split whose pipeline rank r runs on device type ``types[r]``."""
-    first = next(iter(tables_by_type.values()))
-    P, C = len(types), first.num_chunks
-    chunk_types = [types[c % P] for c in range(C)]
-
-    def pick(name: str, axis: int) -> np.ndarray:
-        cols = [np.take(getattr(tables_by_type[t], name), [c], axis=axis) for c, t in enumerate(chunk_types)]
-        return np.concatenate(cols, axis=axis)
-
-    per_chunk3 = ("time_s", "fwd_s", "weight_s", "gather_fwd_s", "gather_bwd_s", "epilogue_s", "memory_bytes", "tp_time_s")
-    return CostTables(
-        candidate=first.candidate,
-        slots=[tables_by_type[t].slots[r] for r, t in enumerate(types)],
-        **{name: pick(name, 2) for name in per_chunk3},
-        **{name: pick(name, 1) for name in ("gather_fwd_latency_s", "gather_bwd_latency_s", "epilogue_latency_s")},
-        cut_s=pick("cut_s", 3),
-        workspace_bytes=first.workspace_bytes,
-        zero3_buffer_bytes=first.zero3_buffer_bytes,
-        capacity_bytes=np.array([tables_by_type[t].capacity_bytes[r] for r, t in enumerate(types)], dtype=float),
-        device_types=list(types),
-    )
-
-def type_sequence(order: list[str], stages_per_type: dict[str, int]) -> list[str]:
-    """Stage device types: each type's stages in one block, blocks in ``order``."""
-    return [k for k in order for _ in range(stages_per_type[k])]
-
-
-def _peak(profile) -> float:
-    for dtype in ("bf16", "fp16", "fp32"):
-        try:
-            return profile.peak_flops(dtype)
-        except (KeyError, ValueError):
-            continue
-    return 0.0
-
-
-@functools.lru_cache(maxsize=256)
-def activation_multipliers(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> tuple[float, ...]:
-    """Per chunk, the most micro-batches' activations it keeps at once, as its rank's action
-    list plays out (a W keeps WEIGHT_GRAD_ACTIVATION_SHARE of one after its B; [Note: zero-bubble split]).
-
-    GPipe keeps m; 1F1B min(m, pp - s); ZB-H1, with w = min(pp - s - 1, m) warm-up forwards
-    and each W s backwards late, w + 1 + share * min(m - w - 1, s) (m when m <= w). The
-    interleaved schedule's are counted on its action lists; they stop growing once m
-    reaches pp (v + 2) (Megatron's warm-up is at most 2 (pp - 1) + (v - 1) pp forwards),
-    so larger m are counted there (tests/test_search_space.py checks both against the lists).
-    """
-    m = num_microbatches
-    if schedule == "gpipe":
-        return tuple(float(m) for _ in range(pp))
-    if schedule in ("1f1b", "zb"):
-        share = WEIGHT_GRAD_ACTIVATION_SHARE if schedule == "zb" else 0.0
-        out = []
-        for s in range(pp):
-            w = min(pp - s - 1, m)
-            out.append(float(m) if m <= w else w + 1 + share * min(m - w - 1, s))
-        return tuple(out)
-    return _counted_multipliers(schedule, pp, min(m, pp * (virtual_stages + 2)), virtual_stages)
-
-
-def _counted_multipliers(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[float, ...]:
-    """``activation_multipliers`` counted on the schedule's action lists."""
-    plan = build_schedule(schedule, pp, num_microbatches, virtual_stages)
-    kept_for_w = WEIGHT_GRAD_ACTIVATION_SHARE if schedule == "zb" else 0.0
-    peak = [0.0] * (pp * virtual_stages)
-    for actions in plan:
-        live: dict[int, float] = {}
-        for a in actions:
-            step = {Kind.FORWARD: 1.0, Kind.BACKWARD: -(1 - kept_for_w), Kind.WEIGHT: -kept_for_w}[a.kind]
-            live[a.stage] = live.get(a.stage, 0.0) + step
-            peak[a.stage] = max(peak[a.stage], live[a.stage])
-    return tuple(peak)
-
-
-def collective_linear(time_s, ranks: list[int], cluster, concurrent: int = 1) -> tuple[float, float]:
-    """(latency s, s per byte) of a collective ``time_s(nbytes, ranks, cluster, concurrent=...)`` among ``ranks``."""
-    if len(ranks) < 2:
-        return 0.0, 0.0
-    latency = time_s(1, ranks, cluster, concurrent=concurrent)
-    per_byte = (time_s(_DP_BUCKET_BYTES, ranks, cluster, concurrent=concurrent) - latency) / _DP_BUCKET_BYTES
-    return latency, max(per_byte, 0.0)
-
-
 @dataclass(frozen=True)
-class _LayerColumns:
+class LayerColumns:
     """Per-layer numbers of one device type at one (tp, micro-batch size, dtype)."""
 
     fwd: np.ndarray
@@ -444,7 +140,7 @@ class _LayerColumns:
     splits: np.ndarray  # bool: the layer splits this many ways (LayerProfile.splits_at)
 
 
-def _layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: int, dtype: str, cache: dict) -> _LayerColumns:
+def layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: int, dtype: str, cache: dict) -> LayerColumns:
     key = ("layers", device_type, tp, mbs, dtype)
     if key not in cache:
         device = cluster.profile(device_type)
@@ -457,7 +153,7 @@ def _layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: i
                 times.append(None)
         inf = float("inf")
         boundary = np.array([l.boundary_bytes for l in model.layers]) * scale
-        cache[key] = _LayerColumns(
+        cache[key] = LayerColumns(
             fwd=np.array([t.fwd_s if t else inf for t in times]),
             b_input=np.array([t.bwd_input_s if t else inf for t in times]),
             weight=np.array([t.bwd_weight_s if t else inf for t in times]),
@@ -472,18 +168,6 @@ def _layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: i
             splits=np.array([l.splits_at(tp) for l in model.layers]),
         )
     return cache[key]
-
-
-def _memo(cache: dict, key, compute):
-    if key not in cache:
-        cache[key] = compute()
-    return cache[key]
-
-
-def _place(cluster, ranks: list[int]) -> tuple:
-    """How ranks sit in the cluster: groups that agree on this cost the same collectives."""
-    groups, nodes = cluster.nodes_of(ranks)
-    return tuple(id(cluster.groups[g]) for g in np.unique(groups)), groups.tobytes(), (nodes - nodes[0]).tobytes()
 
 
 def build_tables(
@@ -532,7 +216,7 @@ def build_tables(
     workspace, zero3 = [], []
     w, g, _ = state_bytes_per_param(dtype, optimizer)
     for tp in degrees:
-        any_cols = _layer_columns(model, cluster, next(iter(slots[0].values())).device_type, tp, cand.micro_batch_size, dtype, cache)
+        any_cols = layer_columns(model, cluster, next(iter(slots[0].values())).device_type, tp, cand.micro_batch_size, dtype, cache)
         workspace.append(_levels(FRAGMENTATION_MARGIN * any_cols.saved))
         zero3.append(_levels(FRAGMENTATION_MARGIN * any_cols.params * (2 * w + g)))
     return CostTables(
@@ -557,10 +241,10 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     """
     mode, P, elem = cand.modes[k], cand.pp, dtype_bytes(dtype)
     r = c % P
-    cols, (tp_fwd, tp_bwd), comm, rates = _memo(per_slot, (r, mode.tp), lambda: (
-        cols := _layer_columns(model, cluster, slot.device_type, mode.tp, cand.micro_batch_size, dtype, cache),
-        _tp_collectives(model, cluster, slot, cols, mode.tp, cache),
-        _data_parallel_linear(cluster, cand.dp, mode.tp, slot, cache),
+    cols, (tp_fwd, tp_bwd), comm, rates = memo(per_slot, (r, mode.tp), lambda: (
+        cols := layer_columns(model, cluster, slot.device_type, mode.tp, cand.micro_batch_size, dtype, cache),
+        tp_collectives(model, cluster, slot, cols, mode.tp, cache),
+        data_parallel_linear(cluster, cand.dp, mode.tp, slot, cache),
         optimizer_rates(cluster.profile(slot.device_type)),
     ))
     params = cols.params + (cols.tied if r != 0 else 0.0)  # a tied copy lives on every rank but the first
@@ -580,7 +264,7 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
         tables["gather_bwd_s"][k, :, c] = (ag_pb + rs_pb) * cols.params * elem
         lat["gather_fwd_latency_s"][k, c] = ag_lat
         lat["gather_bwd_latency_s"][k, c] = ag_lat + rs_lat
-    sync_lat, sync_pb = _sync_linear(comm, cand.dp, mode.zero_stage, cluster.profile(slot.device_type), cand.num_microbatches,
+    sync_lat, sync_pb = sync_linear(comm, cand.dp, mode.zero_stage, cluster.profile(slot.device_type), cand.num_microbatches,
                                      cand.sync, elem)
     share = params / cand.dp if sharded else params
     tables["epilogue_s"][k, :, c] = (sync_pb * params * elem
@@ -601,151 +285,28 @@ def _levels(values: np.ndarray) -> np.ndarray:
     return kept[np.searchsorted(kept, values)]
 
 
-def _tp_collectives(model: ModelGraph, cluster, slot: StageSlot, cols: _LayerColumns, tp: int, cache: dict
+def tp_collectives(model: ModelGraph, cluster, slot: StageSlot, cols: LayerColumns, tp: int, cache: dict
                     ) -> tuple[np.ndarray, np.ndarray]:
     """Seconds of each layer's tensor-parallel collectives in the forward and in the backward."""
     if tp == 1:
         return np.zeros(len(model.layers)), np.zeros(len(model.layers))
-    place = _place(cluster, slot.ranks[0])
-    return _memo(cache, ("tp layers", _model_token(model, cache), cols.scale, place), lambda: tuple(np.array([
-        _memo(cache, ("tp", l.tp_collectives, p, cols.scale, place),
+    place = placement(cluster, slot.ranks[0])
+    return memo(cache, ("tp layers", model_token(model, cache), cols.scale, place), lambda: tuple(np.array([
+        memo(cache, ("tp", l.tp_collectives, p, cols.scale, place),
               lambda l=l, p=p: tensor_parallel_pass_s(l.tp_collectives, p, cols.scale, slot.ranks[0], cluster))
         for l in model.layers
     ]) for p in ("forward", "backward")))
-
-
-def _model_token(model: ModelGraph, cache: dict) -> int:
-    """A number that names ``model`` in ``cache`` (which keeps the model, so that its id is not reused)."""
-    return _memo(cache, ("model", id(model)), lambda: (model, len(cache)))[1]
-
-
-def boundary_seconds(nbytes: float, src: list[int], dst: list[int], cluster, scatter_gather: bool = True) -> float:
-    """One hand-off of a ``nbytes`` boundary tensor from the tensor-parallel group ``src`` to ``dst``, one way;
-    see [Note: per-stage tensor parallelism]."""
-    a, b = len(src), len(dst)
-    if a == b and a > 1 and scatter_gather:
-        return p2p_time_s(nbytes / a, src[0], dst[0], cluster) + all_gather_time_s(nbytes, dst, cluster)
-    return -(-b // a) * p2p_time_s(nbytes, src[0], dst[0], cluster)
 
 
 def _cut_seconds(model: ModelGraph, cluster, cand: Candidate, dtype: str, src: StageSlot, dst: StageSlot, cache: dict) -> np.ndarray:
     """Forward and backward hand-off of each layer's boundary tensor from ``src`` to ``dst``, as planner.estimate sends it."""
     a, b = src.ranks[0], dst.ranks[0]
     key_place = (cluster.node_of(a[0]) == cluster.node_of(b[0]), id(cluster.group_of(a[0])), id(cluster.group_of(b[0])),
-                 len(a), _place(cluster, b))
+                 len(a), placement(cluster, b))
     scale = dtype_bytes(dtype) / 4 * cand.micro_batch_size
 
     def seconds() -> np.ndarray:
         boundary = np.array([l.boundary_bytes for l in model.layers]) * scale
-        return np.array([_memo(cache, ("cut", n, key_place), lambda n=n: 2 * boundary_seconds(n, a, b, cluster)) for n in boundary])
+        return np.array([memo(cache, ("cut", n, key_place), lambda n=n: 2 * boundary_seconds(n, a, b, cluster)) for n in boundary])
 
-    return _memo(cache, ("cut layers", _model_token(model, cache), scale, key_place), seconds)
-
-
-def _data_parallel_linear(cluster, dp: int, tp: int, slot: StageSlot, cache: dict) -> dict[str, tuple[float, float]]:
-    """(latency, per byte) of all-reduce, reduce-scatter and all-gather over the stage's replicas, and
-    (``node_all_reduce``) of an all-reduce over those on the first replica's node."""
-    group = [rep[0] for rep in slot.ranks]
-    key = ("dp", tp, _place(cluster, group))
-
-    def fit() -> dict[str, tuple[float, float]]:
-        fns = {"all_reduce": all_reduce_time_s, "reduce_scatter": reduce_scatter_time_s, "all_gather": all_gather_time_s}
-        fits = {name: collective_linear(fn, group, cluster, tp) for name, fn in fns.items()}
-        inside = [r for r in group if cluster.node_of(r) == cluster.node_of(group[0])]
-        return {**fits, "node_all_reduce": collective_linear(all_reduce_time_s, inside, cluster, tp)}
-
-    return _memo(cache, key, fit)
-
-
-def _sync_linear(comm: dict[str, tuple[float, float]], dp: int, zero_stage: int, device, microbatches: int,
-                 sync: SyncMethod = PLAIN, elem_bytes: float = 4.0) -> tuple[float, float]:
-    """(latency, seconds per byte of gradient in the training dtype) of the gradient
-    synchronisation of a step on ``device``: an all-reduce, or the replicas' ``sync``
-    method ([Note: sync method costs]); ZeRO-1's reduce-scatter and all-gather; ZeRO-2's
-    reduce-scatter after every micro-batch's backward ([Note: ZeRO through FSDP2] in
-    runtime/data_parallel.py) and all-gather; none under ZeRO-3 (per micro-batch,
-    elsewhere). Times the device's ``grad_sync_scale``."""
-    if dp == 1 or zero_stage == 3:
-        return 0.0, 0.0
-    scale = grad_sync_scale(device)
-    if zero_stage == 0 and not sync.plain:
-        def linear(kind: str, nbytes: float, scope: str) -> float:
-            a, b = comm["node_all_reduce" if scope == "node" else kind]
-            return a + b * nbytes
-        latency = sync_seconds(sync, 0.0, elem_bytes, dp, device, linear)
-        per_param = sync_seconds(sync, 1.0, elem_bytes, dp, device, linear) - latency
-        return latency * scale, per_param / elem_bytes * scale
-    if zero_stage == 0:
-        a, b = comm["all_reduce"]
-        return a * scale, b * scale
-    scatters = microbatches if zero_stage == 2 else 1
-    (a, b), (c, d) = comm["reduce_scatter"], comm["all_gather"]
-    return (scatters * a + c) * scale, (scatters * b + d) * scale
-
-
-@dataclass(frozen=True, kw_only=True)
-class SplitCost:
-    """The exact value of [Note: split objective] for one split, with its parts."""
-
-    objective_s: float
-    stage_time_s: list[float]  # t_c per chunk
-    dp_sync_s: list[float]  # e_r per rank: gradient synchronisation and optimizer step
-    stage_memory_bytes: list[float]  # per rank
-    modes: list[int]  # the mode index of each chunk
-
-    def fits(self, tables: CostTables) -> bool:
-        """Every rank within its memory, and the degrees summing to each type's devices."""
-        return all(m <= c for m, c in zip(self.stage_memory_bytes, tables.capacity_bytes)) and tables.tp_sum_ok(self.modes)
-
-
-def chunk_terms(tables: CostTables, c: int, first: int, last: int, k: int, next_k: int | None = None) -> tuple[float, float, float, float]:
-    """(t_c, w_c, epilogue, memory) of chunk c holding layers first..last in mode k, the next chunk in mode
-    ``next_k`` (k's degree when None); see [Note: split objective]."""
-    rows = slice(first, last + 1)
-    time = tables.time_s[k, rows, c].sum()
-    a = tables.tp_index(k)
-    b = a if next_k is None else tables.tp_index(next_k)
-    t = time + (tables.cut_s[a, b, last, c] if c + 1 < tables.num_chunks else 0.0)
-    t += tables.gather_fwd_latency_s[k, c] + tables.gather_fwd_s[k, rows, c].sum()
-    t += tables.gather_bwd_latency_s[k, c] + tables.gather_bwd_s[k, rows, c].sum()
-    epilogue = tables.epilogue_latency_s[k, c] + tables.epilogue_s[k, rows, c].sum()
-    memory = tables.memory_bytes[k, rows, c].sum()
-    mode = tables.candidate.modes[k]
-    if mode.recompute == "full":
-        memory += tables.workspace_bytes[a, rows].max()
-    if mode.zero_stage == 3 and tables.candidate.dp > 1:
-        memory += tables.zero3_buffer_bytes[a, rows].max()
-    return float(t), float(tables.weight_s[k, rows, c].sum()), float(epilogue), float(memory)
-
-
-def evaluate_split(tables: CostTables, bounds: list[tuple[int, int]], modes: list[int] | None = None) -> SplitCost:
-    """Evaluate a split given as inclusive (first, last) layer ranges per chunk, each chunk in mode ``modes[c]`` (0 by default)."""
-    cand = tables.candidate
-    modes = list(modes) if modes is not None else [0] * len(bounds)
-    P = cand.pp
-    times, weights = [], []
-    epilogue, memory = [0.0] * P, [0.0] * P
-    for c, ((first, last), k) in enumerate(zip(bounds, modes)):
-        t, w, e, mem = chunk_terms(tables, c, first, last, k, modes[c + 1] if c + 1 < len(modes) else None)
-        times.append(t)
-        weights.append(w)
-        epilogue[c % P] += e
-        memory[c % P] += mem
-    objective = linear_step_time_s(cand.schedule, num_stages=P, num_microbatches=cand.num_microbatches, chunk_time_s=times,
-                                   rank_epilogue_s=epilogue, chunk_weight_s=weights, virtual_stages=cand.virtual_stages)
-    return SplitCost(objective_s=objective, stage_time_s=times, dp_sync_s=epilogue, stage_memory_bytes=memory, modes=modes)
-
-
-def stage_memory_breakdown(model: ModelGraph, tables: CostTables, s: int, first: int, last: int, dtype: str, optimizer: str = "adamw",
-                           mode: StageMode | None = None) -> MemoryBreakdown:
-    """The memory terms of stage ``s`` holding layers ``first..last`` in ``mode`` (the first offered by default)."""
-    cand = tables.candidate
-    mode = mode or cand.modes[0]
-    in_flight = activation_multipliers(cand.schedule, cand.pp, cand.num_microbatches, cand.virtual_stages)[s]
-    layers = model.layers[first : last + 1]
-    c = dict(tp=mode.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
-    weights, grads, opt = training_state_bytes(layers, tp=mode.tp, dtype=dtype, optimizer=optimizer, dp=cand.dp, zero_stage=mode.zero_stage)
-    inputs = model.layers[first - 1].boundary_bytes if first > 0 else model.input_bytes
-    per_mb = activation_bytes_per_microbatch(layers, recompute=mode.recompute, input_bytes=inputs, **c)
-    workspace = recompute_workspace_bytes(layers, recompute=mode.recompute, **c)
-    return MemoryBreakdown(weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=opt, activations_bytes=per_mb * in_flight + workspace)
+    return memo(cache, ("cut layers", model_token(model, cache), scale, key_place), seconds)

@@ -10,32 +10,28 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from hetpar.cost_models.collectives import p2p_time_s
 from hetpar.cost_models.compute import dtype_bytes, optimizer_rates
 from hetpar.cost_models.memory import FRAGMENTATION_MARGIN, OPTIMIZER_BYTES_PER_PARAM, sharded_state_bytes_per_param
 from hetpar.cost_models.pipeline import linear_step_weights
-from hetpar.planner.costs import (
+from hetpar.planner.costing import (
     Candidate,
     StageSlot,
-    _data_parallel_linear,
-    _layer_columns,
-    _memo,
-    _sync_linear,
-    _tp_collectives,
     activation_multipliers,
+    data_parallel_linear,
+    layer_columns,
+    memo,
     stage_slots,
+    sync_linear,
+    tp_collectives,
     type_sequence,
     type_slots,
 )
-from hetpar.planner.split_model import budget_reaches
-from hetpar.planner.trace import ModelGraph
-
-if TYPE_CHECKING:
-    from hetpar.planner.options import SearchOptions
+from hetpar.planner.model_graph import ModelGraph
+from hetpar.planner.options import SearchOptions
+from hetpar.planner.search.split_model import budget_reaches
 
 
 # [Note: candidate bound]
@@ -73,7 +69,7 @@ def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache
 
 def _bound_terms(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache: dict, optimizer: str):
     """(every term of [Note: candidate bound] but the pace's, weighted; the pace bound; the schedule's weights)."""
-    shares = _memo(cache, ("shares", cand.dp, cand.tp_degrees, cand.stages_per_type, cand.tp_sum), lambda: _type_shares(cluster, cand))
+    shares = memo(cache, ("shares", cand.dp, cand.tp_degrees, cand.stages_per_type, cand.tp_sum), lambda: _type_shares(cluster, cand))
     wt = linear_step_weights(cand.schedule, num_stages=cand.pp, num_microbatches=cand.num_microbatches, virtual_stages=cand.virtual_stages)
     layers = {t: _bound_layers(model, cluster, cand, t, slots, dtype, optimizer, cache) for t, (slots, _, _) in shares.items()}
     times = np.concatenate([b.times for b in layers.values()])
@@ -132,8 +128,8 @@ def _reach(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, 
            pace_s: float, in_flight: float, cache: dict) -> np.ndarray:
     """ahead[i]: the end of the longest run of layers from i within ``pace_s`` and one device's memory at degree ``tp``,
     ``in_flight`` micro-batches' activations kept."""
-    cols = _layer_columns(model, cluster, device_type, tp, cand.micro_batch_size, options.dtype, cache)
-    tp_fwd, tp_bwd = _tp_collectives(model, cluster, slot, cols, tp, cache)
+    cols = layer_columns(model, cluster, device_type, tp, cand.micro_batch_size, options.dtype, cache)
+    tp_fwd, tp_bwd = tp_collectives(model, cluster, slot, cols, tp, cache)
     time_s = np.full(len(model.layers), np.inf)
     memory = np.full(len(model.layers), np.inf)
     for mode in cand.modes:
@@ -174,8 +170,8 @@ def _bound_layers(model: ModelGraph, cluster, cand: Candidate, device_type: str,
         return cache[key]
     times, weights, device_s, epilogues, latencies = [], [], [], [], []
     for tp, slot in sorted(slots.items()):
-        cols = _layer_columns(model, cluster, device_type, tp, cand.micro_batch_size, dtype, cache)
-        tp_fwd, tp_bwd = _tp_collectives(model, cluster, slot, cols, tp, cache)
+        cols = layer_columns(model, cluster, device_type, tp, cand.micro_batch_size, dtype, cache)
+        tp_fwd, tp_bwd = tp_collectives(model, cluster, slot, cols, tp, cache)
         t = (cols.fwd + tp_fwd) * (2 if full_only else 1) + cols.b_input + cols.weight + tp_bwd
         t = np.where(cols.splits, t, np.inf)
         times.append(t)
@@ -192,11 +188,11 @@ def _bound_layers(model: ModelGraph, cluster, cand: Candidate, device_type: str,
 def _least_epilogue(cluster, cand: Candidate, slot: StageSlot, cols, tp: int, zeros: tuple[int, ...], dtype: str, optimizer: str,
                     cache: dict) -> tuple[np.ndarray, float]:
     """Per layer, the least epilogue seconds over the offered ZeRO stages at degree ``tp``, and the least latency."""
-    comm = _data_parallel_linear(cluster, cand.dp, tp, slot, cache)
+    comm = data_parallel_linear(cluster, cand.dp, tp, slot, cache)
     rates = optimizer_rates(cluster.profile(slot.device_type))
     per_layer, latency = [], []
     for zero in zeros:
-        lat, pb = _sync_linear(comm, cand.dp, zero, cluster.profile(slot.device_type), cand.num_microbatches, cand.sync,
+        lat, pb = sync_linear(comm, cand.dp, zero, cluster.profile(slot.device_type), cand.num_microbatches, cand.sync,
                                dtype_bytes(dtype))
         share = cols.params / cand.dp if cand.dp > 1 and zero > 0 else cols.params
         per_layer.append(pb * cols.params * dtype_bytes(dtype)
@@ -262,7 +258,7 @@ def memory_may_fit(model: ModelGraph, cluster, cand: Candidate, options: SearchO
     device_type = next(iter(shares))
     need = np.full(len(model.layers), np.inf)
     for mode in cand.modes:
-        cols = _layer_columns(model, cluster, device_type, mode.tp, cand.micro_batch_size, options.dtype, cache)
+        cols = layer_columns(model, cluster, device_type, mode.tp, cand.micro_batch_size, options.dtype, cache)
         state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
         activations = cols.inputs if mode.recompute == "full" else cols.saved
         need = np.minimum(need, np.where(cols.splits, mode.tp * (cols.params * state + activations), np.inf))

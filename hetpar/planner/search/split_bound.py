@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from hetpar.cost_models.pipeline import LinearStepWeights
-from hetpar.planner.costs import CostTables
+from hetpar.planner.costing import CostTables
 
 # Relative slack on memory and pace comparisons: the bound must not be lost to float rounding
 # (prefix-sum differences here, slice sums in planner.costs.chunk_terms).

@@ -13,9 +13,9 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from hetpar.cost_models.pipeline import linear_step_weights
-from hetpar.planner.costs import CostTables, chunk_terms
-from hetpar.planner.options import to_ticks
-from hetpar.planner.split_bound import split_sum_bound
+from hetpar.planner.costing import CostTables, chunk_terms
+from hetpar.planner.search.split_bound import split_sum_bound
+from hetpar.planner.solver import to_ticks
 
 # Solver resolution: the objective's scale divided into this many ticks, the largest
 # device memory into this many units.
@@ -26,38 +26,6 @@ _MEMORY_UNITS = 10_000_000
 def _ticks(seconds: np.ndarray, tick_s: float) -> np.ndarray:
     """``to_ticks`` over an array."""
     return np.rint(np.asarray(seconds) / tick_s).astype(np.int64)
-
-
-# [Note: cut formulation]
-# A split is C + 1 increasing layer indices start[0] = 0 < start[1] < ... < start[C] = L.
-# Every per-layer quantity of [Note: split objective] is additive, so chunk c's share
-# is prefix[start[c + 1]] - prefix[start[c]] of a prefix-sum table of that chunk's
-# column in its mode; per-chunk constants (the cut after the last layer, collective
-# latencies) ride on the table read at start[c + 1]. Repeated layers make the tables
-# affine over long runs of positions, so each start[i] is split into the few ranges on
-# which every table read there is affine, one literal each, and a read is one affine
-# expression per range (an element constraint per table cost CP-SAT's presolve seconds
-# on 48-stage models). A chunk's mode is one literal per mode (exactly one); modes whose
-# rows agree share their reads, and the chunk's sum equals the chosen group's under
-# that group's literal, bounded by the elementwise-cheapest and dearest rows so that
-# the LP relaxation sees the work. A range maximum (the one-layer buffers) is >= each of
-# its few levels whose next layer at or after start[c] comes before start[c + 1]. The
-# model has O(C) integer variables whatever the number of layers, which keeps CP-SAT
-# fast on 100-layer, 64-stage instances where a layer x stage boolean model does not
-# finish in seconds.
-def equal_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Layers dealt out as evenly as possible, earlier stages taking the remainder."""
-    base, extra = divmod(num_layers, num_stages)
-    return bounds_from_sizes([base + (1 if s < extra else 0) for s in range(num_stages)])
-
-
-def bounds_from_sizes(sizes) -> list[tuple[int, int]]:
-    """Inclusive (first, last) layer of each stage from the number of layers per stage."""
-    bounds, first = [], 0
-    for size in sizes:
-        bounds.append((first, first + size - 1))
-        first += size
-    return bounds
 
 
 # [Note: pace bound]
@@ -262,6 +230,23 @@ class Unresolved(Exception):
         self.limit = limit  # "work" or "time" ([Note: deterministic search] in planner.options)
 
 
+# [Note: cut formulation]
+# A split is C + 1 increasing layer indices start[0] = 0 < start[1] < ... < start[C] = L.
+# Every per-layer quantity of [Note: split objective] is additive, so chunk c's share
+# is prefix[start[c + 1]] - prefix[start[c]] of a prefix-sum table of that chunk's
+# column in its mode; per-chunk constants (the cut after the last layer, collective
+# latencies) ride on the table read at start[c + 1]. Repeated layers make the tables
+# affine over long runs of positions, so each start[i] is split into the few ranges on
+# which every table read there is affine, one literal each, and a read is one affine
+# expression per range (an element constraint per table cost CP-SAT's presolve seconds
+# on 48-stage models). A chunk's mode is one literal per mode (exactly one); modes whose
+# rows agree share their reads, and the chunk's sum equals the chosen group's under
+# that group's literal, bounded by the elementwise-cheapest and dearest rows so that
+# the LP relaxation sees the work. A range maximum (the one-layer buffers) is >= each of
+# its few levels whose next layer at or after start[c] comes before start[c + 1]. The
+# model has O(C) integer variables whatever the number of layers, which keeps CP-SAT
+# fast on 100-layer, 64-stage instances where a layer x stage boolean model does not
+# finish in seconds.
 class SplitModel:
     """The CP-SAT model of [Note: split objective]; sections as in the OR-Tools samples.
 

@@ -56,12 +56,14 @@ from hetpar.cost_models.collectives import all_reduce_time_s, grad_sync_scale
 from hetpar.cost_models.grad_sync import collective_over, sync_seconds
 from hetpar.cost_models.compute import dtype_bytes
 from hetpar.cost_models.devices import ProfileError
+from hetpar.planner.errors import PlanningError
 from hetpar.planner.estimate import Estimate, EstimateConfig, EstimateError, estimate, stage_split
+from hetpar.planner.model_graph import ModelGraph
+from hetpar.planner.options import SearchOptions
 from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
-from hetpar.planner.options import PlanningError, SearchOptions, divisors
 from hetpar.planner.search import search
-from hetpar.planner.subcluster import shorthand
-from hetpar.planner.trace import ModelGraph
+from hetpar.planner.solver import divisors
+from hetpar.planner.strategies.subcluster import shorthand
 
 # Bisection on the slowest replica's time stops within this relative width; T takes
 # discrete values, so the shares found are those of the optimum unless two share

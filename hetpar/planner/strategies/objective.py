@@ -54,13 +54,14 @@ from hetpar.cost_models.cluster import Cluster
 from hetpar.cost_models.compute import layer_timing
 from hetpar.cost_models.energy import NoPowerError, device_energy_j, grams_co2, idle_power_w, power_w
 from hetpar.cost_models.memory import stage_memory
+from hetpar.planner.errors import PlanningError
+from hetpar.planner.model_graph import ModelGraph
+from hetpar.planner.options import SearchOptions, misfit_fix
 from hetpar.planner.plan import ParallelPlan
-from hetpar.planner.hetero_dp import sync_floor_s
-from hetpar.planner.bounds import lower_bound_s, memory_may_fit
-from hetpar.planner.options import PlanningError, SearchOptions, divisors, misfit_fix
-from hetpar.planner.search import enumerate_candidates, search
-from hetpar.planner.subcluster import GroupUse, group_uses, subcluster
-from hetpar.planner.trace import ModelGraph
+from hetpar.planner.search import enumerate_candidates, lower_bound_s, memory_may_fit, search
+from hetpar.planner.solver import divisors
+from hetpar.planner.strategies.hetero_dp import sync_floor_s
+from hetpar.planner.strategies.subcluster import GroupUse, group_uses, subcluster
 
 SECONDS_PER_HOUR = 3600.0
 

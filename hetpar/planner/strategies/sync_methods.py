@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetpar.cost_models.grad_sync import OPTIMIZER_STATE_BYTES, PLAIN, SyncMethod
-from hetpar.planner.options import PlanningError
+from hetpar.planner.errors import PlanningError
 from hetpar.runtime.sync_spec import check_sync, parse_aggregation, parse_compression
 
 # [Note: lossy sync choice]

@@ -1,4 +1,5 @@
-"""The stage split of a configuration the user gives without ``--stage-layers``.
+"""The stage split of a configuration the user gives without ``--stage-layers``, and the
+shapes of a split: layers dealt out evenly, ranges from sizes.
 
 [Note: default stage split]
 Megatron-LM gives every pipeline stage (every virtual stage, interleaved) the same
@@ -19,7 +20,6 @@ import re
 from dataclasses import dataclass
 
 from hetpar.cost_models.layers import LayerProfile
-from hetpar.planner.split_model import bounds_from_sizes, equal_split
 
 _NUMBERED = re.compile(r"(.*)\.(\d+)")
 
@@ -72,4 +72,19 @@ def _repeats(before: LayerProfile, after: LayerProfile) -> bool:
     return a is not None and b is not None and a[1] == b[1] and int(b[2]) == int(a[2]) + 1
 
 
-__all__ = ["StageSplit", "block_run", "default_split"]
+def equal_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Layers dealt out as evenly as possible, earlier stages taking the remainder."""
+    base, extra = divmod(num_layers, num_stages)
+    return bounds_from_sizes([base + (1 if s < extra else 0) for s in range(num_stages)])
+
+
+def bounds_from_sizes(sizes) -> list[tuple[int, int]]:
+    """Inclusive (first, last) layer of each stage from the number of layers per stage."""
+    bounds, first = [], 0
+    for size in sizes:
+        bounds.append((first, first + size - 1))
+        first += size
+    return bounds
+
+
+__all__ = ["StageSplit", "block_run", "bounds_from_sizes", "default_split", "equal_split"]

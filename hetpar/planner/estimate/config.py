@@ -1,0 +1,134 @@
+"""One parallel configuration to estimate, as ``hetpar estimate`` takes it, checking itself on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetpar.cost_models.grad_sync import PLAIN, SyncMethod
+from hetpar.cost_models.memory import OPTIMIZERS, RECOMPUTE_CHOICES
+from hetpar.cost_models.pipeline import SCHEDULES
+from hetpar.planner.errors import PlanningError
+
+
+class EstimateError(PlanningError):
+    """A configuration that cannot be estimated; the message names the inconsistent inputs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EstimateConfig:
+    """One parallel configuration, as ``hetpar estimate`` takes it; checks itself on construction."""
+
+    global_batch_size: int
+    dp: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    dtype: str
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    recompute: str = "none"
+    zero_stage: int = 0
+    optimizer: str = "adamw"
+    stage_layers: tuple[int, ...] | None = None  # layers per virtual stage, p * v entries
+    stage_devices: tuple[str, ...] | None = None  # device type per pipeline rank, p entries
+    stage_recompute: tuple[str, ...] | None = None  # recompute per virtual stage, p * v entries; ``recompute`` for all when None
+    stage_zero: tuple[int, ...] | None = None  # ZeRO stage per pipeline rank, p entries; ``zero_stage`` for all when None
+    stage_tp: tuple[int, ...] | None = None  # tensor-parallel degree per pipeline rank, p entries; ``tp`` for all when None
+    replica_batch_shares: tuple[int, ...] | None = None  # micro-batch size per replica (dp entries); ``micro_batch_size`` each when None
+    scatter_gather: bool = True  # Megatron's p2p optimisation (Narayanan et al. 2021, section 4.1)
+    overlap_grad_reduce: bool = False
+    kernel_efficiency: float | None = None  # None: each device's own (cost_models.compute.training_efficiency)
+    sync: SyncMethod = PLAIN  # how the replicas agree under zero_stage 0 ([Note: sync method costs])
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise EstimateError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        self._check_choices()
+        per_step = self.dp * self.micro_batch_size
+        if self.global_batch_size % per_step:
+            raise EstimateError(
+                f"global batch {self.global_batch_size} is not a multiple of dp({self.dp}) * "
+                f"micro_batch_size({self.micro_batch_size}) = {per_step}"
+            )
+        if self.schedule == "interleaved" and self.num_microbatches % self.pp:
+            raise EstimateError(
+                f"the interleaved schedule needs micro-batches ({self.num_microbatches}) to be a multiple of pp({self.pp})"
+            )
+        self._check_stage_lists()
+
+    def _check_choices(self) -> None:
+        choices = (
+            ("schedule", self.schedule, SCHEDULES),
+            ("recompute", self.recompute, RECOMPUTE_CHOICES),
+            ("zero", self.zero_stage, (0, 1, 2, 3)),
+            ("optimizer", self.optimizer, OPTIMIZERS),
+        )
+        for name, value, allowed in choices:
+            if value not in allowed:
+                raise EstimateError(f"unknown {name} {value!r}; use one of {', '.join(str(a) for a in allowed)}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise EstimateError(f"virtual stages ({self.virtual_stages}) need --schedule interleaved, not {self.schedule}")
+        if self.dtype not in ("fp32", "bf16", "fp16"):
+            raise EstimateError(f"unknown dtype {self.dtype!r}; use one of fp32, bf16, fp16")
+        if self.kernel_efficiency is not None and not self.kernel_efficiency > 0:
+            raise EstimateError(f"kernel efficiency must be positive, got {self.kernel_efficiency}")
+
+    def _check_stage_lists(self) -> None:
+        chunks = self.pp * self.virtual_stages
+        if self.stage_layers is not None:
+            if len(self.stage_layers) != chunks:
+                what = f"pp({self.pp})" if self.virtual_stages == 1 else f"pp({self.pp}) * virtual_stages({self.virtual_stages})"
+                raise EstimateError(f"--stage-layers has {len(self.stage_layers)} entries, {what} = {chunks} needed")
+            if any(n < 1 for n in self.stage_layers):
+                raise EstimateError(f"--stage-layers {','.join(map(str, self.stage_layers))}: every stage needs a layer")
+        if self.stage_devices is not None and len(self.stage_devices) != self.pp:
+            raise EstimateError(f"--stage-devices has {len(self.stage_devices)} entries, pp({self.pp}) needed")
+        if self.stage_recompute is not None:
+            if len(self.stage_recompute) != chunks:
+                raise EstimateError(f"stage_recompute has {len(self.stage_recompute)} entries, {chunks} stages")
+            for value in self.stage_recompute:
+                if value not in RECOMPUTE_CHOICES:
+                    raise EstimateError(f"unknown recompute {value!r}; use one of {', '.join(RECOMPUTE_CHOICES)}")
+        shares = self.replica_batch_shares
+        if shares is not None:
+            if len(shares) != self.dp or any(not isinstance(b, int) or b < 1 for b in shares):
+                raise EstimateError(f"replica_batch_shares {list(shares)}: one positive micro-batch size per replica, dp({self.dp}) needed")
+            if sum(shares) != self.dp * self.micro_batch_size:
+                raise EstimateError(f"replica_batch_shares {list(shares)} sum to {sum(shares)}, not dp({self.dp}) * "
+                                    f"micro_batch_size({self.micro_batch_size}) = {self.dp * self.micro_batch_size}")
+        if self.stage_tp is not None:
+            if len(self.stage_tp) != self.pp:
+                raise EstimateError(f"stage_tp has {len(self.stage_tp)} entries, pp({self.pp}) needed")
+            if any(not isinstance(t, int) or t < 1 for t in self.stage_tp):
+                raise EstimateError(f"stage_tp {list(self.stage_tp)}: every degree must be a positive integer")
+            if self.virtual_stages > 1 and set(self.stage_tp) != {1}:
+                raise EstimateError(f"virtual stages ({self.virtual_stages}) run with tp 1 on every stage, not {list(self.stage_tp)}")
+        if self.stage_zero is not None:
+            if len(self.stage_zero) != self.pp:
+                raise EstimateError(f"stage_zero has {len(self.stage_zero)} entries, pp({self.pp}) needed")
+            for value in self.stage_zero:
+                if value not in (0, 1, 2, 3):
+                    raise EstimateError(f"unknown zero {value!r}; use one of 0, 1, 2, 3")
+
+    def recompute_of(self, chunk: int) -> str:
+        """The recompute mode of virtual stage ``chunk``."""
+        return self.stage_recompute[chunk] if self.stage_recompute is not None else self.recompute
+
+    def tp_of(self, rank: int) -> int:
+        """The tensor-parallel degree of pipeline rank ``rank``."""
+        return self.stage_tp[rank] if self.stage_tp is not None else self.tp
+
+    @property
+    def devices_per_replica(self) -> int:
+        """The devices one data-parallel replica spans: the sum of the stages' degrees."""
+        return sum(self.tp_of(r) for r in range(self.pp))
+
+    def zero_of(self, rank: int) -> int:
+        """The ZeRO stage of pipeline rank ``rank``."""
+        return self.stage_zero[rank] if self.stage_zero is not None else self.zero_stage
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per replica per step."""
+        return self.global_batch_size // (self.dp * self.micro_batch_size)

@@ -1,0 +1,144 @@
+"""What an estimated step costs, piece by piece: each virtual stage's actions on one
+micro-batch (compute, tensor-parallel and ZeRO-3 communication), a boundary hand-off,
+and each pipeline rank's gradient synchronisation and optimizer step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetpar.cost_models.cluster import Cluster
+from hetpar.cost_models.collectives import (
+    all_gather_time_s, grad_sync_scale, reduce_scatter_time_s, tensor_parallel_pass_s,
+)
+from hetpar.cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
+from hetpar.cost_models.devices import DeviceProfile
+from hetpar.cost_models.grad_sync import collective_over, sync_seconds
+from hetpar.cost_models.layers import LayerProfile
+from hetpar.cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
+from hetpar.planner.costing import boundary_seconds
+from hetpar.planner.estimate.config import EstimateConfig
+from hetpar.planner.estimate.layout import StageLayout
+from hetpar.planner.model_graph import ModelGraph
+from hetpar.runtime.schedule import Kind
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkCost:
+    """One virtual stage, one micro-batch: compute and communication of each action kind."""
+
+    fwd_compute_s: float
+    fwd_tp_s: float
+    b_compute_s: float  # input gradient, plus the recomputed forward under full recompute
+    b_tp_s: float
+    w_compute_s: float
+    zero3_fwd_s: float  # ZeRO-3 gathers and reduce-scatters, before and after the compute
+    zero3_bwd_s: float
+
+    def seconds(self, kind: Kind, split_weights: bool) -> tuple[float, float, float]:
+        """(compute, tensor-parallel, exposed ZeRO-3) seconds of one action.
+
+        ZeRO-3's collectives are all exposed: the generated program makes each stage one
+        FSDP unit ([Note: ZeRO through FSDP2] in runtime/data_parallel.py), so the stage's
+        parameters are gathered before its compute starts and its gradients
+        reduce-scattered after it ends; nothing is left to prefetch under.
+        """
+        if kind is Kind.FORWARD:
+            compute, tp, gather = self.fwd_compute_s, self.fwd_tp_s, self.zero3_fwd_s
+        elif kind is Kind.WEIGHT:
+            return self.w_compute_s, 0.0, 0.0
+        else:
+            compute = self.b_compute_s + (0.0 if split_weights else self.w_compute_s)
+            tp, gather = self.b_tp_s, self.zero3_bwd_s
+        return compute, tp, gather
+
+
+def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bounds, layout: StageLayout, chunk: int,
+                memo: dict) -> ChunkCost:
+    """One chunk's action seconds; ``memo`` keeps each layer kind's tensor-parallel collectives over one group for the estimate."""
+    first, last = bounds
+    layers = model.layers[first : last + 1]
+    device = cluster.profile(layout.device_type)
+    tp = config.tp_of(chunk % config.pp)
+    times = [layer_timing(l, device, tp=tp, micro_batch_size=config.micro_batch_size, dtype=config.dtype,
+                          kernel_efficiency=config.kernel_efficiency) for l in layers]
+    scale = config.micro_batch_size * dtype_bytes(config.dtype) / 4
+    group = tuple(layout.ranks[0])
+
+    def pass_s(l: LayerProfile, p: str) -> float:
+        key = (l.tp_collectives, p, scale, group)
+        if key not in memo:
+            memo[key] = tensor_parallel_pass_s(l.tp_collectives, p, scale, layout.ranks[0], cluster)
+        return memo[key]
+
+    tp_fwd, tp_bwd = (sum(pass_s(l, p) for l in layers) for p in ("forward", "backward"))
+    fwd = sum(t.fwd_s for t in times)
+    full = config.recompute_of(chunk) == "full"
+    gather_fwd, gather_bwd = zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp))
+    return ChunkCost(
+        fwd_compute_s=fwd,
+        fwd_tp_s=tp_fwd,
+        b_compute_s=sum(t.bwd_input_s for t in times) + (fwd if full else 0.0),
+        b_tp_s=tp_bwd + (tp_fwd if full else 0.0),
+        w_compute_s=sum(t.bwd_weight_s for t in times),
+        zero3_fwd_s=gather_fwd,
+        zero3_bwd_s=gather_bwd,
+    )
+
+
+def zero3_comm_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout, zero_stage: int) -> tuple[float, float]:
+    """ZeRO-3, per micro-batch: gather the weights for forward; gather again and reduce-scatter the gradients in
+    backward; data-parallel synchronisation inside the step, so times the device's ``grad_sync_scale``."""
+    if zero_stage < 3 or config.dp == 1:
+        return 0.0, 0.0
+    tp = len(layout.ranks[0])
+    nbytes = sum(l.params_at(tp) for l in layers) * dtype_bytes(config.dtype)
+    group = [replica[0] for replica in layout.ranks]
+    scale = grad_sync_scale(cluster.profile(layout.device_type))
+    gather = all_gather_time_s(nbytes, group, cluster, concurrent=tp) * scale
+    return gather, gather + reduce_scatter_time_s(nbytes, group, cluster, concurrent=tp) * scale
+
+
+def boundary_s(model: ModelGraph, cluster: Cluster, config: EstimateConfig, last_layer: int,
+                src: StageLayout, dst: StageLayout) -> float:
+    """Seconds to hand one micro-batch's boundary tensor from ``src`` to ``dst`` (either direction)."""
+    nbytes = model.layers[last_layer].boundary_bytes * config.micro_batch_size * dtype_bytes(config.dtype) / 4
+    return boundary_seconds(nbytes, src.ranks[0], dst.ranks[0], cluster, config.scatter_gather)
+
+
+def stage_params(model: ModelGraph, tp: int, chunks: list[tuple[int, int]]) -> float:
+    """Parameters a rank of these chunks holds and updates, a tied copy included ([Note: ZeRO stages])."""
+    layers = [l for first, last in chunks for l in range(first, last + 1)]
+    params = sum(model.layers[l].params_at(tp) for l in layers)
+    if 0 not in layers:
+        params += sum(model.layers[l].tied_at(tp) for l in layers)
+    return params
+
+
+def dp_sync_s(params: float, cluster: Cluster, config: EstimateConfig, layout: StageLayout, zero_stage: int) -> float:
+    """The gradient synchronisation of one pipeline rank in a step: an all-reduce; ZeRO-1's reduce-scatter and
+    all-gather; ZeRO-2's reduce-scatter after every micro-batch's backward ([Note: ZeRO through FSDP2] in
+    runtime/data_parallel.py) and all-gather (ZeRO-3 synchronises per micro-batch, in ``zero3_comm_s``)."""
+    if config.dp == 1 or zero_stage == 3:
+        return 0.0
+    nbytes = params * dtype_bytes(config.dtype)
+    group, kw = [replica[0] for replica in layout.ranks], {"concurrent": len(layout.ranks[0])}
+    scale = grad_sync_scale(cluster.profile(layout.device_type))
+    if zero_stage == 0:
+        return sync_seconds(config.sync, params, dtype_bytes(config.dtype), config.dp, cluster.profile(layout.device_type),
+                            collective_over(group, cluster, **kw)) * scale
+    scatters = config.num_microbatches if zero_stage == 2 else 1
+    return (scatters * reduce_scatter_time_s(nbytes, group, cluster, **kw) + all_gather_time_s(nbytes, group, cluster, **kw)) * scale
+
+
+def optimizer_s(params: float, tensors: int, sharded_tensors: int, device: DeviceProfile, config: EstimateConfig,
+                 zero_stage: int) -> float:
+    """One optimizer step over this rank's share of the parameters: bound by memory traffic.
+
+    A measured profile has the traffic rate an optimizer step reaches and its cost per
+    parameter tensor (more for a DTensor one), and adds its ``step_overhead_s``: what a training step costs
+    besides the layers and the gradient sync (docs/profiling.md); datasheet profiles
+    have none of these.
+    """
+    share = params / config.dp if zero_stage >= 1 else params
+    rates = optimizer_rates(device, config.kernel_efficiency)
+    return rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[config.optimizer], tensors, sharded_tensors) + rates.fixed_s
