@@ -82,13 +82,16 @@ def test_constants_name_the_plan_fields(tmp_path, pp_tp_plan):
 def test_program_imports_only_torch_runtime_and_the_stdlib(tmp_path, pp_tp_plan):
     compile_plan(pp_tp_plan, tmp_path / "out")
     tree = ast.parse((tmp_path / "out" / "train.py").read_text())
-    tops = set()
+    tops, ours = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             tops |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             tops.add(node.module.split(".")[0])
-    assert tops <= {"torch", "runtime"} | STDLIB_IMPORTS
+            if node.module.startswith("hetpar"):
+                ours.add(node.module)
+    assert tops <= {"torch", "hetpar"} | STDLIB_IMPORTS
+    assert ours <= {"hetpar.runtime", "hetpar.runtime.distributed", "hetpar.runtime.model_file"}
     assert len((tmp_path / "out" / "train.py").read_text().splitlines()) <= 170  # one screenful and a half
 
 

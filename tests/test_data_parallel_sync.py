@@ -251,8 +251,9 @@ def test_local_sgd_inside_nodes_every_step_across_every_k(tmp_path, mlp_path):
 
 
 @pytest.mark.slow
-def test_robust_aggregation_against_one_bad_replica(tmp_path, mlp_path):
-    """Replica 3 of 4 sends noise of std 100 (runtime.faults): the mean follows it away, the
+def test_robust_aggregation_against_one_bad_replica(tmp_path, mlp_path, monkeypatch):
+    """Replica 3 of 4 sends noise of std 100 (runtime.faults, asked for through
+    HETPAR_TEST_FAULTS: [Note: test faults]): the mean follows it away, the
     trimmed mean and Krum stay within a few percent of the clean run's loss; with no bad
     replica the trimmed mean with B = 0 is the mean, so it trains like one process."""
     clean = dp_plan(mlp_path, 4, aggregation="trimmed-mean:0")
@@ -261,9 +262,10 @@ def test_robust_aggregation_against_one_bad_replica(tmp_path, mlp_path):
     exact_losses, exact_state = reference_run(clean, _to_state(init, torch.float64), "sgd", steps=6, dtype=torch.float64)
     assert_within_rounding("sgd", 6, losses, final, ref_state, exact_losses, exact_state)
     after_updates = {}  # each run's mean loss over the steps after its first update, on the same batches
+    monkeypatch.setenv("HETPAR_TEST_FAULTS", "bad-gradients=3")
     for rule in ("mean", "trimmed-mean:1", "krum:1"):
         losses, _, stderr, _ = run_program(dp_plan(mlp_path, 4, aggregation=rule), tmp_path / rule, "sgd", 6,
-                                           "--inject-bad-gradients", "3", init_state=init)
+                                           init_state=init)
         after_updates[rule] = sum(losses[1:]) / 5
     clean_after = sum(ref_losses[1:]) / 5
     assert not after_updates["mean"] <= 10 * clean_after, after_updates  # far off, or not a number
@@ -272,13 +274,14 @@ def test_robust_aggregation_against_one_bad_replica(tmp_path, mlp_path):
 
 
 @pytest.mark.slow
-def test_a_slowed_replica_gets_fewer_samples_and_training_stays_exact(tmp_path, mlp_path):
+def test_a_slowed_replica_gets_fewer_samples_and_training_stays_exact(tmp_path, mlp_path, monkeypatch):
     """Rank 1 sleeps 5 ms per sample in each forward: after the first rebalance (every 2
     steps) it holds fewer of the 8 samples per micro-batch; the batch and its weighting are
     unchanged, so SGD equals one process."""
     plan = dp_plan(mlp_path, 2, rebalance_every=2)
     plan = dataclasses.replace(plan, micro_batch_size=4, global_batch_size=16)
-    losses, final, stderr, init = run_program(plan, tmp_path, "sgd", 6, "--inject-slowdown", "1:0.005")
+    monkeypatch.setenv("HETPAR_TEST_FAULTS", "slowdown=1:0.005")  # [Note: test faults]
+    losses, final, stderr, init = run_program(plan, tmp_path, "sgd", 6)
     moves = [line for line in stderr.splitlines() if "replica micro-batch sizes" in line]
     assert moves and moves[0].startswith("hetpar: step 2: replica micro-batch sizes [4, 4] -> ")
     after = json.loads(moves[-1].split(" -> ")[1].split(" (")[0])

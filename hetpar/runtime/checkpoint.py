@@ -321,8 +321,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ resume
 
-    def restore(self, module: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler) -> int:
-        """Load the newest intact checkpoint (collective).
+    def restore(self, module: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler | None = None) -> int:
+        """Load the newest intact checkpoint (collective); ``scaler`` (fp16 plans) gets the
+        loss scaler's state, which a program without one leaves unread.
 
         Returns:
             The step it was taken after; 0 when there is none (a fresh start).
@@ -339,7 +340,7 @@ class Checkpointer:
             problem = verify(found)
             if problem is None:
                 self._check_fits(found, module, optimizer)
-                self._load(found, module, optimizer, scaler)
+                self._load(found, module, optimizer, scaler or LossScaler(enabled=False))
                 _say(f"resuming from {found.path} (step {found.step})")
                 return found.step
             fallback = str(candidates[i + 1].path) if i + 1 < len(candidates) else "nothing"
@@ -350,7 +351,7 @@ class Checkpointer:
             )
         return 0
 
-    def resume(self, module: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler) -> int:
+    def resume(self, module: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler | None = None) -> int:
         """``restore``, for the program: where no checkpoint can be resumed from (another
         model's, one without tensors this plan needs, all corrupt), rank 0 says why in one
         line, every rank leaves the process group and exits with code 2 (collective)."""
@@ -435,11 +436,14 @@ class Checkpointer:
     def due(self, step: int, last: bool) -> bool:
         return self.directory is not None and (step % self.every == 0 or last)
 
-    def maybe_save(self, step: int, module: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler,
-                   *, last: bool = False) -> None:
-        """Save after ``step`` when it is due (collective); see [Note: atomic checkpoints]."""
+    def maybe_save(self, step: int, module: nn.Module, optimizer: torch.optim.Optimizer,
+                   scaler: LossScaler | None = None, *, last: bool = False) -> None:
+        """Save after ``step`` when it is due (collective); see [Note: atomic checkpoints].
+        Without ``scaler`` (a plan without fp16) the checkpoint holds a disabled scaler's
+        state, as before, so any plan of the model can resume it."""
         if not self.due(step, last):
             return
+        scaler = scaler or LossScaler(enabled=False)
         tmp = self.directory / f".tmp-{step_dir_name(step)}"
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)

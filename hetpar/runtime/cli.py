@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from hetpar.vocabulary import Optimizer, Switch
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainArgs:
@@ -33,19 +35,27 @@ class TrainArgs:
     powersgd_rank: int = 1  # plan.grad_compression "powersgd": rank of the gradient approximation
     powersgd_start_step: int = 2  # ... and plain all-reduce steps before it compresses
     allow_device_mismatch: bool = False  # warn, not stop, when a rank's device is not the plan's (runtime.devices)
-    compile: str = "auto"  # torch.compile each stage: "on", "off", or "auto" (as planned: plan.compiled)
-    inject_bad_gradients: int | None = None  # testing: this rank's gradients replaced by noise (runtime.faults)
-    inject_slowdown: tuple[int, float] | None = None  # testing: (rank, seconds per sample) it sleeps in each forward
+    compile: str = Switch.AUTO  # torch.compile each stage: "on", "off", or "auto" (as planned: plan.compiled)
 
 
-def parse_args(description: str | None = None, argv: list[str] | None = None) -> TrainArgs:
-    """Parse the program's options; ``description`` is the program's docstring."""
+def parse_args(description: str | None = None, argv: list[str] | None = None, *, powersgd: bool = False) -> TrainArgs:
+    """Parse the program's options; ``description`` is the program's docstring.
+
+    Args:
+        description: shown by ``--help``.
+        argv: the options (default: ``sys.argv[1:]``).
+        powersgd: offer ``--powersgd-rank`` and ``--powersgd-start-step`` (a plan whose
+            ``grad_compression`` is PowerSGD); else they keep their defaults.
+
+    Faults for tests are not options of the program: runtime.faults, [Note: test faults].
+    """
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps (one per global batch)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
-    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw", help="plain SGD or AdamW (torch defaults)")
+    parser.add_argument("--optimizer", choices=[Optimizer.SGD.value, Optimizer.ADAMW.value], default=Optimizer.ADAMW.value,
+                        help="plain SGD or AdamW (torch defaults)")
     parser.add_argument("--seed", type=int, default=0, help="seeds model init (torch.manual_seed) and the data")
     parser.add_argument("--init-from", type=Path, metavar="PATH",
                         help="full state_dict to start from: a torch.save file or a torch.distributed.checkpoint directory; "
@@ -57,20 +67,17 @@ def parse_args(description: str | None = None, argv: list[str] | None = None) ->
                         help="save checkpoints here; a (re)started run resumes from the newest intact one in it")
     parser.add_argument("--checkpoint-every", type=int, metavar="N", help="steps between checkpoints (default 100)")
     parser.add_argument("--checkpoint-keep", type=int, default=3, metavar="K", help="newest checkpoints kept")
-    parser.add_argument("--powersgd-rank", type=int, default=1, metavar="R",
-                        help="plans with grad_compression powersgd: rank of the low-rank gradient approximation")
-    parser.add_argument("--powersgd-start-step", type=int, default=2, metavar="N",
-                        help="plans with grad_compression powersgd: steps of plain all-reduce first (>= 2)")
+    if powersgd:
+        parser.add_argument("--powersgd-rank", type=int, default=1, metavar="R",
+                            help="rank of PowerSGD's low-rank gradient approximation (plan.grad_compression)")
+        parser.add_argument("--powersgd-start-step", type=int, default=2, metavar="N",
+                            help="steps of plain all-reduce before PowerSGD compresses (>= 2)")
+    parser.set_defaults(powersgd_rank=1, powersgd_start_step=2)
     parser.add_argument("--allow-device-mismatch", action="store_true",
                         help="run even where a rank's device is not the plan's device type for it (one warning)")
-    parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+    parser.add_argument("--compile", choices=[s.value for s in Switch], default=Switch.AUTO.value,
                         help="torch.compile each stage (auto: as the plan says, plan.compiled, which its costs "
                              "assume); a stage that does not compile runs eagerly")
-    parser.add_argument("--inject-bad-gradients", type=int, metavar="RANK",
-                        help="testing: RANK sends random gradients (std 100) instead of its own, e.g. to try "
-                             "the plan's robust aggregation")
-    parser.add_argument("--inject-slowdown", metavar="RANK:SECONDS",
-                        help="testing: RANK sleeps SECONDS per sample in each forward, e.g. to try --rebalance-every")
     ns = parser.parse_args(argv)
     if ns.steps < 0:
         parser.error(f"--steps {ns.steps} must be >= 0")
@@ -81,7 +88,6 @@ def parse_args(description: str | None = None, argv: list[str] | None = None) ->
             parser.error(f"--{name.replace('_', '-')} {getattr(ns, name)} must be >= 1")
     if ns.powersgd_start_step < 2:
         parser.error(f"--powersgd-start-step {ns.powersgd_start_step} must be >= 2 (PowerSGD needs warm-up steps)")
-    slowdown = _rank_and_seconds(parser, ns.inject_slowdown) if ns.inject_slowdown else None
     if ns.init_from is not None and not ns.init_from.exists():
         parser.error(f"--init-from {str(ns.init_from)!r}: no such file or directory")
     return TrainArgs(
@@ -100,20 +106,7 @@ def parse_args(description: str | None = None, argv: list[str] | None = None) ->
         powersgd_start_step=ns.powersgd_start_step,
         allow_device_mismatch=ns.allow_device_mismatch,
         compile=ns.compile,
-        inject_bad_gradients=ns.inject_bad_gradients,
-        inject_slowdown=slowdown,
     )
-
-
-def _rank_and_seconds(parser: argparse.ArgumentParser, text: str) -> tuple[int, float]:
-    rank, _, seconds = text.partition(":")
-    try:
-        value = (int(rank), float(seconds))
-    except ValueError:
-        value = (-1, -1.0)
-    if value[0] < 0 or not value[1] >= 0:
-        parser.error(f"--inject-slowdown {text!r} must be RANK:SECONDS, e.g. 1:0.01")
-    return value
 
 
 def world_size_from_env() -> int | None:

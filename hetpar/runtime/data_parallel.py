@@ -14,6 +14,9 @@
 - ``LocalSGD`` (runtime.local_sgd): parameters and optimizer state averaged every K steps.
 - ``FullyShard``: ZeRO 1-3 through FSDP2; see [Note: ZeRO through FSDP2].
 
+``wrap`` also applies the faults a test asks for through ``HETPAR_TEST_FAULTS``
+(runtime.faults, [Note: test faults]); a program carries no test hooks of its own.
+
 Each is told, before every backward of the step, whether it is the last one
 (``before_backward``), reduces after the schedule (``reduce``) and hears of each
 optimizer step (``after_step``).
@@ -73,9 +76,11 @@ from torch.distributed.tensor import DTensor
 from hetpar.runtime.buckets import BUCKET_CAP_BYTES, GradientSync, grad_buckets, local, pack, unflatten
 from hetpar.runtime.compression import ErrorFeedbackSync
 from hetpar.runtime.distributed import Groups, StageSpec
+from hetpar.runtime.faults import from_environment as faults_from_environment
 from hetpar.runtime.local_sgd import LocalSGD
 from hetpar.runtime.robust import RobustAggregate
 from hetpar.runtime.sync_spec import check_sync, parse_aggregation, parse_compression
+from hetpar.vocabulary import AggregationKind, CompressionKind, SyncScope
 
 class AllReduce(GradientSync):
     """Average gradients over the data-parallel group with SUM all-reduces, then / dp.
@@ -240,10 +245,10 @@ def wrap(
     module: nn.Module,
     stage: StageSpec,
     groups: Groups,
-    compression: str = "none",
-    aggregation: str = "mean",
+    compression: str = CompressionKind.NONE,
+    aggregation: str = AggregationKind.MEAN,
     sync_every: int = 1,
-    sync_scope: str = "all",
+    sync_scope: str = SyncScope.ALL,
     *,
     powersgd_rank: int = 1,
     powersgd_start_step: int = 2,
@@ -267,8 +272,17 @@ def wrap(
             (PowerSGDState's ``start_powerSGD_iter``; at least 2).
 
     Raises:
-        ValueError: an unknown option, or options that do not combine (sync_spec.check_sync).
+        ValueError: an unknown option, or options that do not combine (sync_spec.check_sync),
+            or a malformed ``HETPAR_TEST_FAULTS``.
     """
+    method = _sync_method(module, stage, groups, compression, aggregation, sync_every, sync_scope,
+                          powersgd_rank=powersgd_rank, powersgd_start_step=powersgd_start_step)
+    faults_from_environment(module, dist.get_rank())  # tests only: [Note: test faults]
+    return method
+
+
+def _sync_method(module: nn.Module, stage: StageSpec, groups: Groups, compression: str, aggregation: str,
+                 sync_every: int, sync_scope: str, *, powersgd_rank: int, powersgd_start_step: int) -> GradientSync:
     comp, agg = parse_compression(compression), parse_aggregation(aggregation)
     dp = groups.dp_group.size() if groups.dp_group is not None else 1
     check_sync(compression, aggregation, sync_every, sync_scope, data_parallel=dp, zero_stages=[stage.zero_stage],
@@ -279,15 +293,15 @@ def wrap(
     if stage.zero_stage > 0:
         return FullyShard(module, groups.dp_mesh, stage.zero_stage)
     if sync_every > 1:
-        node = groups.dp_node_group if sync_scope == "node" else None
+        node = groups.dp_node_group if sync_scope == SyncScope.NODE else None
         inside = AllReduce(params, node, node.size()) if node is not None else GradientSync()
         return LocalSGD(params, groups.dp_group, sync_every, inside)
     if agg.robust:
         return RobustAggregate(params, groups.dp_group, agg.kind, agg.param)
-    if comp.kind in ("fp16", "bf16"):
-        hook = default_hooks.fp16_compress_hook if comp.kind == "fp16" else default_hooks.bf16_compress_hook
+    if comp.kind in (CompressionKind.FP16, CompressionKind.BF16):
+        hook = default_hooks.fp16_compress_hook if comp.kind == CompressionKind.FP16 else default_hooks.bf16_compress_hook
         return CompressedAllReduce(params, hook, groups.dp_group)
-    if comp.kind == "powersgd":
+    if comp.kind == CompressionKind.POWERSGD:
         state = powerSGD_hook.PowerSGDState(
             process_group=groups.dp_group,
             matrix_approximation_rank=comp.rank or powersgd_rank,

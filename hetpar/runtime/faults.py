@@ -1,11 +1,22 @@
-"""Faults injected on purpose, to test what guards against them: a replica that sends
-garbage gradients (runtime.robust) and one that computes slowly (runtime.rebalance).
-The program's ``--inject-bad-gradients RANK`` and ``--inject-slowdown RANK:SECONDS``
-set them; a run without those options is untouched.
+"""Faults injected on purpose, for tests of what guards against them: a replica that
+sends garbage gradients (runtime.robust) and one that computes slowly (runtime.rebalance).
+
+[Note: test faults]
+A generated program holds no test hooks. A test asks for faults through the environment
+of the processes it starts, which ``data_parallel.wrap`` reads (``from_environment``)
+when it sets up a stage's replicas:
+
+    HETPAR_TEST_FAULTS="bad-gradients=3"          rank 3 sends noise (std 100) as its gradients
+    HETPAR_TEST_FAULTS="slowdown=1:0.005"         rank 1 sleeps 5 ms per sample in each forward
+    HETPAR_TEST_FAULTS="bad-gradients=3,slowdown=1:0.005"   both
+
+A run without the variable is untouched; a value that does not read this way stops the
+program at start-up with a ValueError naming the variable.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -39,6 +50,41 @@ def inject(module: nn.Module, rank: int, *, bad_gradients: int | None = None,
             child.register_forward_pre_hook(lambda _, args: time.sleep(seconds * _rows(args)))
 
 
+FAULTS_ENV = "HETPAR_TEST_FAULTS"
+
+
+def from_environment(module: nn.Module, rank: int) -> None:
+    """Make this rank faulty if ``HETPAR_TEST_FAULTS`` names it; see [Note: test faults].
+
+    Raises:
+        ValueError: the variable is set but does not read as the Note says.
+    """
+    text = os.environ.get(FAULTS_ENV, "").strip()
+    if text:
+        inject(module, rank, **parse_faults(text))
+
+
+def parse_faults(text: str) -> dict:
+    """``bad-gradients=RANK,slowdown=RANK:SECONDS`` (either, or both) as ``inject``'s keywords."""
+    faults: dict = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        try:
+            if key == "bad-gradients":
+                faults["bad_gradients"] = int(value)
+            elif key == "slowdown":
+                rank, _, seconds = value.partition(":")
+                faults["slowdown"] = (int(rank), float(seconds))
+                if faults["slowdown"][0] < 0 or not faults["slowdown"][1] >= 0:
+                    raise ValueError
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{FAULTS_ENV}={text!r}: expected bad-gradients=RANK and/or slowdown=RANK:SECONDS, "
+                             f"comma-separated (e.g. slowdown=1:0.005)") from None
+    return faults
+
+
 def _noise_like(grad: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     shape = grad.to_local().shape if isinstance(grad, DTensor) else grad.shape
     noise = (torch.randn(shape, generator=generator) * BAD_GRADIENT_STD).to(grad.dtype)
@@ -52,4 +98,4 @@ def _rows(args: tuple) -> int:
     return next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), 0)
 
 
-__all__ = ["BAD_GRADIENT_STD", "inject"]
+__all__ = ["BAD_GRADIENT_STD", "FAULTS_ENV", "from_environment", "inject", "parse_faults"]

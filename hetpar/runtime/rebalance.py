@@ -87,10 +87,10 @@ class ReplicaShares:
                 if self.rows != rows:
                     break
 
-    def observe(self, step: int, timer: StepTimer, executors: Mapping[int, object]) -> None:
+    def observe(self, step: int, timer: StepTimer, executors: Mapping[int, object] | None = None) -> None:
         """After step ``step`` has stopped (``timer.stop``): record its compute time, and
         every ``every`` steps move the shares (collective over the world) and set each
-        executor's ``loss_weight``."""
+        executor's ``loss_weight`` (a program without executors reads ``loss_weight``)."""
         if not self.every:
             return
         forward_s, backward_s = timer.steps[-1] if timer.steps else (0.0, 0.0)
@@ -102,7 +102,7 @@ class ReplicaShares:
         self._per_sample_s = []
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)  # a replica is as slow as its slowest rank
         before, self.sizes = self.sizes, split_by_speed(sum(self.sizes), measured.tolist())
-        for executor in executors.values():
+        for executor in (executors or {}).values():
             executor.loss_weight = self.loss_weight
         if self.announce and before != self.sizes:
             per_sample = ", ".join(f"{s * 1e3:.3g}" for s in measured.tolist())

@@ -48,7 +48,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hetpar.runtime.distributed import Placement, StageSpec
-from hetpar.runtime.shard import VOCAB_SPLITS, chunk_modules
+from hetpar.runtime.model_file import ModelFile
+from hetpar.runtime.shard import VOCAB_SPLITS, chunk_modules, cut_stage
 
 
 class TiedWeightError(ValueError):
@@ -87,6 +88,34 @@ def find_tied(held: dict[int, list[str]]) -> list[TiedWeight]:
         for name in held[stage]:
             holders.setdefault(name, []).append(stage)
     return [TiedWeight(name=name, stages=tuple(stages)) for name, stages in sorted(holders.items()) if len(stages) > 1]
+
+
+def tied_across_stages(model_file: ModelFile, stage_layers: list[tuple[int, int]], layer_names: list[str],
+                       leaf_modules: tuple[str, ...] = (), *, micro_batch_size: int = 1) -> list[TiedWeight]:
+    """The weights that more than one of these stages holds, found as a program finds
+    them: the model built on the meta device and each stage cut out of it
+    (``shard.cut_stage``). ``hetpar compile`` asks, so that only the program of a plan
+    with such a weight carries ``TiedGradients``.
+
+    Args:
+        model_file: the plan's model file, loaded with its arguments.
+        stage_layers: each stage's first and last layer, in stage order.
+        layer_names: the plan's layer names.
+        leaf_modules: the plan's leaf modules.
+        micro_batch_size: the rows of the example inputs a stage is cut with.
+
+    Raises:
+        runtime.shard.ShardError: the model's layers are not the plan's.
+    """
+    if len(stage_layers) < 2:
+        return []
+    with torch.device("meta"):
+        model = model_file.build_model()
+    names = model_names(model)
+    held = {s: held_parameters(names, cut_stage(model, model_file, micro_batch_size, layers, layer_names,
+                                                leaf_modules).module)
+            for s, layers in enumerate(stage_layers)}
+    return find_tied(held)
 
 
 def sync_groups(tied: list[TiedWeight], stages: list[StageSpec], aliases: dict[str, list[str]] | None = None
@@ -149,10 +178,10 @@ class TiedGradients:
     the DTensor or FSDP2 parameters that later replace them.
     """
 
-    def __init__(self, model: nn.Module, module: nn.Module, my_stages: list[int], stages: list[StageSpec],
+    def __init__(self, model: nn.Module, module: nn.Module, stage_ids: list[int], stages: list[StageSpec],
                  me: Placement, *, announce: bool = False):
         names = model_names(model)
-        mine = {s: held_parameters(names, chunk) for s, chunk in zip(my_stages, chunk_modules(module), strict=True)}
+        mine = {s: held_parameters(names, chunk) for s, chunk in zip(stage_ids, chunk_modules(module), strict=True)}
         reports: list[dict[int, list[str]]] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(reports, mine)
         held = {s: held for report in reports for s, held in report.items()}
@@ -191,4 +220,5 @@ class TiedGradients:
                 dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
 
 
-__all__ = ["TiedGradients", "TiedWeight", "TiedWeightError", "find_tied", "held_parameters", "model_names", "sync_groups"]
+__all__ = ["TiedGradients", "TiedWeight", "TiedWeightError", "find_tied", "held_parameters", "model_names", "sync_groups",
+           "tied_across_stages"]

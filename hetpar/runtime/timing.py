@@ -23,7 +23,8 @@ so one code path serves both.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -80,6 +81,14 @@ class StepTimer:
     def action(self, forward: bool) -> None:
         """The next marks belong to a forward (True) or a backward or W action (False)."""
         self._forward = forward
+
+    @contextmanager
+    def measure(self, *, forward: bool) -> Iterator[None]:
+        """Count the time of the block as a forward's (True) or a backward's (False)."""
+        self.action(forward)
+        start = self.mark()
+        yield
+        self.include(start, self.mark())
 
     def include(self, start, end) -> None:
         """Count the span between two marks as the current action's time."""

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from hetpar.runtime.distributed import Placement, StageSpec
 from hetpar.runtime.shard import chunk_modules
+from hetpar.vocabulary import Optimizer
 
 
 def make_optimizer(name: str, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -29,9 +30,9 @@ def make_optimizer(name: str, params: Iterable[nn.Parameter], lr: float) -> torc
     distributed tests compare with one process.
     """
     params = list(params)
-    if name == "sgd":
+    if name == Optimizer.SGD:
         return torch.optim.SGD(params, lr=lr)
-    if name == "adamw":
+    if name == Optimizer.ADAMW:
         fused = bool(params) and all(p.device.type == "cuda" for p in params)
         return torch.optim.AdamW(params, lr=lr, fused=fused or None)
     raise ValueError(f"unknown optimizer {name!r}; choose sgd or adamw")
@@ -41,9 +42,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def announce(me: Placement, stage: StageSpec, grad_sync: object) -> None:
+def announce(me: Placement, stage: StageSpec, grad_sync: object = "one replica") -> None:
     """One line on stderr per stage, from its first rank: how it is run, e.g.
-    ``hetpar: stage 1 (layers 2-3): tp 1, ZeRO-3 through FSDP2 over 2 replicas, recompute full``."""
+    ``hetpar: stage 1 (layers 2-3): tp 1, ZeRO-3 through FSDP2 over 2 replicas, recompute full``
+    (``grad_sync``: the stage's data-parallel sync, runtime.data_parallel)."""
     if me.replica == 0 and me.tp_index == 0:
         first, last = stage.layers
         print(f"hetpar: stage {me.stage} (layers {first}-{last}): tp {stage.tensor_parallel}, {grad_sync}, "
