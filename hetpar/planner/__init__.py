@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+
 # Public name -> the module that defines it.
 _HOMES = {
     "ClusterRef": "hetpar.planner.plan",

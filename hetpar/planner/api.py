@@ -45,11 +45,11 @@ def plan_model(
 
     Args:
         objective: fastest on all devices (default), or cheapest per step over sub-clusters;
-            either with a throughput target (planner.objective).
+            either with a throughput target (planner.strategies.objective).
         hetero_dp: "auto" also tries replicas of one device type each on a mixed cluster
             and keeps the faster plan; "on" plans only that way; "off" never.
         sync: how data-parallel replicas agree: compression (pinned, or chosen under
-            ``allow_lossy``), robust aggregation, local SGD, rebalancing (planner.sync_methods).
+            ``allow_lossy``), robust aggregation, local SGD, rebalancing (planner.strategies.sync_methods).
         on_traced: called with the ModelGraph once tracing is done (for progress display).
         progress: called as (done, total, description) while candidates are solved.
 
@@ -102,7 +102,7 @@ def plan_graph(
         return _plan_graph(graph, cluster, options, objective, hetero_dp, progress)
     options, hetero_dp = _sync_pins(options, hetero_dp, sync)
     plans = []
-    for compression in sync.compressions:  # [Note: lossy sync choice] in planner.sync_methods
+    for compression in sync.compressions:  # [Note: lossy sync choice] in planner.strategies.sync_methods
         method = cost_method(compression, sync.aggregation, sync.sync_every, sync.sync_scope, optimizer=options.optimizer,
                              width=matrix_width(graph.layers))
         pinned = options if method.plain else _zero_0(options, compression, sync)
@@ -183,7 +183,7 @@ def fastest_plan(
     hetero_dp: str = "auto",
     progress: Callable[[int, int, str], None] | None = None,
 ) -> ParallelPlan:
-    """The faster of the search's plan and the heterogeneous data-parallel plan (planner.hetero_dp).
+    """The faster of the search's plan and the heterogeneous data-parallel plan (planner.strategies.hetero_dp).
 
     The other one, when there is one, is recorded first among the plan's ``alternatives``.
 

@@ -7,7 +7,7 @@ read at its qualified name, so ``aten.linear(x, model.layers.0.self_attn.q_proj.
 is the Linear ``model.layers.0.self_attn.q_proj`` (and GPT-2's Conv1D is
 ``aten.addmm(bias, x, weight)`` with the weight stored [in, out]). The ILP of
 [Note: tensor-parallel ILP] is built on that graph as on a torch.fx one
-(``planner.tensor_parallel.linear_site``; the feature-wise ops in their ATen spelling).
+(``planner.capture.tp_ops.linear_site``; the feature-wise ops in their ATen spelling).
 
 The graph cannot check a solution by running it split: export baked the shapes of its
 reshapes (``expand(k, [1, 2, 2, 16, 16])`` names the key heads), so one rank's share of
@@ -28,8 +28,8 @@ colwise``, ...) of the plain colwise/rowwise styles, it is used when it is a val
 layout of the ILP and its dry run passes, and the finder's own answer is kept next to
 it (``BlockSharding``), so the two can be compared; a test holds them equal on Llama.
 This module splits blocks; the token embedding and ``lm_head`` split over the
-vocabulary where they are untied or tied to each other (planner.trace ``_with_vocab_split``, [Note:
-vocab-parallel layers] in planner.tensor_parallel). A mixture of experts' experts stay
+vocabulary where they are untied or tied to each other (planner.capture.trace ``_with_vocab_split``, [Note:
+vocab-parallel layers] in planner.capture.vocab_parallel). A mixture of experts' experts stay
 replicated (Mixtral's are 3-D parameters, not Linears): its attention is split.
 """
 
@@ -165,7 +165,7 @@ def block_sharding(model: nn.Module, layout: DecoderLayout, block: int, seq_len:
         seq_len: tokens per sample.
         layer: the block's layer cut from the exported graph.
         inputs: meta tensors ``layer`` runs on (one sample's worth).
-        measurement: ``planner.measure.measure(layer, inputs)`` when already taken.
+        measurement: ``planner.capture.measure.measure(layer, inputs)`` when already taken.
         cost: the cost model; ``TpCostModel.for_device()`` by default.
     """
     problem = build_problem(layer, inputs, cost or TpCostModel.for_device(), measurement)

@@ -9,6 +9,7 @@ import torch.fx as fx
 from hetpar.planner.capture.tp_ops import linear_site, run_graph, tensor_nbytes
 from hetpar.planner.plan import Sharding
 
+
 def layer_collectives(module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding]
                       ) -> tuple[tuple[str, str, float], ...]:
     """The collectives one micro-batch of the layer so sharded issues, as the runtime

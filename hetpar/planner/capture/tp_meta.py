@@ -13,6 +13,7 @@ import torch.nn as nn
 from hetpar.planner.capture.tp_ops import TpError
 from hetpar.planner.plan import Sharding
 
+
 class MetaGathered(nn.Module):
     """A colwise_gather Linear on the meta device: the local slice, then the gathered width."""
 

@@ -3,7 +3,7 @@
 Nothing is allocated: the model is built under ``torch.device("meta")``, captured
 with torch.fx or torch.export (runtime.capture), grouped into layers
 (runtime.graph), and each layer is cut out as a stage and run forward and backward
-on meta tensors, node by node (planner.measure). The numbers are measured, not
+on meta tensors, node by node (planner.capture.measure). The numbers are measured, not
 guessed.
 
 [Note: measuring repeated blocks once]
@@ -141,7 +141,7 @@ def _measure_layers(lg: LayeredGraph, stages: list[Stage], values: dict[str, Any
 # [Note: tied vocab-parallel weights]
 # A weight tied between a token embedding and the head (GPT-2's wte and lm_head, Megatron's
 # GPT) splits over the vocabulary like an untied pair ([Note: vocab-parallel layers] in
-# planner.tensor_parallel) when every module that holds it, in every layer, is one that
+# planner.capture.vocab_parallel) when every module that holds it, in every layer, is one that
 # split: both are then split Shard(0) of the same [V, H] weight, rank t holding rows
 # t V / tp to (t + 1) V / tp, so the copies are split alike and the runtime keeps them
 # equal shard by shard (runtime/tied.py; inside one stage, the two modules hold one
@@ -285,7 +285,7 @@ class _Measured:
 
 def _matmul_rows(measured: Measurement) -> tuple[tuple[int, bool, float, int], ...]:
     """The layer's forward matmul FLOPs by (rows, grows with the batch, width), as
-    (rows, grows, share of its forward FLOPs, width); see [Note: matmul rows] in planner.measure."""
+    (rows, grows, share of its forward FLOPs, width); see [Note: matmul rows] in planner.capture.measure."""
     total = measured.total("fwd_flops")
     merged: dict[tuple[int, bool, int], float] = {}
     for counts in measured.nodes.values():
@@ -299,7 +299,7 @@ def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str, *, split
     """Measure one layer whole and, if it has a tensor-parallel pattern (and ``split``:
     the program can split it), as one of two ranks. Its Embeddings and, on the last layer
     (``last_layer``), its output Linear as wide as a vocabulary, split over it unless ``tied``
-    ([Note: vocab-parallel layers] in planner.tensor_parallel)."""
+    ([Note: vocab-parallel layers] in planner.capture.vocab_parallel)."""
     module = stage.module
     whole = measure(module, inputs)
     num_ops = sum(1 for n in module.graph.nodes if n.op not in _NO_KERNEL_OPS)

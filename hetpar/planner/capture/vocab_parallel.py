@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from hetpar.planner.plan import Sharding
 
+
 # [Note: vocab-parallel layers]
 # Beside the ILP's Linears, two modules split over the vocabulary, as Megatron splits
 # them (Shoeybi et al. 2019, section 3): an ``nn.Embedding`` that looks up the model's
@@ -22,7 +23,7 @@ from hetpar.planner.plan import Sharding
 # colwise Linear). Both cut the vocabulary-sized work, parameters, gradients,
 # optimizer state and logits by tp. A weight tied to another module (GPT-2's wte and
 # lm_head) splits only where every module holding it splits alike: the tracer decides
-# ([Note: tied vocab-parallel weights] in planner/trace.py) and passes the others in
+# ([Note: tied vocab-parallel weights] in planner/capture/trace.py) and passes the others in
 # ``tied``. The vocabulary must divide by 16 (``VOCAB_MULTIPLE``).
 # A vocabulary splits only where 16 divides it: every tensor-parallel degree a node's
 # devices allow (2, 4, 8, 16) then divides it too, so the split never rules a degree out

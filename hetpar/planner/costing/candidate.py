@@ -30,7 +30,7 @@ class StageMode:
 # two), so the stages' blocks pack every node exactly (largest first, each block
 # aligned to its size; ``pack_stage_ranks``) and a tensor-parallel group never leaves
 # its node; a candidate offers two neighbours of that chain, or the few degrees that
-# can sum right ([Note: stage counts] in planner.search). A layer that does not split a
+# can sum right ([Note: stage counts] in planner.search.candidates). A layer that does not split a
 # stage's degree forbids that degree to any
 # chunk that holds it (its time is infinite; the CP-SAT model excludes the pair). A
 # stage's degree changes its layers' time, memory and all-reduces, its data-parallel

@@ -33,13 +33,13 @@ def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig, *, bre
     """Predict step time, memory per stage and throughput of ``config`` for ``model`` on ``cluster``.
 
     Args:
-        model: the traced model (planner.trace.trace_model).
+        model: the traced model (planner.capture.trace_model).
         cluster: the cluster (cost_models.cluster.parse_cluster).
         config: the parallel configuration.
         breakdown: tell pipeline transfers apart from the bubble, which takes a second
             simulation of the schedule without them; False counts them in the bubble
             (``pp_comm_s`` 0) and leaves the step time as it is, for callers that
-            compare step times by the thousand (planner.hetero_dp).
+            compare step times by the thousand (planner.strategies.hetero_dp).
         memo: the tensor-parallel collectives' seconds by layer kind, group and size,
             kept across calls on one ``cluster`` (and ``model``) by a caller that makes
             many; a fresh one per call by default.
@@ -53,7 +53,7 @@ def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig, *, bre
     """
     check_against(model, cluster, config)
     if config.replica_batch_shares is not None:  # hetero_dp builds on this module, so it estimates those plans
-        raise EstimateError("replica_batch_shares: estimate the plan with planner.hetero_dp.estimate_shares")
+        raise EstimateError("replica_batch_shares: estimate the plan with planner.strategies.hetero_dp.estimate_shares")
     layouts = stage_layout(cluster, config)
     split = stage_split(model, config)
     bounds = split.bounds

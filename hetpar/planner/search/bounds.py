@@ -2,7 +2,7 @@
 tables are built ([Note: candidate bound]), on the pace its degrees allow ([Note: degree
 budget bound]), and on whether it can fit in memory at all.
 
-planner.search orders and prunes its candidates with them; planner.split_model holds
+planner.search.solve orders and prunes its candidates with them; planner.search.split_model holds
 the bound that reads a candidate's tables ([Note: pace bound]).
 """
 

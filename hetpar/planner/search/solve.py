@@ -5,8 +5,8 @@ pipeline-parallel degrees, micro-batch size, schedule and its virtual stages, an
 many stages each device type hosts); for each such candidate one CP-SAT model chooses
 the cut points of the layer sequence into stages, which may be uneven and which see
 each stage's own device type, and each stage's mode: its tensor-parallel degree
-([Note: per-stage tensor parallelism] in planner.costs), activation recomputation and
-ZeRO stage. The objective is [Note: split objective] in planner.costs.
+([Note: per-stage tensor parallelism] in planner.costing.candidate), activation recomputation and
+ZeRO stage. The objective is [Note: split objective] in planner.costing.tables.
 """
 
 from __future__ import annotations
@@ -120,13 +120,13 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
 
 def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, int], options: SearchOptions,
                       cutoff_s: float | None = None, fixed_sizes: tuple[int, ...] | None = None) -> SplitResult | None:
-    """The best split over every order of the device types; see [Note: stage device types] in planner.costs.
+    """The best split over every order of the device types; see [Note: stage device types] in planner.costing.by_type.
 
     Each type's stages are consecutive, so the pipeline crosses from one type to the
     next once; each of the (at most types!) orders is one CP-SAT split model.
 
     Args:
-        tables: cost columns per device type (``planner.costs.tables_by_type``).
+        tables: cost columns per device type (``planner.costing.tables_by_type``).
         stages_per_type: how many pipeline ranks each type hosts.
         fixed_sizes: layers per chunk, when the split is pinned.
 
@@ -302,7 +302,7 @@ def _limit_names(limits: list[str], options: SearchOptions) -> str:
 
 def _limit_reason(limits: list[str], options: SearchOptions, gap: float) -> str:
     """Why a plan is only feasible: which limits stopped how many candidates, and the gap left
-    ([Note: deterministic search] in planner.options); empty when nothing stopped short."""
+    ([Note: deterministic search] in planner.solver); empty when nothing stopped short."""
     if not limits:
         return ""
     parts = []

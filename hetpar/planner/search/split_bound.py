@@ -1,6 +1,6 @@
 """A lower bound on a candidate's objective from its tables, by dynamic programming over the chunks.
 
-planner.split_model's pace bound ([Note: pace bound]) and objective floor ([Note: objective
+planner.search.split_model's pace bound ([Note: pace bound]) and objective floor ([Note: objective
 floor]) call it before and after a candidate's CP-SAT solve; see [Note: split sum bound].
 """
 
@@ -12,7 +12,7 @@ from hetpar.cost_models.pipeline import LinearStepWeights
 from hetpar.planner.costing import CostTables
 
 # Relative slack on memory and pace comparisons: the bound must not be lost to float rounding
-# (prefix-sum differences here, slice sums in planner.costs.chunk_terms).
+# (prefix-sum differences here, slice sums in planner.costing.chunk_terms).
 _SLACK = 1e-9
 
 
@@ -109,7 +109,7 @@ def _span(tables: CostTables, allowed: np.ndarray, time: np.ndarray, memory: np.
 
 def _buffers(tables: CostTables, span: int) -> np.ndarray:
     """[K, L, span]: the one-layer buffers (full recompute's workspace, ZeRO-3's gathered weights) of a chunk
-    from layer i holding d + 1 layers in mode k; see [Note: split objective] in planner.costs."""
+    from layer i holding d + 1 layers in mode k; see [Note: split objective] in planner.costing.tables."""
     cand = tables.candidate
     K, L = len(cand.modes), tables.num_layers
     out = np.zeros((K, L, span))

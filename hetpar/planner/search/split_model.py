@@ -1,7 +1,7 @@
 """The CP-SAT model of one candidate's split: cut positions and stage modes.
 
-planner.search builds one per outer candidate ([Note: split objective] in
-planner.costs); this module holds the model ([Note: cut formulation]), the hint it
+planner.search.solve builds one per outer candidate ([Note: split objective] in
+planner.costing.tables); this module holds the model ([Note: cut formulation]), the hint it
 starts from and the pace bound that spares it ([Note: pace bound]).
 """
 
@@ -31,7 +31,7 @@ def _ticks(seconds: np.ndarray, tick_s: float) -> np.ndarray:
 # [Note: pace bound]
 # Before a candidate's CP-SAT model is built under a cutoff (the best plan so far), a
 # bound on its tables alone may rule it out: the chunks' weighted sums at least the
-# least S of [Note: split sum bound] (planner.split_bound; each chunk in a mode that fits
+# least S of [Note: split sum bound] (planner.search.split_bound; each chunk in a mode that fits
 # its rank's memory alone), the largest w_c at least any layer's cheapest, and the pace
 # (the slowest chunk's t_c, or round) raised to the least that any split can reach when
 # each chunk must fit its rank's memory on its own in some one mode (cuts, the one-layer
@@ -106,7 +106,7 @@ def objective_floor(tables: CostTables) -> float:
 
 def _pace_reachable(tables: CostTables, pace_s: float) -> bool:
     """Whether some split has every chunk within ``pace_s`` and its rank's memory in some one mode
-    (with several degrees, the degrees summing as ``candidate.tp_sum`` says: [Note: degree budget bound] in planner.bounds)."""
+    (with several degrees, the degrees summing as ``candidate.tp_sum`` says: [Note: degree budget bound] in planner.search.bounds)."""
     K, L, C = tables.time_s.shape
     cand = tables.candidate
     zeros = np.zeros((K, 1, C))
@@ -135,7 +135,7 @@ def budget_reaches(steps: list[list[tuple[int, np.ndarray]]], types: list[str], 
     """Whether chunks in order, chunk c on device type ``types[c]`` taking one of ``steps[c]`` = [(devices,
     ahead)] (ahead[i]: where its run from layer i may end), hold every layer, each chunk at least one, with
     the devices of each type's (consecutive) chunks summing to its share; see [Note: degree budget bound] in
-    planner.bounds. A chunk starting later ends no earlier, so the furthest layer per devices used decides."""
+    planner.search.bounds. A chunk starting later ends no earlier, so the furthest layer per devices used decides."""
     L = num_layers
     best = np.full(shares[types[0]] + 1, -1)  # best[u]: the furthest layer reached with u of the current type's devices
     best[0] = 0
@@ -227,7 +227,7 @@ class Unresolved(Exception):
     def __init__(self, bound_s: float, limit: str = "work"):
         super().__init__(bound_s)
         self.bound_s = bound_s
-        self.limit = limit  # "work" or "time" ([Note: deterministic search] in planner.options)
+        self.limit = limit  # "work" or "time" ([Note: deterministic search] in planner.solver)
 
 
 # [Note: cut formulation]

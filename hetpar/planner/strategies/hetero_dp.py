@@ -356,7 +356,7 @@ def _predicted(model, cluster, classes, layout: Layout, options, replica_class, 
     for s, n in enumerate(layout.stage_layers):
         params = _stage_params(model, layout.tp, first, first + n - 1)
         group = [rep[0] for rep in ranks[s]]
-        # As planner/estimate.py's data-parallel sync: what it costs inside a training step
+        # As planner/estimate/step_costs.py's data-parallel sync: what it costs inside a training step
         # (a measured profile's grad_sync_scale), set by the slowest device type taking part.
         scale = max(grad_sync_scale(cluster.group_of(rank).device) for rank in group)
         narrowest = min((cluster.group_of(rank).device for rank in group), key=lambda d: d.mem_bw_bytes_per_s)

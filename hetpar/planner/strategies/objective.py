@@ -27,9 +27,9 @@ a sub-cluster costs at least T_lb * (its $/hour) / 3600 per step and reaches at 
 B / T_lb samples/s.
 That bound is cheap but ignores bubbles, memory and links; a sub-cluster whose
 turn comes gets a tighter one before it is searched: the least of the search's own
-candidate bounds ([Note: candidate bound] in planner.search: bubble, cuts and gradient
+candidate bounds ([Note: candidate bound] in planner.search.bounds: bubble, cuts and gradient
 all-reduce included), and, where heterogeneous data parallelism applies, T_lb plus the
-cheapest gradient all-reduce any replica size can have (planner.hetero_dp.sync_floor_s),
+cheapest gradient all-reduce any replica size can have (planner.strategies.hetero_dp.sync_floor_s),
 since those replicas all-reduce after they all finish. Sub-clusters are taken in order
 of their current bound (a best-first queue), and the loop stops when the least bound
 left is no cheaper than the best plan found, so the plan returned is the cheapest of
@@ -381,7 +381,7 @@ def _plan_bound_s(model: ModelGraph, cand: _Candidate, options: SearchOptions, h
 
 
 def _search_bound_s(model: ModelGraph, cluster: Cluster, options: SearchOptions) -> float:
-    """The least of the search's candidate bounds ([Note: candidate bound] in planner.search)."""
+    """The least of the search's candidate bounds ([Note: candidate bound] in planner.search.bounds)."""
     try:
         cands = enumerate_candidates(model, cluster, options)
     except PlanningError:

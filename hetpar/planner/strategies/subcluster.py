@@ -1,7 +1,7 @@
 """Sub-clusters: a cluster made of some of another cluster's devices.
 
-The cost objective (planner.objective) plans on fewer nodes than the user has, and
-heterogeneous data parallelism (planner.hetero_dp) costs one replica on its own
+The cost objective (planner.strategies.objective) plans on fewer nodes than the user has, and
+heterogeneous data parallelism (planner.strategies.hetero_dp) costs one replica on its own
 devices; both describe those devices as a ``Cluster`` whose ``spec`` is a shorthand
 that ``parse_cluster`` reads back, so a plan made on a sub-cluster names exactly the
 devices it uses.
