@@ -127,13 +127,15 @@ def test_checkpoint_and_powersgd_options(tmp_path, capsys):
     args = cli.parse_args(argv=["--checkpoint-dir", "ck"])
     assert (str(args.checkpoint_dir), args.checkpoint_every, args.checkpoint_keep) == ("ck", 100, 3)
     args = cli.parse_args(argv=["--checkpoint-dir", "ck", "--checkpoint-every", "5", "--checkpoint-keep", "1",
-                                "--powersgd-rank", "4", "--powersgd-start-step", "10"])
+                                "--powersgd-rank", "4", "--powersgd-start-step", "10"], powersgd=True)
     assert (args.checkpoint_every, args.checkpoint_keep, args.powersgd_rank, args.powersgd_start_step) == (5, 1, 4, 10)
+    assert (cli.parse_args(argv=[]).powersgd_rank, cli.parse_args(argv=[]).powersgd_start_step) == (1, 2)
     for argv, message in ((["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
                           (["--checkpoint-dir", "ck", "--checkpoint-every", "0"], "--checkpoint-every 0 must be >= 1"),
-                          (["--powersgd-start-step", "1"], "--powersgd-start-step 1 must be >= 2")):
+                          (["--powersgd-start-step", "1"], "--powersgd-start-step 1 must be >= 2"),
+                          (["--powersgd-rank", "4"], "unrecognized arguments: --powersgd-rank")):  # a plan without PowerSGD
         with pytest.raises(SystemExit):
-            cli.parse_args(argv=argv)
+            cli.parse_args(argv=argv, powersgd=argv[0] != "--powersgd-rank")
         assert message in capsys.readouterr().err
 
 
