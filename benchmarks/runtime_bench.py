@@ -31,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan  # noqa: E402
+from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, SolverInfo, StagePlan  # noqa: E402
+from hetpar.vocabulary import Schedule  # noqa: E402
 from hetpar.rewriters import compile_plan  # noqa: E402
 from hetpar.runtime.model_file import file_fingerprint  # noqa: E402
 from hetpar.runtime.training import read_metrics  # noqa: E402

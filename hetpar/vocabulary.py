@@ -21,7 +21,15 @@ from __future__ import annotations
 from enum import IntEnum, StrEnum
 
 
-class Schedule(StrEnum):
+class _Name(StrEnum):
+    """A vocabulary name: prints, compares and hashes as its value, and its ``repr`` is its
+    value's, so a member written into a message or a generated program reads as the string."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Schedule(_Name):
     """Pipeline schedules hetpar costs and runs (runtime/schedule.py draws each)."""
 
     ONE_F_ONE_B = "1f1b"
@@ -30,7 +38,7 @@ class Schedule(StrEnum):
     ZERO_BUBBLE = "zb"  # ZB-H1: backward split into input-gradient (B) and weight-gradient (W) actions
 
 
-class Recompute(StrEnum):
+class Recompute(_Name):
     """Activation recomputation of a stage's layers."""
 
     NONE = "none"
@@ -41,13 +49,16 @@ class Recompute(StrEnum):
 class ZeroStage(IntEnum):
     """What data-parallel replicas shard (ZeRO, through FSDP2 in the program)."""
 
+    def __repr__(self) -> str:
+        return repr(self.value)
+
     NONE = 0  # plain data parallelism: every replica holds everything
     OPTIMIZER = 1  # optimizer state sharded
     GRADIENTS = 2  # optimizer state and gradients sharded
     PARAMETERS = 3  # optimizer state, gradients and parameters sharded
 
 
-class Sharding(StrEnum):
+class Sharding(_Name):
     """How a module's weight is split across the tensor-parallel ranks of its stage
     ([Note: tensor-parallel ILP] in planner/capture)."""
 
@@ -59,7 +70,7 @@ class Sharding(StrEnum):
     VOCAB_HEAD = "vocab_head"  # the output Linear's vocabulary split; logits stay split into the loss
 
 
-class DType(StrEnum):
+class DType(_Name):
     """Training precision: the compute dtype under autocast (parameters stay float32)."""
 
     FP32 = "fp32"
@@ -67,7 +78,7 @@ class DType(StrEnum):
     FP16 = "fp16"  # with dynamic loss scaling
 
 
-class Precision(StrEnum):
+class Precision(_Name):
     """Number formats a device's peak matmul rate is quoted in (a profile's ``peak_flops_per_s``
     keys): the training dtypes, plus TF32 (fp32 matmuls on tensor cores) and FP8."""
 
@@ -78,7 +89,7 @@ class Precision(StrEnum):
     FP8 = "fp8"
 
 
-class Optimizer(StrEnum):
+class Optimizer(_Name):
     """Optimizers the program builds and the cost model prices (state bytes, step time)."""
 
     ADAMW = "adamw"
@@ -86,7 +97,7 @@ class Optimizer(StrEnum):
     SGD = "sgd"
 
 
-class CompressionKind(StrEnum):
+class CompressionKind(_Name):
     """Kinds of data-parallel gradient compression (runtime/sync_spec.py parses ``powersgd:R``, ``topk:F``)."""
 
     NONE = "none"
@@ -97,7 +108,7 @@ class CompressionKind(StrEnum):
     SIGN = "sign"
 
 
-class AggregationKind(StrEnum):
+class AggregationKind(_Name):
     """How replicas' gradients combine (runtime/sync_spec.py parses ``trimmed-mean:B``, ``krum:F``)."""
 
     MEAN = "mean"
@@ -106,14 +117,14 @@ class AggregationKind(StrEnum):
     KRUM = "krum"
 
 
-class SyncScope(StrEnum):
+class SyncScope(_Name):
     """Which replicas local SGD averages every ``sync_every`` steps."""
 
     ALL = "all"  # every replica, nothing in between
     NODE = "node"  # gradients all-reduced inside a node every step, averaged across nodes every K
 
 
-class ObjectiveKind(StrEnum):
+class ObjectiveKind(_Name):
     """What a plan minimises (``hetpar plan --objective``)."""
 
     TIME = "time"  # step time on all devices
@@ -121,7 +132,7 @@ class ObjectiveKind(StrEnum):
     ENERGY = "energy"  # joules per step over sub-clusters
 
 
-class Switch(StrEnum):
+class Switch(_Name):
     """A choice the user may leave to hetpar: ``--hetero-dp``, the program's ``--compile``."""
 
     AUTO = "auto"

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, Sharding, SolverInfo, StagePlan  # noqa: E402
+from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, SolverInfo, StagePlan  # noqa: E402
+from hetpar.vocabulary import Schedule, Sharding  # noqa: E402
 from hetpar.runtime.graph import trace_layers  # noqa: E402
 from hetpar.runtime.model_file import file_fingerprint, load_model_file  # noqa: E402
 

@@ -216,7 +216,8 @@ def test_interleaved_plan_checks_itself_round_trips_and_compiles(tmp_path, gpt_p
     from dataclasses import replace
 
     from hetpar.planner.errors import PlanFileError as PlanError
-    from hetpar.planner.plan import ClusterRef, ParallelPlan, Schedule
+    from hetpar.planner.plan import ClusterRef, ParallelPlan
+    from hetpar.vocabulary import Schedule
 
     flat = build_plan(gpt_path, GPT_ARGS, splits=[[0], [1], [2], [3]], num_microbatches=4)
     stages = [replace(s, ranks=flat.stages[s.index % 2].ranks) for s in flat.stages]

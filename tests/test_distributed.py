@@ -303,7 +303,8 @@ def interleaved_plan(model_path: Path, model_args: dict, *, chunks: list[list[in
     ``chunks[s]`` on the ranks of stage ``s % pipeline_ranks``."""
     from dataclasses import replace
 
-    from hetpar.planner.plan import ClusterRef, Schedule
+    from hetpar.planner.plan import ClusterRef
+    from hetpar.vocabulary import Schedule
 
     flat = build_plan(model_path, model_args, splits=chunks, data_parallel=data_parallel,
                       num_microbatches=num_microbatches)

@@ -12,7 +12,7 @@ from test_distributed import HF_GPT2, HF_LLAMA, assert_trains_like_one_process
 
 tf = pytest.importorskip("transformers")
 
-from hetpar.planner.plan import Sharding  # noqa: E402
+from hetpar.vocabulary import Sharding  # noqa: E402
 from hetpar.runtime.model_file import turn_off_kv_cache  # noqa: E402
 from hetpar.runtime.module_stage import cut_module_stage, decoder_layout  # noqa: E402
 

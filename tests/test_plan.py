@@ -6,7 +6,8 @@ import json
 import pytest
 
 from hetpar.planner.errors import PlanFileError as PlanError
-from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, Sharding, SolverInfo, StagePlan
+from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, SolverInfo, StagePlan
+from hetpar.vocabulary import Schedule, Sharding
 
 
 def make_plan(**overrides):

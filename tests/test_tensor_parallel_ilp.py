@@ -20,7 +20,7 @@ from hetpar.planner.capture import TpCostModel, find_sharding, layer_collectives
 from hetpar.planner.capture.tp_collectives import forward_all_reduces
 from hetpar.planner.capture.tp_dry_run import dry_run, solve_checked
 from hetpar.planner.capture.tp_ilp import build_problem, evaluate, solve
-from hetpar.planner.plan import Sharding
+from hetpar.vocabulary import Sharding
 from hetpar.runtime.model_file import load_model_file
 
 

@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from conftest import ROOT
 from hetpar.planner.capture import find_sharding, layer_collectives
-from hetpar.planner.plan import Sharding
+from hetpar.vocabulary import Sharding
 from hetpar.runtime.model_file import load_model_file
 from hetpar.runtime.shard import apply_tensor_parallel
 

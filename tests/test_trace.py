@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hetpar.planner.capture import trace_model
-from hetpar.planner.plan import Sharding
+from hetpar.vocabulary import Sharding
 from hetpar.runtime.model_file import load_model_file
 
 

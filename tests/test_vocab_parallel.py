@@ -12,7 +12,7 @@ from hetpar.cost_models.cluster import parse_cluster
 from hetpar.planner.api import plan_graph
 from hetpar.planner.capture import trace_model
 from hetpar.planner.options import SearchOptions
-from hetpar.planner.plan import Sharding
+from hetpar.vocabulary import Sharding
 from hetpar.runtime.model_file import load_model_file
 
 GPT = {"n_layers": 2, "hidden": 64, "heads": 4, "vocab": 512, "seq_len": 16}

@@ -44,6 +44,7 @@ def stray_literals(source: str) -> list[tuple[int, str]]:
     """(line, value) of each string literal in ``source`` that spells a vocabulary value."""
     tree = ast.parse(source)
     docs = docstring_ids(tree)
+    docs |= {id(n) for a in ast.walk(tree) if isinstance(a, ast.Assign) and ast.unparse(a.targets[0]) == "__all__" for n in ast.walk(a.value)}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
@@ -65,6 +66,15 @@ def stray_literals(source: str) -> list[tuple[int, str]]:
     return found
 
 
+def listed_again(values: list, name: type[enum.Enum]) -> bool:
+    """Whether a literal collection spells values of ``name``: any strings of a string-valued
+    name, or every value of a number-valued one (``(0, 1, 2, 3)`` is ZeroStage)."""
+    members = {m.value for m in name}
+    if all(isinstance(m, str) for m in members):
+        return set(values) <= members
+    return set(values) == members
+
+
 def second_definitions(source: str) -> list[tuple[int, str]]:
     """(line, what) of each Enum class or literal tuple/list/set in ``source`` that lists vocabulary values again."""
     found = []
@@ -75,7 +85,7 @@ def second_definitions(source: str) -> list[tuple[int, str]]:
                 found.append((node.lineno, f"enum {node.name}"))
         elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) >= 2:
             values = [e.value for e in node.elts if isinstance(e, ast.Constant)]
-            if len(values) == len(node.elts) and any(set(values) <= {m.value for m in e} for e in VOCABULARY):
+            if len(values) == len(node.elts) and any(listed_again(values, e) for e in VOCABULARY):
                 found.append((node.lineno, ast.unparse(node)))
     return found
 
@@ -102,8 +112,9 @@ def test_the_literal_check_sees_what_it_must(source, expected):
 
 
 def test_the_definition_check_sees_enums_and_lists():
-    source = 'class S(str, Enum):\n    A = "1f1b"\nMODES = ("none", "selective", "full")\nOK = ("a", "b")\n'
-    assert [line for line, _ in second_definitions(source)] == [1, 3]
+    source = ('class S(str, Enum):\n    A = "1f1b"\nMODES = ("none", "selective", "full")\nOK = ("a", "b")\n'
+              'ZERO = (0, 1, 2, 3)\nSHAPE = (1, 2)\n')
+    assert [line for line, _ in second_definitions(source)] == [1, 3, 5]
 
 
 def test_values_are_unique_within_each_name_and_members_are_their_values():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from enum import Enum
 from typing import Any, Callable
 
 import typer
@@ -13,14 +12,19 @@ from rich.console import Console
 
 from hetpar.cost_models.cluster import ClusterSpecError
 from hetpar.cost_models.devices import ProfileError, UnknownDeviceError, get_device
-from hetpar.planner import PlanFileError as PlanError, PlanningError
+from hetpar.planner import PlanFileError, PlanningError
 from hetpar.rewriters.torchrun import CompileError
 from hetpar.runtime.graph import TraceError
 from hetpar.runtime.model_file import ModelFileError
+from hetpar.vocabulary import DType, Precision
 
 console = Console(stderr=True, highlight=False)
 
-DOMAIN_ERRORS = (ProfileError, ModelFileError, TraceError, ClusterSpecError, UnknownDeviceError, PlanningError, PlanError, CompileError)
+class RunError(Exception):
+    """A plan's program could not be run or measured here (``hetpar validate``); the message says what happened."""
+
+
+DOMAIN_ERRORS = (ProfileError, ModelFileError, TraceError, ClusterSpecError, UnknownDeviceError, PlanningError, PlanFileError, CompileError, RunError)
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -72,22 +76,6 @@ def seconds(t: float) -> str:
     return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.3f} s"
 
 
-class DType(str, Enum):
-    """Training precision choices."""
-
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class Recompute(str, Enum):
-    """Activation recomputation choices."""
-
-    none = "none"
-    selective = "selective"
-    full = "full"
-
-
 def default_compiled(device_types: list[str]) -> bool:
     """Stages compiled by default where torch.compile generates GPU kernels: every device
     an NVIDIA or AMD GPU (the program's ``--compile auto`` follows the plan)."""
@@ -98,5 +86,5 @@ def default_dtype(device_types: list[str]) -> str:
     """fp32 on a CPU-only cluster; bf16 where every device has it; fp16 otherwise (V100, T4)."""
     profiles = [get_device(t) for t in set(device_types)]
     if all(p.name == "cpu" for p in profiles):
-        return "fp32"
-    return "bf16" if all("bf16" in p.peak_flops_per_s for p in profiles) else "fp16"
+        return DType.FP32
+    return DType.BF16 if all(Precision.BF16 in p.peak_flops_per_s for p in profiles) else DType.FP16

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from hetpar.cost_models.devices import known_devices
 from hetpar.commands.common import console, print_json
+from hetpar.vocabulary import Precision
 
 
 def devices(
@@ -27,7 +28,7 @@ def devices(
     for column in ("type", "vendor", "memory", "bf16 TFLOP/s", "fp32 TFLOP/s", "HBM GB/s", "intra-node link"):
         table.add_column(column)
     for p in profiles:
-        bf16 = p.peak_flops_per_s.get("bf16")
+        bf16 = p.peak_flops_per_s.get(Precision.BF16)
         table.add_row(p.name, p.vendor, f"{p.memory_bytes / 2**30:.0f} GiB", f"{bf16 / 1e12:.0f}" if bf16 else "-",
-                      f"{p.peak_flops_per_s.get('fp32', 0) / 1e12:.1f}", f"{p.mem_bw_bytes_per_s / 1e9:.0f}", p.intra_node_link)
+                      f"{p.peak_flops_per_s.get(Precision.FP32, 0) / 1e12:.1f}", f"{p.mem_bw_bytes_per_s / 1e9:.0f}", p.intra_node_link)
     console.print(table)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -13,23 +12,11 @@ from hetpar.cost_models.cluster import parse_cluster
 from hetpar.cost_models.compute import TRAINING_KERNEL_EFFICIENCY
 from hetpar.commands.profile import profiles_option
 from hetpar.commands.common import console, domain_errors, gib, print_json, rank_ranges, seconds
-from hetpar.commands.common import DType, Recompute, default_compiled, default_dtype
+from hetpar.commands.common import default_compiled, default_dtype
 from hetpar.planner import Estimate, EstimateConfig, EstimateError, compiled_graph, trace_model
 from hetpar.planner.estimate import estimate as estimate_plan
+from hetpar.vocabulary import DType, Optimizer, Recompute, Schedule
 from hetpar.runtime.model_file import load_model_file, parse_model_args
-
-
-class ScheduleName(str, Enum):
-    one_f_one_b = "1f1b"
-    gpipe = "gpipe"
-    interleaved = "interleaved"
-    zb = "zb"
-
-
-class Optimizer(str, Enum):
-    adamw = "adamw"
-    adam = "adam"
-    sgd = "sgd"
 
 
 @domain_errors
@@ -43,13 +30,13 @@ def estimate(
     micro_batch_size: Annotated[int, typer.Option(help="Samples per micro-batch.")],
     stage_layers: Annotated[Optional[str], typer.Option(help="Layers per stage, e.g. 7,9,9,9 (pp * virtual-stages entries) [default: Megatron's, blocks evenly with the embedding first and the head last; else even].")] = None,
     stage_devices: Annotated[Optional[str], typer.Option(help="Device type per pipeline rank, e.g. A100-80GB,V100-32GB [default: Megatron's rank order].")] = None,
-    schedule: Annotated[ScheduleName, typer.Option(help="Pipeline schedule.")] = ScheduleName.one_f_one_b,
+    schedule: Annotated[Schedule, typer.Option(help="Pipeline schedule.")] = Schedule.ONE_F_ONE_B,
     virtual_stages: Annotated[int, typer.Option(help="Model chunks per pipeline rank (interleaved schedule).")] = 1,
-    recompute: Annotated[Recompute, typer.Option(help="Activation recomputation.")] = Recompute.none,
+    recompute: Annotated[Recompute, typer.Option(help="Activation recomputation.")] = Recompute.NONE,
     zero: Annotated[int, typer.Option(help="ZeRO stage, 0 to 3.")] = 0,
     dtype: Annotated[Optional[DType], typer.Option(help="Training precision [default: fp32 on cpu, bf16 else, fp16 where a device lacks bf16].")] = None,
     compiled: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="Stages under torch.compile (fewer, fused kernels) [default: on where every device is an NVIDIA or AMD GPU].", show_default=False)] = None,
-    optimizer: Annotated[Optimizer, typer.Option(help="Optimizer whose state is held.")] = Optimizer.adamw,
+    optimizer: Annotated[Optimizer, typer.Option(help="Optimizer whose state is held.")] = Optimizer.ADAMW,
     scatter_gather: Annotated[bool, typer.Option(help="Megatron's scatter/gather of pipeline sends over tensor-parallel ranks.")] = True,
     overlap_grad_reduce: Annotated[bool, typer.Option(help="Overlap the gradient all-reduce with the last backward.")] = False,
     kernel_efficiency: Annotated[Optional[float], typer.Option(help=f"Fraction of microbenchmark rates training kernels reach (docs/cost-model.md); default: a measured --profile's own, else {TRAINING_KERNEL_EFFICIENCY}.")] = None,

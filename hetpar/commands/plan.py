@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -13,30 +12,12 @@ from rich.table import Table
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.cost_models.devices import get_device
 from hetpar.commands.profile import profiles_option
-from hetpar.commands.common import DType, Recompute, console, default_compiled, default_dtype, domain_errors, fail, gib, print_json, rank_ranges, seconds
+from hetpar.commands.common import console, default_compiled, default_dtype, domain_errors, fail, gib, print_json, rank_ranges, seconds
 from hetpar.planner import (
     DataParallelSync, Objective, ParallelPlan, SearchOptions, default_split, plan_model, resolve_prices, usd_per_step,
 )
+from hetpar.vocabulary import AggregationKind, CompressionKind, DType, ObjectiveKind, Recompute, Schedule, Switch, SyncScope
 from hetpar.runtime.model_file import parse_model_args
-
-
-class ScheduleChoice(str, Enum):
-    one_f_one_b = "1f1b"
-    gpipe = "gpipe"
-    interleaved = "interleaved"
-    zb = "zb"
-
-
-class ObjectiveChoice(str, Enum):
-    time = "time"  # the fastest plan on all devices
-    cost = "cost"  # the cheapest plan per step over sub-clusters (needs --price or cluster-file prices)
-    energy = "energy"  # the fewest joules per step over sub-clusters (needs the devices' power_w)
-
-
-class HeteroDP(str, Enum):
-    auto = "auto"
-    on = "on"
-    off = "off"
 
 
 @domain_errors
@@ -52,7 +33,7 @@ def plan(
     tp: Annotated[Optional[int], typer.Option(help="Pin the tensor-parallel degree.")] = None,
     pp: Annotated[Optional[int], typer.Option(help="Pin the number of pipeline stages.")] = None,
     micro_batch_size: Annotated[Optional[int], typer.Option(help="Pin the micro-batch size.")] = None,
-    schedule: Annotated[Optional[ScheduleChoice], typer.Option(help="Pin the pipeline schedule (zb is ZB-H1) [default: 1f1b, zb and interleaved are searched; gpipe only when pinned].")] = None,
+    schedule: Annotated[Optional[Schedule], typer.Option(help="Pin the pipeline schedule (zb is ZB-H1) [default: 1f1b, zb and interleaved are searched; gpipe only when pinned].")] = None,
     virtual_stages: Annotated[Optional[int], typer.Option(help="Pin model chunks per pipeline rank; > 1 means --schedule interleaved (tp 1, pp * N <= layers) [default: 2..4 searched].")] = None,
     recompute: Annotated[Optional[Recompute], typer.Option(help="Pin activation recomputation of every stage [default: none or full, chosen per stage].")] = None,
     zero: Annotated[Optional[int], typer.Option(help="Pin the ZeRO stage (0-3) of every stage; > 0 needs dp > 1 and schedule 1f1b or gpipe [default: 0, 2 or 3 per stage].")] = None,
@@ -64,15 +45,15 @@ def plan(
     work_limit: Annotated[float, typer.Option(help="CP-SAT work limit per candidate, in deterministic seconds (about one second of one core, the same on every machine): the plan does not depend on the machine's speed or load.")] = 10.0,
     time_limit: Annotated[Optional[float], typer.Option(help="Wall-clock safety net per candidate, seconds; a candidate it stops makes the plan depend on the machine (the status says so) [default: none].", show_default=False)] = None,
     leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
-    objective: Annotated[ObjectiveChoice, typer.Option(help="time: the fastest plan on all devices; cost: the fewest dollars per step over sub-clusters; energy: the fewest joules per step over sub-clusters (grams of CO2 reported where the cluster file gives carbon_g_per_kwh).")] = ObjectiveChoice.time,
+    objective: Annotated[ObjectiveKind, typer.Option(help="time: the fastest plan on all devices; cost: the fewest dollars per step over sub-clusters; energy: the fewest joules per step over sub-clusters (grams of CO2 reported where the cluster file gives carbon_g_per_kwh).")] = ObjectiveKind.TIME,
     price: Annotated[Optional[list[str]], typer.Option(help="TYPE=USD: price of one device of TYPE per hour, for --objective cost; repeatable (overrides the cluster file's).")] = None,
     min_throughput: Annotated[float, typer.Option(help="Throughput target in samples/s the plan must reach.")] = 0.0,
-    hetero_dp: Annotated[HeteroDP, typer.Option(help="Data-parallel replicas on different device types (mixed clusters): auto keeps the faster plan, on forces it, off never.")] = HeteroDP.auto,
+    hetero_dp: Annotated[Switch, typer.Option(help="Data-parallel replicas on different device types (mixed clusters): auto keeps the faster plan, on forces it, off never.")] = Switch.AUTO,
     grad_compression: Annotated[Optional[str], typer.Option(help="Pin how data-parallel gradients travel: none|bf16|fp16|powersgd:R|topk:F|sign (lossy but none; docs/running.md) [default: none, or the search's choice with --allow-lossy-sync].", show_default=False)] = None,
     allow_lossy_sync: Annotated[bool, typer.Option(help="Let the search pick a lossy gradient compression (bf16, powersgd:4, topk:0.01, sign) where it is predicted at least 2% faster.")] = False,
-    aggregation: Annotated[str, typer.Option(help="How replicas' gradients combine: mean|trimmed-mean:B|median|krum:F (robust to F bad replicas; gathers every gradient).")] = "mean",
+    aggregation: Annotated[str, typer.Option(help="How replicas' gradients combine: mean|trimmed-mean:B|median|krum:F (robust to F bad replicas; gathers every gradient).")] = AggregationKind.MEAN,
     sync_every: Annotated[int, typer.Option(help="Local SGD: replicas step alone and average parameters and optimizer state every K steps (1: plain data parallelism).")] = 1,
-    sync_scope: Annotated[str, typer.Option(help="With --sync-every K: all (every replica waits K steps), or node (gradients all-reduced inside a node every step, across nodes every K).")] = "all",
+    sync_scope: Annotated[str, typer.Option(help="With --sync-every K: all (every replica waits K steps), or node (gradients all-reduced inside a node every step, across nodes every K).")] = SyncScope.ALL,
     rebalance_every: Annotated[int, typer.Option(help="Move samples between replicas every N steps by their measured speed (one pipeline stage; 0: never).")] = 0,
     resume_from: Annotated[Optional[Path], typer.Option(help="Checkpoint directory of a run to continue on this cluster (a program's --checkpoint-dir, any plan of this model): checks it holds this model's checkpoints and says which step the new plan's program continues from.")] = None,
 ) -> None:
@@ -128,7 +109,7 @@ def plan(
         if output.is_dir():
             fail(f"--output {str(output)!r} is a directory; give a file name such as plan.json")
         result.save(output)
-    print_summary(result, output, resolve_prices(the_cluster, _prices(price or [])) if objective is ObjectiveChoice.cost else None)
+    print_summary(result, output, resolve_prices(the_cluster, _prices(price or [])) if objective is ObjectiveKind.COST else None)
     layout = stage_layout_note(result, traced[0], options, stage_layers) if traced else None
     if layout:
         console.print(layout)
@@ -143,11 +124,11 @@ def sync_description(plan: ParallelPlan) -> str:
     compressions planned (its ``alternatives``)."""
     parts = []
     if plan.sync_every > 1:
-        scope = ", gradients all-reduced inside each node every step" if plan.sync_scope == "node" else ""
+        scope = ", gradients all-reduced inside each node every step" if plan.sync_scope == SyncScope.NODE else ""
         parts.append(f"local SGD, parameters and optimizer state averaged every {plan.sync_every} steps{scope}")
-    elif plan.aggregation != "mean":
+    elif plan.aggregation != AggregationKind.MEAN:
         parts.append(f"robust aggregation {plan.aggregation} of the gathered gradients")
-    elif plan.grad_compression != "none":
+    elif plan.grad_compression != CompressionKind.NONE:
         parts.append(f"gradients compressed {plan.grad_compression} (lossy)")
     else:
         parts.append("exact all-reduce of the gradients")

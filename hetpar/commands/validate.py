@@ -8,7 +8,6 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -16,19 +15,16 @@ import torch
 import typer
 from rich.table import Table
 
-from hetpar.commands.common import console, domain_errors, print_json, seconds
-from hetpar.planner import ParallelPlan, PlanFileError as PlanError
+from hetpar.commands.common import RunError, console, domain_errors, print_json, seconds
+from hetpar.planner import ParallelPlan
 from hetpar.rewriters.launchers import PROGRAM
 from hetpar.rewriters.torchrun import compile_plan
 from hetpar.runtime import devices
+from hetpar.vocabulary import Switch
 
 # Steps whose time is dropped: the first builds the process groups' buffers and warms
 # the allocator and the autograd graph; the second still pays some of it.
 WARMUP_STEPS = 2
-
-
-class ValidateError(PlanError):
-    """A plan could not be run or measured here; the message says what happened."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,14 +44,8 @@ class Validation:
     stages: list[dict] = field(default_factory=list)
 
 
-class Compile(str, Enum):
-    off = "off"
-    on = "on"
-    auto = "auto"
-
-
 def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Path | None = None,
-                  compile: str = "auto") -> Validation:
+                  compile: str = Switch.AUTO) -> Validation:
     """Compile ``plan_path`` into a temporary directory, run it with torchrun, and compare.
 
     Args:
@@ -69,11 +59,11 @@ def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Pat
         The comparison.
 
     Raises:
-        ValidateError: the run failed, timed out, or wrote no metrics.
-        PlanError: the plan file is unreadable.
+        RunError: the run failed, timed out, or wrote no metrics.
+        PlanFileError: the plan file is unreadable.
     """
     if steps < 1:
-        raise ValidateError(f"--steps must be at least 1, got {steps}")
+        raise RunError(f"--steps must be at least 1, got {steps}")
     plan = ParallelPlan.load(plan_path)
     _check_this_host(plan)
     with tempfile.TemporaryDirectory(prefix="hetpar-validate-") as tmp:
@@ -104,7 +94,7 @@ def _check_this_host(plan: ParallelPlan) -> None:
     found = devices.this_device(device)
     foreign = sorted({t for t in plan.cluster.device_types if not devices.matches(t, found)})
     if foreign:
-        raise ValidateError(
+        raise RunError(
             f"the plan is for {', '.join(foreign)} ranks and this host is {found.describe()}; validate runs the plan "
             f"here, so plan it for this host (for example -c 1x{plan.cluster.world_size}xcpu with --profile)")
 
@@ -118,17 +108,17 @@ def _run(build: Path, world: int, steps: int, timeout_s: float, compile: str) ->
     try:
         done = subprocess.run(command, cwd=build, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise ValidateError(f"the run did not finish within {timeout_s:.0f} s (raise --timeout)") from None
+        raise RunError(f"the run did not finish within {timeout_s:.0f} s (raise --timeout)") from None
     if done.returncode != 0:
         last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["no output"]
-        raise ValidateError(f"the run failed with exit code {done.returncode}: {last[0].strip()}")
+        raise RunError(f"the run failed with exit code {done.returncode}: {last[0].strip()}")
     if not metrics.is_file():
-        raise ValidateError("the run wrote no metrics")
+        raise RunError("the run wrote no metrics")
     from hetpar.runtime.training import read_metrics  # here: it imports torch.distributed.tensor, a second at every hetpar start
 
     times = [r["step_time_s"] for r in read_metrics(metrics, "step")]
     if not times:
-        raise ValidateError("the run wrote no step times")
+        raise RunError("the run wrote no step times")
     stages = next((r["stages"] for r in read_metrics(metrics, "stages")), [])
     return times, stages
 
@@ -140,14 +130,14 @@ def validate(
     timeout: Annotated[float, typer.Option(help="Kill the run after this many seconds.")] = 300.0,
     nproc_check: Annotated[bool, typer.Option("--nproc-check/--no-nproc-check", help="Refuse plans with more ranks than this host has cores.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON to stdout.")] = False,
-    compile: Annotated[Compile, typer.Option(help="The program's --compile: torch.compile each stage; auto runs them "
-                                                  "as planned (plan.compiled), as the prediction assumes.")] = Compile.auto,
+    compile: Annotated[Switch, typer.Option(help="The program's --compile: torch.compile each stage; auto runs them "
+                                                  "as planned (plan.compiled), as the prediction assumes.")] = Switch.AUTO,
 ) -> None:
     """Run PLAN_FILE with torchrun on this host and report predicted against measured step time."""
     if nproc_check:
         world = ParallelPlan.load(plan_file).cluster.world_size
         if world > (os.cpu_count() or 1):
-            raise ValidateError(f"the plan has {world} ranks and this host {os.cpu_count()} cores; timings would be meaningless")
+            raise RunError(f"the plan has {world} ranks and this host {os.cpu_count()} cores; timings would be meaningless")
     with console.status(f"running {plan_file} with torchrun"):
         result = validate_plan(plan_file, steps=steps, timeout_s=timeout, compile=compile.value)
     console.print(f"predicted {seconds(result.predicted_step_time_s)}, measured {seconds(result.measured_step_time_s)} "

@@ -35,7 +35,6 @@ _DTYPE_ALIASES = {
     "tensorfloat32": Precision.TF32,
     "float8": Precision.FP8,
 }
-_KNOWN_DTYPES = tuple(Precision)
 _REQUIRED_DTYPES = (Precision.FP32,)
 
 _NUMERIC_FIELDS = (
@@ -190,8 +189,8 @@ class DeviceProfile:
         key = normalize_dtype(dtype)
         if key in self.peak_flops_per_s:
             return self.peak_flops_per_s[key]
-        if key not in _KNOWN_DTYPES:
-            raise ProfileError(f"unknown dtype '{dtype}'; known: {', '.join(_KNOWN_DTYPES)}")
+        if key not in tuple(Precision):
+            raise ProfileError(f"unknown dtype '{dtype}'; known: {', '.join(Precision)}")
         alternatives = [d for d in (Precision.BF16, Precision.FP16, Precision.FP32) if d in self.peak_flops_per_s]
         raise ProfileError(f"{self.name} has no {key}; use --dtype {alternatives[0]}")
 
@@ -302,8 +301,8 @@ def _check_profile(p: DeviceProfile) -> None:
         if dtype not in p.peak_flops_per_s:
             raise ProfileError(f"{who}: peak_flops_per_s needs a '{dtype}' entry")
     for dtype, flops in p.peak_flops_per_s.items():
-        if dtype not in _KNOWN_DTYPES:
-            raise ProfileError(f"{who}: unknown dtype '{dtype}' in peak_flops_per_s; known: {', '.join(_KNOWN_DTYPES)}")
+        if dtype not in tuple(Precision):
+            raise ProfileError(f"{who}: unknown dtype '{dtype}' in peak_flops_per_s; known: {', '.join(Precision)}")
         if not flops > 0:
             raise ProfileError(f"{who}: peak_flops_per_s.{dtype} must be positive, got {flops!r}")
     for name in p.collectives:

@@ -47,9 +47,6 @@ from hetpar.vocabulary import Optimizer, Recompute, ZeroStage
 # 5-15% above allocated bytes), not a measured constant.
 FRAGMENTATION_MARGIN = 1.10
 
-RECOMPUTE_CHOICES = tuple(Recompute)
-ZERO_STAGES = tuple(ZeroStage)
-OPTIMIZERS = tuple(Optimizer)
 
 # Of a transformer layer's saved activations, the share its weight gradients (W) need
 # once the input gradient (B) is done: the inputs of the four matmuls, 2sbh (QKV) +
@@ -108,12 +105,12 @@ def check_choices(*, optimizer: str = Optimizer.ADAMW, zero_stage: int = 0, reco
     Raises:
         ValueError: unknown optimizer, ZeRO stage or recompute mode; the message lists the known ones.
     """
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-    if zero_stage not in ZERO_STAGES:
+    if optimizer not in tuple(Optimizer):
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(Optimizer)}")
+    if zero_stage not in tuple(ZeroStage):
         raise ValueError(f"unknown ZeRO stage {zero_stage!r}; use one of 0, 1, 2, 3")
-    if recompute not in RECOMPUTE_CHOICES:
-        raise ValueError(f"unknown recompute {recompute!r}; use one of {', '.join(RECOMPUTE_CHOICES)}")
+    if recompute not in tuple(Recompute):
+        raise ValueError(f"unknown recompute {recompute!r}; use one of {', '.join(Recompute)}")
 
 
 def state_bytes_per_param(dtype: str, optimizer: str = Optimizer.ADAMW) -> tuple[float, float, float]:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from hetpar.vocabulary import Schedule
 
-SCHEDULES = tuple(Schedule)  # the schedules hetpar knows
 
 # [Note: pipeline bubble closed forms]
 # For p equal stages whose micro-batch takes t_f forward and t_b backward (t_b = B + W
@@ -84,8 +83,8 @@ def linear_step_weights(schedule: str, *, num_stages: int, num_microbatches: int
         ValueError: unknown schedule, or virtual stages with a schedule that has none.
     """
     p, m, v = num_stages, num_microbatches, virtual_stages
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if schedule not in tuple(Schedule):
+        raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(Schedule)}")
     if v != 1 and schedule != Schedule.INTERLEAVED:
         raise ValueError(f"virtual stages ({v}) need the interleaved schedule, not {schedule!r}")
     scale = p * v
@@ -122,7 +121,7 @@ def bubble_time_s(
     """Closed-form bubble of ``schedule`` for equal stages; see [Note: pipeline bubble closed forms].
 
     Args:
-        schedule: one of SCHEDULES.
+        schedule: a Schedule.
         num_stages: pipeline ranks p.
         num_microbatches: m (only the ZB-H1 formula needs m >= p; it is not checked).
         fwd_s: forward seconds of one micro-batch on one stage (all of the rank's chunks together).
@@ -140,4 +139,4 @@ def bubble_time_s(
         return (p - 1) * (fwd_s + bwd_s) / virtual_stages
     if schedule == Schedule.ZERO_BUBBLE:
         return (p - 1) * (fwd_s + bwd_s - 2 * weight_s)
-    raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(Schedule)}")

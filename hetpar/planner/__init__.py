@@ -32,8 +32,6 @@ _HOMES = {
     "ModelRef": "hetpar.planner.plan",
     "ParallelPlan": "hetpar.planner.plan",
     "Predicted": "hetpar.planner.plan",
-    "Schedule": "hetpar.planner.plan",
-    "Sharding": "hetpar.planner.plan",
     "SolverInfo": "hetpar.planner.plan",
     "StagePlan": "hetpar.planner.plan",
     "write_text_atomic": "hetpar.planner.plan",

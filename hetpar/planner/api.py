@@ -24,8 +24,7 @@ from hetpar.planner.strategies import (
 )
 from hetpar.runtime.model_file import load_model_file
 from hetpar.runtime.sync_spec import parse_aggregation
-
-HETERO_DP_CHOICES = ("auto", "on", "off")  # consider heterogeneous data parallelism on mixed clusters; force it; never
+from hetpar.vocabulary import AggregationKind, CompressionKind, ObjectiveKind, Switch
 
 
 def plan_model(
@@ -36,7 +35,7 @@ def plan_model(
     model_args: dict[str, Any] | None = None,
     leaf_modules: tuple[str, ...] = (),
     objective: Objective | None = None,
-    hetero_dp: str = "auto",
+    hetero_dp: str = Switch.AUTO,
     sync: DataParallelSync | None = None,
     on_traced: Callable[[ModelGraph], None] | None = None,
     progress: Callable[[int, int, str], None] | None = None,
@@ -59,7 +58,7 @@ def plan_model(
     if sync is not None and sync != DataParallelSync():  # a request no layout meets fails before tracing
         options_now, _ = _sync_pins(options, hetero_dp, sync)
         for compression in sync.compressions:
-            if compression != "none" or not sync.exact:
+            if compression != CompressionKind.NONE or not sync.exact:
                 _zero_0(options_now, compression, sync)
     start = time.perf_counter()
     graph = trace_model(load_model_file(model_path, model_args or {}), tuple(leaf_modules))
@@ -83,7 +82,7 @@ def plan_graph(
     options: SearchOptions,
     *,
     objective: Objective | None = None,
-    hetero_dp: str = "auto",
+    hetero_dp: str = Switch.AUTO,
     sync: DataParallelSync | None = None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> ParallelPlan:
@@ -95,8 +94,8 @@ def plan_graph(
     objective = objective or Objective()
     if options.compiled:
         graph = compiled_graph(graph)
-    if hetero_dp not in HETERO_DP_CHOICES:
-        raise PlanningError(f"unknown --hetero-dp {hetero_dp!r}; use one of {', '.join(HETERO_DP_CHOICES)}")
+    if hetero_dp not in tuple(Switch):
+        raise PlanningError(f"unknown --hetero-dp {hetero_dp!r}; use one of {', '.join(Switch)}")
     sync = sync or DataParallelSync()
     if sync == DataParallelSync():
         return _plan_graph(graph, cluster, options, objective, hetero_dp, progress)
@@ -115,14 +114,14 @@ def plan_graph(
 def _sync_pins(options: SearchOptions, hetero_dp: str, sync: DataParallelSync) -> tuple[SearchOptions, str]:
     """What the sync options require of the layout: enough replicas for a robust rule or local
     SGD (and equal shares, so no heterogeneous data parallelism), one pipeline stage to rebalance."""
-    replicas = parse_aggregation(sync.aggregation).min_replicas() if sync.aggregation != "mean" else 2
-    if sync.aggregation != "mean" or sync.sync_every > 1:
-        what = f"--aggregation {sync.aggregation}" if sync.aggregation != "mean" else f"--sync-every {sync.sync_every}"
+    replicas = parse_aggregation(sync.aggregation).min_replicas() if sync.aggregation != AggregationKind.MEAN else 2
+    if sync.aggregation != AggregationKind.MEAN or sync.sync_every > 1:
+        what = f"--aggregation {sync.aggregation}" if sync.aggregation != AggregationKind.MEAN else f"--sync-every {sync.sync_every}"
         if options.dp is not None and options.dp < replicas:
             raise PlanningError(f"{what} needs at least {replicas} data-parallel replicas; raise --dp {options.dp}")
-        if hetero_dp == "on":
+        if hetero_dp == Switch.ON:
             raise PlanningError(f"{what} needs equal replica shares; drop --hetero-dp on")
-        return replace(options, min_dp=replicas), "off"
+        return replace(options, min_dp=replicas), Switch.OFF
     if sync.rebalance_every:
         if options.pp not in (None, 1):
             raise PlanningError(f"--rebalance-every needs one pipeline stage; drop --pp {options.pp}")
@@ -135,8 +134,8 @@ def _sync_pins(options: SearchOptions, hetero_dp: str, sync: DataParallelSync) -
 def _zero_0(options: SearchOptions, compression: str, sync: DataParallelSync) -> SearchOptions:
     """``options`` with ZeRO pinned to 0, which every sync but the plain all-reduce needs."""
     if options.zero not in (None, 0):
-        what = f"--grad-compression {compression}" if compression != "none" else (
-            f"--aggregation {sync.aggregation}" if sync.aggregation != "mean" else f"--sync-every {sync.sync_every}")
+        what = f"--grad-compression {compression}" if compression != CompressionKind.NONE else (
+            f"--aggregation {sync.aggregation}" if sync.aggregation != AggregationKind.MEAN else f"--sync-every {sync.sync_every}")
         raise PlanningError(f"{what} needs ZeRO 0 (FSDP reduces its own gradients); drop --zero {options.zero}")
     return replace(options, zero=0)
 
@@ -146,7 +145,7 @@ def _with_sync_alternatives(plans: list[ParallelPlan]) -> ParallelPlan:
     them): a lossy one must beat the first by LOSSY_MIN_GAIN; the others become alternatives."""
     first = plans[0]
     best = min(plans, key=lambda p: p.predicted.step_time_s)
-    if best is not first and first.grad_compression == "none" and \
+    if best is not first and first.grad_compression == CompressionKind.NONE and \
             best.predicted.step_time_s > (1 - LOSSY_MIN_GAIN) * first.predicted.step_time_s:
         best = first
     others = [plan_summary(p) for p in plans if p is not best]
@@ -159,10 +158,10 @@ def _plan_graph(graph: ModelGraph, cluster: Cluster, options: SearchOptions, obj
     def solve(model: ModelGraph, on: Cluster, opts: SearchOptions, progress=None) -> ParallelPlan:
         return fastest_plan(model, on, opts, hetero_dp=hetero_dp, progress=progress)
 
-    if objective.kind == "cost":
+    if objective.kind == ObjectiveKind.COST:
         plan = cheapest_plan(graph, cluster, options, objective, solve=solve, hetero_dp=hetero_dp, progress=progress)
         return replace(plan, compiled=options.compiled)
-    if objective.kind == "energy":
+    if objective.kind == ObjectiveKind.ENERGY:
         plan = least_energy_plan(graph, cluster, options, objective, solve=solve, hetero_dp=hetero_dp, progress=progress)
         return replace(plan, compiled=options.compiled)
     plan = replace(solve(graph, cluster, options, progress), compiled=options.compiled)
@@ -180,7 +179,7 @@ def fastest_plan(
     cluster: Cluster,
     options: SearchOptions,
     *,
-    hetero_dp: str = "auto",
+    hetero_dp: str = Switch.AUTO,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> ParallelPlan:
     """The faster of the search's plan and the heterogeneous data-parallel plan (planner.strategies.hetero_dp).
@@ -191,9 +190,9 @@ def fastest_plan(
         PlanningError: neither kind of plan fits (the search's reason), or ``hetero_dp`` is
             "on" and heterogeneous data parallelism does not apply (its reason).
     """
-    if hetero_dp == "on":
+    if hetero_dp == Switch.ON:
         return hetero_dp_plan(graph, cluster, options)
-    if hetero_dp == "off" or len(cluster.count_by_type()) < 2:
+    if hetero_dp == Switch.OFF or len(cluster.count_by_type()) < 2:
         return search(graph, cluster, options, progress=progress)
     with _beside(_hetero_dp_or_error, graph, cluster, options) as other:
         try:

@@ -17,6 +17,7 @@ from hetpar.planner.plan import ParallelPlan
 from hetpar.planner.strategies import cost_method, estimate_shares, matrix_width
 from hetpar.runtime.model_file import file_fingerprint, load_model_file
 from hetpar.runtime.schedule import Kind, TimedRun
+from hetpar.vocabulary import CompressionKind, Optimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +46,7 @@ def explain_plan(plan: ParallelPlan, profiles: dict | None = None) -> Explanatio
     config = estimate_config(plan, graph)
     predict = estimate if plan.replica_batch_shares is None else estimate_shares  # replicas of different device types
     result = predict(graph, cluster, config)
-    plain = result if config.sync.plain else predict(graph, cluster, replace(config, sync=replace(config.sync, kind="none")))
+    plain = result if config.sync.plain else predict(graph, cluster, replace(config, sync=replace(config.sync, kind=CompressionKind.NONE)))
     return Explanation(plan=plan, estimate=result, plain_dp_comm_s=plain.time.dp_comm_s)
 
 
@@ -67,7 +68,7 @@ def estimate_config(plan: ParallelPlan, graph) -> EstimateConfig:
         stage_zero=tuple(s.zero_stage for s in ranks),
         stage_tp=tuple(s.tensor_parallel for s in ranks) if len({s.tensor_parallel for s in ranks}) > 1 else None,
         replica_batch_shares=tuple(plan.replica_batch_shares) if plan.replica_batch_shares is not None else None,
-        sync=cost_method(plan.grad_compression, plan.aggregation, plan.sync_every, plan.sync_scope, optimizer="adamw",
+        sync=cost_method(plan.grad_compression, plan.aggregation, plan.sync_every, plan.sync_scope, optimizer=Optimizer.ADAMW,
                          width=matrix_width(graph.layers)),
     )
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetpar.cost_models.layers import LayerProfile
-from hetpar.planner.plan import Sharding
+from hetpar.vocabulary import Sharding
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from hetpar.cost_models.devices import ProfileError
 from hetpar.cost_models.grad_sync import PLAIN, SyncMethod
 from hetpar.cost_models.layers import tp_misfit
-from hetpar.cost_models.pipeline import SCHEDULES
 from hetpar.planner.errors import PlanningError
 from hetpar.planner.model_graph import ModelGraph
+from hetpar.vocabulary import DType, Optimizer, Recompute, Schedule, ZeroStage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,7 +24,7 @@ class SearchOptions:
 
     global_batch_size: int
     dtype: str
-    optimizer: str = "adamw"
+    optimizer: str = Optimizer.ADAMW
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
@@ -53,7 +53,7 @@ class SearchOptions:
 def misfit_fix(dtype: str) -> str:
     """What a plan that does not fit memory can change: more devices, a smaller batch,
     and 2-byte training where it trains in fp32."""
-    return "add devices, lower --global-batch or use --dtype bf16" if dtype == "fp32" else "add devices or lower --global-batch"
+    return "add devices, lower --global-batch or use --dtype bf16" if dtype == DType.FP32 else "add devices or lower --global-batch"
 
 
 def check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
@@ -88,10 +88,10 @@ def check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
         raise PlanningError(f"--micro-batch-size {mbs} does not divide the per-replica batch {gbs // dp}")
     if mbs and mbs > gbs:
         raise PlanningError(f"--micro-batch-size {mbs} exceeds --global-batch {gbs}")
-    if options.recompute and options.recompute not in ("none", "selective", "full"):
+    if options.recompute and options.recompute not in tuple(Recompute):
         raise PlanningError(f"unknown --recompute {options.recompute!r}; use none, selective or full")
-    if options.schedule and options.schedule not in SCHEDULES:
-        raise PlanningError(f"unknown --schedule {options.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if options.schedule and options.schedule not in tuple(Schedule):
+        raise PlanningError(f"unknown --schedule {options.schedule!r}; use one of {', '.join(Schedule)}")
     for device_type in cluster.count_by_type():  # else every time is infinite and nothing seems to fit
         try:
             cluster.profile(device_type).peak_flops(options.dtype)
@@ -103,15 +103,15 @@ def check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
 
 def check_schedule_pins(model: ModelGraph, options: SearchOptions) -> None:
     v, schedule, zero, dp = options.virtual_stages, options.schedule, options.zero, options.dp
-    if zero is not None and zero not in (0, 1, 2, 3):
+    if zero is not None and zero not in tuple(ZeroStage):
         raise PlanningError(f"unknown --zero {zero}; use 0, 1, 2 or 3")
-    if schedule == "interleaved" and v is None and options.stage_layers is not None:
+    if schedule == Schedule.INTERLEAVED and v is None and options.stage_layers is not None:
         raise PlanningError(f"--stage-layers with --schedule interleaved needs --virtual-stages: how many of the "
                             f"{len(options.stage_layers)} stages each pipeline rank runs")
     if v is not None:
         if v < 1:
             raise PlanningError(f"--virtual-stages must be at least 1, got {v}")
-        if v > 1 and schedule not in (None, "interleaved"):
+        if v > 1 and schedule not in (None, Schedule.INTERLEAVED):
             raise PlanningError(f"--virtual-stages {v} needs --schedule interleaved, not {schedule}")
         if v > 1 and options.tp not in (None, 1):
             raise PlanningError(f"--virtual-stages {v} runs with tp 1 (the program runs interleaved chunks without tensor parallelism), not --tp {options.tp}")
@@ -120,8 +120,8 @@ def check_schedule_pins(model: ModelGraph, options: SearchOptions) -> None:
     if zero:
         if dp == 1:
             raise PlanningError(f"--zero {zero} shards over data-parallel replicas; --dp 1 has none (use --zero 0)")
-        if schedule in ("zb", "interleaved") or (v or 1) > 1:
-            what = "interleaved" if (v or 1) > 1 else schedule
+        if schedule in (Schedule.ZERO_BUBBLE, Schedule.INTERLEAVED) or (v or 1) > 1:
+            what = Schedule.INTERLEAVED if (v or 1) > 1 else schedule
             raise PlanningError(f"--zero {zero} runs with schedule 1f1b or gpipe only (FSDP cannot run {what}'s stages); use --zero 0")
 
 

@@ -16,33 +16,10 @@ from typing import Any
 
 from hetpar.planner.errors import PlanFileError
 from hetpar.runtime.sync_spec import check_sync
+from hetpar.vocabulary import AggregationKind, CompressionKind, Recompute, Schedule, Sharding, SyncScope, ZeroStage
 
 SCHEMA_VERSION = 1
 PLAN_KIND = "hetpar.plan"
-
-
-class Schedule(str, Enum):
-    """Pipeline schedules hetpar can run."""
-
-    ONE_F_ONE_B = "1f1b"
-    GPIPE = "gpipe"
-    INTERLEAVED = "interleaved"  # interleaved 1F1B over ``virtual_stages`` chunks per pipeline rank
-    ZERO_BUBBLE = "zb"  # ZB-H1: backward split into input-gradient (B) and weight-gradient (W) actions
-
-
-ZERO_STAGES = (0, 1, 2, 3)  # 0: plain data parallel; 1-3: ZeRO through FSDP2 (docs/plan-format.md)
-RECOMPUTE = ("none", "selective", "full")  # activation recomputation of a stage's layers
-
-
-class Sharding(str, Enum):
-    """How a module's weight is split across the tensor-parallel ranks of its stage."""
-
-    COLWISE = "colwise"  # output features split; the output stays sharded
-    ROWWISE = "rowwise"  # input features split; outputs are summed (all-reduce)
-    COLWISE_GATHER = "colwise_gather"  # output features split, the output all-gathered (replicated)
-    ROWWISE_SLICE = "rowwise_slice"  # input features split from a replicated input; outputs all-reduced
-    VOCAB_EMBEDDING = "vocab_embedding"  # an Embedding's rows (the vocabulary) split; outputs all-reduced
-    VOCAB_HEAD = "vocab_head"  # the output Linear's vocabulary split; logits stay split into the loss
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,13 +47,13 @@ class StagePlan:
     ranks: list[list[int]]
     tp_sharding: dict[str, Sharding] = field(default_factory=dict)  # module path -> sharding
     zero_stage: int = 0  # ZeRO stage of the data-parallel replicas of this stage (0 = plain all-reduce)
-    recompute: str = "none"  # "none" | "selective" | "full": activation recomputation of this stage's layers
+    recompute: str = Recompute.NONE  # "none" | "selective" | "full": activation recomputation of this stage's layers
 
     def __post_init__(self) -> None:
-        if self.zero_stage not in ZERO_STAGES:
+        if self.zero_stage not in tuple(ZeroStage):
             raise PlanFileError(f"stage {self.index}: zero_stage({self.zero_stage!r}) must be one of 0, 1, 2, 3")
-        if self.recompute not in RECOMPUTE:
-            raise PlanFileError(f"stage {self.index}: recompute {self.recompute!r} must be one of {', '.join(map(repr, RECOMPUTE))}")
+        if self.recompute not in tuple(Recompute):
+            raise PlanFileError(f"stage {self.index}: recompute {self.recompute!r} must be one of {', '.join(map(repr, Recompute))}")
         if not self.layers:
             raise PlanFileError(f"stage {self.index} has no layers")
         if self.layers != list(range(self.layers[0], self.layers[-1] + 1)):
@@ -151,10 +128,10 @@ class ParallelPlan:
     predicted: Predicted
     solver: SolverInfo
     alternatives: list[dict[str, Any]] = field(default_factory=list)
-    grad_compression: str = "none"  # none|bf16|fp16|powersgd:R|topk:F|sign: how data-parallel gradients travel
-    aggregation: str = "mean"  # mean|trimmed-mean:B|median|krum:F: how replicas' gradients combine
+    grad_compression: str = CompressionKind.NONE  # none|bf16|fp16|powersgd:R|topk:F|sign: how data-parallel gradients travel
+    aggregation: str = AggregationKind.MEAN  # mean|trimmed-mean:B|median|krum:F: how replicas' gradients combine
     sync_every: int = 1  # local SGD: replicas average parameters and optimizer state every K steps (1: every step's gradients)
-    sync_scope: str = "all"  # "all", or "node": gradients all-reduced inside a node every step, across nodes every K
+    sync_scope: str = SyncScope.ALL  # "all", or "node": gradients all-reduced inside a node every step, across nodes every K
     rebalance_every: int = 0  # replica shares of the batch moved by measured speed every N steps (0: never)
     replica_batch_shares: list[int] | None = None  # micro-batch size of each replica; None: micro_batch_size each
     virtual_stages: int = 1  # model chunks per pipeline rank; stages[s] runs on the ranks of stages[s % pp]
@@ -256,7 +233,7 @@ class ParallelPlan:
         if len(self.stages) > 1:
             raise PlanFileError(f"rebalance_every needs one pipeline stage (the plan has {len(self.stages)}): a stage's "
                             f"pipeline buffers are sized for its micro-batch at start-up")
-        if self.aggregation != "mean" or self.sync_every > 1:
+        if self.aggregation != AggregationKind.MEAN or self.sync_every > 1:
             raise PlanFileError("rebalance_every needs aggregation 'mean' and sync_every 1 (those need equal shares)")
 
     @property

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from hetpar.profiler.clock import CPU, DTYPES, median_time_s
-from hetpar.vocabulary import Optimizer
+from hetpar.vocabulary import Optimizer, Precision
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +53,7 @@ def matmul_times(sizes: list[int], dtype: str, *, repeats: int, device: torch.de
     default.
     """
     previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if dtype == "tf32" else "highest")
+    torch.set_float32_matmul_precision("high" if dtype == Precision.TF32 else "highest")
     try:
         out = []
         for n in sizes:

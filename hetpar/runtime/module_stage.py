@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from hetpar.runtime.graph import Stage, TensorSpec
-from hetpar.runtime.recompute import MODES, checkpoint_call
+from hetpar.runtime.recompute import checkpoint_call
 from hetpar.vocabulary import Recompute
 
 # Base-model classes whose forward is Llama's (embed, rotary tables, layers called with
@@ -129,8 +129,8 @@ class DecoderStage(nn.Module):
     def __init__(self, model: nn.Module, layout: DecoderLayout, first_layer: int, last_layer: int, *,
                  recompute: str = Recompute.NONE):
         super().__init__()
-        if recompute not in MODES:
-            raise ValueError(f"recompute {recompute!r} must be one of {', '.join(MODES)}")
+        if recompute not in tuple(Recompute):
+            raise ValueError(f"recompute {recompute!r} must be one of {', '.join(Recompute)}")
         self._layout, self._recompute = layout, recompute
         base = model.get_submodule(layout.base)
         self._config = base.config

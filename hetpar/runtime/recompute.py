@@ -31,7 +31,6 @@ import torch.fx as fx
 from hetpar.vocabulary import Recompute
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-MODES = tuple(Recompute)
 
 _aten = torch.ops.aten
 # Ops whose outputs selective recompute keeps (torchtitan's _save_list, less the collectives).
@@ -63,8 +62,8 @@ def apply_recompute(module: fx.GraphModule, node_layer: dict[str, int], mode: st
     Raises:
         ValueError: unknown mode, or a node without a layer.
     """
-    if mode not in MODES:
-        raise ValueError(f"recompute {mode!r} must be one of {', '.join(MODES)}")
+    if mode not in tuple(Recompute):
+        raise ValueError(f"recompute {mode!r} must be one of {', '.join(Recompute)}")
     if mode == Recompute.NONE:
         return
     context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy) if mode == Recompute.SELECTIVE else None
@@ -153,4 +152,4 @@ def checkpoint_call(fn: Callable[..., Any], *inputs: Any, mode: str) -> Any:
     return checkpoint(fn, *inputs, use_reentrant=False, **kwargs)
 
 
-__all__ = ["MODES", "apply_recompute", "checkpoint_call"]
+__all__ = ["apply_recompute", "checkpoint_call"]

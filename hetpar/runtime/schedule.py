@@ -250,7 +250,6 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]
     return schedule
 
 
-SCHEDULES = tuple(Schedule)  # the runtime runs them all
 
 
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
@@ -265,8 +264,8 @@ def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stag
     Raises:
         ScheduleError: unknown name, bad sizes, or v > 1 for a schedule without chunks.
     """
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name not in tuple(Schedule):
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(Schedule)}")
     if name == Schedule.INTERLEAVED:
         return interleaved_one_f_one_b(num_ranks, num_microbatches, virtual_stages)
     if virtual_stages != 1:
@@ -600,7 +599,7 @@ __all__ = [
     "Action",
     "Kind",
     "ScheduleError",
-    "SCHEDULES",
+    "tuple(Schedule)",
     "TimedAction",
     "TimedRun",
     "build_schedule",

@@ -43,6 +43,7 @@ from hetpar.runtime.graph import Stage, build_stage, record_values, trace_layers
 from hetpar.runtime.model_file import ModelFile
 from hetpar.runtime.module_stage import cut_module_stage
 from hetpar.runtime.recompute import apply_recompute
+from hetpar.vocabulary import Recompute, Sharding
 
 
 class ShardError(Exception):
@@ -57,7 +58,7 @@ def cut_stage(
     layer_names: list[str],
     leaf_modules: tuple[str, ...] = (),
     *,
-    recompute: str = "none",
+    recompute: str = Recompute.NONE,
 ) -> Stage:
     """Trace the whole model and cut layers ``layers[0]..layers[1]`` out as this rank's stage.
 
@@ -260,15 +261,15 @@ def _conv1d_partition(weight: Shard, bias: Shard | Replicate, src_data_rank: int
 
 
 _STYLES = {
-    "colwise": lambda shared: _Colwise(shared),
-    "rowwise": lambda shared: _Rowwise(),
-    "colwise_gather": lambda shared: _Colwise(shared, output_layouts=Replicate()),
-    "rowwise_slice": lambda shared: _Rowwise(input_layouts=Replicate()),
+    Sharding.COLWISE: lambda shared: _Colwise(shared),
+    Sharding.ROWWISE: lambda shared: _Rowwise(),
+    Sharding.COLWISE_GATHER: lambda shared: _Colwise(shared, output_layouts=Replicate()),
+    Sharding.ROWWISE_SLICE: lambda shared: _Rowwise(input_layouts=Replicate()),
     # [Note: vocab-parallel loss] in runtime/executor.py: an Embedding's rows split over the
     # vocabulary (each rank looks up its own tokens, the outputs are all-reduced), and the
     # output Linear split over it, its logits left split for the loss.
-    "vocab_embedding": lambda shared: RowwiseParallel(input_layouts=Replicate()),
-    "vocab_head": lambda shared: _Colwise(shared, use_local_output=False),
+    Sharding.VOCAB_EMBEDDING: lambda shared: RowwiseParallel(input_layouts=Replicate()),
+    Sharding.VOCAB_HEAD: lambda shared: _Colwise(shared, use_local_output=False),
 }
 
 
@@ -276,7 +277,7 @@ _STYLES = {
 # head's: Shard(0), rank t holding rows t V / tp to (t + 1) V / tp, so a weight tied
 # between them splits the same way in both ([Note: tied vocab-parallel weights] in
 # planner/trace.py; runtime/tied.py).
-VOCAB_SPLITS = frozenset({"vocab_embedding", "vocab_head"})
+VOCAB_SPLITS = frozenset({Sharding.VOCAB_EMBEDDING, Sharding.VOCAB_HEAD})
 
 
 def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict[str, str]) -> None:

@@ -22,9 +22,6 @@ from dataclasses import dataclass
 
 from hetpar.vocabulary import AggregationKind, CompressionKind, SyncScope
 
-COMPRESSION_KINDS = tuple(CompressionKind)
-AGGREGATION_KINDS = tuple(AggregationKind)
-SYNC_SCOPES = tuple(SyncScope)
 COMPRESSION_SYNTAX = "none|bf16|fp16|powersgd:R|topk:F|sign"
 AGGREGATION_SYNTAX = "mean|trimmed-mean:B|median|krum:F"
 
@@ -33,7 +30,7 @@ AGGREGATION_SYNTAX = "mean|trimmed-mean:B|median|krum:F"
 class Compression:
     """A parsed ``grad_compression``."""
 
-    kind: str  # one of COMPRESSION_KINDS
+    kind: str  # one of tuple(CompressionKind)
     rank: int | None = None  # powersgd: approximation rank; None: the program's --powersgd-rank
     fraction: float | None = None  # topk: fraction of each bucket's elements sent
 
@@ -60,7 +57,7 @@ class Compression:
 class Aggregation:
     """A parsed ``aggregation``."""
 
-    kind: str  # one of AGGREGATION_KINDS
+    kind: str  # one of tuple(AggregationKind)
     param: int = 0  # trimmed-mean: B per side; krum: F bad replicas tolerated
 
     def __str__(self) -> str:
@@ -87,7 +84,7 @@ def parse_compression(text: str) -> Compression:
     """
     kind, _, arg = str(text).partition(":")
     bad = ValueError(f"grad_compression {text!r} must be one of {COMPRESSION_SYNTAX} (R >= 1, 0 < F <= 1)")
-    if kind not in COMPRESSION_KINDS:
+    if kind not in tuple(CompressionKind):
         raise bad
     if kind == CompressionKind.POWERSGD:
         if not arg:
@@ -116,7 +113,7 @@ def parse_aggregation(text: str) -> Aggregation:
     """
     kind, _, arg = str(text).partition(":")
     bad = ValueError(f"aggregation {text!r} must be one of {AGGREGATION_SYNTAX} (B, F >= 0 integers)")
-    if kind not in AGGREGATION_KINDS:
+    if kind not in tuple(AggregationKind):
         raise bad
     if kind in (AggregationKind.TRIMMED_MEAN, AggregationKind.KRUM):
         if not arg.isdigit():
@@ -137,8 +134,8 @@ def check_sync(compression: str, aggregation: str, sync_every: int, sync_scope: 
     comp, agg = parse_compression(compression), parse_aggregation(aggregation)
     if not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every {sync_every!r} must be an integer >= 1")
-    if sync_scope not in SYNC_SCOPES:
-        raise ValueError(f"sync_scope {sync_scope!r} must be one of {', '.join(SYNC_SCOPES)}")
+    if sync_scope not in tuple(SyncScope):
+        raise ValueError(f"sync_scope {sync_scope!r} must be one of {', '.join(SyncScope)}")
     local_sgd = sync_every > 1
     chosen = [name for name, on in ((f"grad_compression {compression!r}", comp.lossy), (f"aggregation {aggregation!r}", agg.robust),
                                     (f"sync_every {sync_every}", local_sgd)) if on]
@@ -158,6 +155,6 @@ def check_sync(compression: str, aggregation: str, sync_every: int, sync_scope: 
 
 
 __all__ = [
-    "AGGREGATION_KINDS", "AGGREGATION_SYNTAX", "Aggregation", "COMPRESSION_KINDS", "COMPRESSION_SYNTAX", "Compression",
-    "SYNC_SCOPES", "check_sync", "parse_aggregation", "parse_compression",
+    "AGGREGATION_SYNTAX", "Aggregation", "COMPRESSION_SYNTAX", "Compression",
+    "check_sync", "parse_aggregation", "parse_compression",
 ]

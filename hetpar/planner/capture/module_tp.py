@@ -48,11 +48,11 @@ from hetpar.planner.capture.tp_dry_run import DryRunFailure, solve_checked
 from hetpar.planner.capture.tp_ilp import TpCostModel, TpProblem, build_problem, evaluate
 from hetpar.planner.capture.tp_meta import local_linear
 from hetpar.planner.capture.tp_ops import TpError
-from hetpar.planner.plan import Sharding
+from hetpar.vocabulary import Sharding
 from hetpar.runtime.capture import locate, quiet_torch_logs
 from hetpar.runtime.module_stage import DecoderLayout, DecoderStage, hidden_size
 
-_STYLES = {"colwise": Sharding.COLWISE, "rowwise": Sharding.ROWWISE}
+_STYLES = {style.value: style for style in (Sharding.COLWISE, Sharding.ROWWISE)}  # transformers tp_plan names ours
 _RUN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from hetpar.planner.capture.tp_ops import linear_site, run_graph, tensor_nbytes
-from hetpar.planner.plan import Sharding
+from hetpar.vocabulary import Sharding
 
 
 def layer_collectives(module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding]

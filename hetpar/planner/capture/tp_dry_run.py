@@ -19,7 +19,7 @@ from hetpar.planner.capture.measure import Measurement
 from hetpar.planner.capture.tp_ilp import TpCostModel, TpProblem, TpSolution, build_problem, evaluate, solve
 from hetpar.planner.capture.tp_meta import check_sharded_shapes, shard_on_meta
 from hetpar.planner.capture.tp_ops import DIM_ARGUMENT, MATMULS, TpError, run_graph
-from hetpar.planner.plan import Sharding
+from hetpar.vocabulary import Sharding
 
 _MAX_SOLVES = 32  # dry-run failures tolerated before the layer stays replicated
 

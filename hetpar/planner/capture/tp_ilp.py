@@ -58,8 +58,9 @@ from hetpar.planner.capture.tp_ops import (
     FEATURE_WISE_ATEN, FEATURE_WISE_FUNCTIONS, FEATURE_WISE_METHODS, FEATURE_WISE_MODULES, LinearSite, TpError, is_tensors,
     linear_site, run_graph, tensor_nbytes,
 )
-from hetpar.planner.plan import Sharding
+from hetpar.vocabulary import Sharding
 from hetpar.planner.solver import cp_solver, to_ticks
+from hetpar.vocabulary import DType
 
 _SPLIT_CHOICES = (Sharding.COLWISE, Sharding.COLWISE_GATHER, Sharding.ROWWISE, Sharding.ROWWISE_SLICE)
 _COLWISE = (Sharding.COLWISE, Sharding.COLWISE_GATHER)  # input replicated, its gradient a partial sum
@@ -88,7 +89,7 @@ class TpCostModel:
             raise ValueError(f"tp({self.tp}) must be >= 2 to split anything")
 
     @classmethod
-    def for_device(cls, device: DeviceProfile | str = "A100-80GB", *, dtype: str = "fp32", tp: int = 2,
+    def for_device(cls, device: DeviceProfile | str = "A100-80GB", *, dtype: str = DType.FP32, tp: int = 2,
                    latency: bool = False) -> TpCostModel:
         """The model of ``tp`` devices of one node. The default, an A100 in fp32 (the
         dtype the trace measures in), is the reference the trace plans layers for."""

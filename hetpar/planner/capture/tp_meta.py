@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from hetpar.planner.capture.tp_ops import TpError
-from hetpar.planner.plan import Sharding
+from hetpar.vocabulary import Sharding
 
 
 class MetaGathered(nn.Module):

@@ -35,7 +35,7 @@ from hetpar.planner.capture.tp_ilp import split_nodes
 from hetpar.planner.capture.tp_meta import check_sharded_shapes, shard_on_meta
 from hetpar.planner.capture.vocab_parallel import splits_vocabulary, vocab_sharding
 from hetpar.planner.model_graph import BoundaryTensor, ModelGraph, NodeProfile
-from hetpar.planner.plan import Sharding
+from hetpar.vocabulary import Sharding
 from hetpar.runtime.graph import LayeredGraph, Stage, boundary_values, build_stage, meta_run_error, record_values, trace_layers
 from hetpar.runtime.model_file import ModelFile, file_fingerprint
 from hetpar.runtime.module_stage import DecoderLayout, layout_for

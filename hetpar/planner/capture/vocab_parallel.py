@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.fx as fx
 import torch.nn as nn
 
-from hetpar.planner.plan import Sharding
+from hetpar.vocabulary import Sharding
 
 
 # [Note: vocab-parallel layers]

@@ -9,6 +9,7 @@ from hetpar.planner.costing.candidate import Candidate
 from hetpar.planner.costing.slots import RankSlots, type_slots
 from hetpar.planner.costing.tables import CostTables, build_tables
 from hetpar.planner.model_graph import ModelGraph
+from hetpar.vocabulary import Optimizer
 
 
 # [Note: stage device types]
@@ -26,7 +27,7 @@ from hetpar.planner.model_graph import ModelGraph
 # when neighbouring stages are of different types. After solving, each stage takes its
 # block of its type (``pack_stage_ranks``), and the plan's prediction is recomputed on
 # those exact ranks.
-def tables_by_type(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimizer: str = "adamw",
+def tables_by_type(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimizer: str = Optimizer.ADAMW,
                    cache: dict | None = None) -> dict[str, "CostTables"]:
     """One set of cost columns per device type of ``cand.stages_per_type``, each as if every stage ran on that type."""
     out = {}

@@ -5,18 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetpar.cost_models.grad_sync import PLAIN, SyncMethod
+from hetpar.vocabulary import Recompute
 
 
 @dataclass(frozen=True, order=True)
 class StageMode:
     """What one stage (chunk) chooses inside the CP-SAT model."""
 
-    recompute: str = "none"  # "none" | "selective" | "full"
+    recompute: str = Recompute.NONE  # "none" | "selective" | "full"
     zero_stage: int = 0
     tp: int = 1  # tensor-parallel degree of the stage
 
     def describe(self) -> str:
-        parts = ([f"recompute {self.recompute}"] if self.recompute != "none" else []) + ([f"zero {self.zero_stage}"] if self.zero_stage else [])
+        parts = ([f"recompute {self.recompute}"] if self.recompute != Recompute.NONE else []) + ([f"zero {self.zero_stage}"] if self.zero_stage else [])
         return ", ".join(parts) or "plain"
 
 

@@ -9,6 +9,7 @@ from hetpar.cost_models.collectives import all_gather_time_s, all_reduce_time_s,
 from hetpar.cost_models.grad_sync import PLAIN, SyncMethod, sync_seconds
 from hetpar.planner.costing.cache import memo
 from hetpar.planner.costing.slots import StageSlot
+from hetpar.vocabulary import SyncScope
 
 
 # The size at which a collective's per-byte cost is read off the collective model:
@@ -68,7 +69,7 @@ def sync_linear(comm: dict[str, tuple[float, float]], dp: int, zero_stage: int, 
     scale = grad_sync_scale(device)
     if zero_stage == 0 and not sync.plain:
         def linear(kind: str, nbytes: float, scope: str) -> float:
-            a, b = comm["node_all_reduce" if scope == "node" else kind]
+            a, b = comm["node_all_reduce" if scope == SyncScope.NODE else kind]
             return a + b * nbytes
         latency = sync_seconds(sync, 0.0, elem_bytes, dp, device, linear)
         per_param = sync_seconds(sync, 1.0, elem_bytes, dp, device, linear) - latency

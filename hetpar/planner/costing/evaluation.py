@@ -16,6 +16,7 @@ from hetpar.planner.costing.candidate import StageMode
 from hetpar.planner.costing.in_flight import activation_multipliers
 from hetpar.planner.costing.tables import CostTables
 from hetpar.planner.model_graph import ModelGraph
+from hetpar.vocabulary import Optimizer, Recompute
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +47,7 @@ def chunk_terms(tables: CostTables, c: int, first: int, last: int, k: int, next_
     epilogue = tables.epilogue_latency_s[k, c] + tables.epilogue_s[k, rows, c].sum()
     memory = tables.memory_bytes[k, rows, c].sum()
     mode = tables.candidate.modes[k]
-    if mode.recompute == "full":
+    if mode.recompute == Recompute.FULL:
         memory += tables.workspace_bytes[a, rows].max()
     if mode.zero_stage == 3 and tables.candidate.dp > 1:
         memory += tables.zero3_buffer_bytes[a, rows].max()
@@ -71,7 +72,7 @@ def evaluate_split(tables: CostTables, bounds: list[tuple[int, int]], modes: lis
     return SplitCost(objective_s=objective, stage_time_s=times, dp_sync_s=epilogue, stage_memory_bytes=memory, modes=modes)
 
 
-def stage_memory_breakdown(model: ModelGraph, tables: CostTables, s: int, first: int, last: int, dtype: str, optimizer: str = "adamw",
+def stage_memory_breakdown(model: ModelGraph, tables: CostTables, s: int, first: int, last: int, dtype: str, optimizer: str = Optimizer.ADAMW,
                            mode: StageMode | None = None) -> MemoryBreakdown:
     """The memory terms of stage ``s`` holding layers ``first..last`` in ``mode`` (the first offered by default)."""
     cand = tables.candidate

@@ -7,6 +7,7 @@ import functools
 
 from hetpar.cost_models.memory import WEIGHT_GRAD_ACTIVATION_SHARE
 from hetpar.runtime.schedule import Kind, build_schedule
+from hetpar.vocabulary import Schedule
 
 
 @functools.lru_cache(maxsize=256)
@@ -21,10 +22,10 @@ def activation_multipliers(schedule: str, pp: int, num_microbatches: int, virtua
     so larger m are counted there (tests/test_search_space.py checks both against the lists).
     """
     m = num_microbatches
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         return tuple(float(m) for _ in range(pp))
-    if schedule in ("1f1b", "zb"):
-        share = WEIGHT_GRAD_ACTIVATION_SHARE if schedule == "zb" else 0.0
+    if schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE):
+        share = WEIGHT_GRAD_ACTIVATION_SHARE if schedule == Schedule.ZERO_BUBBLE else 0.0
         out = []
         for s in range(pp):
             w = min(pp - s - 1, m)
@@ -36,7 +37,7 @@ def activation_multipliers(schedule: str, pp: int, num_microbatches: int, virtua
 def _counted_multipliers(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[float, ...]:
     """``activation_multipliers`` counted on the schedule's action lists."""
     plan = build_schedule(schedule, pp, num_microbatches, virtual_stages)
-    kept_for_w = WEIGHT_GRAD_ACTIVATION_SHARE if schedule == "zb" else 0.0
+    kept_for_w = WEIGHT_GRAD_ACTIVATION_SHARE if schedule == Schedule.ZERO_BUBBLE else 0.0
     peak = [0.0] * (pp * virtual_stages)
     for actions in plan:
         live: dict[int, float] = {}

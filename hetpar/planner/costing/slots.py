@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from hetpar.planner.costing.candidate import Candidate
+from hetpar.vocabulary import DType
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,7 +113,7 @@ def pack_stage_ranks(ranks: list[int], dp: int, tps: list[int]) -> list[list[lis
 
 
 def _peak(profile) -> float:
-    for dtype in ("bf16", "fp16", "fp32"):
+    for dtype in (DType.BF16, DType.FP16, DType.FP32):
         try:
             return profile.peak_flops(dtype)
         except (KeyError, ValueError):

@@ -66,6 +66,7 @@ from hetpar.planner.costing.communication import boundary_seconds, data_parallel
 from hetpar.planner.costing.in_flight import activation_multipliers
 from hetpar.planner.costing.slots import RankSlots, StageSlot, stage_slots
 from hetpar.planner.model_graph import ModelGraph
+from hetpar.vocabulary import Optimizer, Recompute
 
 
 # Distinct values a range maximum (workspace, ZeRO-3 buffers) keeps; see [Note: split objective].
@@ -175,7 +176,7 @@ def build_tables(
     cluster,
     cand: Candidate,
     dtype: str,
-    optimizer: str = "adamw",
+    optimizer: str = Optimizer.ADAMW,
     slots: list[RankSlots] | None = None,
     cut_to: list[RankSlots] | None = None,
     cache: dict | None = None,
@@ -248,7 +249,7 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
         optimizer_rates(cluster.profile(slot.device_type)),
     ))
     params = cols.params + (cols.tied if r != 0 else 0.0)  # a tied copy lives on every rank but the first
-    full = mode.recompute == "full"
+    full = mode.recompute == Recompute.FULL
     fwd = cols.fwd + tp_fwd
     bwd = cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_bwd + (tp_fwd if full else 0.0)
     unsplit = np.where(cols.splits, 0.0, np.inf)  # a layer this degree cannot split: [Note: per-stage tensor parallelism]

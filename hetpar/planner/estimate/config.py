@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetpar.cost_models.grad_sync import PLAIN, SyncMethod
-from hetpar.cost_models.memory import OPTIMIZERS, RECOMPUTE_CHOICES
-from hetpar.cost_models.pipeline import SCHEDULES
 from hetpar.planner.errors import PlanningError
+from hetpar.vocabulary import DType, Optimizer, Recompute, Schedule, ZeroStage
 
 
 class EstimateError(PlanningError):
@@ -24,11 +23,11 @@ class EstimateConfig:
     pp: int
     micro_batch_size: int
     dtype: str
-    schedule: str = "1f1b"
+    schedule: str = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
-    recompute: str = "none"
+    recompute: str = Recompute.NONE
     zero_stage: int = 0
-    optimizer: str = "adamw"
+    optimizer: str = Optimizer.ADAMW
     stage_layers: tuple[int, ...] | None = None  # layers per virtual stage, p * v entries
     stage_devices: tuple[str, ...] | None = None  # device type per pipeline rank, p entries
     stage_recompute: tuple[str, ...] | None = None  # recompute per virtual stage, p * v entries; ``recompute`` for all when None
@@ -51,7 +50,7 @@ class EstimateConfig:
                 f"global batch {self.global_batch_size} is not a multiple of dp({self.dp}) * "
                 f"micro_batch_size({self.micro_batch_size}) = {per_step}"
             )
-        if self.schedule == "interleaved" and self.num_microbatches % self.pp:
+        if self.schedule == Schedule.INTERLEAVED and self.num_microbatches % self.pp:
             raise EstimateError(
                 f"the interleaved schedule needs micro-batches ({self.num_microbatches}) to be a multiple of pp({self.pp})"
             )
@@ -59,17 +58,17 @@ class EstimateConfig:
 
     def _check_choices(self) -> None:
         choices = (
-            ("schedule", self.schedule, SCHEDULES),
-            ("recompute", self.recompute, RECOMPUTE_CHOICES),
-            ("zero", self.zero_stage, (0, 1, 2, 3)),
-            ("optimizer", self.optimizer, OPTIMIZERS),
+            ("schedule", self.schedule, tuple(Schedule)),
+            ("recompute", self.recompute, tuple(Recompute)),
+            ("zero", self.zero_stage, tuple(ZeroStage)),
+            ("optimizer", self.optimizer, tuple(Optimizer)),
         )
         for name, value, allowed in choices:
             if value not in allowed:
                 raise EstimateError(f"unknown {name} {value!r}; use one of {', '.join(str(a) for a in allowed)}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
+        if self.virtual_stages > 1 and self.schedule != Schedule.INTERLEAVED:
             raise EstimateError(f"virtual stages ({self.virtual_stages}) need --schedule interleaved, not {self.schedule}")
-        if self.dtype not in ("fp32", "bf16", "fp16"):
+        if self.dtype not in tuple(DType):
             raise EstimateError(f"unknown dtype {self.dtype!r}; use one of fp32, bf16, fp16")
         if self.kernel_efficiency is not None and not self.kernel_efficiency > 0:
             raise EstimateError(f"kernel efficiency must be positive, got {self.kernel_efficiency}")
@@ -88,8 +87,8 @@ class EstimateConfig:
             if len(self.stage_recompute) != chunks:
                 raise EstimateError(f"stage_recompute has {len(self.stage_recompute)} entries, {chunks} stages")
             for value in self.stage_recompute:
-                if value not in RECOMPUTE_CHOICES:
-                    raise EstimateError(f"unknown recompute {value!r}; use one of {', '.join(RECOMPUTE_CHOICES)}")
+                if value not in tuple(Recompute):
+                    raise EstimateError(f"unknown recompute {value!r}; use one of {', '.join(Recompute)}")
         shares = self.replica_batch_shares
         if shares is not None:
             if len(shares) != self.dp or any(not isinstance(b, int) or b < 1 for b in shares):
@@ -108,7 +107,7 @@ class EstimateConfig:
             if len(self.stage_zero) != self.pp:
                 raise EstimateError(f"stage_zero has {len(self.stage_zero)} entries, pp({self.pp}) needed")
             for value in self.stage_zero:
-                if value not in (0, 1, 2, 3):
+                if value not in tuple(ZeroStage):
                     raise EstimateError(f"unknown zero {value!r}; use one of 0, 1, 2, 3")
 
     def recompute_of(self, chunk: int) -> str:

@@ -14,6 +14,7 @@ from hetpar.planner.estimate.config import EstimateConfig
 from hetpar.planner.estimate.step_costs import stage_params
 from hetpar.planner.model_graph import ModelGraph
 from hetpar.runtime.schedule import Action, Kind
+from hetpar.vocabulary import Schedule
 
 
 def _peak_activations(actions: list[Action], per_mb: dict[int, float], split_weights: bool) -> float:
@@ -47,5 +48,5 @@ def rank_memory(model: ModelGraph, config: EstimateConfig, bounds, chunks: list[
                                                     dtype=c.dtype, recompute=c.recompute_of(k), input_bytes=inputs)
         workspace = max(workspace, recompute_workspace_bytes(mine, tp=tp, micro_batch_size=c.micro_batch_size, dtype=c.dtype,
                                                              recompute=c.recompute_of(k)))
-    activations = _peak_activations(actions, per_mb, c.schedule == "zb") + workspace
+    activations = _peak_activations(actions, per_mb, c.schedule == Schedule.ZERO_BUBBLE) + workspace
     return MemoryBreakdown(weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=opt, activations_bytes=activations)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from hetpar.planner.estimate.config import EstimateError
 from hetpar.planner.estimate.step_costs import ChunkCost, boundary_s
 from hetpar.runtime.schedule import Action, Kind, ScheduleError, TimedRun, build_schedule, simulate_timed
+from hetpar.vocabulary import Schedule
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +32,7 @@ def play(model, cluster, config, layouts, bounds, costs: list[ChunkCost], breakd
         plan = _schedule(config.schedule, config.pp, config.num_microbatches, config.virtual_stages)
     except ScheduleError as exc:
         raise EstimateError(str(exc)) from None
-    split = config.schedule == "zb"
+    split = config.schedule == Schedule.ZERO_BUBBLE
     parts = {(k, kind): costs[k].seconds(kind, split) for k in range(len(costs)) for kind in Kind}
     totals = {key: sum(value) for key, value in parts.items()}
     hop = [boundary_s(model, cluster, config, bounds[k][1], layouts[k % config.pp], layouts[(k + 1) % config.pp])

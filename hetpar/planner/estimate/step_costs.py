@@ -20,6 +20,7 @@ from hetpar.planner.estimate.config import EstimateConfig
 from hetpar.planner.estimate.layout import StageLayout
 from hetpar.planner.model_graph import ModelGraph
 from hetpar.runtime.schedule import Kind
+from hetpar.vocabulary import Recompute
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +73,7 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
 
     tp_fwd, tp_bwd = (sum(pass_s(l, p) for l in layers) for p in ("forward", "backward"))
     fwd = sum(t.fwd_s for t in times)
-    full = config.recompute_of(chunk) == "full"
+    full = config.recompute_of(chunk) == Recompute.FULL
     gather_fwd, gather_bwd = zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp))
     return ChunkCost(
         fwd_compute_s=fwd,

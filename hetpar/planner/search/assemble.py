@@ -10,7 +10,8 @@ from hetpar.planner.costing import Candidate, CostTables, SplitCost, evaluate_sp
 from hetpar.planner.estimate import EstimateConfig, EstimateError, equal_split, estimate, stage_devices_of
 from hetpar.planner.model_graph import ModelGraph
 from hetpar.planner.options import SearchOptions, misfit_fix
-from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
+from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, SolverInfo, StagePlan
+from hetpar.vocabulary import Schedule
 from hetpar.planner.search.split_model import greedy_modes
 
 

@@ -32,6 +32,7 @@ from hetpar.planner.costing import (
 from hetpar.planner.model_graph import ModelGraph
 from hetpar.planner.options import SearchOptions
 from hetpar.planner.search.split_model import budget_reaches
+from hetpar.vocabulary import Optimizer, Recompute
 
 
 # [Note: candidate bound]
@@ -56,7 +57,7 @@ from hetpar.planner.search.split_model import budget_reaches
 # exposed gathers and the one-layer buffers are left out (they only add). Candidates
 # are solved in order of this bound, and the search stops at the first whose bound is
 # no better than the best plan found, so the plan it returns is optimal over all of them.
-def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache: dict | None = None, optimizer: str = "adamw") -> float:
+def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache: dict | None = None, optimizer: str = Optimizer.ADAMW) -> float:
     """A lower bound on the objective of any split of ``cand``; see [Note: candidate bound].
 
     Args:
@@ -135,7 +136,7 @@ def _reach(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, 
     for mode in cand.modes:
         if mode.tp != tp:
             continue
-        full = mode.recompute == "full"
+        full = mode.recompute == Recompute.FULL
         time_s = np.minimum(time_s, (cols.fwd + tp_fwd) * (2 if full else 1) + cols.b_input + cols.weight + tp_bwd)
         state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
         memory = np.minimum(memory, FRAGMENTATION_MARGIN * (cols.params * state + in_flight * (cols.inputs if full else cols.saved)))
@@ -162,7 +163,7 @@ class _BoundLayers:
 
 def _bound_layers(model: ModelGraph, cluster, cand: Candidate, device_type: str, slots: dict[int, StageSlot], dtype: str,
                   optimizer: str, cache: dict) -> _BoundLayers:
-    full_only = all(m.recompute == "full" for m in cand.modes)
+    full_only = all(m.recompute == Recompute.FULL for m in cand.modes)
     zeros = tuple(sorted({m.zero_stage for m in cand.modes}))
     key = ("bound", device_type, cand.dp, cand.micro_batch_size, tuple(sorted((tp, id(s)) for tp, s in slots.items())), full_only, zeros,
            dtype, optimizer)
@@ -260,6 +261,6 @@ def memory_may_fit(model: ModelGraph, cluster, cand: Candidate, options: SearchO
     for mode in cand.modes:
         cols = layer_columns(model, cluster, device_type, mode.tp, cand.micro_batch_size, options.dtype, cache)
         state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
-        activations = cols.inputs if mode.recompute == "full" else cols.saved
+        activations = cols.inputs if mode.recompute == Recompute.FULL else cols.saved
         need = np.minimum(need, np.where(cols.splits, mode.tp * (cols.params * state + activations), np.inf))
     return FRAGMENTATION_MARGIN * float(need.sum()) <= capacity

@@ -12,6 +12,7 @@ from hetpar.planner.model_graph import ModelGraph
 from hetpar.planner.options import SearchOptions, check_pins, pinned_pp
 from hetpar.planner.search.split_model import degree_split
 from hetpar.planner.solver import divisors
+from hetpar.vocabulary import Recompute, Schedule
 
 
 # [Note: search space]
@@ -159,29 +160,29 @@ def _degree_ok(model: ModelGraph, options: SearchOptions, tp: int, tp_ok: bool) 
 
 def schedules_for(options: SearchOptions, *, tp: int, pp: int, num_microbatches: int, num_layers: int) -> list[tuple[str, int]]:
     """(schedule, virtual stages) pairs searched for one (tp, pp, m); see [Note: search space]."""
-    names = [options.schedule] if options.schedule else ["1f1b", "zb", "interleaved"]
+    names = [options.schedule] if options.schedule else [Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.INTERLEAVED]
     # --stage-layers without --virtual-stages gives one chunk per pipeline rank (pinned_pp counts them so).
     virtual = options.virtual_stages or (1 if options.stage_layers is not None else None)
     if virtual is not None:
-        names = [n for n in names if (n == "interleaved") == (virtual > 1)]
+        names = [n for n in names if (n == Schedule.INTERLEAVED) == (virtual > 1)]
     out = []
     for name in names:
-        if name == "interleaved":
-            pinned = options.schedule == "interleaved"
+        if name == Schedule.INTERLEAVED:
+            pinned = options.schedule == Schedule.INTERLEAVED
             top = virtual or options.max_virtual_stages
             low = virtual or 2
             for v in range(low, top + 1):
                 if (pp > 1 or pinned) and tp == 1 and num_microbatches % pp == 0 and pp * v <= num_layers:
                     out.append((name, v))
-        elif name != "zb" or pp > 1 or options.schedule == "zb":
+        elif name != Schedule.ZERO_BUBBLE or pp > 1 or options.schedule == Schedule.ZERO_BUBBLE:
             out.append((name, 1))
     return out
 
 
 def stage_modes(options: SearchOptions, *, dp: int, schedule: str, degrees: tuple[int, ...] = (1,)) -> tuple[StageMode, ...]:
     """The modes each stage may take; empty when the pins leave none; see [Note: search space]."""
-    recomputes = [options.recompute] if options.recompute else ["none", "full"]
-    shardable = dp > 1 and schedule in ("1f1b", "gpipe")
+    recomputes = [options.recompute] if options.recompute else [Recompute.NONE, Recompute.FULL]
+    shardable = dp > 1 and schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE)
     if options.zero is not None:
         zeros = [options.zero] if options.zero == 0 or shardable else []
     else:
@@ -194,7 +195,7 @@ def _no_candidate_reason(model: ModelGraph, cluster, options: SearchOptions, tp_
     if options.zero:
         return (f"--zero {options.zero} needs data parallelism (dp > 1) and schedule 1f1b or gpipe; no such (dp, tp, pp) "
                 f"fits world_size({world}) with global batch {gbs} and the other pins")
-    if options.schedule == "interleaved" or (options.virtual_stages or 1) > 1:
+    if options.schedule == Schedule.INTERLEAVED or (options.virtual_stages or 1) > 1:
         return (f"the interleaved schedule needs tp 1, micro-batches a multiple of pp and pp * virtual stages <= "
                 f"{len(model.layers)} layers; nothing fits world_size({world}) with global batch {gbs} and the other pins")
     return (

@@ -10,6 +10,7 @@ import numpy as np
 
 from hetpar.cost_models.pipeline import LinearStepWeights
 from hetpar.planner.costing import CostTables
+from hetpar.vocabulary import Recompute
 
 # Relative slack on memory and pace comparisons: the bound must not be lost to float rounding
 # (prefix-sum differences here, slice sums in planner.costing.chunk_terms).
@@ -116,7 +117,7 @@ def _buffers(tables: CostTables, span: int) -> np.ndarray:
     for k, mode in enumerate(cand.modes):
         a = tables.tp_index(k)
         rows = []
-        if mode.recompute == "full":
+        if mode.recompute == Recompute.FULL:
             rows.append(tables.workspace_bytes[a])
         if mode.zero_stage == 3 and cand.dp > 1:
             rows.append(tables.zero3_buffer_bytes[a])

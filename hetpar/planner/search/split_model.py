@@ -16,6 +16,7 @@ from hetpar.cost_models.pipeline import linear_step_weights
 from hetpar.planner.costing import CostTables, chunk_terms
 from hetpar.planner.search.split_bound import split_sum_bound
 from hetpar.planner.solver import to_ticks
+from hetpar.vocabulary import Recompute
 
 # Solver resolution: the objective's scale divided into this many ticks, the largest
 # device memory into this many units.
@@ -317,7 +318,7 @@ class SplitModel:
             model.add(objective <= to_ticks(cutoff_s * wt.scale, tick_s))
         # Of equally fast plans, the plainest: one objective unit (1 / scale of a tick) per
         # stage that shards (ZeRO) or recomputes.
-        plainness = [k for k, mode in enumerate(cand.modes) if mode.zero_stage or mode.recompute != "none"]
+        plainness = [k for k, mode in enumerate(cand.modes) if mode.zero_stage or mode.recompute != Recompute.NONE]
         if K > 1 and plainness:
             objective += sum(self.uses[c][k] for c in range(C) for k in plainness)
 
@@ -376,7 +377,7 @@ class SplitModel:
             family
             for a, tp in enumerate(cand.tp_degrees)
             for family in (
-                (f"workspace_tp{tp}", t.workspace_bytes[a], [k for k, m in enumerate(cand.modes) if m.recompute == "full" and m.tp == tp]),
+                (f"workspace_tp{tp}", t.workspace_bytes[a], [k for k, m in enumerate(cand.modes) if m.recompute == Recompute.FULL and m.tp == tp]),
                 (f"zero3_tp{tp}", t.zero3_buffer_bytes[a], [k for k, m in enumerate(cand.modes) if m.zero_stage == 3 and cand.dp > 1 and m.tp == tp]),
             )
         ]

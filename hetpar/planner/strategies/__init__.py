@@ -13,7 +13,7 @@ from hetpar.planner.strategies.hetero_dp import (
     balance_shares, estimate_shares, hetero_dp_plan, replica_classes, replica_sizes, sync_floor_s,
 )
 from hetpar.planner.strategies.objective import (
-    OBJECTIVES, Objective, cheapest_plan, least_energy_plan, resolve_prices, step_energy, usd_per_step, with_energy,
+    Objective, cheapest_plan, least_energy_plan, resolve_prices, step_energy, usd_per_step, with_energy,
 )
 from hetpar.planner.strategies.sync_methods import LOSSY_CHOICES, LOSSY_MIN_GAIN, DataParallelSync, cost_method, matrix_width
 
@@ -21,7 +21,6 @@ __all__ = [
     "DataParallelSync",
     "LOSSY_CHOICES",
     "LOSSY_MIN_GAIN",
-    "OBJECTIVES",
     "Objective",
     "balance_shares",
     "cheapest_plan",

@@ -60,10 +60,11 @@ from hetpar.planner.errors import PlanningError
 from hetpar.planner.estimate import Estimate, EstimateConfig, EstimateError, estimate, stage_split
 from hetpar.planner.model_graph import ModelGraph
 from hetpar.planner.options import SearchOptions
-from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, Schedule, SolverInfo, StagePlan
+from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, SolverInfo, StagePlan
 from hetpar.planner.search import search
 from hetpar.planner.solver import divisors
 from hetpar.planner.strategies.subcluster import shorthand
+from hetpar.vocabulary import Schedule
 
 # Bisection on the slowest replica's time stops within this relative width; T takes
 # discrete values, so the shares found are those of the optimum unless two share
@@ -283,7 +284,7 @@ def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, op
 
     best: _Choice | None = None
     for m in divisors(gbs)[::-1]:  # many micro-batches first: short bubbles, a best plan early for the bound below
-        if (gbs // m) % dp or (layout.schedule == "interleaved" and m % layout.pp):
+        if (gbs // m) % dp or (layout.schedule == Schedule.INTERLEAVED and m % layout.pp):
             continue
 
         def time_s(k: int, b: int, m: int = m) -> float:

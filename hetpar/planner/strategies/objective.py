@@ -62,11 +62,9 @@ from hetpar.planner.search import enumerate_candidates, lower_bound_s, memory_ma
 from hetpar.planner.solver import divisors
 from hetpar.planner.strategies.hetero_dp import sync_floor_s
 from hetpar.planner.strategies.subcluster import GroupUse, group_uses, subcluster
+from hetpar.vocabulary import ObjectiveKind, Recompute, Switch
 
 SECONDS_PER_HOUR = 3600.0
-
-
-OBJECTIVES = ("time", "cost", "energy")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,13 +72,13 @@ class Objective:
     """What a plan minimises: step time on all devices ("time"), dollars per step ("cost") or
     joules per step ("energy") over sub-clusters; each subject to ``min_throughput_samples_per_s``."""
 
-    kind: str = "time"
+    kind: str = ObjectiveKind.TIME
     usd_per_device_hour: dict[str, float] = field(default_factory=dict)  # device type -> price of one device-hour (--price)
     min_throughput_samples_per_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in OBJECTIVES:
-            raise PlanningError(f"unknown objective {self.kind!r}; use one of {', '.join(OBJECTIVES)}")
+        if self.kind not in tuple(ObjectiveKind):
+            raise PlanningError(f"unknown objective {self.kind!r}; use one of {', '.join(ObjectiveKind)}")
         if not self.min_throughput_samples_per_s >= 0:
             raise PlanningError(f"--min-throughput must be >= 0 samples/s, got {self.min_throughput_samples_per_s}")
 
@@ -146,7 +144,7 @@ def cheapest_plan(
     objective: Objective,
     *,
     solve: Callable[[ModelGraph, Cluster, SearchOptions], ParallelPlan] = search,
-    hetero_dp: str = "off",
+    hetero_dp: str = Switch.OFF,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> ParallelPlan:
     """The plan of least dollars per step, over sub-clusters of ``cluster``, that meets the throughput target.
@@ -179,7 +177,7 @@ def least_energy_plan(
     objective: Objective,
     *,
     solve: Callable[[ModelGraph, Cluster, SearchOptions], ParallelPlan] = search,
-    hetero_dp: str = "off",
+    hetero_dp: str = Switch.OFF,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> ParallelPlan:
     """The plan of fewest joules per step, over sub-clusters of ``cluster``, that meets the throughput target.
@@ -368,13 +366,13 @@ def _least_memory_bytes(model: ModelGraph, options: SearchOptions) -> float:
     """The fewest bytes all devices together hold for any plan: weights, gradients, optimizer state, and
     one sample's activations under full recompute."""
     return sum(stage_memory([layer], tp=1, micro_batch_size=1, in_flight=1, dtype=options.dtype, optimizer=options.optimizer,
-                            recompute="full").total_bytes for layer in model.layers)
+                            recompute=Recompute.FULL).total_bytes for layer in model.layers)
 
 
 def _plan_bound_s(model: ModelGraph, cand: _Candidate, options: SearchOptions, hetero_dp: str) -> float:
     """A lower bound on the step of any plan ``solve`` may return on the sub-cluster; see [Note: sub-cluster bound]."""
-    searched = math.inf if hetero_dp == "on" else _search_bound_s(model, cand.cluster, options)
-    if hetero_dp == "off" or len(cand.cluster.count_by_type()) < 2:
+    searched = math.inf if hetero_dp == Switch.ON else _search_bound_s(model, cand.cluster, options)
+    if hetero_dp == Switch.OFF or len(cand.cluster.count_by_type()) < 2:
         return searched
     sync_s = sync_floor_s(model, cand.cluster, options)
     return min(searched, cand.step_lb_s + sync_s) if sync_s is not None else searched
@@ -463,5 +461,5 @@ def _with_runners_up(plan: ParallelPlan, tried: dict, measure: dict[str, Callabl
                    solver=replace(plan.solver, search_time_s=round(wall_s, 3)))
 
 
-__all__ = ["Objective", "OBJECTIVES", "cheapest_plan", "least_energy_plan", "resolve_prices", "step_energy", "usd_per_step",
+__all__ = ["Objective", "cheapest_plan", "least_energy_plan", "resolve_prices", "step_energy", "usd_per_step",
            "with_energy", "SECONDS_PER_HOUR"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from hetpar.cost_models.grad_sync import OPTIMIZER_STATE_BYTES, PLAIN, SyncMethod
 from hetpar.planner.errors import PlanningError
 from hetpar.runtime.sync_spec import check_sync, parse_aggregation, parse_compression
+from hetpar.vocabulary import AggregationKind, CompressionKind, SyncScope
 
 # [Note: lossy sync choice]
 # The compressions the search weighs when the user allows lossy sync: bf16 (half the
@@ -26,7 +27,7 @@ from hetpar.runtime.sync_spec import check_sync, parse_aggregation, parse_compre
 # over it. A lossy method changes what is trained, so it must earn its place: it is
 # chosen only when predicted at least LOSSY_MIN_GAIN faster than the exact all-reduce,
 # that is when the gradient all-reduce is on the step's critical path.
-LOSSY_CHOICES = ("bf16", "powersgd:4", "topk:0.01", "sign")
+LOSSY_CHOICES = (CompressionKind.BF16, "powersgd:4", "topk:0.01", CompressionKind.SIGN)
 LOSSY_MIN_GAIN = 0.02
 
 
@@ -35,21 +36,21 @@ class DataParallelSync:
     """The data-parallel sync a request pins or leaves open."""
 
     grad_compression: str | None = None  # None: "none", or the search's choice under allow_lossy
-    aggregation: str = "mean"
+    aggregation: str = AggregationKind.MEAN
     sync_every: int = 1
-    sync_scope: str = "all"
+    sync_scope: str = SyncScope.ALL
     rebalance_every: int = 0
     allow_lossy: bool = False
 
     def __post_init__(self) -> None:
         try:
-            check_sync(self.grad_compression or "none", self.aggregation, self.sync_every, self.sync_scope,
+            check_sync(self.grad_compression or CompressionKind.NONE, self.aggregation, self.sync_every, self.sync_scope,
                        data_parallel=2**30, zero_stages=[], equal_shares=True)
         except ValueError as exc:
             raise PlanningError(_as_option(str(exc))) from None
         if not isinstance(self.rebalance_every, int) or self.rebalance_every < 0:
             raise PlanningError(f"--rebalance-every {self.rebalance_every!r} must be an integer >= 0 (0: never)")
-        if self.allow_lossy and (self.aggregation != "mean" or self.sync_every > 1):
+        if self.allow_lossy and (self.aggregation != AggregationKind.MEAN or self.sync_every > 1):
             raise PlanningError("--allow-lossy-sync chooses a gradient compression; it does not combine with "
                                 "--aggregation or --sync-every")
 
@@ -58,12 +59,12 @@ class DataParallelSync:
         """The compressions to plan with: the pinned one, or exact first then the lossy ones allowed."""
         if self.grad_compression is not None:
             return (self.grad_compression,)
-        return ("none", *LOSSY_CHOICES) if self.allow_lossy else ("none",)
+        return (CompressionKind.NONE, *LOSSY_CHOICES) if self.allow_lossy else (CompressionKind.NONE,)
 
     @property
     def exact(self) -> bool:
         """Whether the sync leaves the algorithm as one process runs it (rebalancing does)."""
-        return self.grad_compression in (None, "none") and not self.allow_lossy and self.aggregation == "mean" \
+        return self.grad_compression in (None, CompressionKind.NONE) and not self.allow_lossy and self.aggregation == AggregationKind.MEAN \
             and self.sync_every == 1
 
 
@@ -76,16 +77,16 @@ def cost_method(compression: str, aggregation: str, sync_every: int, sync_scope:
     """
     comp, agg = parse_compression(compression), parse_aggregation(aggregation)
     if sync_every > 1:
-        return SyncMethod(name=f"local SGD every {sync_every}" + (" across nodes" if sync_scope == "node" else ""),
-                          kind="local_sgd", every=sync_every, inside_node=sync_scope == "node",
+        return SyncMethod(name=f"local SGD every {sync_every}" + (" across nodes" if sync_scope == SyncScope.NODE else ""),
+                          kind="local_sgd", every=sync_every, inside_node=sync_scope == SyncScope.NODE,
                           state_bytes=OPTIMIZER_STATE_BYTES[optimizer])
     if agg.robust:
-        return SyncMethod(name=str(agg), kind="krum" if agg.kind == "krum" else "coordinate")
-    if comp.kind in ("bf16", "fp16"):
+        return SyncMethod(name=str(agg), kind=AggregationKind.KRUM if agg.kind == AggregationKind.KRUM else "coordinate")
+    if comp.kind in (CompressionKind.BF16, CompressionKind.FP16):
         return SyncMethod(name=str(comp), kind="cast")
-    if comp.kind == "powersgd":
-        return SyncMethod(name=str(comp), kind="powersgd", rank=comp.rank or 1, width=width)
-    if comp.kind in ("topk", "sign"):
+    if comp.kind == CompressionKind.POWERSGD:
+        return SyncMethod(name=str(comp), kind=CompressionKind.POWERSGD, rank=comp.rank or 1, width=width)
+    if comp.kind in (CompressionKind.TOPK, CompressionKind.SIGN):
         return SyncMethod(name=str(comp), kind=comp.kind, fraction=comp.fraction or 1.0)
     return PLAIN
 
