@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, S
 from hetpar.vocabulary import Schedule, Sharding  # noqa: E402
 from hetpar.rewriters import compile_plan  # noqa: E402
 from hetpar.runtime.model_file import file_fingerprint  # noqa: E402
+from hetpar.runtime.cli import free_port  # noqa: E402
 
 GPT = ROOT / "examples" / "gpt.py"
 BLOCK_TP = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
@@ -103,12 +103,6 @@ def _plan(layout: str, args: argparse.Namespace) -> ParallelPlan:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(layout: str, work: Path, args: argparse.Namespace) -> dict:
     """One layout's program with --steps 0: each rank's peak RSS and wall time."""
     plan = _plan(layout, args)
@@ -119,7 +113,7 @@ def run(layout: str, work: Path, args: argparse.Namespace) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), f"--nproc_per_node={plan.cluster.world_size}", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "probe.py", "train.py", str(out), "--steps", "0", "--seed", "0"]
+           f"--master_port={free_port()}", "probe.py", "train.py", str(out), "--steps", "0", "--seed", "0"]
     start = time.perf_counter()
     result = subprocess.run(cmd, cwd=build, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if result.returncode != 0:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from hetpar.vocabulary import Schedule  # noqa: E402
 from hetpar.rewriters import compile_plan  # noqa: E402
 from hetpar.runtime.model_file import file_fingerprint  # noqa: E402
 from hetpar.runtime.training import read_metrics  # noqa: E402
+from hetpar.runtime.cli import free_port  # noqa: E402
 
 MLP = ROOT / "examples" / "mlp.py"
 
@@ -95,17 +95,11 @@ dist.destroy_process_group()
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(program: Path, args: list[str], timeout_s: float) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+    cmd = [str(torchrun), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
            str(program), *args]
     result = subprocess.run(cmd, cwd=program.parent, env=env, capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:

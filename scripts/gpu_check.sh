@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check anyone with one CUDA GPU can run (about 8 minutes on an H200):
+# The GPU check anyone with one CUDA GPU can run (its runs: docs/benchmarks/gpu-validate_*.md):
 #   tests     the `gpu` tests (timing with CUDA events against a synchronised step);
 #   validate  six single-GPU plans of examples/gpt.py (350M and 1.3B parameters, several
 #             micro-batch sizes, with and without recompute) planned with the datasheet

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, S
 from hetpar.vocabulary import Schedule, Sharding  # noqa: E402
 from hetpar.runtime.graph import trace_layers  # noqa: E402
 from hetpar.runtime.model_file import file_fingerprint, load_model_file  # noqa: E402
+from hetpar.runtime.cli import free_port  # noqa: E402
 
 TORCHRUN_TIMEOUT_S = 180
 
@@ -91,12 +91,6 @@ def build_plan(
         predicted=Predicted(step_time_s=0.1, throughput_samples_per_s=10.0, peak_memory_bytes=[0] * len(splits)),
         solver=SolverInfo(status="pinned", search_time_s=0.0),
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def subprocess_env() -> dict[str, str]:

@@ -11,8 +11,6 @@ from hetpar.commands.common import console, domain_errors, fail, print_json
 from hetpar.planner.plan import ParallelPlan
 from hetpar.rewriters.torchrun import CompileError, checked_model_file, compile_plan
 from hetpar.runtime.model_file import load_model_file
-from hetpar.runtime.shard import ShardError
-from hetpar.runtime.tied import tied_across_stages
 
 
 @domain_errors
@@ -39,6 +37,9 @@ def _has_tied_weights(plan: ParallelPlan) -> bool:
     one and the plan's text is safe ([Note: plan text] in rewriters/plan_text.py)."""
     if len(plan.stages) < 2:
         return False
+    from hetpar.runtime.shard import ShardError  # torch.distributed.tensor: only where the program has stages to cut
+    from hetpar.runtime.tied import tied_across_stages
+
     model_file = load_model_file(checked_model_file(plan), plan.model.args)
     try:
         return bool(tied_across_stages(model_file, [(s.layers[0], s.layers[-1]) for s in plan.stages],

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 import statistics
 import tempfile
 import warnings
@@ -26,15 +25,10 @@ from hetpar.profiler import collectives, micro
 from hetpar.profiler.clock import compute_dtype, matmul_dtypes, worker_device
 from hetpar.profiler.layers import layer_times
 from hetpar.profiler.reference import reference_step_time, reference_times, reference_tp_step_time, tp_op_overhead
+from hetpar.runtime.cli import free_port
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 COLLECTIVE_INNER = {"cpu": 1, "cuda": 10}  # back-to-back collectives per timed region
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _compute_benchmarks(plan: dict, device: torch.device, progress: Callable[[str], None]) -> dict:
@@ -188,7 +182,7 @@ def host_measurements(world: int, *, device: str = "cpu", matmul_sizes: list[int
     plan = {"device": device, "sizes_bytes": sizes_bytes, "repeats": repeats, "matmul_sizes": matmul_sizes,
             "tp_sharding": tp_sharding or {}, "model": model}
     with tempfile.TemporaryDirectory(prefix="hetpar-profile-") as tmp:
-        context = mp.spawn(_worker, args=(world, _free_port(), plan, tmp), nprocs=world, join=False)
+        context = mp.spawn(_worker, args=(world, free_port(), plan, tmp), nprocs=world, join=False)
         seen = 0
         try:
             while not context.join(timeout=0.2):

@@ -1,4 +1,4 @@
-"""runtime: what a generated program imports. Depends on torch only, never on planner, cost_models or rewriters.
+"""runtime: what a generated program imports. Depends on torch and hetpar.vocabulary only, never on planner, cost_models or rewriters.
 
 Modules, in the order a program uses them:
 

@@ -36,6 +36,7 @@ import re
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -108,7 +109,7 @@ def fx_trace(model: nn.Module, leaf_modules: tuple[str, ...] = ()) -> fx.GraphMo
     try:
         graph = _Tracer(leaf_modules).trace(model)
     except Exception as exc:  # noqa: BLE001 - located and reported as one line
-        raise TracerFailed(locate("torch.fx", exc, model)) from exc
+        raise TracerFailed(failure_site("torch.fx", exc, model)) from exc
     return fx.GraphModule(model, graph, class_name=type(model).__name__)
 
 
@@ -125,7 +126,7 @@ def export_graph(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
             ep = torch.export.export(model, inputs, strict=False)
             gm = ep.module()
     except Exception as exc:  # noqa: BLE001 - located and reported as one line
-        raise TracerFailed(locate("torch.export", exc, model)) from exc
+        raise TracerFailed(failure_site("torch.export", exc, model)) from exc
     _strip_export_checks(gm)
     return gm
 
@@ -164,7 +165,7 @@ def quiet_torch_logs():
             lg.disabled = was
 
 
-def locate(tracer: str, exc: BaseException, model: nn.Module) -> Failure:
+def failure_site(tracer: str, exc: BaseException, model: nn.Module) -> Failure:
     """Find the module and source line where tracing failed; see [Note: where tracing failed]."""
     names = {id(m): name for name, m in model.named_modules()}
     module, source = None, None
@@ -270,5 +271,11 @@ def module_paths(node: fx.Node) -> list[str]:
     return paths
 
 
-__all__ = ["Failure", "TraceError", "TracerFailed", "capture", "data_dependent", "export_graph", "fx_trace", "locate", "module_path", "module_paths",
+def attribute(module: nn.Module, path: str) -> Any:
+    """What a ``get_attr`` node at ``path`` reads: the parameter, buffer or constant of ``module``."""
+    owner, _, name = path.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, name)
+
+
+__all__ = ["Failure", "attribute", "TraceError", "TracerFailed", "capture", "data_dependent", "export_graph", "fx_trace", "failure_site", "module_path", "module_paths",
            "quiet_torch_logs"]

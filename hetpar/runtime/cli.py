@@ -163,7 +163,7 @@ def check_world_size(expected: int, program: str, replan: Replan | None = None) 
     started = world_size_from_env()
     if started is None and expected == 1:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         return
     if started == expected:
         return
@@ -212,11 +212,12 @@ def _fail(message: str) -> None:
     raise SystemExit(2)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on this host that no one listens on now, for a rendezvous to take."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-__all__ = ["Replan", "TrainArgs", "check_launch", "check_world_size", "parse_args", "replan_message",
+__all__ = ["Replan", "TrainArgs", "check_launch", "check_world_size", "free_port", "parse_args", "replan_message",
            "world_size_from_env"]

@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
-from hetpar.runtime.capture import TraceError, capture, data_dependent, locate, module_paths
+from hetpar.runtime.capture import TraceError, capture, data_dependent, failure_site, module_paths
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,7 +287,7 @@ def _exported_values(lg: LayeredGraph, inputs: tuple) -> dict[str, Any]:
 
 def meta_run_error(gm: fx.GraphModule, exc: BaseException, what: str = "") -> TraceError:
     """A one-line TraceError for a graph (or a stage of it) that fails to run on the meta device."""
-    failure = locate("the meta run", exc, gm)
+    failure = failure_site("the meta run", exc, gm)
     hint = ("planning runs the model on meta tensors, so forward must not read tensor values "
             "(branch on shapes or config instead)" if data_dependent(exc) else "report this model")
     return TraceError(f"cannot run {what or type(gm).__name__} on the meta device: {failure.describe()}; {hint}")

@@ -422,8 +422,7 @@ class TimedRun:
 # is then computing, that thread has to be scheduled beside the sender's compute; on a
 # host whose cores are all busy (CPU workers computing on every core) it waits for the
 # OS scheduler. ``hetpar profile`` measures the mean wait of exactly that case
-# (profiler/collectives.py ``late_receive_times``; docs/BENCHMARKS.md, "Late pipeline
-# receives", sets it beside a receive posted late to an idle sender), and
+# (profiler/collectives.py ``late_receive_times``; docs/benchmarks/late-receive_cpu-2core_2026-12-03.md sets it beside a receive posted late to an idle sender), and
 # ``simulate_timed`` charges it to every message the timeline finds in that case: the
 # message arrives no earlier than the receiver's arrival at the action plus the charge. GPipe runs into it on every micro-batch (its first stage sends forwards
 # back to back while the next is still computing the previous ones), 1F1B rarely (its

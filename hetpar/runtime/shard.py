@@ -276,7 +276,7 @@ _STYLES = {
 # The styles that cut a [V, H] weight alike wherever it is held, an Embedding's and a
 # head's: Shard(0), rank t holding rows t V / tp to (t + 1) V / tp, so a weight tied
 # between them splits the same way in both ([Note: tied vocab-parallel weights] in
-# planner/trace.py; runtime/tied.py).
+# planner/capture/trace.py; runtime/tied.py).
 VOCAB_SPLITS = frozenset({Sharding.VOCAB_EMBEDDING, Sharding.VOCAB_HEAD})
 
 
@@ -327,7 +327,7 @@ def _ties(module: nn.Module) -> list[list[tuple[str, str]]]:
 
 def _retie(module: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
     """Make the holders of each tied parameter hold one tensor again after tensor
-    parallelism gave each its own ([Note: tied vocab-parallel weights] in planner/trace.py:
+    parallelism gave each its own ([Note: tied vocab-parallel weights] in planner/capture/trace.py:
     an embedding and a head split over the vocabulary hold the same Shard(0) DTensor, and
     autograd sums both uses' gradients into it).
 

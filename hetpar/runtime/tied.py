@@ -28,7 +28,7 @@ The groups are created on every rank, in one order (``dist.new_group`` is collec
 from what every rank reports of its stages (one ``all_gather_object``). The stages
 that hold one tied parameter must have equal tensor-parallel and data-parallel degrees,
 and tensor parallelism must split every copy over the vocabulary (an embedding's and a
-head's [V, H] weight, Shard(0): [Note: tied vocab-parallel weights] in planner/trace.py)
+head's [V, H] weight, Shard(0): [Note: tied vocab-parallel weights] in planner/capture/trace.py)
 or none: else its copies would be shaped differently on different stages, and the
 program refuses to start. Split alike, rank t's copies are the same rows, and the
 all-reduce of each rank's local shard of the gradient sums the whole gradient's rows.

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from hetpar.runtime.capture import module_path
+from hetpar.runtime.capture import attribute, module_path
 
 aten = torch.ops.aten
 UNATTRIBUTED = ""  # the bucket of kernels that belong to no node (gradient accumulation)
@@ -212,7 +212,7 @@ class _KernelCounter(TorchDispatchMode):
 # FLOP-counted kernels record none. The backward's matmuls of a forward matmul run
 # with the same M (the input gradient has M rows; the weight gradient sums over M).
 # It falls with the matmul's width too (a transposed weight and a bias weigh more on
-# fewer FLOPs per output; docs/BENCHMARKS.md, "Matmul width in the layer model"), so
+# fewer FLOPs per output; docs/benchmarks/matmul-width_cpu-2core_2026-12-03.md), so
 # each matmul also records its width, the geometric mean of its inner dimension K and
 # its output columns N (of attention: the head size and the key length), and the cost
 # model interpolates between curves measured at two widths (cost_models/compute.py
@@ -289,7 +289,7 @@ def _count_params(module: fx.GraphModule, result: Measurement) -> None:
     seen: set[int] = set()
     for node in module.graph.nodes:
         if node.op == "get_attr":
-            tensors = [_attr(module, str(node.target))]
+            tensors = [attribute(module, str(node.target))]
         elif node.op == "call_module":
             tensors = list(module.get_submodule(str(node.target)).parameters())
         else:
@@ -299,10 +299,6 @@ def _count_params(module: fx.GraphModule, result: Measurement) -> None:
                 seen.add(id(t))
                 result.nodes[node.name].param_bytes += _nbytes(t)
 
-
-def _attr(module: torch.nn.Module, path: str) -> Any:
-    owner, _, name = path.rpartition(".")
-    return getattr(module.get_submodule(owner) if owner else module, name)
 
 
 # [Note: fused attention on meta]

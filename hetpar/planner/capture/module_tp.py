@@ -49,7 +49,7 @@ from hetpar.planner.capture.tp_ilp import TpCostModel, TpProblem, build_problem,
 from hetpar.planner.capture.tp_meta import local_linear
 from hetpar.planner.capture.tp_ops import TpError
 from hetpar.vocabulary import Sharding
-from hetpar.runtime.capture import locate, quiet_torch_logs
+from hetpar.runtime.capture import failure_site, quiet_torch_logs
 from hetpar.runtime.module_stage import DecoderLayout, DecoderStage, hidden_size
 
 _STYLES = {style.value: style for style in (Sharding.COLWISE, Sharding.ROWWISE)}  # transformers tp_plan names ours
@@ -113,7 +113,7 @@ class BlockDryRun:
             with quiet_torch_logs(), FakeTensorMode(allow_non_fake_inputs=True):
                 out = stage(hidden)[0]
         except _RUN_ERRORS as exc:
-            where = locate("dry run", exc, stage).module
+            where = failure_site("dry run", exc, stage).module
             return DryRunFailure(node=where or "", split_inputs=self._culprits(where, path, sharding),
                                  reason=f"{type(exc).__name__}: {exc}")
         if out.shape != hidden.shape:

@@ -16,6 +16,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hetpar.runtime.capture import attribute
+
 
 # Ops that act on each feature independently, or on whole heads: a split feature
 # dimension passes through them unchanged.
@@ -72,14 +74,10 @@ def linear_site(gm: fx.GraphModule, node: fx.Node) -> LinearSite | None:
     weight = node.args[2] if conv1d else node.args[1]
     if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and str(weight.target).endswith(".weight")):
         return None
-    shape = _get_attr(gm, str(weight.target)).shape
+    shape = attribute(gm, str(weight.target)).shape
     out_f, in_f = (shape[1], shape[0]) if conv1d else (shape[0], shape[1])
     return LinearSite(str(weight.target).removesuffix(".weight"), in_f, out_f, node.args[1] if conv1d else node.args[0])
 
-
-def _get_attr(module: nn.Module, path: str) -> Any:
-    owner, _, name = path.rpartition(".")
-    return getattr(module.get_submodule(owner) if owner else module, name)
 
 
 # Dimension-sensitive ops: (function or method name, position of ``dim``, its default); the dry run checks them.

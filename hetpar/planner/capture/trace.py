@@ -36,6 +36,7 @@ from hetpar.planner.capture.tp_meta import check_sharded_shapes, shard_on_meta
 from hetpar.planner.capture.vocab_parallel import splits_vocabulary, vocab_sharding
 from hetpar.planner.model_graph import BoundaryTensor, ModelGraph, NodeProfile
 from hetpar.vocabulary import Sharding
+from hetpar.runtime.capture import attribute
 from hetpar.runtime.graph import LayeredGraph, Stage, boundary_values, build_stage, meta_run_error, record_values, trace_layers
 from hetpar.runtime.model_file import ModelFile, file_fingerprint
 from hetpar.runtime.module_stage import DecoderLayout, layout_for
@@ -220,7 +221,7 @@ def differentiable_values(lg: LayeredGraph, values: dict[str, Any]) -> dict[str,
         if node.op == "placeholder":
             flag = False
         elif node.op == "get_attr":
-            attr = _get_attr(lg.gm, str(node.target))
+            attr = attribute(lg.gm, str(node.target))
             flag = isinstance(attr, torch.Tensor) and attr.requires_grad
         elif node.op == "call_module":
             sub = lg.gm.get_submodule(str(node.target))
@@ -493,7 +494,7 @@ def _structure_key(stage: Stage, layer_name: str, inputs: list[torch.Tensor]) ->
         target = node.target if callable(node.target) else _relative_path(str(node.target), layer_name)
         row: list[Any] = [node.op, target if isinstance(target, str) else repr(target), repr(args)]
         if node.op == "get_attr":
-            row.append(_tensor_signature(_get_attr(stage.module, str(node.target))))
+            row.append(_tensor_signature(attribute(stage.module, str(node.target))))
         elif node.op == "call_module":
             sub = stage.module.get_submodule(str(node.target))
             row += [repr(sub), tuple(_tensor_signature(t) for t in (*sub.parameters(), *sub.buffers()))]
@@ -506,10 +507,6 @@ def _tensor_signature(t: Any) -> Any:
         return (tuple(t.shape), t.dtype, isinstance(t, torch.nn.Parameter))
     return repr(t)
 
-
-def _get_attr(module: torch.nn.Module, path: str) -> Any:
-    owner, _, name = path.rpartition(".")
-    return getattr(module.get_submodule(owner) if owner else module, name)
 
 
 def _relative_path(path: str, layer_name: str) -> str:

@@ -20,7 +20,7 @@ from hetpar.vocabulary import Optimizer
 # boundary once (one slow inter-type link instead of several); every order of the types
 # (at most 3! = 6 for three types) is solved exactly, which keeps the search exact
 # within that space and fast. (A CP-SAT model over every stage-by-stage type sequence
-# was tried: its bounds were weak and 12-stage instances did not close in 10 s.) Each
+# was tried: its bounds were weak and 12-stage instances did not close within the per-candidate work limit.) Each
 # type gets its own cost columns, built as if every stage ran on that type's first
 # blocks of its degree; a stage that chooses a type reads that type's column. The p2p
 # cost of a cut is the one between the sending type's own blocks, an approximation

@@ -109,15 +109,15 @@ def _layouts(model: ModelGraph, cluster, options: SearchOptions, dp: int, tp_ok:
 # not divide the share, and within a node one stage's devices split between two stages
 # (or a heavy stage given a larger degree than the rest). On larger shares the plus-one
 # layouts were near-ties of the uniform ones (the 1T benchmark's 25 stages of degrees 8
-# and 4 against 24 of 8, within 1%) that CP-SAT could not settle in its time limit, and
-# the search took a minute; on mixed clusters each is solved once per order of the
-# types, and they tripled the 512-device benchmark's time. The degrees offered are the two neighbours in the chain around the
+# and 4 against 24 of 8, within 1%) that CP-SAT could not settle within its work limit,
+# so each ran to the limit; on mixed clusters each is solved once per order of the
+# types, multiplying those solves (docs/benchmarks/search_cpu-2core_2026-12-02.md). The degrees offered are the two neighbours in the chain around the
 # type's average share / stages (``degree_split``; the stages' degrees as even as the
 # sum allows, so that their counts are fixed and the CP-SAT model only chooses which
 # stages take the larger), or where no two neighbours sum right, the degrees of the
 # first split found largest first. Offering every degree that could sum right was
 # tried: with 24 modes per stage CP-SAT's relaxation was weak (a bound of a third of
-# the optimum after 2 s on the 1T benchmark's candidates), and the search took minutes.
+# the optimum on the 1T benchmark's candidates), and candidates ran to their work limit unproven.
 # A pinned pipeline depth (--pp, --stage-layers, --stage-devices) fixes the total, so
 # there every split of it over the types whose degrees can sum to their shares is
 # taken: few, and the counts above need not reach the pinned depth (on

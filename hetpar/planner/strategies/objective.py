@@ -432,7 +432,7 @@ def _unreachable(model, cluster: Cluster, options: SearchOptions, candidates: li
 # tightened by the search's candidate bounds. Finding the exact best would mean
 # searching every sub-cluster whose bound passes the best plan found, and at small
 # batches the bounds are loose (bubbles dominate): on a 35-device, three-type cluster
-# with the 1.3B GPT at batch 4 all 40 sub-clusters pass it, each a search of a minute,
+# with the 1.3B GPT at batch 4 all 40 sub-clusters pass it, each a whole search,
 # for an error message (the fuzzer's case; benchmarks/fuzz.py).
 def _by_ceiling(model, candidates: list[_Candidate], options: SearchOptions, hetero_dp: str) -> list[tuple[float, _Candidate]]:
     """(throughput bound, sub-cluster), highest first, for the sub-clusters whose loose bound could pass the highest
