@@ -50,6 +50,8 @@ class ModelGraph:
     fingerprint: str
     layers: list[LayerProfile]
     tp_sharding: list[dict[str, Sharding]] = field(default_factory=list)  # per layer
+    # per layer: module path -> part sizes of its colwise fused projections ([Note: part-laid Linears] in runtime/parts.py)
+    tp_parts: list[dict[str, tuple[int, ...]]] = field(default_factory=list)
     # per layer: where its tp_sharding came from ("finder", "base_model_tp_plan"; "" unsplit)
     tp_source: list[str] = field(default_factory=list)
     input_bytes: float = 0.0  # per sample

@@ -46,6 +46,10 @@ class StagePlan:
     tensor_parallel: int
     ranks: list[list[int]]
     tp_sharding: dict[str, Sharding] = field(default_factory=dict)  # module path -> sharding
+    # module path -> the sizes of the parts a colwise fused projection's output is cut into
+    # (q, k, v; gate, up), each split over the tp ranks ([Note: part-laid Linears] in
+    # runtime/parts.py); written only where a stage has some
+    tp_parts: dict[str, list[int]] = field(default_factory=dict)
     zero_stage: int = 0  # ZeRO stage of the data-parallel replicas of this stage (0 = plain all-reduce)
     recompute: str = Recompute.NONE  # "none" | "selective" | "full": activation recomputation of this stage's layers
 
@@ -65,6 +69,20 @@ class StagePlan:
             raise PlanFileError(
                 f"stage {self.index}: each replica needs tensor_parallel({self.tensor_parallel}) ranks, got {sorted(widths)}"
             )
+        self._check_parts()
+
+    def _check_parts(self) -> None:
+        for path, parts in self.tp_parts.items():
+            where = f"stage {self.index}: tp_parts[{path!r}]"
+            if self.tp_sharding.get(path) != Sharding.COLWISE:
+                raise PlanFileError(f"{where} names a module tp_sharding does not split colwise")
+            if not isinstance(parts, list) or len(parts) < 2 or \
+                    not all(type(p) is int and p > 0 for p in parts):
+                raise PlanFileError(f"{where} must be a list of two or more positive part sizes, got {parts!r}")
+            bad = [p for p in parts if p % self.tensor_parallel]
+            if bad:
+                raise PlanFileError(f"{where}: a part of {bad[0]} features does not divide by "
+                                    f"tensor_parallel({self.tensor_parallel})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,7 +268,11 @@ class ParallelPlan:
 
     def to_json(self) -> str:
         """The plan as indented JSON text."""
-        return json.dumps(_to_jsonable(asdict(self)), indent=2) + "\n"
+        data = _to_jsonable(asdict(self))
+        for stage in data["stages"]:
+            if not stage["tp_parts"]:
+                del stage["tp_parts"]  # a plan without fused projections reads as before
+        return json.dumps(data, indent=2) + "\n"
 
     def save(self, path: str | Path) -> None:
         """Write the plan atomically: a crash never leaves a half-written file."""

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from hetpar.planner.capture.measure import Measurement
 from hetpar.planner.capture.tp_ilp import TpCostModel, TpProblem, TpSolution, build_problem, evaluate, solve
-from hetpar.planner.capture.tp_meta import check_sharded_shapes, shard_on_meta
-from hetpar.planner.capture.tp_ops import DIM_ARGUMENT, MATMULS, TpError, run_graph
+from hetpar.planner.capture.tp_meta import ShapeError, check_sharded_shapes, shard_on_meta
+from hetpar.planner.capture.tp_ops import DIM_ARGUMENT, MATMULS, REPEAT_INTERLEAVE, TpError, cuts, linear_parts, linear_site, run_graph
 from hetpar.vocabulary import Sharding
 
 _MAX_SOLVES = 32  # dry-run failures tolerated before the layer stays replicated
@@ -98,7 +98,9 @@ def dry_run(stage_module: fx.GraphModule, inputs: list[torch.Tensor], sharding: 
     """
     reference = run_graph(stage_module, inputs)
     try:
-        sharded_module = shard_on_meta(stage_module, sharding, tp)
+        sharded_module = shard_on_meta(stage_module, sharding, tp, inputs)
+    except ShapeError as exc:
+        return DryRunFailure(node=exc.node, split_inputs=frozenset({exc.split_input} - {""}), reason=str(exc))
     except TpError as exc:
         return DryRunFailure(node="", split_inputs=frozenset(), reason=str(exc))
     sharded: dict[str, Any] = {}
@@ -107,8 +109,9 @@ def dry_run(stage_module: fx.GraphModule, inputs: list[torch.Tensor], sharding: 
     except (RuntimeError, ValueError, TypeError, IndexError) as exc:
         node = next(n for n in stage_module.graph.nodes if n.name not in sharded)
         return _failure(node, reference, sharded, f"{type(exc).__name__}: {exc}")
+    part_cuts = _part_cuts(stage_module, sharding, reference)
     for node in stage_module.graph.nodes:
-        reason = _split_dim_misuse(node, reference, sharded)
+        reason = _split_dim_misuse(node, reference, sharded, part_cuts)
         if reason:
             return _failure(node, reference, sharded, reason)
     output = next(n for n in stage_module.graph.nodes if n.op == "output")
@@ -132,8 +135,26 @@ def _split_dims(full: Any, local: Any) -> list[int]:
     return [d - full.dim() for d in range(full.dim()) if full.shape[d] != local.shape[d]]
 
 
-def _split_dim_misuse(node: fx.Node, reference: dict, sharded: dict) -> str | None:
-    """Why ``node`` computes something else on a split input than on the unsplit one, if it does."""
+def _part_cuts(gm: fx.GraphModule, sharding: dict[str, Sharding], reference: dict) -> dict[str, set[int]]:
+    """Node name -> the feature offsets of its parts, for each part-laid colwise Linear
+    ([Note: part-laid Linears] in runtime/parts.py)."""
+    parts = linear_parts(gm, sharding, reference)
+    out = {}
+    for node in gm.graph.nodes:
+        site = linear_site(gm, node)
+        if site is not None and site.path in parts:
+            offsets = [0]
+            for p in parts[site.path]:
+                offsets.append(offsets[-1] + p)
+            out[node.name] = set(offsets)
+    return out
+
+
+def _split_dim_misuse(node: fx.Node, reference: dict, sharded: dict, part_cuts: dict[str, set[int]] | None = None
+                      ) -> str | None:
+    """Why ``node`` computes something else on a split input than on the unsplit one, if
+    it does. A split of a part-laid Linear's output at its parts is what the layout is
+    for (``part_cuts``: ``_part_cuts``)."""
     if node.op not in ("call_function", "call_method") or not node.all_input_nodes:
         return None
     first = node.args[0] if node.args else None
@@ -145,11 +166,19 @@ def _split_dim_misuse(node: fx.Node, reference: dict, sharded: dict) -> str | No
     if not split:
         return None
     full = reference[first.name]
+    offsets = (part_cuts or {}).get(first.name)
+    if offsets is not None and cuts(node, full.shape[-1], full.dim()) == offsets:
+        return None
     if node.target in DIM_ARGUMENT:
         position, default = DIM_ARGUMENT[node.target]
         dim = node.kwargs.get("dim", node.args[position] if len(node.args) > position else default)
         if dim is None or (isinstance(dim, int) and dim - (full.dim() if dim >= 0 else 0) in split):
             return f"{node.target if isinstance(node.target, str) else node.target.__name__} acts along the split dimension"
+    if node.target in REPEAT_INTERLEAVE:
+        repeats = node.kwargs.get("repeats", node.args[1] if len(node.args) > 1 else None)
+        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+        if not isinstance(repeats, int) or not isinstance(dim, int):
+            return "repeat_interleave of a split value by a tensor, or flattened"
     if node.target in MATMULS and -1 in split:
         return "matmul contracts the split dimension"
     if node.target is F.scaled_dot_product_attention and set(split) - {-3, -4}:

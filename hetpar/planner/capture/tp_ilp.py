@@ -36,6 +36,12 @@ is Megatron's pattern (q, k, v and mlp.fc colwise; o and mlp.proj rowwise: two
 all-reduces per block forward), found without naming a module; a plain MLP stack
 pairs its Linears the same way, and a Linear before a norm gathers its output.
 
+A Linear whose output is cut into parts (a fused q/k/v split by widths, a fused
+gate/up chunked) is colwise part by part: each rank holds its slice of every part
+([Note: part-laid Linears] in runtime/parts.py), offered when every part divides by
+tp; the dry run runs the layer with its shape constants made local ([Note: local
+shape constants]), so a head count that does not divide refuses the split there.
+
 The model cannot see every way a split can go wrong (a view that splits the head
 dimension instead of the heads, a chunk over the split features), so the chosen
 layer is run on the meta device as one rank holds it, recording each value's shape
@@ -55,8 +61,8 @@ from ortools.sat.python import cp_model
 from hetpar.cost_models.devices import DeviceProfile, get_device
 from hetpar.planner.capture.measure import Measurement, measure
 from hetpar.planner.capture.tp_ops import (
-    FEATURE_WISE_ATEN, FEATURE_WISE_FUNCTIONS, FEATURE_WISE_METHODS, FEATURE_WISE_MODULES, LinearSite, TpError, is_tensors,
-    linear_site, run_graph, tensor_nbytes,
+    FEATURE_WISE_ATEN, FEATURE_WISE_FUNCTIONS, FEATURE_WISE_METHODS, FEATURE_WISE_MODULES, LinearSite, TpError, find_parts,
+    is_tensors, linear_site, run_graph, tensor_nbytes,
 )
 from hetpar.vocabulary import Sharding
 from hetpar.planner.solver import cp_solver, to_ticks
@@ -193,9 +199,10 @@ def build_problem(gm: fx.GraphModule, inputs: list[torch.Tensor], cost: TpCostMo
         if kind is _Kind.LINEAR:
             site = linear_site(gm, node)
             path, tensors = site.path, (site.input.name,)
-            x = values[tensors[0]]
-            linear_s[node.name] = _linear_seconds(site, seconds[node.name], tensor_nbytes(x),
-                                                  tensor_nbytes(values[node.name]), getattr(x, "requires_grad", False), cost)
+            x, y = values[tensors[0]], values[node.name]
+            parts = find_parts(node, site.out_features, y.dim()) if isinstance(y, torch.Tensor) else (site.out_features,)
+            linear_s[node.name] = _linear_seconds(site, seconds[node.name], tensor_nbytes(x), tensor_nbytes(y),
+                                                  getattr(x, "requires_grad", False), cost, parts)
             if getattr(x, "requires_grad", False):
                 grad_reduce_s[tensors[0]] = cost.all_reduce_s(tensor_nbytes(x))
         elif kind is _Kind.FEATURE:
@@ -218,17 +225,20 @@ def build_problem(gm: fx.GraphModule, inputs: list[torch.Tensor], cost: TpCostMo
 
 
 def _linear_seconds(linear: LinearSite, compute_s: float, in_bytes: int, out_bytes: int, input_grad: bool,
-                    cost: TpCostModel) -> dict[Sharding | None, float]:
+                    cost: TpCostModel, parts: tuple[int, ...] = ()) -> dict[Sharding | None, float]:
     """One rank's time for each choice a Linear can take (left out where its features do
     not divide). The backward collectives on the input gradient run only if the input
     needs one (not for data); a colwise input's all-reduce is charged to the input
-    value instead, once for all the colwise Linears that read it (``grad_reduce_ticks``)."""
+    value instead, once for all the colwise Linears that read it (``grad_reduce_ticks``).
+    A fused projection cut into ``parts`` is colwise part by part ([Note: part-laid
+    Linears] in runtime/parts.py), so every part must divide; gathered, it is one block."""
     tp = cost.tp
     split = compute_s / tp
     grad_all_gather = cost.all_gather_s(in_bytes) if input_grad else 0.0
     options: dict[Sharding | None, float] = {None: compute_s}
-    if linear.out_features % tp == 0:
+    if all(p % tp == 0 for p in parts or (linear.out_features,)):
         options[Sharding.COLWISE] = split
+    if linear.out_features % tp == 0:
         options[Sharding.COLWISE_GATHER] = split + cost.all_gather_s(out_bytes)
     if linear.in_features % tp == 0:
         options[Sharding.ROWWISE] = split + cost.all_reduce_s(out_bytes)

@@ -10,8 +10,18 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from hetpar.planner.capture.tp_ops import TpError
+from hetpar.planner.capture.tp_ops import TpError, linear_parts, run_graph
+from hetpar.runtime.parts import PartError, PartLayout, localise_shapes
 from hetpar.vocabulary import Sharding
+
+
+class ShapeError(TpError):
+    """A shape constant of the layer cannot follow the split (``node``: the op,
+    ``split_input``: its split input)."""
+
+    def __init__(self, message: str, *, node: str, split_input: str) -> None:
+        super().__init__(message)
+        self.node, self.split_input = node, split_input
 
 
 class MetaGathered(nn.Module):
@@ -82,12 +92,23 @@ def local_embedding(module: nn.Embedding, tp: int, path: str) -> nn.Embedding:
     return local
 
 
-def shard_on_meta(stage_module: fx.GraphModule, sharding: dict[str, Sharding], tp: int) -> fx.GraphModule:
-    """A meta-device copy of the layer as one tensor-parallel rank holds it.
+def shard_on_meta(stage_module: fx.GraphModule, sharding: dict[str, Sharding], tp: int,
+                  inputs: list[torch.Tensor] | None = None) -> fx.GraphModule:
+    """A meta-device copy of the layer as one tensor-parallel rank holds it; given the
+    ``inputs`` it runs on, with its shape constants made local ([Note: local shape
+    constants] in runtime/parts.py), as the program makes them.
 
     Raises:
-        TpError: a split dimension is not divisible by ``tp``.
+        TpError: a split dimension (or a part of a fused projection: [Note: part-laid
+            Linears]) is not divisible by ``tp``, or a shape constant cannot follow
+            the split; the message names the module or the op.
     """
+    if inputs is not None:
+        for path, parts in linear_parts(stage_module, sharding, run_graph(stage_module, inputs)).items():
+            try:
+                PartLayout(parts, tp)
+            except PartError as exc:
+                raise TpError(f"{path}: {exc}") from None
     sharded = copy.deepcopy(stage_module)
     for path, how in sharding.items():
         parent_path, _, name = path.rpartition(".")
@@ -96,6 +117,11 @@ def shard_on_meta(stage_module: fx.GraphModule, sharding: dict[str, Sharding], t
         local = local_embedding(module, tp, path) if how is Sharding.VOCAB_EMBEDDING else local_linear(module, how, tp, path)
         setattr(parent, name, local)
     sharded.recompile()
+    if inputs is not None:
+        try:
+            localise_shapes(stage_module, sharded, list(inputs))
+        except PartError as exc:
+            raise ShapeError(str(exc), node=exc.node, split_input=exc.split_input) from None
     return sharded
 
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hetpar.runtime.capture import attribute
+from hetpar.vocabulary import Sharding
 
 
 # Ops that act on each feature independently, or on whole heads: a split feature
@@ -28,10 +29,11 @@ FEATURE_WISE_FUNCTIONS = {
     torch.add, torch.mul, torch.neg, torch.transpose, torch.reshape,
     # Dimension-sensitive: valid unless they act along the split dimension (the dry run checks).
     torch.cat, torch.stack, torch.chunk, torch.split, torch.softmax, F.softmax, operator.matmul, torch.matmul,
+    torch.repeat_interleave,  # grouped-query attention's key/value heads, repeated per head (never along features)
 }
 FEATURE_WISE_METHODS = {
     "view", "reshape", "transpose", "permute", "contiguous", "size", "relu", "mul", "add", "neg", "float", "to",
-    "type_as", "chunk", "split", "softmax", "matmul",
+    "type_as", "chunk", "split", "split_with_sizes", "softmax", "matmul", "repeat_interleave",
 }
 FEATURE_WISE_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Dropout, nn.Tanh, nn.Sigmoid, nn.Identity)
 # The same in an exported graph's ATen ops (dimension-sensitive ones included: the dry
@@ -83,8 +85,67 @@ def linear_site(gm: fx.GraphModule, node: fx.Node) -> LinearSite | None:
 # Dimension-sensitive ops: (function or method name, position of ``dim``, its default); the dry run checks them.
 DIM_ARGUMENT = {
     torch.cat: (1, 0), torch.chunk: (2, 0), torch.split: (2, 0), torch.softmax: (1, None),
-    F.softmax: (1, None), "chunk": (2, 0), "split": (2, 0), "softmax": (1, None),
+    F.softmax: (1, None), "chunk": (2, 0), "split": (2, 0), "split_with_sizes": (2, 0), "softmax": (1, None),
 }
+# Repeats each slice along a dimension: split values pass through when every slice
+# repeats alike (an integer count) along a named dimension (each rank's heads repeat to
+# its slice of the repeated heads: grouped-query attention); the dry run checks it.
+REPEAT_INTERLEAVE = {torch.repeat_interleave, "repeat_interleave"}
+# The ops that cut a value into parts along a dimension: a fused projection's output
+# split into q, k and v ([Note: part-laid Linears] in runtime/parts.py).
+SPLITS = {torch.split, "split", "split_with_sizes", torch.functional.split}
+CHUNKS = {torch.chunk, "chunk"}
+
+
+def cuts(node: fx.Node, width: int, ndim: int) -> set[int] | None:
+    """The feature offsets at which ``node`` (a split or chunk) cuts a value ``width``
+    features wide along its last dimension, or None if it cuts elsewhere or is no cut."""
+    if node.op not in ("call_function", "call_method") or node.target not in SPLITS | CHUNKS:
+        return None
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+    if not isinstance(dim, int) or dim not in (-1, ndim - 1):
+        return None
+    if node.target in CHUNKS:
+        k = node.kwargs.get("chunks", node.args[1] if len(node.args) > 1 else None)
+        return {i * width // k for i in range(k + 1)} if isinstance(k, int) and k > 0 and width % k == 0 else None
+    size = next((node.kwargs[k] for k in ("split_size_or_sections", "split_size") if k in node.kwargs),
+                node.args[1] if len(node.args) > 1 else None)
+    sizes = list(size) if isinstance(size, (list, tuple)) else [size] * -(-width // size) if isinstance(size, int) else None
+    if not sizes or not all(isinstance(s, int) and s > 0 for s in sizes):
+        return None
+    out, offset = {0}, 0
+    for s in sizes:
+        offset = min(offset + s, width)
+        out.add(offset)
+    return out
+
+
+def find_parts(node: fx.Node, width: int, ndim: int) -> tuple[int, ...]:
+    """The parts a Linear's output (``node``, ``width`` features, ``ndim`` dimensions) is
+    cut into along its features: the common refinement of the cuts of its users that
+    split or chunk it there ([Note: part-laid Linears] in runtime/parts.py). One part:
+    nothing cuts it (a view into heads first, an activation)."""
+    offsets = {0, width}
+    for user in node.users:
+        offsets |= cuts(user, width, ndim) or set()
+    ordered = sorted(offsets)
+    return tuple(b - a for a, b in zip(ordered, ordered[1:]))
+
+
+def linear_parts(gm: fx.GraphModule, sharding: dict[str, Any], values: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The parts of each colwise Linear of ``sharding`` (module path -> Sharding) in
+    ``gm`` whose output is cut into more than one ([Note: part-laid Linears] in
+    runtime/parts.py); ``values``: ``run_graph``'s."""
+    out: dict[str, tuple[int, ...]] = {}
+    for node in gm.graph.nodes:
+        site = linear_site(gm, node)
+        if site is None or sharding.get(site.path) is not Sharding.COLWISE:
+            continue
+        value = values.get(node.name)
+        parts = find_parts(node, site.out_features, value.dim()) if isinstance(value, torch.Tensor) else (site.out_features,)
+        if len(parts) > 1:
+            out[site.path] = parts
+    return out
 MATMULS = {operator.matmul, torch.matmul, "matmul"}
 
 
@@ -122,5 +183,5 @@ def tensor_nbytes(value: Any) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
-__all__ = ["DIM_ARGUMENT", "FEATURE_WISE_ATEN", "FEATURE_WISE_FUNCTIONS", "FEATURE_WISE_METHODS", "FEATURE_WISE_MODULES", "MATMULS",
+__all__ = ["CHUNKS", "DIM_ARGUMENT", "REPEAT_INTERLEAVE", "SPLITS", "cuts", "find_parts", "linear_parts", "FEATURE_WISE_ATEN", "FEATURE_WISE_FUNCTIONS", "FEATURE_WISE_METHODS", "FEATURE_WISE_MODULES", "MATMULS",
            "LinearSite", "TpError", "is_tensors", "linear_site", "run_graph", "tensor_nbytes"]

@@ -20,7 +20,7 @@ parameters an earlier layer already holds) is worked out for every layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from hetpar.planner.capture.tp_collectives import layer_collectives
 from hetpar.planner.capture.tp_dry_run import find_sharding
 from hetpar.planner.capture.tp_ilp import split_nodes
 from hetpar.planner.capture.tp_meta import check_sharded_shapes, shard_on_meta
+from hetpar.planner.capture.tp_ops import linear_parts, run_graph
 from hetpar.planner.capture.vocab_parallel import splits_vocabulary, vocab_sharding
 from hetpar.planner.model_graph import BoundaryTensor, ModelGraph, NodeProfile
 from hetpar.vocabulary import Sharding
@@ -78,7 +79,7 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
         if not unsplit:
             break
         split_ties -= unsplit
-    layers, shardings, sources, boundaries, nodes = [], [], [], [], []
+    layers, shardings, parts, sources, boundaries, nodes = [], [], [], [], [], []
     held: set[int] = set()  # ids of the parameters earlier layers hold
     for index, (stage, measured) in enumerate(zip(stages, measured_layers)):
         name = lg.layer_names[index]
@@ -91,6 +92,7 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
                               tp_split_tied_params=split_tied)
         layers.append(profile)
         shardings.append(_absolute(measured.relative_sharding, name))
+        parts.append(_absolute(measured.relative_parts, name))
         sources.append(measured.tp_source if measured.relative_sharding else "")
         boundaries.append([BoundaryTensor(shape=t.shape, dtype=str(t.dtype).removeprefix("torch."), nbytes=t.nbytes)
                            for t in stage.send])
@@ -101,6 +103,7 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
         fingerprint=file_fingerprint(model_file.path),
         layers=layers,
         tp_sharding=shardings,
+        tp_parts=parts,
         tp_source=sources,
         input_bytes=float(sum(t.numel() * t.element_size() for t in example)),
         capture=lg.capture,
@@ -244,6 +247,7 @@ class _Measured:
     whole: Measurement
     num_ops: int
     relative_sharding: dict[str, Sharding]
+    relative_parts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # [Note: part-laid Linears] in runtime/parts.py
     split_fraction: float = 0.0
     split_params: int = 0
     split_saved: float = 0.0
@@ -310,7 +314,7 @@ def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str, *, split
     if not sharding:
         return _Measured(whole=whole, num_ops=num_ops, relative_sharding={})
     try:
-        sharded = shard_on_meta(module, sharding, _PROBE_TP)
+        sharded = shard_on_meta(module, sharding, _PROBE_TP, inputs)
         half = measure(sharded, inputs)
         ok = check_sharded_shapes(whole.outputs, half.outputs, _vocab_split(sharding, _PROBE_TP))
     except (RuntimeError, ValueError):
@@ -326,6 +330,8 @@ def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str, *, split
         whole=whole,
         num_ops=num_ops,
         relative_sharding=_relative(sharding, name),
+        relative_parts={_relative_path(path, name): parts
+                        for path, parts in linear_parts(module, sharding, run_graph(module, inputs)).items()},
         split_fraction=min(1.0, scale * split_flops / whole_flops) if whole_flops > 0 else 0.0,
         split_params=round(scale * (params - sum(p.numel() for p in sharded.parameters()))),
         split_saved=scale * (whole.total("saved_bytes") - half.total("saved_bytes")),
@@ -364,6 +370,8 @@ def _measure_block(stage: Stage, inputs: list[torch.Tensor], model: torch.nn.Mod
         whole=whole,
         num_ops=num_ops,
         relative_sharding=_relative(sharding, name),
+        relative_parts={_relative_path(path, name): parts
+                        for path, parts in linear_parts(module, sharding, run_graph(module, inputs)).items()},
         split_fraction=min(1.0, sum(counts[n].fwd_flops + counts[n].bwd_flops for n in work if n in counts) / whole_flops),
         split_params=split_params,
         split_saved=sum(counts[n].saved_bytes for n in saved if n in counts),
@@ -380,7 +388,7 @@ def _splits_at(module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dic
     try:
         with torch.no_grad():
             # An Interpreter, not a call: a failing GraphModule call prints its traceback.
-            return check_sharded_shapes(outputs, fx.Interpreter(shard_on_meta(module, sharding, tp)).run(*inputs),
+            return check_sharded_shapes(outputs, fx.Interpreter(shard_on_meta(module, sharding, tp, inputs)).run(*inputs),
                                         _vocab_split(sharding, tp))
     except (RuntimeError, ValueError):
         return False

@@ -63,10 +63,11 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
     stages = []
     for c, (first, last) in enumerate(bounds):
         mode = cand.modes[modes[c]]
-        sharding = {}
+        sharding, parts = {}, {}
         if mode.tp > 1:
             for l in range(first, last + 1):
                 sharding.update(model.tp_sharding[l])
+                parts.update({path: list(p) for path, p in (model.tp_parts[l] if model.tp_parts else {}).items()})
         slot = tables.slots[c % cand.pp][mode.tp]
         stages.append(
             StagePlan(
@@ -76,6 +77,7 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
                 tensor_parallel=mode.tp,
                 ranks=slot.ranks,
                 tp_sharding=sharding,
+                tp_parts=parts,
                 zero_stage=mode.zero_stage if cand.dp > 1 else 0,
                 recompute=mode.recompute,
             )

@@ -93,6 +93,7 @@ class Layout:
     schedule: str
     stage_recompute: tuple[str, ...]  # per stage
     tp_sharding: tuple[dict, ...]  # per stage, from the search's plan
+    tp_parts: tuple[dict, ...] = ()  # per stage, from the search's plan (none: no fused projection split)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,7 +259,8 @@ def _layouts(model: ModelGraph, cluster: Cluster, classes: list[ReplicaClass], o
         layout = Layout(tp=plan.stages[0].tensor_parallel, pp=plan.pipeline_parallel,
                         stage_layers=tuple(len(s.layers) for s in plan.stages), schedule=plan.schedule.value,
                         stage_recompute=tuple(s.recompute for s in plan.stages),
-                        tp_sharding=tuple(dict(s.tp_sharding) for s in plan.stages))
+                        tp_sharding=tuple(dict(s.tp_sharding) for s in plan.stages),
+                        tp_parts=tuple(dict(s.tp_parts) for s in plan.stages))
         out.setdefault((layout.tp, layout.pp, layout.stage_layers, layout.schedule, layout.stage_recompute), layout)
     return list(out.values())
 
@@ -387,6 +389,7 @@ def _assemble(model: ModelGraph, cluster: Cluster, options: SearchOptions, choic
     for s, n in enumerate(layout.stage_layers):
         stages.append(StagePlan(index=s, layers=list(range(first, first + n)), device_type=cluster.device_types()[ranks[s][0][0]],
                                 tensor_parallel=layout.tp, ranks=ranks[s], tp_sharding=dict(layout.tp_sharding[s]),
+                                tp_parts=dict(layout.tp_parts[s]) if layout.tp_parts else {},
                                 recompute=layout.stage_recompute[s]))
         first += n
     dp = len(choice.shares)
