@@ -34,7 +34,7 @@ from hetpar.planner.capture.tp_dry_run import find_sharding
 from hetpar.planner.capture.tp_ilp import split_nodes
 from hetpar.planner.capture.tp_meta import check_sharded_shapes, shard_on_meta
 from hetpar.planner.capture.tp_ops import linear_parts, run_graph
-from hetpar.planner.capture.vocab_parallel import splits_vocabulary, vocab_sharding
+from hetpar.planner.capture.vocab_parallel import splits_vocabulary, token_embeddings, vocab_sharding
 from hetpar.planner.model_graph import BoundaryTensor, ModelGraph, NodeProfile
 from hetpar.vocabulary import Sharding
 from hetpar.runtime.capture import attribute
@@ -64,15 +64,16 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
     values = record_values(lg, example)
     needs_grad = differentiable_values(lg, values)
     vocabularies = {m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    tokens = token_embeddings(lg.gm) if lg.capture == "fx" else None
     stages = [build_stage(lg, values, index, index) for index in range(lg.num_layers)]
     tied_ids = _tied_parameters(model) | _shared_by_layers([s.module for s in stages])
     if lg.capture == "fx":
-        split_ties = _vocab_split_ties([s.module for s in stages], tied_ids, vocabularies)
+        split_ties = _vocab_split_ties([s.module for s in stages], tied_ids, vocabularies, tokens)
     else:
         split_ties = _module_stage_ties(model, layout, tied_ids) if layout is not None else set()
     while True:  # [Note: tied vocab-parallel weights]
         measured_layers = _measure_layers(lg, stages, values, meta_inputs, needs_grad, model, layout, example,
-                                          tied_ids - split_ties, vocabularies)
+                                          tied_ids - split_ties, vocabularies, tokens)
         if lg.capture != "fx":  # module stages split the pair by rule, not by measurement
             break
         unsplit = {pid for pid in split_ties if not _split_everywhere(pid, stages, measured_layers, lg.layer_names)}
@@ -115,7 +116,7 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
 
 def _measure_layers(lg: LayeredGraph, stages: list[Stage], values: dict[str, Any], meta_inputs: tuple, needs_grad,
                     model: torch.nn.Module, layout: DecoderLayout | None, example: tuple, tied: set[int],
-                    vocabularies: set[int]) -> list[_Measured]:
+                    vocabularies: set[int], tokens: set[str] | None = None) -> list[_Measured]:
     """Each layer's measurement, a repeated block measured once ([Note: measuring repeated
     blocks once]); weights in ``tied`` are not split over the vocabulary."""
     cache: dict[Any, _Measured] = {}
@@ -132,7 +133,7 @@ def _measure_layers(lg: LayeredGraph, stages: list[Stage], values: dict[str, Any
                 else:
                     cache[key] = _measure_layer(stage, inputs, name, split=lg.capture == "fx",
                                                 last_layer=index == lg.num_layers - 1, tied=tied,
-                                                vocabularies=vocabularies)
+                                                vocabularies=vocabularies, tokens=tokens)
                     if layout is not None and index in (0, lg.num_layers - 1):  # a module stage's embedding or head
                         cache[key] = _with_vocab_split(cache[key], model, layout, head=index > 0,
                                                        tokens=example[0].shape[1], tied=tied)
@@ -158,11 +159,13 @@ def _measure_layers(lg: LayeredGraph, stages: list[Stage], values: dict[str, Any
 # A Hugging Face decoder's module stages split its tied embedding and ``lm_head`` when
 # nothing else holds the weight (``_module_stage_ties``; its exported graphs cannot be
 # measured split, [Note: stages of the eager model]).
-def _vocab_split_ties(modules: list[fx.GraphModule], tied: set[int], vocabularies: set[int]) -> set[int]:
+def _vocab_split_ties(modules: list[fx.GraphModule], tied: set[int], vocabularies: set[int],
+                      tokens: set[str] | None = None) -> set[int]:
     """The tied weights that every layer holding them would split over the vocabulary."""
     held, unsplit = set(), set()
     for index, gm in enumerate(modules):
-        split = vocab_sharding(gm, last_layer=index == len(modules) - 1, tied=set(), vocabularies=vocabularies)
+        split = vocab_sharding(gm, last_layer=index == len(modules) - 1, tied=set(), vocabularies=vocabularies,
+                               tokens=tokens)
         for path, module in gm.named_modules():
             for p in module.parameters(recurse=False):
                 if id(p) in tied:
@@ -300,7 +303,8 @@ def _matmul_rows(measured: Measurement) -> tuple[tuple[int, bool, float, int], .
 
 
 def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str, *, split: bool = True, last_layer: bool = False,
-                   tied: set[int] = frozenset(), vocabularies: set[int] = frozenset()) -> _Measured:
+                   tied: set[int] = frozenset(), vocabularies: set[int] = frozenset(),
+                   tokens: set[str] | None = None) -> _Measured:
     """Measure one layer whole and, if it has a tensor-parallel pattern (and ``split``:
     the program can split it), as one of two ranks. Its Embeddings and, on the last layer
     (``last_layer``), its output Linear as wide as a vocabulary, split over it unless ``tied``
@@ -310,7 +314,8 @@ def _measure_layer(stage: Stage, inputs: list[torch.Tensor], name: str, *, split
     num_ops = sum(1 for n in module.graph.nodes if n.op not in _NO_KERNEL_OPS)
     sharding = find_sharding(module, inputs, measurement=whole) if split else {}
     if split:
-        sharding = {**sharding, **vocab_sharding(module, last_layer=last_layer, tied=set(tied), vocabularies=set(vocabularies))}
+        sharding = {**sharding, **vocab_sharding(module, last_layer=last_layer, tied=set(tied), vocabularies=set(vocabularies),
+                                                   tokens=tokens)}
     if not sharding:
         return _Measured(whole=whole, num_ops=num_ops, relative_sharding={})
     try:

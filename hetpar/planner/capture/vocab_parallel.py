@@ -11,7 +11,8 @@ from hetpar.vocabulary import Sharding
 # [Note: vocab-parallel layers]
 # Beside the ILP's Linears, two modules split over the vocabulary, as Megatron splits
 # them (Shoeybi et al. 2019, section 3): an ``nn.Embedding`` that looks up the model's
-# input tokens (a position embedding, indexed by computed positions, stays whole, as in
+# input tokens, decided on the whole model's graph (a position embedding, indexed by
+# computed positions, stays whole even where its layer receives the positions, as in
 # Megatron: splitting its few rows would cost an all-reduce for nothing; each rank holds V / tp rows,
 # looks up the tokens in its range, and the partial outputs are all-reduced: one
 # forward all-reduce of the output, nothing in the backward, whose input is token ids)
@@ -37,8 +38,17 @@ def splits_vocabulary(size: int) -> bool:
     return size % VOCAB_MULTIPLE == 0
 
 
-def vocab_sharding(gm: fx.GraphModule, *, last_layer: bool, tied: set[int], vocabularies: set[int] = frozenset()
-                   ) -> dict[str, Sharding]:
+def token_embeddings(gm: fx.GraphModule) -> set[str]:
+    """The paths of the Embeddings that look up the model's input tokens, read on the whole
+    model's graph ``gm``: those whose index is a model input, not positions computed in
+    ``forward`` (``arange``), which a layer's own graph receives as an input too."""
+    return {str(node.target) for node in gm.graph.nodes
+            if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.Embedding)
+            and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"}
+
+
+def vocab_sharding(gm: fx.GraphModule, *, last_layer: bool, tied: set[int], vocabularies: set[int] = frozenset(),
+                   tokens: set[str] | None = None) -> dict[str, Sharding]:
     """The vocab-parallel modules of one layer ([Note: vocab-parallel layers]).
 
     Args:
@@ -47,11 +57,14 @@ def vocab_sharding(gm: fx.GraphModule, *, last_layer: bool, tied: set[int], voca
         vocabularies: the sizes of the model's Embeddings: an output Linear splits only
             where its width is one of them (a language model's head, whose loss is a
             cross-entropy over the vocabulary; a regression or classifier head stays whole).
+        tokens: the Embeddings that look up the model's input tokens (``token_embeddings``
+            of the whole model's graph); None: those whose index is an input of ``gm``.
     """
     out: dict[str, Sharding] = {}
     for node in gm.graph.nodes:
         if node.op == "call_module" and isinstance(module := gm.get_submodule(str(node.target)), nn.Embedding):
-            looks_up_tokens = isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
+            looks_up_tokens = isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder" and \
+                (tokens is None or str(node.target) in tokens)
             if looks_up_tokens and id(module.weight) not in tied and module.padding_idx is None and module.max_norm is None \
                     and splits_vocabulary(module.num_embeddings):
                 out[str(node.target)] = Sharding.VOCAB_EMBEDDING
