@@ -143,3 +143,20 @@ def test_sync_options_round_trip(tmp_path):
     plan = make_plan(stages=one_stage, rebalance_every=5, replica_batch_shares=[3, 1])
     plan.save(tmp_path / "plan.json")
     assert ParallelPlan.load(tmp_path / "plan.json").rebalance_every == 5
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("schedule", "zb2", r"plan schedule 'zb2' must be one of '1f1b', 'gpipe', 'interleaved', 'zb'"),
+    ("tp_sharding", "diagonal", r"stage 0 tp_sharding of 'blocks.0.fc' 'diagonal' must be one of 'colwise', "),
+])
+def test_a_name_outside_the_vocabulary_is_refused_in_one_line(tmp_path, field, value, message):
+    data = json.loads(make_plan().to_json())
+    if field == "schedule":
+        data["schedule"] = value
+    else:
+        data["stages"][0]["tp_sharding"] = {"blocks.0.fc": value}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=message) as caught:
+        ParallelPlan.load(path)
+    assert "\n" not in str(caught.value)

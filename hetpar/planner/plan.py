@@ -292,6 +292,10 @@ class ParallelPlan:
                 f"plan schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}; re-run `hetpar plan`"
             )
         try:
+            _check_name("schedule", data["schedule"], Schedule)
+            for s in data["stages"]:
+                for path, style in s.get("tp_sharding", {}).items():
+                    _check_name(f"stage {s.get('index')} tp_sharding of {path!r}", style, Sharding)
             stages = [
                 StagePlan(**{**s, "tp_sharding": {k: Sharding(v) for k, v in s.get("tp_sharding", {}).items()}})
                 for s in data["stages"]
@@ -329,6 +333,12 @@ class ParallelPlan:
         except json.JSONDecodeError as exc:
             raise PlanFileError(f"plan {str(path)!r} is not valid JSON (line {exc.lineno}): {exc.msg}") from exc
         return cls.from_dict(data)
+
+
+def _check_name(field: str, value: Any, name: type[Enum]) -> None:
+    """Refuse a plan field that is not one of a vocabulary name's values, in one line."""
+    if value not in tuple(name):
+        raise PlanFileError(f"plan {field} {value!r} must be one of {', '.join(map(repr, name))}; re-run `hetpar plan`")
 
 
 def _to_jsonable(value: Any) -> Any:

@@ -61,7 +61,7 @@ def parse_args(description: str | None = None, argv: list[str] | None = None, *,
                         help="full state_dict to start from: a torch.save file or a torch.distributed.checkpoint directory; "
                              "each rank reads only its own tensors")
     parser.add_argument("--save-final", type=Path, metavar="FILE", help="write the trained full state_dict here (rank 0)")
-    parser.add_argument("--metrics", type=Path, metavar="FILE", help="append one JSON line per step (rank 0)")
+    parser.add_argument("--metrics", type=Path, metavar="FILE", help="write one JSON line per step (rank 0); the file is truncated at start")
     parser.add_argument("--dist-timeout-s", type=float, default=300.0, help="timeout of collectives and rendezvous")
     parser.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
                         help="save checkpoints here; a (re)started run resumes from the newest intact one in it")
