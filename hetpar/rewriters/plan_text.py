@@ -155,6 +155,14 @@ def _check_stage(s: int, stage: Any) -> None:
             raise CompileError(f"plan field {where}.tp_sharding has a key that is not a module path (e.g. "
                                f"blocks.0.attn.q); {REPLAN}")
         _one_of(f"{where}.tp_sharding", _value(kind), Sharding)
+    for path, parts in stage.tp_parts.items():
+        if not isinstance(path, str) or not MODULE_PATH.fullmatch(path) or path not in stage.tp_sharding:
+            raise CompileError(f"plan field {where}.tp_parts has a key that is not a module path of its tp_sharding "
+                               f"(e.g. blocks.0.attn.c_attn); {REPLAN}")
+        if not isinstance(parts, list):
+            raise CompileError(f"plan field {where}.tp_parts must map module paths to lists of part sizes; {REPLAN}")
+        for size in parts:
+            _integer(f"{where}.tp_parts", size, minimum=1)
 
 
 def _device_type(field: str, value: Any) -> None:

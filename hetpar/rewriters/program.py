@@ -193,6 +193,10 @@ def _stage_spec_source(plan: ParallelPlan, stage: StagePlan) -> str:
         lines.append("        tp_sharding={")
         lines += [f"            {path!r}: {getattr(kind, 'value', kind)!r}," for path, kind in stage.tp_sharding.items()]
         lines.append("        },")
+    if stage.tp_parts:  # fused projections split part by part: [Note: part-laid Linears] in hetpar/runtime/parts.py
+        lines.append("        tp_parts={")
+        lines += [f"            {path!r}: {list(parts)!r}," for path, parts in stage.tp_parts.items()]
+        lines.append("        },")
     lines.append("    ),")
     return "\n".join(lines)
 
@@ -278,11 +282,15 @@ def _model_shard(plan: ParallelPlan, f: Features) -> str:
         "model, construction = materialize.build_on_meta(model_file.build_model)  # with the log of how it is built",
     ]
     recompute = "  # recompute: each layer under torch.utils.checkpoint"
+    # tensor parallel: the stage's shape constants made local ([Note: local shape constants] in hetpar/runtime/parts.py)
+    local = ",\n                       tensor_parallel={0}.tensor_parallel, tp_sharding={0}.tp_sharding" \
+        if f.tensor_parallel else ""
     if f.chunked:
         lines += [
             f"chunks = {{{recompute}",
             "    s: shard.cut_stage(model, model_file, REPLICA_MICRO_BATCH_SIZES[me.replica], PLAN_STAGES[s].layers,",
-            "                       LAYER_NAMES, LEAF_MODULES, recompute=PLAN_STAGES[s].recompute)",
+            "                       LAYER_NAMES, LEAF_MODULES, recompute=PLAN_STAGES[s].recompute"
+            f"{local.format('PLAN_STAGES[s]')})",
             "    for s in chunk_ids",
             "}",
             "model_shard = shard.rank_module([chunks[s].module for s in chunk_ids])  # this rank's chunks as one module",
@@ -292,7 +300,7 @@ def _model_shard(plan: ParallelPlan, f: Features) -> str:
         lines += [
             "stage = shard.cut_stage(model, model_file, REPLICA_MICRO_BATCH_SIZES[me.replica], stage_plan.layers, "
             "LAYER_NAMES,",
-            f"                        LEAF_MODULES, recompute=stage_plan.recompute){recompute}",
+            f"                        LEAF_MODULES, recompute=stage_plan.recompute{local.format('stage_plan')}){recompute}",
             "model_shard = stage.module  # this rank's part of the model: what it trains and checkpoints",
         ]
         stage_ids, modules = "[me.stage]", "[stage.module]"
@@ -305,7 +313,7 @@ def _model_shard(plan: ParallelPlan, f: Features) -> str:
             "# tensor parallel: shard the stage's Linears column- or row-wise over its tp ranks (on meta: nothing "
             "allocated yet)",
             "if stage_plan.tensor_parallel > 1:",
-            "    shard.apply_tensor_parallel(model_shard, groups.tp_mesh, stage_plan.tp_sharding)",
+            "    shard.apply_tensor_parallel(model_shard, groups.tp_mesh, stage_plan.tp_sharding, stage_plan.tp_parts)",
         ]
     lines += [
         "# this rank's tensors alone are made, as build_model() under --seed makes them, or read from --init-from",

@@ -78,7 +78,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from hetpar.runtime.parts import PartLayout, layouts_of
 from hetpar.runtime.precision import LossScaler
 from hetpar.runtime.shard import Chunks
 
@@ -402,18 +404,36 @@ class Checkpointer:
                "it was written by another model or program: give --checkpoint-dir this model's checkpoints"
 
     def _state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The module's and optimizer's state dicts under their checkpoint keys (``_checkpoint_key``)."""
+        """The module's and optimizer's state dicts under their checkpoint keys
+        (``_checkpoint_key``), part-laid tensors in the user's layout ([Note: part-laid
+        checkpoints])."""
         model_state, optim_state = get_state_dict(module, optimizer, options=_OPTIONS)
+        layouts = layouts_of(module)
+        for state, optimizer_keys in ((model_state, False), (optim_state, True)):
+            for k, layout in _part_laid(state, layouts, optimizer_keys).items():
+                state[k] = _in_order(state[k], layout.to_user)
         chunked = isinstance(module, Chunks)
         return _renamed(model_state, chunked, optimizer=False), _renamed(optim_state, chunked, optimizer=True)
 
     def _load(self, found: Found, module: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler) -> None:
         model_state, optim_state = get_state_dict(module, optimizer, options=_OPTIONS)
+        layouts = layouts_of(module)
+        user = {}  # [Note: part-laid checkpoints]: read in the user's layout, then put in the rank's
+        for state, optimizer_keys in ((model_state, False), (optim_state, True)):
+            for k, layout in _part_laid(state, layouts, optimizer_keys).items():
+                user[k] = (state[k], layout)
+                state[k] = _in_order(state[k], lambda t: t)
         chunked = isinstance(module, Chunks)
         state = {"model": _renamed(model_state, chunked, optimizer=False),
                  "optim": _renamed(optim_state, chunked, optimizer=True),
                  "train": {"step": 0, "loss_scaler": scaler.state_dict()}}
         dcp.load(state, checkpoint_id=found.path, no_dist=not dist.is_initialized())
+        for k, (param, layout) in user.items():
+            optimizer_key = k.startswith(("state.", "param_groups."))
+            loaded = state["optim" if optimizer_key else "model"][_checkpoint_key(k, chunked, optimizer_key)]
+            with torch.no_grad():
+                param.to_local().copy_(_in_order(loaded, layout.from_user).to_local())
+            (optim_state if optimizer_key else model_state)[k] = param
         # DCP loads tensors in place and replaces other values; either way read them back under the module's keys
         model_state = {k: state["model"][_checkpoint_key(k, chunked, False)] for k in model_state}
         optim_state = {k: state["optim"][_checkpoint_key(k, chunked, True)] for k in optim_state}
@@ -491,6 +511,36 @@ class Checkpointer:
         _fsync_dir(self.directory)
         for old in list_complete(self.directory)[self.keep:]:
             _discard(old.path)
+
+
+# [Note: part-laid checkpoints]
+# A part-laid tensor's DTensor holds its rows in rank-major order ([Note: part-laid
+# Linears] in runtime/parts.py), which DCP would store as they are: not the user's
+# tensor, and not what another tensor-parallel degree reads. So a checkpoint stores it
+# in the user's layout: at save the full tensor is gathered in the tensor-parallel group,
+# put in the user's row order and cut again as the same placements cut it (each rank
+# keeps the user's rows ``Shard(0)`` gives it); at load, the reverse. Parameters and the
+# optimizer state of their shape (AdamW's moments, momentum) alike. The price is one
+# all-gather of each part-laid tensor per save and load; the checkpoint then holds the
+# model's own tensors, and [Note: resharding resume] holds as for any other.
+
+
+def _part_laid(state: dict[str, Any], layouts: dict[str, PartLayout], optimizer: bool) -> dict[str, PartLayout]:
+    """The keys of ``state`` (a model's or a flattened optimizer's) that hold part-laid tensors."""
+    out = {}
+    for k, v in state.items():
+        name = k.removeprefix("state.").rpartition(".")[0] if optimizer else k
+        if optimizer and not k.startswith("state."):
+            continue
+        layout = layouts.get(name)
+        if layout is not None and isinstance(v, DTensor) and v.dim() >= 1 and v.shape[0] == sum(layout.parts):
+            out[k] = layout
+    return out
+
+
+def _in_order(t: DTensor, order) -> DTensor:
+    """A new DTensor of ``t``'s placements holding ``order(t.full_tensor())``."""
+    return distribute_tensor(order(t.full_tensor()), t.device_mesh, t.placements, src_data_rank=None)
 
 
 def _discard(path: Path) -> None:

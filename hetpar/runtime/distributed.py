@@ -41,6 +41,7 @@ class StageSpec:
     tensor_parallel: int
     ranks: list[list[int]]  # ranks[d][t]
     tp_sharding: dict[str, str] = field(default_factory=dict)  # module path -> "colwise" | "rowwise"
+    tp_parts: dict[str, list[int]] = field(default_factory=dict)  # module path -> part sizes (runtime.parts)
     zero_stage: int = 0  # 0: all-reduce; 1-3: ZeRO through FSDP2 (runtime.data_parallel)
     recompute: str = "none"  # "none" | "selective" | "full" (runtime.recompute)
 

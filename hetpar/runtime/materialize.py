@@ -75,6 +75,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hetpar.runtime.parts import PartLayout, layouts_of
 from hetpar.runtime.shard import chunk_modules
 
 
@@ -501,11 +502,14 @@ def materialize_stages(model: nn.Module, module: nn.Module, log: Construction, d
     unused = _unused(slots, keys) if keep_unused or dist.is_initialized() else set()
     extra = [slot for slot in _meta_slots(model) if slot.name in unused] if keep_unused else []
     source = _Source(init_from, keys, model) if init_from is not None else None
-    local = {slot.name: partial(_shard_of, slot.tensor) for slot in slots if isinstance(slot.tensor, DTensor)}
+    layouts = {name: layout for chunk in chunk_modules(module) for name, layout in layouts_of(chunk).items()}
+    local = {slot.name: partial(_rows_of, slot.tensor, layouts[slot.name]) if slot.name in layouts
+             else partial(_shard_of, slot.tensor) for slot in slots if isinstance(slot.tensor, DTensor)}
     names = {slot.name for slot in slots + extra}
     values = materialize(log, names - source.names if source else names, local=local)
     if source is not None:
-        values.update(source.read(names & source.names, local, {slot.name: slot.tensor for slot in slots + extra}))
+        values.update(source.read(names & source.names, local, {slot.name: slot.tensor for slot in slots + extra},
+                                  whole=set(layouts)))
     _place(slots, values, device)
     _place(extra, values, None)
     if device is not None:
@@ -525,6 +529,12 @@ def _shard_of(like: DTensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's shard of ``full``, as ``distribute_tensor`` cuts it for ``like``'s placements."""
     shard = distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
     return shard.clone() if shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() else shard
+
+
+def _rows_of(like: DTensor, layout: PartLayout, full: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a part-laid tensor ``full`` (the user's layout): its slice of
+    every part ([Note: part-laid Linears] in runtime/parts.py)."""
+    return full.index_select(0, layout.rank_rows(like.device_mesh.get_local_rank()).to(full.device))
 
 
 def _place(slots: list[_Slot], values: dict[str, torch.Tensor], device: torch.device | None) -> None:
@@ -567,19 +577,24 @@ class _Source:
             raise MaterializeError(f"--init-from {self.path} is not a state_dict of this model: it {what}")
         self.names = set(keys)
 
-    def read(self, names: set[str], local: dict[str, Callable], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def read(self, names: set[str], local: dict[str, Callable], like: dict[str, torch.Tensor], *,
+             whole: set[str] = frozenset()) -> dict[str, torch.Tensor]:
         """The tensors ``names`` (shards where ``local`` says), reading only those; the
-        names of one tensor of the model (``like``: its meta tensor) get one object."""
+        names of one tensor of the model (``like``: its meta tensor) get one object.
+        From a DCP directory, the ``whole`` names (part-laid) are read whole, then cut."""
         first: dict[int, str] = {}
         for n in sorted(names):
             first.setdefault(id(like[n]), n)
         if self.state is not None:  # mmap: only what is touched is read
             got = {n: local[n](self.state[n]) if n in local else self.state[n] for n in first.values()}
         else:
-            got = {n: torch.empty_like(like[n].to_local() if n in local else like[n], device="cpu") for n in first.values()}
+            sharded = {n for n in local if n not in whole}
+            got = {n: torch.empty(tuple(like[n].shape), dtype=like[n].dtype) if n in whole
+                   else torch.empty_like(like[n].to_local() if n in sharded else like[n], device="cpu") for n in first.values()}
             dcp.load({n: DTensor.from_local(t, like[n].device_mesh, like[n].placements, run_check=False,
-                                            shape=like[n].shape, stride=like[n].stride()) if n in local else t
+                                            shape=like[n].shape, stride=like[n].stride()) if n in sharded else t
                       for n, t in got.items()}, checkpoint_id=str(self.path))
+            got = {n: local[n](t) if n in whole and n in local else t for n, t in got.items()}
         return {n: got[first[id(like[n])]] for n in names}
 
 

@@ -27,6 +27,7 @@ What a rank reads depends on where the data comes from (``ModelFile.batches``):
 
 from __future__ import annotations
 
+import copy
 import sys
 from functools import partial
 from typing import Iterator
@@ -42,6 +43,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from hetpar.runtime.graph import Stage, build_stage, record_values, trace_layers
 from hetpar.runtime.model_file import ModelFile
 from hetpar.runtime.module_stage import cut_module_stage
+from hetpar.runtime.parts import LAYOUTS_ATTRIBUTE, PartError, copy_shape_arguments, localise_shapes, part_layouts
 from hetpar.runtime.recompute import apply_recompute
 from hetpar.vocabulary import Recompute, Sharding
 
@@ -59,6 +61,8 @@ def cut_stage(
     leaf_modules: tuple[str, ...] = (),
     *,
     recompute: str = Recompute.NONE,
+    tensor_parallel: int = 1,
+    tp_sharding: dict[str, str] | None = None,
 ) -> Stage:
     """Trace the whole model and cut layers ``layers[0]..layers[1]`` out as this rank's stage.
 
@@ -71,11 +75,15 @@ def cut_stage(
     docs/model-file.md).
     ``recompute`` ("selective" or "full") runs each layer of the stage under
     torch.utils.checkpoint; see [Note: recompute by layer] in runtime/recompute.py.
+    With ``tensor_parallel`` > 1 and the stage's ``tp_sharding``, the graph's shape
+    constants are made one rank's ([Note: local shape constants] in runtime/parts.py),
+    before ``apply_tensor_parallel`` splits its modules.
     ``model`` may be on the meta device (``runtime.materialize.build_on_meta``): the
     stage then holds meta tensors until ``materialize_stages`` computes them.
 
     Raises:
-        ShardError: the model's layers are not the ones the program was compiled for.
+        ShardError: the model's layers are not the ones the program was compiled for,
+            or a shape constant cannot follow the split.
     """
     example = model_file.example_inputs(micro_batch_size)
     stage = cut_module_stage(model, example, layers, layer_names, recompute=recompute)
@@ -91,8 +99,39 @@ def cut_stage(
     stage = build_stage(layered, values, layers[0], layers[1])
     if layered.capture == "export" and any(p.is_meta for p in model.parameters()):
         _meta_ops_on_cpu(stage.module)
+    if tensor_parallel > 1 and tp_sharding and layered.capture == "fx":
+        _localise(stage, example, tensor_parallel, tp_sharding)
     apply_recompute(stage.module, layered.node_layer, recompute)
     return stage
+
+
+def _localise(stage: Stage, example: tuple, tp: int, tp_sharding: dict[str, str]) -> None:
+    """Make ``stage``'s shape constants one tensor-parallel rank's, in place; see [Note:
+    local shape constants] in runtime/parts.py.
+
+    Raises:
+        ShardError: a shape constant cannot follow the split.
+    """
+    local = copy.deepcopy(stage.module).to("meta")
+    for path, kind in tp_sharding.items():
+        module = local.get_submodule(path)
+        if isinstance(module, nn.Linear) and kind in (Sharding.COLWISE, Sharding.VOCAB_HEAD, Sharding.ROWWISE):
+            out_f, in_f = module.out_features, module.in_features
+            if kind == Sharding.ROWWISE:
+                in_f //= tp
+            else:
+                out_f //= tp
+            parent, _, name = path.rpartition(".")
+            setattr(local.get_submodule(parent) if parent else local, name,
+                    nn.Linear(in_f, out_f, bias=module.bias is not None, device="meta", dtype=module.weight.dtype))
+    local.recompile()
+    inputs = [example[i].to("meta") for i in stage.model_inputs] + [
+        torch.empty(spec.shape, dtype=spec.dtype, device="meta") for spec in stage.recv]
+    try:
+        changed = localise_shapes(stage.module, local, inputs)
+    except PartError as exc:
+        raise ShardError(f"tensor parallelism of tp({tp}): {exc}; re-run hetpar plan") from None
+    copy_shape_arguments(local, stage.module, changed)
 
 
 def _meta_ops_on_cpu(module: torch.fx.GraphModule) -> None:
@@ -280,7 +319,8 @@ _STYLES = {
 VOCAB_SPLITS = frozenset({Sharding.VOCAB_EMBEDDING, Sharding.VOCAB_HEAD})
 
 
-def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict[str, str]) -> None:
+def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict[str, str],
+                          tp_parts: dict[str, list[int]] | None = None) -> None:
     """Shard the named submodules over ``mesh`` with DTensor (docs/plan-format.md, tp_sharding).
 
     ``colwise`` splits a Linear's output features (its output stays split, as a plain
@@ -293,6 +333,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
     identical weights, so each takes its shard locally (``src_data_rank=None``)
     instead of receiving it from rank 0. Colwise modules that read one tensor
     all-reduce their input gradients once ([Note: one all-reduce per shared input]).
+    A colwise fused projection ``tp_parts`` names (module path -> part sizes) is
+    part-laid ([Note: part-laid Linears] in runtime/parts.py): its layouts are kept on
+    ``module`` for materialisation, checkpoints and the final state_dict.
 
     Raises:
         ShardError: a path names no submodule of the stage, or an unknown sharding.
@@ -307,6 +350,10 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
         if kind not in _STYLES:
             raise ShardError(f"tp_sharding of {path!r} is {kind!r}; expected one of {', '.join(_STYLES)}")
         styles[path] = _STYLES[kind](shared)
+    try:
+        setattr(module, LAYOUTS_ATTRIBUTE, part_layouts(tp_parts or {}, module, mesh.size()))
+    except (PartError, AttributeError) as exc:
+        raise ShardError(f"tp_parts: {exc}") from None
     ties = _ties(module)
     parallelize_module(module, mesh, styles, src_data_rank=None)
     _retie(module, ties)

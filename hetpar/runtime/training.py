@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hetpar.runtime.distributed import Placement, StageSpec
+from hetpar.runtime.parts import layouts_of
 from hetpar.runtime.shard import chunk_modules
 from hetpar.vocabulary import Optimizer
 
@@ -208,13 +209,15 @@ def save_full_state(path: Path, model: nn.Module, stage_module: nn.Module, me: P
     Every rank turns its stage's DTensors into full tensors (collective within its
     tensor-parallel group); replica 0, tensor-parallel index 0 of each stage sends its
     stage's tensors to rank 0. Rank 0 orders the keys as ``model.state_dict()`` does;
-    a key no stage holds (a parameter no layer uses) keeps rank 0's value.
+    a key no stage holds (a parameter no layer uses) keeps rank 0's value. A part-laid
+    tensor is written in the user's layout ([Note: part-laid Linears] in runtime/parts.py).
     """
-    local = {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-        for chunk in chunk_modules(stage_module)  # the stage, or each chunk under the interleaved schedule
-        for k, v in chunk.state_dict().items()
-    }
+    local = {}
+    for chunk in chunk_modules(stage_module):  # the stage, or each chunk under the interleaved schedule
+        layouts = layouts_of(chunk)
+        for k, v in chunk.state_dict().items():
+            full = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+            local[k] = layouts[k].to_user(full) if k in layouts else full
     mine = local if (me.replica, me.tp_index) == (0, 0) else {}
     gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] if me.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)

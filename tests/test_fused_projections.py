@@ -1,0 +1,106 @@
+"""Tensor parallelism of GPTs as people write them (issue 30): fused q/k/v and gate/up
+Linears split part by part, head counts fixed in the code, position embeddings left whole.
+
+The held-out models are tests/models/mingpt_fused.py (nanoGPT's attention, ``split(n_embd)``),
+megatron_fused.py (per-head interleaved ``query_key_value``) and gqa_fused.py (grouped-query
+``qkv_proj`` split by sizes, ``repeat_interleave``, a fused SwiGLU ``gate_up_proj``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetpar.cost_models.cluster import parse_cluster
+from hetpar.planner.api import plan_model
+from hetpar.planner.capture import trace_model
+from hetpar.planner.errors import PlanningError
+from hetpar.planner.options import SearchOptions
+from hetpar.planner.errors import PlanFileError
+from hetpar.planner.plan import ParallelPlan, StagePlan
+from hetpar.runtime.model_file import load_model_file
+from hetpar.runtime.parts import PartError, PartLayout
+from hetpar.vocabulary import Sharding
+
+MODELS = Path(__file__).parent / "models"
+MINGPT, MEGATRON, GQA = MODELS / "mingpt_fused.py", MODELS / "megatron_fused.py", MODELS / "gqa_fused.py"
+# (model, its attention's fused Linear and output Linear in block 0, the parts of the fused Linear)
+ATTENTION = {
+    "mingpt": (MINGPT, "transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", [64, 64, 64]),
+    "megatron": (MEGATRON, "layers.0.self_attention.query_key_value", "layers.0.self_attention.dense", None),
+    "gqa": (GQA, "layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj", [64, 32, 32]),
+}
+
+
+def _plan(model: Path, tp: int, *, world: int | None = None, model_args: dict | None = None, **pins) -> ParallelPlan:
+    options = SearchOptions(global_batch_size=8, dtype="fp32", schedule="1f1b", micro_batch_size=4 // pins.get("pp", 1),
+                            tp=tp, **{"dp": 1, "pp": 1, **pins})
+    return plan_model(model, parse_cluster(f"1x{world or tp * pins.get('pp', 1)}xcpu"), options, model_args=model_args or {})
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_attention_of_fused_models_splits(name, tp):
+    model, fused, out, parts = ATTENTION[name]
+    args = {"n_kv_head": 4} if name == "gqa" and tp == 4 else {}  # kv heads must divide by tp (see the refusal test)
+    if args:
+        parts = [64, 64, 64]
+    plan = _plan(model, tp, model_args=args)
+    (stage,) = plan.stages
+    assert stage.tensor_parallel == tp
+    assert stage.tp_sharding[fused] is Sharding.COLWISE and stage.tp_sharding[out] is Sharding.ROWWISE
+    assert stage.tp_parts.get(fused) == parts
+    if name == "gqa":
+        assert stage.tp_sharding["layers.0.mlp.gate_up_proj"] is Sharding.COLWISE
+        assert stage.tp_parts["layers.0.mlp.gate_up_proj"] == [128, 128]
+        assert stage.tp_sharding["layers.0.mlp.down_proj"] is Sharding.ROWWISE
+    assert ParallelPlan.from_dict(json.loads(plan.to_json())) == plan
+
+
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_attention_flops_per_rank_fall_with_tp(name):
+    """The measured block: at tp 2 nearly all its FLOPs (the attention's included) are split."""
+    model, *_ = ATTENTION[name]
+    graph = trace_model(load_model_file(model, {}))
+    block = next(l for l in graph.layers if l.name.endswith(("h", "layers.0", "h.0")))
+    assert block.tp_split_flops_fraction > 0.97, block.name
+    flops = block.fwd_flops + block.bwd_flops
+    per_rank = {tp: flops * (1 - block.tp_split_flops_fraction + block.tp_split_flops_fraction / tp) for tp in (1, 2, 4)}
+    assert per_rank[2] < 0.52 * per_rank[1] and per_rank[4] < 0.27 * per_rank[1]
+
+
+def test_grouped_query_attention_refuses_tp_beyond_its_kv_heads():
+    with pytest.raises(PlanningError, match=r"layers\.0 splits only 2 ways"):
+        _plan(GQA, 4)
+    graph = trace_model(load_model_file(GQA, {"n_kv_head": 1}))
+    block = next(l for l in graph.layers if l.name == "layers.0")
+    assert "layers.0.self_attn.qkv_proj" not in graph.tp_sharding[1]  # one kv head: attention kept whole
+
+
+def test_position_embedding_is_not_split_as_a_vocabulary():
+    graph = trace_model(load_model_file(MINGPT, {}))
+    split = {path: how for sharding in graph.tp_sharding for path, how in sharding.items()}
+    assert "transformer.wpe" not in split
+    assert split["lm_head"] is Sharding.VOCAB_HEAD  # tied to wte, which splits with it
+
+
+def test_part_layout_rows_round_trip():
+    layout = PartLayout((4, 2, 2), 2)
+    assert layout.rank_rows(0).tolist() == [0, 1, 4, 6] and layout.rank_rows(1).tolist() == [2, 3, 5, 7]
+    user = torch.arange(8.0).unsqueeze(1)
+    assert torch.equal(layout.to_user(layout.from_user(user)), user)
+    with pytest.raises(PartError, match=r"part of 2 features .* does not divide by tp\(4\)"):
+        PartLayout((4, 2, 2), 4)
+
+
+def test_plan_checks_its_parts():
+    base = dict(index=0, layers=[0], device_type="cpu", tensor_parallel=2, ranks=[[0, 1]],
+                tp_sharding={"a.qkv": Sharding.COLWISE, "a.o": Sharding.ROWWISE})
+    StagePlan(**base, tp_parts={"a.qkv": [64, 32, 32]})
+    with pytest.raises(PlanFileError, match="does not divide by tensor_parallel"):
+        StagePlan(**base, tp_parts={"a.qkv": [64, 33, 33]})
+    with pytest.raises(PlanFileError, match="does not split colwise"):
+        StagePlan(**base, tp_parts={"a.o": [16, 16]})
