@@ -25,6 +25,9 @@ from hetpar.runtime.model_file import load_model_file
 from hetpar.runtime.parts import PartError, PartLayout
 from hetpar.vocabulary import Sharding
 
+from conftest import run_torchrun
+from test_distributed import _to_state, assert_trains_like_one_process, assert_within_rounding, reference_run
+
 MODELS = Path(__file__).parent / "models"
 MINGPT, MEGATRON, GQA = MODELS / "mingpt_fused.py", MODELS / "megatron_fused.py", MODELS / "gqa_fused.py"
 # (model, its attention's fused Linear and output Linear in block 0, the parts of the fused Linear)
@@ -104,3 +107,63 @@ def test_plan_checks_its_parts():
         StagePlan(**base, tp_parts={"a.qkv": [64, 33, 33]})
     with pytest.raises(PlanFileError, match="does not split colwise"):
         StagePlan(**base, tp_parts={"a.o": [16, 16]})
+
+
+# ----------------------------------------------------------------------------- trained under torchrun, against one process
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_fused_models_train_like_one_process_at_tp_2(tmp_path, name, optimizer):
+    plan = _plan(ATTENTION[name][0], 2)
+    assert plan.stages[0].tp_sharding[ATTENTION[name][1]] is Sharding.COLWISE
+    assert_trains_like_one_process(plan, tmp_path, optimizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_fused_models_train_like_one_process_at_tp_2_by_pp_2(tmp_path, name):
+    plan = _plan(ATTENTION[name][0], 2, pp=2)
+    assert plan.pipeline_parallel == 2 and any(s.tp_parts for s in plan.stages) == (name != "megatron")
+    assert_trains_like_one_process(plan, tmp_path, "adamw")
+
+
+@pytest.mark.slow
+def test_checkpoint_of_tp_2_holds_the_users_tensors_and_resumes_at_tp_1(tmp_path):
+    """A checkpoint saved at tp 2 holds mingpt's own tensors under its own names: read by
+    one process it equals --save-final, and a tp 1 program resumes from it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    plan = _plan(MINGPT, 2)
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3"]
+    torch.manual_seed(1234)
+    init_state = load_model_file(MINGPT, {}).build_model().state_dict()
+    final, _ = _run(plan, tmp_path / "tp2", init_state, ckpt + ["--steps", "3"])
+    (step,) = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")]
+    metadata = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    dcp.load({f"model.{k}": v for k, v in saved.items()}, checkpoint_id=str(step), no_dist=True)
+    for key in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias", "lm_head.weight"):
+        assert torch.equal(saved[key], final[key]), key
+    one = _plan(MINGPT, 1, world=1)
+    again, stderr = _run(one, tmp_path / "tp1", init_state, ckpt + ["--steps", "4"])
+    assert "step 3" in stderr, stderr[-2000:]  # resumed after the checkpoint of step 3
+    reference = reference_run(plan, init_state, "adamw", steps=4)[1]
+    exact_losses, exact = reference_run(plan, _to_state(init_state, torch.float64), "adamw", 4, dtype=torch.float64)
+    # the resumed run's parameters as one process's 4 steps, within float32 rounding ([Note: float tolerance])
+    assert_within_rounding("adamw", 4, exact_losses, again, reference, exact_losses, exact)
+
+
+def _run(plan: ParallelPlan, out: Path, init_state: dict, args: list[str]) -> tuple[dict, str]:
+    """Compile ``plan`` into ``out`` and run it with AdamW from ``init_state``: its --save-final state and stderr."""
+    from hetpar.rewriters import compile_plan
+
+    compile_plan(plan, out)
+    torch.save(init_state, out / "init.pt")
+    result = run_torchrun(out / "train.py", plan.cluster.world_size,
+                          ["--optimizer", "adamw", "--lr", "0.01", "--init-from", "init.pt", "--save-final", "final.pt",
+                           *args])
+    assert result.returncode == 0, result.stderr[-4000:]
+    return torch.load(out / "final.pt", weights_only=True), result.stderr
