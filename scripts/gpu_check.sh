@@ -10,8 +10,9 @@
 #   profile   `hetpar profile` of this GPU;
 #   repredict the six plans predicted again with the measured profile;
 # then one table of predicted against measured step times. GPU_CHECK_PARTS=a,b runs
-# only those parts (the summary always), e.g. GPU_CHECK_PARTS=repredict on another
-# host over a copied OUT_DIR. Each part is time-boxed and writes under OUT_DIR as it
+# only those parts (the summary always), e.g. GPU_CHECK_PARTS=repredict on another host over a
+# copied OUT_DIR; GPU_CHECK_CONFIGS=a,b only those plans (names as in CONFIGS below).
+# Each part is time-boxed and writes under OUT_DIR as it
 # goes, so a part that fails leaves the others' results.
 #
 #   scripts/gpu_check.sh [OUT_DIR]        (default out/gpu_check; PY=python3 by default)
@@ -60,6 +61,11 @@ CONFIGS="350m_mb4_none M350 4 none
 1p3b_mb4_none M1300 4 none
 1p3b_mb8_none M1300 8 none
 1p3b_mb8_full M1300 8 full"
+
+# GPU_CHECK_CONFIGS=a,b keeps only those configurations (e.g. 350m_mb4_none for a quick check)
+if [ -n "${GPU_CHECK_CONFIGS:-}" ]; then
+    CONFIGS=$(grep -E "^($(echo "$GPU_CHECK_CONFIGS" | tr , '|')) " <<<"$CONFIGS")
+fi
 
 # each_config FUNCTION: calls FUNCTION name plan-arguments... for each configuration
 each_config() {
