@@ -20,6 +20,9 @@ from hetpar.planner.capture import TpCostModel, find_sharding, layer_collectives
 from hetpar.planner.capture.tp_collectives import forward_all_reduces
 from hetpar.planner.capture.tp_dry_run import dry_run, solve_checked
 from hetpar.planner.capture.tp_ilp import build_problem, evaluate, solve
+from hetpar.planner.capture.tp_meta import shard_on_meta
+from hetpar.planner.capture.tp_ops import linear_parts, run_graph
+from hetpar.runtime.parts import PartLayout, copy_shape_arguments
 from hetpar.vocabulary import Sharding
 from hetpar.runtime.model_file import load_model_file
 
@@ -227,8 +230,10 @@ def test_a_narrow_block_stays_replicated_where_collectives_cost_more_than_the_sp
 
 # Valid plans, on real tensors ------------------------------------------------------------------------------------
 
-def run_as_ranks(gm: fx.GraphModule, sharding: dict[str, Sharding], tp: int, inputs: list[torch.Tensor]) -> list:
-    """Each rank's output of ``gm`` under ``sharding``, collectives done by hand."""
+def run_as_ranks(gm: fx.GraphModule, sharding: dict[str, Sharding], tp: int, inputs: list[torch.Tensor], *,
+                 parts: dict[str, tuple[int, ...]] | None = None) -> list:
+    """Each rank's output of ``gm`` under ``sharding``, collectives done by hand; a colwise
+    Linear of ``parts`` holds each rank's slice of every part."""
     envs = [{} for _ in range(tp)]
     interpreters = [fx.Interpreter(gm) for _ in range(tp)]
     fed = iter(inputs)
@@ -238,7 +243,8 @@ def run_as_ranks(gm: fx.GraphModule, sharding: dict[str, Sharding], tp: int, inp
             value = next(fed)
             outs = [value] * tp
         elif how is not None:
-            outs = _split_linear(gm.get_submodule(str(node.target)), how, [env[node.args[0]] for env in envs])
+            outs = _split_linear(gm.get_submodule(str(node.target)), how, [env[node.args[0]] for env in envs],
+                                 (parts or {}).get(str(node.target)))
         else:
             outs = []
             for interpreter, env in zip(interpreters, envs):
@@ -251,8 +257,11 @@ def run_as_ranks(gm: fx.GraphModule, sharding: dict[str, Sharding], tp: int, inp
     raise AssertionError("no output node")
 
 
-def _split_linear(linear: nn.Linear, how: Sharding, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _split_linear(linear: nn.Linear, how: Sharding, xs: list[torch.Tensor], parts=None) -> list[torch.Tensor]:
     tp = len(xs)
+    if parts and how is Sharding.COLWISE:
+        rows = [PartLayout(tuple(parts), tp).rank_rows(r) for r in range(tp)]
+        return [F.linear(x, linear.weight[i], linear.bias[i] if linear.bias is not None else None) for x, i in zip(xs, rows)]
     if how in (Sharding.COLWISE, Sharding.COLWISE_GATHER):
         biases = linear.bias.chunk(tp) if linear.bias is not None else [None] * tp
         outs = [F.linear(x, w, b) for x, w, b in zip(xs, linear.weight.chunk(tp, 0), biases)]
@@ -302,20 +311,26 @@ def test_mlp_stacks_pair_their_linears():
 # The dry run -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("factory", [FixedHeads, FusedQKV])
-def test_dry_run_forbids_splits_the_model_cannot_see_and_resolves(factory):
+def test_fixed_head_counts_and_fused_qkv_split_with_local_shapes(factory):
+    """A head count fixed in the code and a chunked fused qkv split on the first solve
+    (issue 30): the dry run makes the shape constants local ([Note: local shape
+    constants]) and lays the fused Linear part by part ([Note: part-laid Linears]), and
+    the ranks compute the unsplit layer."""
     torch.manual_seed(0)
     module = factory()
     gm = fx.symbolic_trace(copy.deepcopy(module).to("meta"))
     inputs = [torch.empty(1, 8, 128, device="meta", requires_grad=True)]
     problem = build_problem(gm, inputs, TpCostModel.for_device())
-    first = solve(problem)
-    assert dry_run(gm, inputs, first.sharding(problem), 2) is not None  # the unconstrained optimum is wrong
-    checked = solve_checked(gm, inputs, problem)
-    assert checked.solves > 1 and dry_run(gm, inputs, checked.sharding(problem), 2) is None
+    sharding = solve(problem).sharding(problem)
+    assert Sharding.COLWISE in sharding.values() and dry_run(gm, inputs, sharding, 2) is None
     x = torch.randn(1, 8, 128)
     real = fx.symbolic_trace(module)
+    local = copy.deepcopy(real)
+    copy_shape_arguments(shard_on_meta(gm, sharding, 2, inputs), local,
+                         {n.name for n in gm.graph.nodes if n.op in ("call_method", "call_function")})
+    parts = linear_parts(gm, sharding, run_graph(gm, inputs))
     with torch.no_grad():
-        for out in run_as_ranks(real, checked.sharding(problem), 2, [x]):
+        for out in run_as_ranks(local, sharding, 2, [x], parts=parts):
             torch.testing.assert_close(out, real(x))
 
 
