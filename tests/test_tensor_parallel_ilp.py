@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from hetpar.planner.capture import TpCostModel, find_sharding, layer_collectives
 from hetpar.planner.capture.tp_collectives import forward_all_reduces
-from hetpar.planner.capture.tp_dry_run import dry_run, solve_checked
+from hetpar.planner.capture.tp_dry_run import dry_run
 from hetpar.planner.capture.tp_ilp import build_problem, evaluate, solve
 from hetpar.planner.capture.tp_meta import shard_on_meta
 from hetpar.planner.capture.tp_ops import linear_parts, run_graph
