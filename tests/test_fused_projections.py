@@ -125,6 +125,10 @@ def test_fused_models_train_like_one_process_at_tp_2(tmp_path, name, optimizer):
 def test_fused_models_train_like_one_process_at_tp_2_by_pp_2(tmp_path, name):
     plan = _plan(ATTENTION[name][0], 2, pp=2)
     assert plan.pipeline_parallel == 2 and any(s.tp_parts for s in plan.stages) == (name != "megatron")
+    if name == "mingpt":  # nanoGPT's ModuleDict namespace: the blocks are layers, cut between them
+        first, second = plan.stages
+        assert [plan.model.layer_names[i] for i in (first.layers[-1], second.layers[0])] == [
+            "transformer.h.0", "transformer.h.1"]
     assert_trains_like_one_process(plan, tmp_path, "adamw")
 
 

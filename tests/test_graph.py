@@ -21,6 +21,33 @@ def test_gpt_layers_are_blocks_between_named_edges():
     assert lg.layer_names == ("tok_emb+pos_emb", "blocks.0", "blocks.1", "blocks.2", "ln_f+lm_head")
 
 
+def test_blocks_inside_a_namespace_module_dict_are_layers():
+    """nanoGPT's ``transformer = ModuleDict(wte, wpe, h=ModuleList([...]), ln_f)``: the
+    blocks of ``h`` are the layers, not the ModuleDict's four children."""
+    model = load_model_file("tests/models/mingpt_fused.py", {"n_layer": 3}).build_model()
+    assert trace_layers(model).layer_names == (
+        "transformer.wte+transformer.wpe", "transformer.h.0", "transformer.h.1", "transformer.h.2",
+        "transformer.ln_f+lm_head")
+
+
+class BlockDict(torch.nn.Module):
+    """A ModuleDict of blocks of different classes holds blocks, not a namespace."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleDict(dict(a=torch.nn.Linear(8, 8), b=torch.nn.Sequential(torch.nn.Linear(8, 8)),
+                                               c=torch.nn.Linear(8, 8)))
+
+    def forward(self, x):
+        for block in self.blocks.values():
+            x = block(x)
+        return x
+
+
+def test_a_module_dict_of_blocks_keeps_its_blocks():
+    assert trace_layers(BlockDict()).layer_names == ("blocks.a", "blocks.b", "blocks.c")
+
+
 def test_every_cut_of_gpt_matches_the_whole_model():
     mf = load_model_file("examples/gpt.py", {"n_layers": 3, "hidden": 32, "seq_len": 8})
     torch.manual_seed(0)

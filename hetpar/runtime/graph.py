@@ -7,8 +7,12 @@ plan names are exactly the layers that the program builds.
 Layers are the units of pipeline partitioning. The repeated blocks of a model live in
 containers: every child with parameters of an ``nn.ModuleList`` or ``nn.ModuleDict``,
 or the children of one class that occurs at least twice in an ``nn.Sequential``. The
-container whose blocks hold the most parameters wins (the shallower one on a tie);
-other containers that neither hold nor sit inside a chosen one join it if their blocks
+container whose blocks hold the most parameters wins (the shallower one on a tie).
+A ModuleDict used as a namespace, holding a container of repeated blocks next to single
+modules (nanoGPT's ``transformer = ModuleDict(wte, wpe, h=ModuleList([...]), ln_f)``), is
+no container of blocks: its blocks are those of the container inside it
+(``transformer.h.0``, ``transformer.h.1``, ...), not ``wte``, ``h`` and ``ln_f``.
+Other containers that neither hold nor sit inside a chosen one join it if their blocks
 hold at least 1% of the parameters (T5's encoder and decoder blocks; the bottlenecks
 of a torchvision-style ResNet, whose four stages are separate Sequentials). Each block is a layer, in the order the
 graph first runs it; the nodes before the first block form a leading layer and the
@@ -85,7 +89,7 @@ def find_blocks(model: nn.Module) -> list[str]:
     total = sum(p.numel() for p in model.parameters())
     candidates = []
     for path, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        if isinstance(module, _CONTAINERS):
             candidates += _container_candidates(path, module)
     candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
     chosen: list[tuple[int, int, str, list[str]]] = []
@@ -114,6 +118,8 @@ def _container_candidates(path: str, module: nn.Module) -> list[tuple[int, int, 
     the others ride along with the block before them.
     """
     children = [(name, child) for name, child in module.named_children() if any(True for _ in child.parameters())]
+    if isinstance(module, nn.ModuleDict) and _is_namespace(child for _, child in children):
+        return []
     groups: dict[type, list[str]] = collections.defaultdict(list)
     for name, child in children:
         groups[type(child)].append(name)
@@ -127,6 +133,23 @@ def _container_candidates(path: str, module: nn.Module) -> list[tuple[int, int, 
         qualified = [f"{path}.{n}" if path else n for n in names]
         out.append((params, -path.count(".") - (1 if path else 0), path, qualified))
     return out
+
+
+def _is_namespace(children) -> bool:
+    """True if a ModuleDict's children (those with parameters) mix single modules with a
+    container of repeated blocks of one class; see [Note: layer grouping]."""
+    children = list(children)
+    containers = [c for c in children if isinstance(c, _CONTAINERS)]
+    return len(containers) < len(children) and any(_repeats_one_class(c) for c in containers)
+
+
+def _repeats_one_class(container: nn.Module) -> bool:
+    """True if at least two of ``container``'s children with parameters share a class."""
+    classes = collections.Counter(type(c) for c in container.children() if any(True for _ in c.parameters()))
+    return any(count >= 2 for count in classes.values())
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def _nested(a: str, b: str) -> bool:
