@@ -9,6 +9,10 @@ megatron_fused.py (per-head interleaved ``query_key_value``) and gqa_fused.py (g
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,6 +111,33 @@ def test_plan_checks_its_parts():
         StagePlan(**base, tp_parts={"a.qkv": [64, 33, 33]})
     with pytest.raises(PlanFileError, match="does not split colwise"):
         StagePlan(**base, tp_parts={"a.o": [16, 16]})
+
+
+def _hetpar(*args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "hetpar", *args], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def test_trace_shows_the_parts_of_fused_projections():
+    data = json.loads(_hetpar("trace", str(MINGPT), "--json").stdout)
+    block = next(row for row in data["layers"] if row["name"] == "transformer.h.0")
+    assert block["tp_parts"] == {"transformer.h.0.attn.c_attn": [64, 64, 64]}
+    assert block["tp_sharding"]["transformer.h.0.attn.c_attn"] == Sharding.COLWISE
+    assert all(not row["tp_parts"] for row in data["layers"] if not row["name"].startswith("transformer.h."))
+    text = _hetpar("trace", str(MINGPT)).stderr
+    assert re.search(r"transformer\.h\.1\.attn\.c_attn\s*│\s*colwise\s*│\s*\[64, 64, 64\]", text), text
+
+
+def test_explain_shows_the_parts_of_fused_projections(tmp_path):
+    path = tmp_path / "plan.json"
+    _plan(GQA, 2).save(path)
+    (stage,) = json.loads(_hetpar("explain", str(path), "--json").stdout)["stages"]
+    assert stage["tp_parts"]["layers.0.self_attn.qkv_proj"] == [64, 32, 32]
+    assert stage["tp_parts"]["layers.0.mlp.gate_up_proj"] == [128, 128]
+    text = _hetpar("explain", str(path)).stderr
+    assert re.search(r"stage 0\s*│\s*layers\.1\.self_attn\.qkv_proj\s*│\s*colwise\s*│\s*\[64, 32, 32\]", text), text
 
 
 # ----------------------------------------------------------------------------- trained under torchrun, against one process

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 from hetpar.cost_models.cluster import ClusterSpecError
 from hetpar.cost_models.devices import ProfileError, UnknownDeviceError, get_device
@@ -66,6 +67,20 @@ def rank_ranges(ranks: list[list[int]]) -> str:
         prev = r
     runs.append((start, prev))
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def print_parts(rows: list[tuple[str, str, str, list[int]]], where: str) -> None:
+    """The fused projections split part by part, one row each (its ``where``: a layer or stage;
+    module path, sharding, part sizes), on stderr; nothing when there are none
+    ([Note: part-laid Linears] in runtime/parts.py)."""
+    if not rows:
+        return
+    table = Table(title="fused projections, each part split over the tensor-parallel ranks", title_justify="left")
+    for column in (where, "module", "sharding", "parts"):
+        table.add_column(column, overflow="fold")
+    for where, path, how, parts in rows:
+        table.add_row(where, path, str(how), str(list(parts)))
+    console.print(table)
 
 
 def gib(n: float) -> str:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from hetpar.commands.common import console, domain_errors, gib, print_json, seconds
+from hetpar.commands.common import console, domain_errors, gib, print_json, print_parts, seconds
 from hetpar.commands.plan import sync_description
 from hetpar.planner import ParallelPlan, explain_plan, timeline_svg, write_text_atomic
 from hetpar.runtime.schedule import Kind
@@ -33,9 +33,14 @@ def explain(
         title = f"{Path(plan.model.file).name} on {plan.cluster.spec}: {plan.schedule.value}, {plan.num_microbatches} micro-batches"
         write_text_atomic(timeline, timeline_svg(est.timeline, labels, title))
     if as_json:
-        print_json(est.to_dict())
+        report = est.to_dict()
+        for stage, row in zip(plan.stages, report["stages"]):
+            row["tp_parts"] = stage.tp_parts  # fused projections split part by part ([Note: part-laid Linears])
+        print_json(report)
         return
     _print_stages(plan, est)
+    print_parts([(f"stage {s.index}", path, s.tp_sharding[path], sizes) for s in plan.stages
+                 for path, sizes in s.tp_parts.items()], "stage")
     t = est.time
     console.print(
         f"step {seconds(t.step_s)}: compute {seconds(t.compute_s)}, bubble {seconds(t.bubble_s)}, "

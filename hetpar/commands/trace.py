@@ -9,7 +9,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from hetpar.commands.common import console, domain_errors, fail, gib, print_json
+from hetpar.commands.common import console, domain_errors, fail, gib, print_json, print_parts
 from hetpar.planner import ModelGraph, trace_model
 from hetpar.runtime.model_file import load_model_file, parse_model_args
 
@@ -39,6 +39,8 @@ def trace(
         print_json(report)
         return
     print_layers(model_file.name, report)
+    print_parts([(r["name"], path, r["tp_sharding"][path], sizes) for r in report["layers"]
+                 for path, sizes in r["tp_parts"].items()], "layer")
     if nodes:
         print_nodes(report)
 
@@ -48,8 +50,9 @@ def trace_report(graph: ModelGraph, batch_size: int = 1, *, with_nodes: bool = F
     rows = []
     shardings = graph.tp_sharding or [{} for _ in graph.layers]
     sources = graph.tp_source or ["" for _ in graph.layers]
-    for layer, boundary, sharding, source in zip(graph.layers, graph.boundaries or [[] for _ in graph.layers], shardings,
-                                                 sources):
+    parts = graph.tp_parts or [{} for _ in graph.layers]
+    for layer, boundary, sharding, source, layer_parts in zip(graph.layers, graph.boundaries or [[] for _ in graph.layers],
+                                                              shardings, sources, parts):
         row: dict[str, Any] = {"name": layer.name, "params": layer.params}
         row.update({k: getattr(layer, k) * batch_size for k in _SCALED_LAYER_KEYS})
         row["tied_params"] = layer.tied_params
@@ -57,6 +60,8 @@ def trace_report(graph: ModelGraph, batch_size: int = 1, *, with_nodes: bool = F
         # how tensor parallelism splits the layer, and who said so ("finder", "base_model_tp_plan")
         row["tp_sharding"] = {path: how.value for path, how in sharding.items()}
         row["tp_source"] = source
+        # the part sizes of its fused projections, each part split over the ranks ([Note: part-laid Linears])
+        row["tp_parts"] = {path: list(sizes) for path, sizes in layer_parts.items()}
         rows.append(row)
     report: dict[str, Any] = {
         "batch_size": batch_size,
