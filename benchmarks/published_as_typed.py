@@ -1,6 +1,6 @@
 """Megatron's SC'21 Table 1 configurations typed as published, through the CLI (issue 20).
 
-    .venv/bin/python benchmarks/published_as_typed.py [--no-plan] > out/published_as_typed.md
+    .venv/bin/python benchmarks/published_as_typed.py [--no-plan] [--fused-qkv] > out/published_as_typed.md
 
 For each row from 7.5B up (Narayanan et al. 2021, Table 1; benchmarks/cost_model_published.py
 holds the rows): ``hetpar estimate`` with the published t, p, d, micro-batch, schedule
@@ -9,6 +9,8 @@ holds the rows): ``hetpar estimate`` with the published t, p, d, micro-batch, sc
 TFLOP/s per GPU (the paper's Eq. 3 FLOPs over the predicted step) against the paper's;
 then ``hetpar plan`` on the same model, cluster and batch, whose predicted step should
 be no slower than the published configuration's under the same cost model.
+``--fused-qkv`` types the same rows with Megatron's own fused ``query_key_value``
+(benchmarks/published/gpt.py's ``fused_qkv=1``; issue 30).
 """
 
 from __future__ import annotations
@@ -39,32 +41,34 @@ def hetpar(*args: str) -> tuple[dict, float]:
     return json.loads(out.stdout), time.perf_counter() - start
 
 
-def model_args(row) -> list[str]:
-    return [a for k, v in row.model.items() for a in ("-a", f"{k}={str(v).lower() if isinstance(v, bool) else v}")]
+def model_args(row, fused_qkv: bool = False) -> list[str]:
+    model = {**row.model, **({"fused_qkv": 1} if fused_qkv else {})}
+    return [a for k, v in model.items() for a in ("-a", f"{k}={str(v).lower() if isinstance(v, bool) else v}")]
 
 
-def estimate_args(row) -> list[str]:
+def estimate_args(row, fused_qkv: bool = False) -> list[str]:
     schedule = ["--schedule", row.schedule] + (["--virtual-stages", str(row.virtual)] if row.virtual > 1 else [])
-    return ["estimate", published.MODEL_FILE, *model_args(row), "--cluster", published.cluster_spec(row),
+    return ["estimate", published.MODEL_FILE, *model_args(row, fused_qkv), "--cluster", published.cluster_spec(row),
             "--global-batch", str(row.global_batch), "--dp", str(row.dp), "--tp", str(row.tp), "--pp", str(row.pp),
             "--micro-batch-size", str(row.micro_batch), *schedule, "--recompute", "full", "--dtype", row.dtype]
 
 
-def plan_args(row) -> list[str]:
-    return ["plan", published.MODEL_FILE, *model_args(row), "--cluster", published.cluster_spec(row),
+def plan_args(row, fused_qkv: bool = False) -> list[str]:
+    return ["plan", published.MODEL_FILE, *model_args(row, fused_qkv), "--cluster", published.cluster_spec(row),
             "--global-batch", str(row.global_batch), "--dtype", row.dtype]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-plan", action="store_true", help="only the estimates")
+    parser.add_argument("--fused-qkv", action="store_true", help="the GPT with one fused query_key_value Linear")
     args = parser.parse_args()
     rows = [r for r in published.published_rows() if r.source.endswith("Table 1") and r.label in LABELS]
     print("| model | GPUs | t, p, d | micro-batch | schedule | predicted step | TFLOP/s/GPU predicted | paper | error |"
           + ("" if args.no_plan else " hetpar plan | its step | vs published | search s |"))
     print("|---|---:|---|---:|---|---:|---:|---:|---:|" + ("" if args.no_plan else "---|---:|---:|---:|"))
     for row in rows:
-        estimated, _ = hetpar(*estimate_args(row))
+        estimated, _ = hetpar(*estimate_args(row, args.fused_qkv))
         step = estimated["predicted"]["step_time_s"]
         paper = row.work / row.measured_step_s / row.gpus / 1e12
         ours = row.work / step / row.gpus / 1e12
@@ -72,7 +76,7 @@ def main() -> None:
         line = (f"| {row.label} | {row.gpus} | {row.tp}, {row.pp}, {row.dp} | {row.micro_batch} | {schedule} | {step:.2f} s | "
                 f"{ours:.1f} | {paper:.0f} | {ours / paper - 1:+.1%} |")
         if not args.no_plan:
-            planned, _ = hetpar(*plan_args(row))
+            planned, _ = hetpar(*plan_args(row, args.fused_qkv))
             p = planned["predicted"]["step_time_s"]
             tp = sorted({s["tensor_parallel"] for s in planned["stages"]})
             v = planned.get("virtual_stages", 1)

@@ -113,6 +113,19 @@ def test_plan_checks_its_parts():
         StagePlan(**base, tp_parts={"a.o": [16, 16]})
 
 
+def test_published_gpt_with_a_fused_qkv_splits_by_heads_and_costs_as_separate_qkv():
+    """benchmarks/published/gpt.py's ``fused_qkv=1`` (Megatron's per-head interleaved
+    ``query_key_value``, which benchmarks/published_as_typed.py --fused-qkv types) splits
+    by heads at tp 2, and its plan is predicted as fast as the separate q/k/v one."""
+    published = Path(__file__).parent.parent / "benchmarks" / "published" / "gpt.py"
+    fused, separate = (_plan(published, 2, model_args={"fused_qkv": f, "dropout": 0.0}) for f in (1, 0))
+    (stage,) = fused.stages
+    assert stage.tp_sharding["blocks.0.attn.query_key_value"] is Sharding.COLWISE
+    assert stage.tp_sharding["blocks.0.attn.o"] is Sharding.ROWWISE
+    assert stage.tp_parts == {}  # one part per Linear: each rank's rows are whole heads of q, k and v
+    assert fused.predicted.step_time_s == pytest.approx(separate.predicted.step_time_s, rel=0.02)
+
+
 def _hetpar(*args: str) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, "-m", "hetpar", *args], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "COLUMNS": "200"})

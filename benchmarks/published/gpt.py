@@ -9,8 +9,11 @@ One decoder, two flavours chosen by model args:
   learned positions, no dropout, tied output layer; flash attention).
   ``--model-arg bias=false --model-arg dropout=0``.
 
-q, k and v are separate Linears (Megatron and MPT fuse them into one; same FLOPs and
-parameters) so that hetpar's tensor-parallel finder sees whole heads. Attention is
+q, k and v are separate Linears by default (Megatron and MPT fuse them into one; same
+FLOPs and parameters). ``--model-arg fused_qkv=1`` fuses them as Megatron-LM does: one
+``query_key_value`` Linear whose output is viewed per head as ``[q | k | v]``
+(``view(B, T, heads, 3 * head_dim)`` then ``split(head_dim)``), the head count fixed in
+the code; hetpar splits it by heads (issue 30). Attention is
 ``scaled_dot_product_attention``: hetpar's tracer measures it as a fused kernel keeps
 it ([Note: fused attention on meta] in planner/capture/measure.py).
 
@@ -22,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-DEFAULTS = dict(n_layers=2, hidden=128, heads=4, vocab=512, seq_len=64, bias=True, dropout=0.1)
+DEFAULTS = dict(n_layers=2, hidden=128, heads=4, vocab=512, seq_len=64, bias=True, dropout=0.1, fused_qkv=False)
 
 
 class Attention(nn.Module):
@@ -43,11 +46,29 @@ class Attention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class Block(nn.Module):
+class FusedAttention(nn.Module):
+    """Megatron-LM's ``ParallelAttention``: q, k and v of each head side by side in one Linear's output."""
+
     def __init__(self, hidden: int, heads: int, bias: bool, dropout: float):
         super().__init__()
+        self.heads, self.head_dim, self.dropout = heads, hidden // heads, dropout
+        self.query_key_value = nn.Linear(hidden, 3 * hidden, bias=bias)
+        self.o = nn.Linear(hidden, hidden, bias=bias)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        qkv = self.query_key_value(x).view(B, T, self.heads, 3 * self.head_dim)
+        q, k, v = qkv.split(self.head_dim, dim=-1)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int, bias: bool, dropout: float, fused_qkv: bool):
+        super().__init__()
         self.ln1 = nn.LayerNorm(hidden, bias=bias)
-        self.attn = Attention(hidden, heads, bias, dropout)
+        self.attn = (FusedAttention if fused_qkv else Attention)(hidden, heads, bias, dropout)
         self.drop1 = nn.Dropout(dropout)
         self.ln2 = nn.LayerNorm(hidden, bias=bias)
         self.fc = nn.Linear(hidden, 4 * hidden, bias=bias)
@@ -60,12 +81,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, n_layers, hidden, heads, vocab, seq_len, bias, dropout):
+    def __init__(self, n_layers, hidden, heads, vocab, seq_len, bias, dropout, fused_qkv):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab, hidden)
         self.pos_emb = nn.Embedding(seq_len, hidden)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(hidden, heads, bias, dropout) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(hidden, heads, bias, dropout, fused_qkv) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(hidden, bias=bias)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # output layer tied to the word embedding
@@ -79,8 +100,9 @@ class GPT(nn.Module):
 
 
 def build_model(n_layers=DEFAULTS["n_layers"], hidden=DEFAULTS["hidden"], heads=DEFAULTS["heads"], vocab=DEFAULTS["vocab"],
-                seq_len=DEFAULTS["seq_len"], bias=DEFAULTS["bias"], dropout=DEFAULTS["dropout"]):
-    return GPT(n_layers, hidden, heads, vocab, seq_len, bias, dropout)
+                seq_len=DEFAULTS["seq_len"], bias=DEFAULTS["bias"], dropout=DEFAULTS["dropout"],
+                fused_qkv=DEFAULTS["fused_qkv"]):
+    return GPT(n_layers, hidden, heads, vocab, seq_len, bias, dropout, bool(fused_qkv))
 
 
 def example_inputs(batch_size, vocab=DEFAULTS["vocab"], seq_len=DEFAULTS["seq_len"], **_):
