@@ -1,6 +1,7 @@
 """The hetpar command as a user meets it: real subprocesses, clear one-line errors."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +20,17 @@ def test_version_and_help():
     help_text = hetpar("--help").stdout
     for command in ("plan", "compile", "trace", "devices"):
         assert command in help_text
+
+
+@pytest.mark.parametrize("command, default", [
+    ("plan", "[default: 1f1b, zb and interleaved are searched; gpipe only when pinned]"),
+    ("estimate", "[default: fp32 on cpu, bf16 else, fp16 where a device lacks bf16]"),
+])
+def test_help_shows_defaults_in_brackets(command, default):
+    """A help text's ``[default: ...]`` is text, not rich markup that swallows it."""
+    done = subprocess.run([sys.executable, "-m", "hetpar", command, "--help"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "COLUMNS": "400"})
+    assert default in " ".join(done.stdout.split())
 
 
 def test_plan_writes_a_valid_plan(tmp_path):

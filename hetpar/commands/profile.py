@@ -125,18 +125,18 @@ def profile(
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the profile (.json or .toml).")],
     nproc: Annotated[Optional[int], typer.Option(
         help="Local workers measured at once, as a plan's ranks run; with 2 or more they time collectives too "
-             "\\[default: every visible GPU on CUDA, 2 on a CPU].", show_default=False)] = None,
+             "\\\\[default: every visible GPU on CUDA, 2 on a CPU].", show_default=False)] = None,
     model: Annotated[Optional[Path], typer.Option(help="Also time each layer of this model file, forward and backward; "
                                                    "plans of models with such layers then use the times.")] = None,
     model_arg: Annotated[Optional[list[str]], typer.Option("--model-arg", "-a", help="key=value passed to build_model(); repeatable.")] = None,
     batch_sizes: Annotated[str, typer.Option(help="Micro-batch sizes at which to time the --model layers, comma-separated.")] = "1,2,4,8,16,32",
     quick: Annotated[bool, typer.Option(help="Fewer sizes and repeats, one pass (a first look; noisier).")] = False,
     passes: Annotated[Optional[int], typer.Option(
-        help=f"Whole measurements to take the median of \\[default: {PASSES['cpu']} on a CPU, {PASSES['cuda']} on GPUs, "
+        help=f"Whole measurements to take the median of \\\\[default: {PASSES['cpu']} on a CPU, {PASSES['cuda']} on GPUs, "
              "1 with --quick].", show_default=False)] = None,
     base: Annotated[Optional[str], typer.Option(
         help="Built-in profile whose unmeasured fields (memory, NICs, links not timed) are kept, and whose name the "
-             "profile takes \\[default: this host's GPU type on CUDA, cpu on a CPU].", show_default=False)] = None,
+             "profile takes \\\\[default: this host's GPU type on CUDA, cpu on a CPU].", show_default=False)] = None,
 ) -> None:
     """Measure this host (matmul, memory, per-op overhead, collectives) and fit a device profile."""
     if output.suffix.lower() not in (".json", ".toml"):
