@@ -533,7 +533,7 @@ def _part_laid(state: dict[str, Any], layouts: dict[str, PartLayout], optimizer:
         if optimizer and not k.startswith("state."):
             continue
         layout = layouts.get(name)
-        if layout is not None and isinstance(v, DTensor) and v.dim() >= 1 and v.shape[0] == sum(layout.parts):
+        if layout is not None and isinstance(v, DTensor) and v.dim() > layout.dim and v.shape[layout.dim] == sum(layout.parts):
             out[k] = layout
     return out
 

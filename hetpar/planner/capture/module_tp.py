@@ -50,7 +50,8 @@ from hetpar.planner.capture.tp_meta import local_linear
 from hetpar.planner.capture.tp_ops import TpError
 from hetpar.vocabulary import Sharding
 from hetpar.runtime.capture import failure_site, quiet_torch_logs
-from hetpar.runtime.module_stage import DecoderLayout, DecoderStage, hidden_size
+from hetpar.runtime.module_stage import DecoderLayout, DecoderStage, hidden_size, localise_attention
+from hetpar.runtime.parts import PartError
 
 _STYLES = {style.value: style for style in (Sharding.COLWISE, Sharding.ROWWISE)}  # transformers tp_plan names ours
 _RUN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
@@ -108,6 +109,11 @@ class BlockDryRun:
             return DryRunFailure(node="", split_inputs=frozenset(), reason=str(exc))
         container, _, name = path.rpartition(".")
         setattr(stage.get_submodule(container), name, local)
+        try:  # the copy's attention attributes, as the program sets them ([Note: local attention attributes])
+            localise_attention(stage.get_submodule(path), {p.removeprefix(path + "."): how for p, how in sharding.items()}, tp)
+        except PartError as exc:
+            where = f"{path}.{exc.node}" if exc.node else path
+            return DryRunFailure(node=where, split_inputs=self._culprits(where, path, sharding), reason=str(exc))
         hidden = torch.empty(1, self.seq_len, hidden_size(self.model, self.layout), device="meta")
         try:  # quiet: torch logs each failing meta kernel, and a failure here is an answer
             with quiet_torch_logs(), FakeTensorMode(allow_non_fake_inputs=True):
