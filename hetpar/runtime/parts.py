@@ -21,7 +21,10 @@ rank's rows of the user's tensor (``rank_rows``; runtime.materialize), and full
 tensors, ``--save-final`` and checkpoints are turned back into the user's order
 (``to_user``; runtime.training, runtime.checkpoint), so a checkpoint holds the model's
 own tensors under their own names and any tensor-parallel degree resumes it.
-A Linear with one part (Megatron's and GPT-NeoX's per-head interleaved
+A Hugging Face ``Conv1D`` (GPT-2's ``c_attn``) stores its weight [in, out], so its
+"rows" are the weight's columns (``PartLayout.dim`` 1; its bias's are rows), and the
+attention's own attributes follow ([Note: local attention attributes] in
+runtime/module_stage.py). A Linear with one part (Megatron's and GPT-NeoX's per-head interleaved
 ``query_key_value``, viewed as ``(B, T, heads, 3 * head_dim)`` before the split) is
 plain colwise: its permutation is the identity.
 

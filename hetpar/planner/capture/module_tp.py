@@ -16,12 +16,15 @@ the model's own module ([Note: stages of the eager model] in runtime/module_stag
 whose reshapes read ``-1`` or the config, and that is what the dry run runs: the block
 with each split Linear replaced by one rank's (smaller) Linear, on fake meta tensors.
 A failure names the module it happened in; the split Linears inside it may not all be
-split (GPT-2's fused ``c_attn`` split colwise breaks the ``split(embed_dim)`` of
-``GPT2Attention``, so GPT-2 splits its MLP, and its attention projections run
-replicated or as ``rowwise_slice``; OPT's attention views its projections as
-``(batch, -1, num_heads, head_dim)`` with the config's head count, so OPT splits its
-MLP only), and the model is solved again. The degrees a layer splits at are those at
-which the dry run passes (heads and key heads divide).
+split (OPT's attention views its projections as ``(batch, -1, num_heads, head_dim)``
+with the config's head count, so OPT splits its MLP only), and the model is solved
+again. The degrees a layer splits at are those at which the dry run passes (heads and
+key heads divide). GPT-2's fused ``c_attn`` is part-laid ([Note: part-laid Linears] in
+runtime/parts.py): its parts are read from the exported graph (``aten.split`` of the
+``addmm``'s output, through the view that restores [B, T, 3C]: ``tp_ops.find_parts``),
+and the copy of the block the dry run runs has its attention's ``split_size`` (and head
+count) made local as the program makes them ([Note: local attention attributes] in
+runtime/module_stage.py), so the attention splits by heads.
 
 Where the model's config has a ``base_model_tp_plan`` (Llama: ``layers.*.self_attn.q_proj:
 colwise``, ...) of the plain colwise/rowwise styles, it is used when it is a valid
