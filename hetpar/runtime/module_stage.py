@@ -285,7 +285,7 @@ def localise_attention(stage: nn.Module, tp_sharding: dict[str, str], tp: int,
         unsplit = module.__dict__.setdefault(_GLOBAL_ATTRIBUTES, {n: getattr(module, n) for n in (width, *others)})
         if tp_parts is not None:
             out_features = getattr(module.get_submodule(fused), "nf", None)
-            parts = tuple(int(p) for p in tp_parts.get(child, ()))
+            parts = tuple(int(p) for p in tp_parts.get(child, ())) or ((out_features,) if out_features else ())
             if not parts or any(p != unsplit[width] for p in parts) or (out_features and sum(parts) != out_features):
                 raise PartError(f"{child} is split colwise in parts {list(parts)}, but {path} cuts it into parts "
                                 f"of {unsplit[width]} ({width})", node=path)
