@@ -246,3 +246,41 @@ def test_zero_3_on_module_stages_of_a_tied_model_trains_like_one_process(tmp_pat
     assert all(s.zero_stage == 3 for s in plan.stages)
     stderr = assert_trains_like_one_process(plan, tmp_path, "adamw")
     assert "ZeRO-3 through FSDP2 over 2 replicas" in stderr
+
+
+@pytest.mark.slow
+def test_gpt2_checkpoint_of_tp_2_holds_the_users_conv1d_and_resumes_at_tp_1(tmp_path):
+    """A checkpoint saved at tp 2 holds GPT-2's own c_attn (its Conv1D weight [in, out]
+    with q, k, v side by side): read by one process it equals --save-final, and a tp 1
+    program resumes from it like one process's 4 steps ([Note: part-laid checkpoints])."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from hetpar.runtime.model_file import load_model_file
+    from test_distributed import _to_state, assert_within_rounding, reference_run
+    from test_fused_projections import _run
+
+    plan = _plan(tmp_path, HF_GPT2, tp=2, pp=1)
+    assert plan.stages[0].tp_parts
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3"]
+    torch.manual_seed(1234)
+    init_state = load_model_file(plan.model.file, {}).build_model().state_dict()
+    final, _ = _run(plan, tmp_path / "tp2", init_state, ckpt + ["--steps", "3"])
+    (step,) = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")]
+    metadata = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    dcp.load({f"model.{k}": v for k, v in saved.items()}, checkpoint_id=str(step), no_dist=True)
+    for key in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias", "lm_head.weight"):
+        assert torch.equal(saved[key], final[key]), key
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.api import plan_model
+    from hetpar.planner.options import SearchOptions
+
+    options = SearchOptions(global_batch_size=8, dtype="fp32", schedule="1f1b", micro_batch_size=2, tp=1, pp=1, dp=1)
+    one = plan_model(plan.model.file, parse_cluster("1x1xcpu"), options, model_args={})
+    again, stderr = _run(one, tmp_path / "tp1", init_state, ckpt + ["--steps", "4"])
+    assert "step 3" in stderr, stderr[-2000:]  # resumed after the checkpoint of step 3
+    reference = reference_run(plan, init_state, "adamw", steps=4)[1]
+    exact_losses, exact = reference_run(plan, _to_state(init_state, torch.float64), "adamw", 4, dtype=torch.float64)
+    assert_within_rounding("adamw", 4, exact_losses, again, reference, exact_losses, exact)

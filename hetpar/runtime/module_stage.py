@@ -240,10 +240,10 @@ def _causal_masks(config: Any, h: torch.Tensor, positions: torch.Tensor) -> dict
 # colwise part by part ([Note: part-laid Linears] in runtime/parts.py), a rank's
 # ``c_attn`` gives ``[q_r, k_r, v_r]``, each ``split_size / tp`` wide, so the attribute
 # must be the local width; the heads' views read ``-1`` and ``head_dim`` and follow.
-# ``embed_dim`` and ``num_heads`` become local too, as transformers before 4.48 view
-# heads with ``num_heads``. The table names, per attention class, the fused projection
-# whose colwise split makes the attributes local, the attribute that is its part width,
-# and the others that shrink with it. The planner's dry run (planner.capture.module_tp
+# ``embed_dim`` and ``num_heads`` become local too, as older transformers versions view
+# heads with ``num_heads`` (``_split_heads``). The table names, per attention class,
+# the fused projection whose colwise split makes the attributes local, the attribute
+# that is its part width, and the others that shrink with it. The planner's dry run (planner.capture.module_tp
 # ``BlockDryRun``) and the program (runtime.shard ``apply_tensor_parallel``) both call
 # ``localise_attention``, so they run the same attention.
 _HEAD_ATTRIBUTES = {

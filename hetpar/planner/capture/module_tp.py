@@ -113,7 +113,8 @@ class BlockDryRun:
         container, _, name = path.rpartition(".")
         setattr(stage.get_submodule(container), name, local)
         try:  # the copy's attention attributes, as the program sets them ([Note: local attention attributes])
-            localise_attention(stage.get_submodule(path), {p.removeprefix(path + "."): how for p, how in sharding.items()}, tp)
+            localise_attention(stage.get_submodule(path),
+                               {p.removeprefix(path + "."): how for p, how in sharding.items()}, tp)
         except PartError as exc:
             where = f"{path}.{exc.node}" if exc.node else path
             return DryRunFailure(node=where, split_inputs=self._culprits(where, path, sharding), reason=str(exc))
