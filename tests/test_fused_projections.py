@@ -103,6 +103,22 @@ def test_part_layout_rows_round_trip():
         PartLayout((4, 2, 2), 4)
 
 
+def test_part_layout_of_a_conv1d_weight_is_along_its_columns():
+    """transformers' Conv1D (GPT-2's c_attn) stores its weight [in, out]: its parts lie
+    along dimension 1, its bias's along dimension 0."""
+    tf = pytest.importorskip("transformers")
+    from hetpar.runtime.parts import part_layouts
+
+    holder = torch.nn.Module()
+    holder.c_attn = tf.pytorch_utils.Conv1D(12, 4)
+    layouts = part_layouts({"c_attn": [4, 4, 4]}, holder, 2)
+    assert layouts == {"c_attn.weight": PartLayout((4, 4, 4), 2, 1), "c_attn.bias": PartLayout((4, 4, 4), 2, 0)}
+    weight = holder.c_attn.weight.detach()
+    assert torch.equal(layouts["c_attn.weight"].of_rank(weight, 1), weight[:, [2, 3, 6, 7, 10, 11]])
+    assert torch.equal(layouts["c_attn.weight"].to_user(layouts["c_attn.weight"].from_user(weight)), weight)
+    assert torch.equal(layouts["c_attn.weight"].from_user(weight)[:, :6], weight[:, [0, 1, 4, 5, 8, 9]])
+
+
 def test_plan_checks_its_parts():
     base = dict(index=0, layers=[0], device_type="cpu", tensor_parallel=2, ranks=[[0, 1]],
                 tp_sharding={"a.qkv": Sharding.COLWISE, "a.o": Sharding.ROWWISE})

@@ -119,22 +119,46 @@ def test_finder_on_the_exported_llama_agrees_with_its_base_model_tp_plan(tmp_pat
     assert split.source == "base_model_tp_plan" and split.chosen == megatron
 
 
-def test_gpt2_splits_its_conv1d_mlp_and_never_its_fused_qkv_colwise(tmp_path):
+def test_gpt2_splits_its_fused_qkv_by_heads_and_its_conv1d_mlp(tmp_path):
+    """GPT-2's fused Conv1D ``c_attn`` (q, k, v cut by ``split(split_size, dim=2)``) splits
+    colwise part by part, its heads with it ([Note: local attention attributes] in
+    runtime/module_stage.py): the block's dry run passes at tp 2 and 4, on a copy."""
     from hetpar.planner.capture.module_tp import BlockDryRun
 
     split = _block_sharding(HF_GPT2, tmp_path)
     assert split.config is None and split.source == "finder"  # GPT2Config has no base_model_tp_plan
-    assert split.found["transformer.h.0.mlp.c_fc"] is Sharding.COLWISE
-    assert split.found["transformer.h.0.mlp.c_proj"] is Sharding.ROWWISE
-    assert split.found.get("transformer.h.0.attn.c_attn") is not Sharding.COLWISE
-    # c_attn holds q, k and v side by side and the attention splits them by embed_dim:
-    # one rank's colwise share cannot be split that way, and the dry run says where.
-    nodes = {s.path: s.name for s in split.problem.linears}
+    block = "transformer.h.0"
+    assert split.found == {f"{block}.attn.c_attn": Sharding.COLWISE, f"{block}.attn.c_proj": Sharding.ROWWISE,
+                           f"{block}.mlp.c_fc": Sharding.COLWISE, f"{block}.mlp.c_proj": Sharding.ROWWISE}
     model = _gpt2_meta()
-    failure = BlockDryRun(model, decoder_layout(model), 0, SEQ, nodes)(
-        {"transformer.h.0.attn.c_attn": Sharding.COLWISE, "transformer.h.0.attn.c_proj": Sharding.ROWWISE}, 2)
-    assert failure.node == "transformer.h.0.attn"
-    assert failure.split_inputs == {nodes["transformer.h.0.attn.c_attn"]}
+    check = BlockDryRun(model, decoder_layout(model), 0, SEQ, {s.path: s.name for s in split.problem.linears})
+    assert check(split.found, 2) is None and check(split.found, 4) is None
+    attention = model.get_submodule(f"{block}.attn")
+    assert (attention.split_size, attention.num_heads, attention.embed_dim) == (64, 4, 64)  # the model is not changed
+    # 4 heads do not split 8 ways: the attention names itself, and its fused projection
+    failure = check({f"{block}.attn.c_attn": Sharding.COLWISE}, 8)
+    assert failure.node == f"{block}.attn" and "num_heads is 4" in failure.reason
+    assert failure.split_inputs == {next(s.name for s in split.problem.linears if s.path == f"{block}.attn.c_attn")}
+
+
+def test_gpt2_attention_attributes_follow_the_split():
+    from hetpar.runtime.module_stage import localise_attention
+    from hetpar.runtime.parts import PartError
+
+    model = _gpt2_meta()
+    path = "transformer.h.0.attn"
+    attention = model.get_submodule(path)
+    sharding = {f"{path}.c_attn": Sharding.COLWISE, f"{path}.c_proj": Sharding.ROWWISE}
+    parts = {f"{path}.c_attn": [64, 64, 64]}
+    assert localise_attention(model, sharding, 2, parts) == [path]
+    assert (attention.split_size, attention.num_heads, attention.embed_dim, attention.head_dim) == (32, 2, 32, 16)
+    localise_attention(model, sharding, 2, parts)  # again: unchanged, the unsplit values are kept
+    assert attention.split_size == 32 and model.get_submodule("transformer.h.1.attn").split_size == 64
+    assert localise_attention(_gpt2_meta(), {f"{path}.c_attn": Sharding.COLWISE_GATHER}, 2) == []  # gathered: whole
+    with pytest.raises(PartError, match=r"c_attn is split colwise in parts \[192\]"):
+        localise_attention(_gpt2_meta(), sharding, 2, {})
+    with pytest.raises(PartError, match=r"num_heads is 4, which tp\(8\) does not divide"):
+        localise_attention(_gpt2_meta(), sharding, 8, {f"{path}.c_attn": [64, 64, 64]})
 
 
 def _gpt2_meta() -> torch.nn.Module:
@@ -157,7 +181,7 @@ def _plan(tmp_path, source: str, *, tp: int, pp: int):
     (HF_LLAMA, {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                 "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
                 "mlp.down_proj": "rowwise"}),
-    (HF_GPT2, {"attn.c_attn": "colwise_gather", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
+    (HF_GPT2, {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
 ], ids=["llama", "gpt2"])
 def test_the_planner_plans_hugging_face_decoders_at_tp_2(tmp_path, source, splits):
     plan = _plan(tmp_path, source, tp=2, pp=1)
@@ -172,13 +196,37 @@ def test_the_planner_plans_hugging_face_decoders_at_tp_2(tmp_path, source, split
     assert plan.predicted.tp_comm_time_s > 0  # the all-reduces of the split blocks are costed
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpt2_plans_its_attention_split_by_heads(tmp_path, tp):
+    """Issue 30: Hugging Face GPT-2's fused c_attn is colwise in parts of n_embd, c_proj rowwise."""
+    plan = _plan(tmp_path, HF_GPT2, tp=tp, pp=1)
+    (stage,) = plan.stages
+    assert stage.tensor_parallel == tp
+    for block in plan.model.layer_names[1:-1]:
+        assert stage.tp_sharding[f"{block}.attn.c_attn"] is Sharding.COLWISE
+        assert stage.tp_sharding[f"{block}.attn.c_proj"] is Sharding.ROWWISE
+        assert stage.tp_parts[f"{block}.attn.c_attn"] == [64, 64, 64]
+    assert set(stage.tp_parts) == {f"{block}.attn.c_attn" for block in plan.model.layer_names[1:-1]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("source,pp,optimizer", [(HF_LLAMA, 1, "adamw"), (HF_LLAMA, 2, "sgd"), (HF_GPT2, 1, "sgd"),
-                                                 (HF_GPT2, 2, "sgd")],
-                         ids=["llama-tp2", "llama-tp2xpp2", "gpt2-tp2", "gpt2-tp2xpp2"])
+@pytest.mark.parametrize("source,pp,optimizer", [(HF_LLAMA, 1, "adamw"), (HF_LLAMA, 2, "sgd")],
+                         ids=["llama-tp2", "llama-tp2xpp2"])
 def test_planned_tensor_parallel_trains_like_one_process(tmp_path, source, pp, optimizer):
     plan = _plan(tmp_path, source, tp=2, pp=pp)
     assert plan.pipeline_parallel == pp and all(s.tensor_parallel == 2 and s.tp_sharding for s in plan.stages)
+    assert_trains_like_one_process(plan, tmp_path, optimizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "tp2xpp2"])
+def test_gpt2_split_by_heads_trains_like_one_process(tmp_path, pp, optimizer):
+    """GPT-2's c_attn part-laid along its Conv1D weight's dim 1, its attention's
+    split_size made local, trained through the compiled program against one process."""
+    plan = _plan(tmp_path, HF_GPT2, tp=2, pp=pp)
+    assert plan.pipeline_parallel == pp and all(s.tensor_parallel == 2 for s in plan.stages)
+    assert all(s.tp_parts and all(p.endswith(".attn.c_attn") for p in s.tp_parts) for s in plan.stages)
     assert_trains_like_one_process(plan, tmp_path, optimizer)
 
 
@@ -198,3 +246,41 @@ def test_zero_3_on_module_stages_of_a_tied_model_trains_like_one_process(tmp_pat
     assert all(s.zero_stage == 3 for s in plan.stages)
     stderr = assert_trains_like_one_process(plan, tmp_path, "adamw")
     assert "ZeRO-3 through FSDP2 over 2 replicas" in stderr
+
+
+@pytest.mark.slow
+def test_gpt2_checkpoint_of_tp_2_holds_the_users_conv1d_and_resumes_at_tp_1(tmp_path):
+    """A checkpoint saved at tp 2 holds GPT-2's own c_attn (its Conv1D weight [in, out]
+    with q, k, v side by side): read by one process it equals --save-final, and a tp 1
+    program resumes from it like one process's 4 steps ([Note: part-laid checkpoints])."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from hetpar.runtime.model_file import load_model_file
+    from test_distributed import _to_state, assert_within_rounding, reference_run
+    from test_fused_projections import _run
+
+    plan = _plan(tmp_path, HF_GPT2, tp=2, pp=1)
+    assert plan.stages[0].tp_parts
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3"]
+    torch.manual_seed(1234)
+    init_state = load_model_file(plan.model.file, {}).build_model().state_dict()
+    final, _ = _run(plan, tmp_path / "tp2", init_state, ckpt + ["--steps", "3"])
+    (step,) = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")]
+    metadata = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    dcp.load({f"model.{k}": v for k, v in saved.items()}, checkpoint_id=str(step), no_dist=True)
+    for key in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias", "lm_head.weight"):
+        assert torch.equal(saved[key], final[key]), key
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.api import plan_model
+    from hetpar.planner.options import SearchOptions
+
+    options = SearchOptions(global_batch_size=8, dtype="fp32", schedule="1f1b", micro_batch_size=2, tp=1, pp=1, dp=1)
+    one = plan_model(plan.model.file, parse_cluster("1x1xcpu"), options, model_args={})
+    again, stderr = _run(one, tmp_path / "tp1", init_state, ckpt + ["--steps", "4"])
+    assert "step 3" in stderr, stderr[-2000:]  # resumed after the checkpoint of step 3
+    reference = reference_run(plan, init_state, "adamw", steps=4)[1]
+    exact_losses, exact = reference_run(plan, _to_state(init_state, torch.float64), "adamw", 4, dtype=torch.float64)
+    assert_within_rounding("adamw", 4, exact_losses, again, reference, exact_losses, exact)

@@ -37,6 +37,7 @@ from hetpar.rewriters import compile_plan  # noqa: E402
 from hetpar.runtime.model_file import load_model_file  # noqa: E402
 from hetpar.runtime.module_stage import cut_module_stage, decoder_layout  # noqa: E402
 from hetpar.runtime.training import read_metrics  # noqa: E402
+from hetpar.vocabulary import Sharding  # noqa: E402
 
 ZOO = ROOT / "tests" / "models" / "hf_default_zoo.py"
 DECODERS = ("llama", "mistral", "qwen2", "gemma", "phi", "gpt_neox", "mixtral", "gpt2", "opt")
@@ -105,6 +106,11 @@ def test_default_size_plans_on_the_meta_device(family):
     assert plan.data_parallel * plan.pipeline_parallel * plan.stages[0].tensor_parallel == cluster.world_size
     if family in DECODERS:
         assert all(s.tensor_parallel == tp and s.tp_sharding for s in plan.stages)
+    if family == "gpt2":  # issue 30: the default GPT-2's fused c_attn splits by heads, part by part
+        blocks = [s for s in plan.stages if s.tp_parts]
+        assert blocks and all(how is Sharding.COLWISE and s.tp_parts[path] == [768, 768, 768]
+                              for s in blocks for path, how in s.tp_sharding.items() if path.endswith(".attn.c_attn"))
+        assert sum(path.endswith(".attn.c_attn") for s in plan.stages for path in s.tp_parts) == 12
 
 
 @functools.cache

@@ -519,7 +519,8 @@ class Checkpointer:
 # tensor, and not what another tensor-parallel degree reads. So a checkpoint stores it
 # in the user's layout: at save the full tensor is gathered in the tensor-parallel group,
 # put in the user's row order and cut again as the same placements cut it (each rank
-# keeps the user's rows ``Shard(0)`` gives it); at load, the reverse. Parameters and the
+# keeps the user's rows ``Shard(0)`` gives it; a Conv1D weight's columns, ``Shard(1)``:
+# ``PartLayout.dim``); at load, the reverse. Parameters and the
 # optimizer state of their shape (AdamW's moments, momentum) alike. The price is one
 # all-gather of each part-laid tensor per save and load; the checkpoint then holds the
 # model's own tensors, and [Note: resharding resume] holds as for any other.
@@ -533,7 +534,8 @@ def _part_laid(state: dict[str, Any], layouts: dict[str, PartLayout], optimizer:
         if optimizer and not k.startswith("state."):
             continue
         layout = layouts.get(name)
-        if layout is not None and isinstance(v, DTensor) and v.dim() >= 1 and v.shape[0] == sum(layout.parts):
+        if layout is not None and isinstance(v, DTensor) and v.dim() > layout.dim \
+                and v.shape[layout.dim] == sum(layout.parts):
             out[k] = layout
     return out
 

@@ -534,7 +534,7 @@ def _shard_of(like: DTensor, full: torch.Tensor) -> torch.Tensor:
 def _rows_of(like: DTensor, layout: PartLayout, full: torch.Tensor) -> torch.Tensor:
     """This rank's rows of a part-laid tensor ``full`` (the user's layout): its slice of
     every part ([Note: part-laid Linears] in runtime/parts.py)."""
-    return full.index_select(0, layout.rank_rows(like.device_mesh.get_local_rank()).to(full.device))
+    return layout.of_rank(full, like.device_mesh.get_local_rank())
 
 
 def _place(slots: list[_Slot], values: dict[str, torch.Tensor], device: torch.device | None) -> None:

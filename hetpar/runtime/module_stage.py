@@ -38,8 +38,9 @@ import torch
 import torch.nn as nn
 
 from hetpar.runtime.graph import Stage, TensorSpec
+from hetpar.runtime.parts import PartError
 from hetpar.runtime.recompute import checkpoint_call
-from hetpar.vocabulary import Recompute
+from hetpar.vocabulary import Recompute, Sharding
 
 # Base-model classes whose forward is Llama's (embed, rotary tables, layers called with
 # the mask and the tables, final norm), by class: the embedding modules in the order the
@@ -231,6 +232,72 @@ def _causal_masks(config: Any, h: torch.Tensor, positions: torch.Tensor) -> dict
     return masks
 
 
+# [Note: local attention attributes]
+# A module stage runs the model's own attention, whose shape constants are attributes
+# rather than graph literals ([Note: local shape constants] in runtime/parts.py is the
+# same idea for fx graphs). GPT-2's ``GPT2Attention`` computes q, k and v with one
+# Conv1D ``c_attn`` and cuts its output with ``split(self.split_size, dim=2)``; split
+# colwise part by part ([Note: part-laid Linears] in runtime/parts.py), a rank's
+# ``c_attn`` gives ``[q_r, k_r, v_r]``, each ``split_size / tp`` wide, so the attribute
+# must be the local width; the heads' views read ``-1`` and ``head_dim`` and follow.
+# ``embed_dim`` and ``num_heads`` become local too, as older transformers versions view
+# heads with ``num_heads`` (``_split_heads``). The table names, per attention class,
+# the fused projection whose colwise split makes the attributes local, the attribute
+# that is its part width, and the others that shrink with it. The planner's dry run (planner.capture.module_tp
+# ``BlockDryRun``) and the program (runtime.shard ``apply_tensor_parallel``) both call
+# ``localise_attention``, so they run the same attention.
+_HEAD_ATTRIBUTES = {
+    "GPT2Attention": ("c_attn", "split_size", ("embed_dim", "num_heads")),
+}
+_GLOBAL_ATTRIBUTES = "hetpar_global_attributes"  # the attributes' unsplit values, kept on the module
+
+
+def localise_attention(stage: nn.Module, tp_sharding: dict[str, str], tp: int,
+                       tp_parts: dict[str, Any] | None = None) -> list[str]:
+    """Give the attention modules of ``stage`` whose fused projection ``tp_sharding``
+    splits colwise their attributes as one of ``tp`` ranks sees them, in place; see
+    [Note: local attention attributes]. Applying it again with the same ``tp`` changes
+    nothing (the unsplit values are kept on the module).
+
+    Args:
+        stage: a module stage (or a block) holding modules at the paths ``tp_sharding`` names.
+        tp_sharding: module path -> sharding.
+        tp: the tensor-parallel degree.
+        tp_parts: module path -> part sizes (the plan's); given, the fused projection
+            must be part-laid in parts of the attribute's width.
+
+    Returns:
+        The paths of the attention modules made local.
+
+    Raises:
+        PartError: an attribute does not divide by ``tp``, or the fused projection is
+            not laid out in the parts the attention splits it into.
+    """
+    changed = []
+    for path, module in stage.named_modules():
+        spec = _HEAD_ATTRIBUTES.get(type(module).__name__)
+        if spec is None:
+            continue
+        fused, width, others = spec
+        child = f"{path}.{fused}" if path else fused
+        if tp_sharding.get(child) != Sharding.COLWISE:
+            continue
+        unsplit = module.__dict__.setdefault(_GLOBAL_ATTRIBUTES, {n: getattr(module, n) for n in (width, *others)})
+        if tp_parts is not None:
+            out_features = getattr(module.get_submodule(fused), "nf", None)
+            parts = tuple(int(p) for p in tp_parts.get(child, ())) or ((out_features,) if out_features else ())
+            if not parts or any(p != unsplit[width] for p in parts) or (out_features and sum(parts) != out_features):
+                raise PartError(f"{child} is split colwise in parts {list(parts)}, but {path} cuts it into parts "
+                                f"of {unsplit[width]} ({width})", node=path)
+        bad = [n for n, v in unsplit.items() if v % tp]
+        if bad:
+            raise PartError(f"{path}.{bad[0]} is {unsplit[bad[0]]}, which tp({tp}) does not divide", node=path)
+        for name, value in unsplit.items():
+            setattr(module, name, value // tp)
+        changed.append(path)
+    return changed
+
+
 def _output_type(model: nn.Module) -> type:
     """The ModelOutput class the model's forward returns (its return annotation)."""
     import inspect
@@ -284,4 +351,5 @@ def cut_module_stage(model: nn.Module, example_inputs: tuple, layers: tuple[int,
                  send=() if is_last else (hidden,))
 
 
-__all__ = ["DecoderLayout", "DecoderStage", "cut_module_stage", "decoder_layout", "hidden_size", "layout_for"]
+__all__ = ["DecoderLayout", "DecoderStage", "cut_module_stage", "decoder_layout", "hidden_size", "layout_for",
+           "localise_attention"]

@@ -21,7 +21,10 @@ rank's rows of the user's tensor (``rank_rows``; runtime.materialize), and full
 tensors, ``--save-final`` and checkpoints are turned back into the user's order
 (``to_user``; runtime.training, runtime.checkpoint), so a checkpoint holds the model's
 own tensors under their own names and any tensor-parallel degree resumes it.
-A Linear with one part (Megatron's and GPT-NeoX's per-head interleaved
+A Hugging Face ``Conv1D`` (GPT-2's ``c_attn``) stores its weight [in, out], so its
+"rows" are the weight's columns (``PartLayout.dim`` 1; its bias's are rows), and the
+attention's own attributes follow ([Note: local attention attributes] in
+runtime/module_stage.py). A Linear with one part (Megatron's and GPT-NeoX's per-head interleaved
 ``query_key_value``, viewed as ``(B, T, heads, 3 * head_dim)`` before the split) is
 plain colwise: its permutation is the identity.
 
@@ -64,10 +67,13 @@ class PartError(ValueError):
 class PartLayout:
     """How a part-laid colwise Linear's output rows are held ([Note: part-laid Linears]):
     ``parts`` (sizes along the output features, in the user's order), each split into
-    ``tp`` contiguous slices."""
+    ``tp`` contiguous slices. ``dim`` is the tensor's dimension of output features: 0 for
+    a Linear's weight and any bias, 1 for the weight of transformers' ``Conv1D`` (GPT-2),
+    stored [in, out]; "rows" below are indices along it."""
 
     parts: tuple[int, ...]
     tp: int
+    dim: int = 0
 
     def __post_init__(self) -> None:
         bad = [p for p in self.parts if p % self.tp]
@@ -87,28 +93,40 @@ class PartLayout:
         """``rank_major()[i]``: the user's row at row i of the DTensor's global tensor."""
         return torch.cat([self.rank_rows(r) for r in range(self.tp)])
 
+    def of_rank(self, user_full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s rows of a full tensor in the user's layout."""
+        return user_full.index_select(self.dim, self.rank_rows(rank).to(user_full.device))
+
     def to_user(self, rank_major_full: torch.Tensor) -> torch.Tensor:
         """A full tensor in the DTensor's (rank-major) row order, in the user's."""
         out = torch.empty_like(rank_major_full)
-        out[self.rank_major()] = rank_major_full
+        index = [slice(None)] * self.dim + [self.rank_major()]
+        out[tuple(index)] = rank_major_full
         return out
 
     def from_user(self, user_full: torch.Tensor) -> torch.Tensor:
         """A full tensor in the user's row order, in the DTensor's (rank-major)."""
-        return user_full.index_select(0, self.rank_major().to(user_full.device))
+        return user_full.index_select(self.dim, self.rank_major().to(user_full.device))
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2): ``x @ weight + bias`` with ``weight`` [in, out]."""
+    return type(module).__name__ == "Conv1D" and tuple(module.weight.shape) == (module.nx, module.nf)
 
 
 def part_layouts(tp_parts: dict[str, Iterable[int]], module: nn.Module, tp: int) -> dict[str, PartLayout]:
     """``{parameter name: PartLayout}`` of the part-laid Linears ``tp_parts`` names (module
     path -> part sizes, the plan's ``tp_parts``) among ``module``'s submodules: their
-    weight and bias."""
+    weight and bias (a ``Conv1D``'s weight along its dimension 1)."""
     out: dict[str, PartLayout] = {}
     for path, parts in tp_parts.items():
-        layout = PartLayout(tuple(int(p) for p in parts), tp)
-        if len(layout.parts) < 2:
+        sizes = tuple(int(p) for p in parts)
+        if len(PartLayout(sizes, tp).parts) < 2:
             continue
-        for key, _ in module.get_submodule(path).named_parameters(recurse=False):
-            out[f"{path}.{key}" if path else key] = layout
+        sub = module.get_submodule(path)
+        for key, _ in sub.named_parameters(recurse=False):
+            dim = 1 if key == "weight" and is_conv1d(sub) else 0
+            out[f"{path}.{key}" if path else key] = PartLayout(sizes, tp, dim)
     return out
 
 
@@ -290,5 +308,5 @@ def _localise(n: fx.Node, ref: dict[str, Any], values: dict[str, Any]) -> bool:
     return False
 
 
-__all__ = ["LAYOUTS_ATTRIBUTE", "PartError", "PartLayout", "copy_shape_arguments", "layouts_of", "localise_shapes",
-           "part_layouts"]
+__all__ = ["LAYOUTS_ATTRIBUTE", "PartError", "PartLayout", "copy_shape_arguments", "is_conv1d", "layouts_of",
+           "localise_shapes", "part_layouts"]

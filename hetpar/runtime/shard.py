@@ -42,8 +42,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from hetpar.runtime.graph import Stage, build_stage, record_values, trace_layers
 from hetpar.runtime.model_file import ModelFile
-from hetpar.runtime.module_stage import cut_module_stage
-from hetpar.runtime.parts import LAYOUTS_ATTRIBUTE, PartError, copy_shape_arguments, localise_shapes, part_layouts
+from hetpar.runtime.module_stage import cut_module_stage, localise_attention
+from hetpar.runtime.parts import (LAYOUTS_ATTRIBUTE, PartError, copy_shape_arguments, is_conv1d, localise_shapes,
+                                  part_layouts)
 from hetpar.runtime.recompute import apply_recompute
 from hetpar.vocabulary import Recompute, Sharding
 
@@ -262,7 +263,7 @@ class _Colwise(ColwiseParallel):
         return DTensor.from_local(self._shared.wrap(x), device_mesh, input_layouts, run_check=False, grad_placements=(Partial(),))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not _is_conv1d(module):
+        if not is_conv1d(module):
             return super()._apply(module, device_mesh)
         return distribute_module(
             module, device_mesh, _conv1d_partition(Shard(1), Shard(0), self.src_data_rank),
@@ -274,18 +275,13 @@ class _Rowwise(RowwiseParallel):
     """RowwiseParallel that also splits a Conv1D (a Linear whose weight is stored transposed)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not _is_conv1d(module):
+        if not is_conv1d(module):
             return super()._apply(module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)
         return distribute_module(
             module, device_mesh, _conv1d_partition(Shard(0), Replicate(), self.src_data_rank),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    """transformers' Conv1D (GPT-2): ``x @ weight + bias`` with ``weight`` [in, out]."""
-    return type(module).__name__ == "Conv1D" and module.weight.shape == (module.nx, module.nf)
 
 
 def _conv1d_partition(weight: Shard, bias: Shard | Replicate, src_data_rank: int | None):
@@ -335,7 +331,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
     all-reduce their input gradients once ([Note: one all-reduce per shared input]).
     A colwise fused projection ``tp_parts`` names (module path -> part sizes) is
     part-laid ([Note: part-laid Linears] in runtime/parts.py): its layouts are kept on
-    ``module`` for materialisation, checkpoints and the final state_dict.
+    ``module`` for materialisation, checkpoints and the final state_dict; the
+    attributes of a Hugging Face attention whose fused projection is so split are made
+    one rank's ([Note: local attention attributes] in runtime/module_stage.py).
 
     Raises:
         ShardError: a path names no submodule of the stage, or an unknown sharding.
@@ -354,6 +352,10 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
         setattr(module, LAYOUTS_ATTRIBUTE, part_layouts(tp_parts or {}, module, mesh.size()))
     except (PartError, AttributeError) as exc:
         raise ShardError(f"tp_parts: {exc}") from None
+    try:  # a Hugging Face attention's head attributes ([Note: local attention attributes] in runtime/module_stage.py)
+        localise_attention(module, tp_sharding, mesh.size(), tp_parts or {})
+    except PartError as exc:
+        raise ShardError(f"tensor parallelism of tp({mesh.size()}): {exc}; re-run hetpar plan") from None
     ties = _ties(module)
     parallelize_module(module, mesh, styles, src_data_rank=None)
     _retie(module, ties)

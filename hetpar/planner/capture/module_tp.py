@@ -16,12 +16,15 @@ the model's own module ([Note: stages of the eager model] in runtime/module_stag
 whose reshapes read ``-1`` or the config, and that is what the dry run runs: the block
 with each split Linear replaced by one rank's (smaller) Linear, on fake meta tensors.
 A failure names the module it happened in; the split Linears inside it may not all be
-split (GPT-2's fused ``c_attn`` split colwise breaks the ``split(embed_dim)`` of
-``GPT2Attention``, so GPT-2 splits its MLP, and its attention projections run
-replicated or as ``rowwise_slice``; OPT's attention views its projections as
-``(batch, -1, num_heads, head_dim)`` with the config's head count, so OPT splits its
-MLP only), and the model is solved again. The degrees a layer splits at are those at
-which the dry run passes (heads and key heads divide).
+split (OPT's attention views its projections as ``(batch, -1, num_heads, head_dim)``
+with the config's head count, so OPT splits its MLP only), and the model is solved
+again. The degrees a layer splits at are those at which the dry run passes (heads and
+key heads divide). GPT-2's fused ``c_attn`` is part-laid ([Note: part-laid Linears] in
+runtime/parts.py): its parts are read from the exported graph (``aten.split`` of the
+``addmm``'s output, through the view that restores [B, T, 3C]: ``tp_ops.find_parts``),
+and the copy of the block the dry run runs has its attention's ``split_size`` (and head
+count) made local as the program makes them ([Note: local attention attributes] in
+runtime/module_stage.py), so the attention splits by heads.
 
 Where the model's config has a ``base_model_tp_plan`` (Llama: ``layers.*.self_attn.q_proj:
 colwise``, ...) of the plain colwise/rowwise styles, it is used when it is a valid
@@ -50,7 +53,8 @@ from hetpar.planner.capture.tp_meta import local_linear
 from hetpar.planner.capture.tp_ops import TpError
 from hetpar.vocabulary import Sharding
 from hetpar.runtime.capture import failure_site, quiet_torch_logs
-from hetpar.runtime.module_stage import DecoderLayout, DecoderStage, hidden_size
+from hetpar.runtime.module_stage import DecoderLayout, DecoderStage, hidden_size, localise_attention
+from hetpar.runtime.parts import PartError
 
 _STYLES = {style.value: style for style in (Sharding.COLWISE, Sharding.ROWWISE)}  # transformers tp_plan names ours
 _RUN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
@@ -108,6 +112,12 @@ class BlockDryRun:
             return DryRunFailure(node="", split_inputs=frozenset(), reason=str(exc))
         container, _, name = path.rpartition(".")
         setattr(stage.get_submodule(container), name, local)
+        try:  # the copy's attention attributes, as the program sets them ([Note: local attention attributes])
+            localise_attention(stage.get_submodule(path),
+                               {p.removeprefix(path + "."): how for p, how in sharding.items()}, tp)
+        except PartError as exc:
+            where = f"{path}.{exc.node}" if exc.node else path
+            return DryRunFailure(node=where, split_inputs=self._culprits(where, path, sharding), reason=str(exc))
         hidden = torch.empty(1, self.seq_len, hidden_size(self.model, self.layout), device="meta")
         try:  # quiet: torch logs each failing meta kernel, and a failure here is an answer
             with quiet_torch_logs(), FakeTensorMode(allow_non_fake_inputs=True):

@@ -93,8 +93,13 @@ DIM_ARGUMENT = {
 REPEAT_INTERLEAVE = {torch.repeat_interleave, "repeat_interleave"}
 # The ops that cut a value into parts along a dimension: a fused projection's output
 # split into q, k and v ([Note: part-laid Linears] in runtime/parts.py).
-SPLITS = {torch.split, "split", "split_with_sizes", torch.functional.split}
-CHUNKS = {torch.chunk, "chunk"}
+SPLITS = {torch.split, "split", "split_with_sizes", torch.functional.split, _aten.split.Tensor,
+          _aten.split_with_sizes.default}
+CHUNKS = {torch.chunk, "chunk", _aten.chunk.default}
+# An exported graph's views that only restore the leading dimensions of a Linear's
+# output (GPT-2's Conv1D: ``addmm`` on [B*T, in], then ``view`` to [B, T, out]): the
+# parts are read through them.
+_LEADING_VIEWS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
 
 
 def cuts(node: fx.Node, width: int, ndim: int) -> set[int] | None:
@@ -123,11 +128,19 @@ def cuts(node: fx.Node, width: int, ndim: int) -> set[int] | None:
 def find_parts(node: fx.Node, width: int, ndim: int) -> tuple[int, ...]:
     """The parts a Linear's output (``node``, ``width`` features, ``ndim`` dimensions) is
     cut into along its features: the common refinement of the cuts of its users that
-    split or chunk it there ([Note: part-laid Linears] in runtime/parts.py). One part:
+    split or chunk it there ([Note: part-laid Linears] in runtime/parts.py), read through
+    an exported graph's views that keep the features last (GPT-2's Conv1D). One part:
     nothing cuts it (a view into heads first, an activation)."""
     offsets = {0, width}
-    for user in node.users:
-        offsets |= cuts(user, width, ndim) or set()
+    users = [(user, ndim) for user in node.users]
+    while users:
+        user, dims = users.pop()
+        shape = user.args[1] if user.op == "call_function" and user.target in _LEADING_VIEWS and len(user.args) > 1 \
+            else None
+        if isinstance(shape, (list, tuple)) and shape and shape[-1] == width:
+            users += [(u, len(shape)) for u in user.users]
+            continue
+        offsets |= cuts(user, width, dims) or set()
     ordered = sorted(offsets)
     return tuple(b - a for a, b in zip(ordered, ordered[1:]))
 
