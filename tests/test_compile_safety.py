@@ -129,6 +129,17 @@ def test_the_same_plan_uncrafted_compiles(tmp_path, plan_file):
     assert (tmp_path / "build" / "train.py").is_file()
 
 
+def test_a_model_file_named_with_hyphens_and_dots_compiles(tmp_path, plan_file):
+    plan = json.loads(plan_file.read_text())
+    renamed = tmp_path / "src" / "nano-gpt.v2.py"
+    renamed.write_bytes(Path(plan["model"]["file"]).read_bytes())
+    plan["model"]["file"] = str(renamed)
+    plan_file.write_text(json.dumps(plan))
+    result = hetpar("compile", str(plan_file), "-o", str(tmp_path / "build"))
+    assert result.returncode == 0, result.stderr
+    assert "MODEL_FILE = 'nano-gpt.v2.py'" in (tmp_path / "build" / "train.py").read_text()
+
+
 def test_model_arguments_reach_the_replan_line_quoted_for_the_shell(tmp_path, model_copy):
     plan = build_plan(model_copy, GPT_ARGS, splits=[[0, 1, 2, 3]])
     plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, args={**GPT_ARGS, "name": "a b; c"}))

@@ -13,7 +13,7 @@ to be what hetpar itself writes there, and every value is written into Python wi
   ``+`` (``tok_emb+pos_emb``);
 - device types (``cluster.device_types``, each stage's ``device_type``): names as the
   device profiles and the cluster shorthand spell them (``A100-80GB``, ``cpu``);
-- the model file's name: a Python module name ending in ``.py``;
+- the model file's name: letters, digits, ``_``, ``-`` and ``.``, ending in ``.py``;
 - the cluster spec: a shorthand or a cluster file's path, without quotes, backslashes
   or control characters;
 - model arguments: identifiers as keys; booleans, integers, finite floats or strings
@@ -44,7 +44,7 @@ _PART = r"(?:[A-Za-z_][A-Za-z0-9_]*|[0-9]+)"
 MODULE_PATH = re.compile(rf"{_PART}(?:\.{_PART})*")  # blocks.0.attn, model.embed_tokens
 LAYER_NAME = re.compile(rf"{MODULE_PATH.pattern}(?:\+{MODULE_PATH.pattern})*")  # tok_emb+pos_emb
 DEVICE_TYPE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]*")  # as runtime.devices and the cluster shorthand name them
-MODEL_FILE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.py")
+MODEL_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*\.py")  # gpt.py, nano-gpt.v2.py
 CLUSTER_SPEC = re.compile(r"[A-Za-z0-9_.+@:/ \-]+")  # 2x8xA100-80GB+1x8xV100-32GB@200gx8, or clusters/lab.toml
 SYNC_OPTION = re.compile(r"[a-z0-9.:\-]+")  # powersgd:2, topk:0.01, trimmed-mean:1
 _UNSAFE_CHARS = frozenset("'\"\\`")
@@ -100,8 +100,8 @@ def _check_model(plan: ParallelPlan) -> None:
     model = plan.model
     name = str(model.file).replace("\\", "/").rpartition("/")[2]
     if not MODEL_FILE_NAME.fullmatch(name):
-        raise CompileError("plan field model.file must name a .py file whose name is a Python module name "
-                           "(letters, digits, _), e.g. model.py; rename the model file and re-run hetpar plan")
+        raise CompileError("plan field model.file must name a .py file whose name has only letters, digits, _, - "
+                           "and ., e.g. model.py; rename the model file and re-run hetpar plan")
     for i, layer in enumerate(model.layer_names):
         if not isinstance(layer, str) or not LAYER_NAME.fullmatch(layer):
             raise CompileError(f"plan field model.layer_names[{i}] is not a layer name as hetpar's tracer writes it "
