@@ -93,6 +93,20 @@ def build_plan(
     )
 
 
+def checkpoint_model_tensors(checkpoint_dir: Path) -> dict:
+    """The model's tensors in one checkpoint directory (``step-N``), read by name in one
+    process: what a user's own code would load from it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    dcp.load({f"model.{k}": v for k, v in saved.items()}, checkpoint_id=str(checkpoint_dir), no_dist=True)
+    return saved
+
+
 def subprocess_env() -> dict[str, str]:
     """The environment of a program run: runtime importable, one thread per process."""
     env = dict(os.environ)

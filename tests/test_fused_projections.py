@@ -29,7 +29,7 @@ from hetpar.runtime.model_file import load_model_file
 from hetpar.runtime.parts import PartError, PartLayout
 from hetpar.vocabulary import Sharding
 
-from conftest import run_torchrun
+from conftest import checkpoint_model_tensors, run_torchrun
 from test_distributed import _to_state, assert_trains_like_one_process, assert_within_rounding, reference_run
 
 MODELS = Path(__file__).parent / "models"
@@ -196,8 +196,6 @@ def test_fused_models_train_like_one_process_at_tp_2_by_pp_2(tmp_path, name):
 def test_checkpoint_of_tp_2_holds_the_users_tensors_and_resumes_at_tp_1(tmp_path):
     """A checkpoint saved at tp 2 holds mingpt's own tensors under its own names: read by
     one process it equals --save-final, and a tp 1 program resumes from it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     plan = _plan(MINGPT, 2)
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3"]
@@ -205,10 +203,7 @@ def test_checkpoint_of_tp_2_holds_the_users_tensors_and_resumes_at_tp_1(tmp_path
     init_state = load_model_file(MINGPT, {}).build_model().state_dict()
     final, _ = _run(plan, tmp_path / "tp2", init_state, ckpt + ["--steps", "3"])
     (step,) = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")]
-    metadata = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
-    saved = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
-             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    dcp.load({f"model.{k}": v for k, v in saved.items()}, checkpoint_id=str(step), no_dist=True)
+    saved = checkpoint_model_tensors(step)
     for key in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias", "lm_head.weight"):
         assert torch.equal(saved[key], final[key]), key
     one = _plan(MINGPT, 1, world=1)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from conftest import checkpoint_model_tensors
 from test_distributed import HF_GPT2, HF_LLAMA, assert_trains_like_one_process
 
 tf = pytest.importorskip("transformers")
@@ -253,8 +254,6 @@ def test_gpt2_checkpoint_of_tp_2_holds_the_users_conv1d_and_resumes_at_tp_1(tmp_
     """A checkpoint saved at tp 2 holds GPT-2's own c_attn (its Conv1D weight [in, out]
     with q, k, v side by side): read by one process it equals --save-final, and a tp 1
     program resumes from it like one process's 4 steps ([Note: part-laid checkpoints])."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from hetpar.runtime.model_file import load_model_file
     from test_distributed import _to_state, assert_within_rounding, reference_run
@@ -267,10 +266,7 @@ def test_gpt2_checkpoint_of_tp_2_holds_the_users_conv1d_and_resumes_at_tp_1(tmp_
     init_state = load_model_file(plan.model.file, {}).build_model().state_dict()
     final, _ = _run(plan, tmp_path / "tp2", init_state, ckpt + ["--steps", "3"])
     (step,) = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")]
-    metadata = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
-    saved = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
-             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    dcp.load({f"model.{k}": v for k, v in saved.items()}, checkpoint_id=str(step), no_dist=True)
+    saved = checkpoint_model_tensors(step)
     for key in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias", "lm_head.weight"):
         assert torch.equal(saved[key], final[key]), key
     from hetpar.cost_models.cluster import parse_cluster
