@@ -13,10 +13,10 @@ from rich.table import Table
 
 from hetpar.cost_models.cluster import ClusterSpecError
 from hetpar.cost_models.devices import ProfileError, UnknownDeviceError, get_device
-from hetpar.planner import PlanFileError, PlanningError
-from hetpar.rewriters.torchrun import CompileError
+from hetpar.planner import ParallelPlan, PlanFileError, PlanningError
+from hetpar.rewriters import CompileError, checked_model_file
 from hetpar.runtime.graph import TraceError
-from hetpar.runtime.model_file import ModelFileError
+from hetpar.runtime.model_file import ModelFileError, load_model_file
 from hetpar.vocabulary import DType, Precision
 
 console = Console(stderr=True, highlight=False)
@@ -103,3 +103,21 @@ def default_dtype(device_types: list[str]) -> str:
     if all(p.name == "cpu" for p in profiles):
         return DType.FP32
     return DType.BF16 if all(Precision.BF16 in p.peak_flops_per_s for p in profiles) else DType.FP16
+
+
+def tied_across_stages(plan: ParallelPlan) -> bool:
+    """Whether a weight is held by more than one stage, so that the program needs
+    runtime.tied; the model file runs (on the meta device) only once it is the planned
+    one and the plan's text is safe ([Note: plan text] in rewriters/plan_text.py)."""
+    if len(plan.stages) < 2:
+        return False
+    from hetpar.runtime.shard import ShardError  # torch.distributed.tensor: only where the program has stages to cut
+    from hetpar.runtime.tied import tied_across_stages as tied_weights
+
+    model_file = load_model_file(checked_model_file(plan), plan.model.args)
+    try:
+        return bool(tied_weights(model_file, [(s.layers[0], s.layers[-1]) for s in plan.stages],
+                                 list(plan.model.layer_names), tuple(plan.model.leaf_modules),
+                                 micro_batch_size=plan.replica_micro_batch_sizes[0]))
+    except ShardError as exc:
+        raise CompileError(str(exc)) from None

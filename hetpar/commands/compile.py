@@ -7,10 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from hetpar.commands.common import console, domain_errors, fail, print_json
+from hetpar.commands.common import console, domain_errors, fail, print_json, tied_across_stages
 from hetpar.planner.plan import ParallelPlan
-from hetpar.rewriters.torchrun import CompileError, checked_model_file, compile_plan
-from hetpar.runtime.model_file import load_model_file
+from hetpar.rewriters import compile_plan
 
 
 @domain_errors
@@ -22,31 +21,13 @@ def compile_(
 ) -> None:
     """Write OUTPUT/train.py, launch.sh, slurm.sbatch and pytorchjob.yaml for PLAN_FILE."""
     plan = ParallelPlan.load(plan_file)
-    paths = compile_plan(plan, output, elastic=_node_range(elastic) if elastic else None, tied=_has_tied_weights(plan))
+    paths = compile_plan(plan, output, elastic=_node_range(elastic) if elastic else None, tied=tied_across_stages(plan))
     if as_json:
         print_json({"files": [str(p) for p in paths]})
     else:
         for p in paths:
             print(p)
     console.print(f"run it: cd {output} && ./launch.sh --steps 10")
-
-
-def _has_tied_weights(plan: ParallelPlan) -> bool:
-    """Whether a weight is held by more than one stage, so that the program needs
-    runtime.tied; the model file runs (on the meta device) only once it is the planned
-    one and the plan's text is safe ([Note: plan text] in rewriters/plan_text.py)."""
-    if len(plan.stages) < 2:
-        return False
-    from hetpar.runtime.shard import ShardError  # torch.distributed.tensor: only where the program has stages to cut
-    from hetpar.runtime.tied import tied_across_stages
-
-    model_file = load_model_file(checked_model_file(plan), plan.model.args)
-    try:
-        return bool(tied_across_stages(model_file, [(s.layers[0], s.layers[-1]) for s in plan.stages],
-                                       list(plan.model.layer_names), tuple(plan.model.leaf_modules),
-                                       micro_batch_size=plan.replica_micro_batch_sizes[0]))
-    except ShardError as exc:
-        raise CompileError(str(exc)) from None
 
 
 def _node_range(text: str) -> tuple[int, int]:

@@ -15,10 +15,9 @@ import torch
 import typer
 from rich.table import Table
 
-from hetpar.commands.common import RunError, console, domain_errors, print_json, seconds
+from hetpar.commands.common import RunError, console, domain_errors, print_json, seconds, tied_across_stages
 from hetpar.planner import ParallelPlan
-from hetpar.rewriters.launchers import PROGRAM
-from hetpar.rewriters.torchrun import compile_plan
+from hetpar.rewriters import PROGRAM, compile_plan
 from hetpar.runtime import devices
 from hetpar.vocabulary import Switch
 
@@ -68,7 +67,7 @@ def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Pat
     _check_this_host(plan)
     with tempfile.TemporaryDirectory(prefix="hetpar-validate-") as tmp:
         build = Path(workdir or tmp) / "build"
-        compile_plan(plan, build)
+        compile_plan(plan, build, tied=tied_across_stages(plan))  # the program hetpar compile writes
         times, stage_times = _run(build, plan.cluster.world_size, steps + WARMUP_STEPS, timeout_s, compile)
     measured = times[WARMUP_STEPS:] or times
     median = statistics.median(measured)
