@@ -52,6 +52,10 @@ class StagePlan:
     tp_parts: dict[str, list[int]] = field(default_factory=dict)
     zero_stage: int = 0  # ZeRO stage of the data-parallel replicas of this stage (0 = plain all-reduce)
     recompute: str = Recompute.NONE  # "none" | "selective" | "full": activation recomputation of this stage's layers
+    # the stage's modules of experts split over this many of its replicas: replica d holds
+    # experts [(d % ep) E / ep, (d % ep + 1) E / ep) of each, tokens exchanged by all-to-all
+    # inside each run of ep consecutive replicas ([Note: expert parallelism] in runtime/experts.py)
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.zero_stage not in tuple(ZeroStage):
@@ -64,6 +68,9 @@ class StagePlan:
             raise PlanFileError(f"stage {self.index} layers {self.layers} are not contiguous")
         if self.tensor_parallel < 1:
             raise PlanFileError(f"stage {self.index}: tensor_parallel({self.tensor_parallel}) must be >= 1")
+        if type(self.expert_parallel) is not int or self.expert_parallel < 1 or len(self.ranks) % self.expert_parallel:
+            raise PlanFileError(f"stage {self.index}: expert_parallel({self.expert_parallel!r}) must be a positive "
+                                f"integer dividing its {len(self.ranks)} data-parallel replicas")
         widths = {len(r) for r in self.ranks}
         if widths != {self.tensor_parallel}:
             raise PlanFileError(

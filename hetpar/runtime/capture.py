@@ -42,6 +42,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from hetpar.runtime.experts import is_experts
+
 # Frames in these directories are the tracers' own, never the model's.
 _TRACER_DIRS = (str(Path(torch.__file__).resolve().parent) + os.sep, str(Path(__file__).resolve().parent) + os.sep)
 # Export inserts these: an input-guard module and metadata assertions. They run no
@@ -65,7 +67,8 @@ class _Tracer(fx.Tracer):
         self.leaf_modules = set(leaf_modules)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return qualname in self.leaf_modules or super().is_leaf_module(m, qualname)
+        # a module of experts is one call in the graph, so that the program can split it ([Note: the experts contract])
+        return qualname in self.leaf_modules or is_experts(m) or super().is_leaf_module(m, qualname)
 
 
 class TracerFailed(TraceError):
