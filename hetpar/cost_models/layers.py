@@ -58,6 +58,13 @@ class LayerProfile:
     # fwd_flops, width sqrt(K N)).
     matmul_rows: tuple[tuple[int, bool, float, int], ...] = ()
     matmul_ops: int = 0  # forward ops that run FLOPs (matmuls, attention): the kernels compiling keeps
+    # Mixtures of experts ([Note: the experts contract] in runtime/experts.py): the layer's
+    # modules of experts, which expert parallelism splits ([Note: expert parallelism costs]
+    # in cost_models/collectives.py).
+    expert_params: int = 0  # parameters of its modules of experts
+    num_experts: int = 0  # their number of experts (the gcd where modules differ); 0: none
+    routed_bytes: float = 0.0  # bytes of the rows (token, choice) its experts receive, per sample, one way
+    expert_flops_fraction: float = 0.0  # of fwd and bwd FLOPs, the share run inside modules of experts
 
     def flops_at(self, tp: int) -> tuple[float, float]:
         """(forward, backward) FLOPs one tensor-parallel rank runs, per sample."""
@@ -82,6 +89,8 @@ class LayerProfile:
         (the blocks of a transformer), whatever their names. A profile's measured layer
         times are keyed by it ([Note: measured layers] in cost_models/compute.py)."""
         fields = astuple(replace(self, name=""))
+        if not self.num_experts:  # a dense layer keeps the key it had before experts were counted
+            fields = fields[: -len(_EXPERT_FIELDS)]
         return hashlib.sha1(repr(tuple(f"{v:.6g}" if isinstance(v, float) else v for v in fields)).encode()).hexdigest()[:12]
 
     @property
@@ -91,6 +100,9 @@ class LayerProfile:
     def splits_at(self, tp: int) -> bool:
         """Whether tensor parallelism of degree ``tp`` can run this layer."""
         return tp == 1 or not self.tp_capable or self.tp_degrees is None or tp in self.tp_degrees
+
+
+_EXPERT_FIELDS = ("expert_params", "num_experts", "routed_bytes", "expert_flops_fraction")  # the last fields
 
 
 def tp_misfit(layers, tp: int) -> LayerProfile | None:
