@@ -28,6 +28,7 @@ def estimate(
     tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")],
     pp: Annotated[int, typer.Option(help="Pipeline-parallel degree (pipeline ranks).")],
     micro_batch_size: Annotated[int, typer.Option(help="Samples per micro-batch.")],
+    ep: Annotated[int, typer.Option(help="Expert parallelism: the experts split over this many data-parallel replicas (divides dp).")] = 1,
     stage_layers: Annotated[Optional[str], typer.Option(help="Layers per stage, e.g. 7,9,9,9 (pp * virtual-stages entries) \\[default: Megatron's, blocks evenly with the embedding first and the head last; else even].")] = None,
     stage_devices: Annotated[Optional[str], typer.Option(help="Device type per pipeline rank, e.g. A100-80GB,V100-32GB \\[default: Megatron's rank order].")] = None,
     schedule: Annotated[Schedule, typer.Option(help="Pipeline schedule.")] = Schedule.ONE_F_ONE_B,
@@ -48,7 +49,7 @@ def estimate(
     """Predict step time, memory per stage and throughput of one configuration of MODEL_FILE."""
     the_cluster = parse_cluster(cluster, profiles=profiles_option(profile))
     config = EstimateConfig(
-        global_batch_size=global_batch, dp=dp, tp=tp, pp=pp, micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch, dp=dp, tp=tp, pp=pp, micro_batch_size=micro_batch_size, ep=ep,
         dtype=dtype.value if dtype else default_dtype(the_cluster.device_types()),
         schedule=schedule.value, virtual_stages=virtual_stages, recompute=recompute.value, zero_stage=zero,
         optimizer=optimizer.value, stage_layers=_layer_counts(stage_layers), stage_devices=_names(stage_devices),
@@ -96,7 +97,7 @@ def print_summary(result: Estimate, layer_names: list[str]) -> None:
                   f"layers: 0 {layer_names[0]} .. {len(layer_names) - 1} {layer_names[-1]}")
     console.print(f"layout: {result.layout}")
     sched = c.schedule + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else "")
-    console.print(f"dp={c.dp} tp={c.tp} pp={c.pp}  micro-batch {c.micro_batch_size} x {c.num_microbatches}  schedule {sched}  "
+    console.print(f"dp={c.dp}{f' ep={c.ep}' if c.ep > 1 else ''} tp={c.tp} pp={c.pp}  micro-batch {c.micro_batch_size} x {c.num_microbatches}  schedule {sched}  "
                   f"recompute {c.recompute}  zero {c.zero_stage}  dtype {c.dtype}")
     t, p = result.time, result.predicted
     console.print(
@@ -106,6 +107,7 @@ def print_summary(result: Estimate, layer_names: list[str]) -> None:
     console.print(
         f"  compute {seconds(t.compute_s)}, bubble {seconds(t.bubble_s)}, tp comm {seconds(t.tp_comm_s)}, "
         f"pp comm {seconds(t.pp_comm_s)}, dp comm {seconds(t.dp_comm_s)}, optimizer {seconds(t.optimizer_s)}"
+        + (f", all-to-all {seconds(t.ep_comm_s)}" if t.ep_comm_s else "")
     )
     if not result.fits:
         console.print(f"[bold red]does not fit:[/] {result.misfit()}")

@@ -32,6 +32,7 @@ def plan(
     dp: Annotated[Optional[int], typer.Option(help="Pin the data-parallel degree.")] = None,
     tp: Annotated[Optional[int], typer.Option(help="Pin the tensor-parallel degree.")] = None,
     pp: Annotated[Optional[int], typer.Option(help="Pin the number of pipeline stages.")] = None,
+    ep: Annotated[Optional[int], typer.Option(help="Pin expert parallelism: each stage's experts split over this many data-parallel replicas, tokens exchanged by all-to-all \\[default: searched among the divisors of the experts per layer that divide dp; 1 for a model without experts].", show_default=False)] = None,
     micro_batch_size: Annotated[Optional[int], typer.Option(help="Pin the micro-batch size.")] = None,
     schedule: Annotated[Optional[Schedule], typer.Option(help="Pin the pipeline schedule (zb is ZB-H1) \\[default: 1f1b, zb and interleaved are searched; gpipe only when pinned].")] = None,
     virtual_stages: Annotated[Optional[int], typer.Option(help="Pin model chunks per pipeline rank; > 1 means --schedule interleaved (tp 1, pp * N <= layers) \\[default: 2..4 searched].")] = None,
@@ -62,7 +63,7 @@ def plan(
     options = SearchOptions(
         global_batch_size=global_batch,
         dtype=(dtype.value if dtype else default_dtype(the_cluster.device_types())),
-        dp=dp, tp=tp, pp=pp,
+        dp=dp, tp=tp, pp=pp, ep=ep,
         micro_batch_size=micro_batch_size,
         schedule=schedule.value if schedule else None,
         recompute=recompute.value if recompute else None,
@@ -201,13 +202,15 @@ def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[d
     console.print(table)
     p = plan.predicted
     console.print(
-        f"dp={plan.data_parallel} tp={plan.stages[0].tensor_parallel} pp={plan.pipeline_parallel}  "
+        f"dp={plan.data_parallel}{f' ep={plan.stages[0].expert_parallel}' if plan.stages[0].expert_parallel > 1 else ''} "
+        f"tp={plan.stages[0].tensor_parallel} pp={plan.pipeline_parallel}  "
         f"micro-batch {plan.micro_batch_size} x {plan.num_microbatches}  schedule {plan.schedule.value}"
         f"{f' v={plan.virtual_stages}' if plan.virtual_stages > 1 else ''}  dtype {plan.dtype}{'  compiled' if plan.compiled else ''}"
     )
     console.print(
         f"predicted step {seconds(p.step_time_s)}  ({p.throughput_samples_per_s:.1f} samples/s; "
-        f"bubble {seconds(p.bubble_time_s)}, dp comm {seconds(p.dp_comm_time_s)}, tp comm {seconds(p.tp_comm_time_s)})"
+        f"bubble {seconds(p.bubble_time_s)}, dp comm {seconds(p.dp_comm_time_s)}, tp comm {seconds(p.tp_comm_time_s)}"
+        f"{f', all-to-all {seconds(p.ep_comm_time_s)}' if p.ep_comm_time_s else ''})"
     )
     if prices:
         console.print(f"cost: ${usd_per_step(plan, prices):.4g} per step on {plan.cluster.world_size} devices ({plan.cluster.spec})")

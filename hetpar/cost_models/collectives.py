@@ -393,6 +393,72 @@ def broadcast_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, c
     return min(chain, binomial, *across.values())
 
 
+# --- All-to-all ([Note: expert parallelism costs]) ----------------------------------------
+
+
+# [Note: expert parallelism costs]
+# Under expert parallelism of degree ep, a replica keeps E / ep of each module of
+# experts and sends each routed row (token, choice) to the replica holding its expert:
+# one all-to-all to dispatch and one to combine in the forward, the same two in the
+# backward (runtime/experts.py). With uniform routing a rank keeps 1/ep of its rows and
+# sends the rest, (ep - 1)/ep of its ``routed_bytes`` per sample, spread evenly over the
+# other ranks; what each of those pairs moves crosses the link between them. The time of
+# one all-to-all is the slowest of its parts, which run at once:
+#
+#   (n - 1) a + max(P_intra / B_intra, P_inter / E_dev, P_zone / B_wan)
+#
+# with P the bytes one rank sends to peers on its own node (P_intra), on other nodes of
+# its zone (P_inter) and in other zones (P_zone); B_intra the node's link, E_dev one
+# device's share of its node's egress with the whole group sending, B_wan the WAN link's
+# bandwidth shared by the rank's zone; a the latency of the farthest peer (a message per
+# peer). The experts' compute is unchanged by ep (each rank runs the rows its experts
+# receive, 1/ep of E experts' rows from ep ranks); their parameters, gradients and
+# optimizer state are 1/ep per rank, and their gradients are averaged over the dp / ep
+# replicas holding the same experts rather than over all dp.
+def all_to_all_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, concurrent: int = 1) -> float:
+    """Seconds of an all-to-all in which each rank of ``ranks`` holds ``nbytes`` spread
+    evenly over the group (1/n of it stays); see [Note: expert parallelism costs].
+
+    Args:
+        nbytes: bytes each rank holds before the exchange (it sends (n - 1)/n of them).
+        ranks: global ranks of the group, each once.
+        cluster: the cluster the ranks belong to.
+        concurrent: identical groups exchanging at once on the same nodes.
+
+    Returns:
+        Seconds; 0 for one rank or zero bytes.
+
+    Raises:
+        ValueError: negative nbytes, a repeated or out-of-range rank, concurrent < 1.
+    """
+    _check_nbytes(nbytes)
+    links = _links(ranks, cluster, concurrent)
+    n = links.n
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    per_peer = nbytes / n
+    zones = _by_zone(ranks, cluster)
+    worst = 0.0
+    for rank in ranks:
+        node, zone = cluster.node_of(rank), (cluster.zone_of(rank) if cluster.links else "")
+        same_node = sum(1 for r in ranks if r != rank and cluster.node_of(r) == node)
+        same_zone = len(zones[zone]) - 1 - same_node if len(zones) > 1 else n - 1 - same_node
+        other_zones = n - 1 - same_node - same_zone
+        c = same_node + 1
+        group = cluster.group_of(rank)
+        parts = [per_peer * same_node / _intra_bw(group, c) if same_node else 0.0]
+        if same_zone or other_zones:
+            parts.append(per_peer * (same_zone + other_zones) / (_egress_bw(group, c, concurrent) / c))
+        if other_zones:
+            _, wan_bw = _wan_step(cluster, list(zones), [group.device])
+            parts.append(per_peer * other_zones * len(zones[zone]) / wan_bw)
+        worst = max(worst, max(parts))
+    latency = links.ring_latency_s
+    if len(zones) > 1:
+        latency = _wan_step(cluster, list(zones), [cluster.group_of(r).device for r in ranks])[0]
+    return (n - 1) * latency + worst
+
+
 # --- Across zones ([Note: collectives across zones]) -------------------------------------
 
 

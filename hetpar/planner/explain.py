@@ -70,6 +70,7 @@ def estimate_config(plan: ParallelPlan, graph) -> EstimateConfig:
         replica_batch_shares=tuple(plan.replica_batch_shares) if plan.replica_batch_shares is not None else None,
         sync=cost_method(plan.grad_compression, plan.aggregation, plan.sync_every, plan.sync_scope, optimizer=Optimizer.ADAMW,
                          width=matrix_width(graph.layers)),
+        ep=max(s.expert_parallel for s in plan.stages),
     )
 
 

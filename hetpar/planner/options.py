@@ -8,6 +8,8 @@ strategies over it build on it without importing each other.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from hetpar.cost_models.devices import ProfileError
@@ -48,6 +50,7 @@ class SearchOptions:
     compiled: bool = False  # stages run under torch.compile ([Note: compiled stages] in cost_models.compute)
     sync: SyncMethod = PLAIN  # how replicas agree, priced (planner.strategies.sync_methods); not PLAIN: ZeRO 0 only
     min_dp: int = 1  # fewest data-parallel replicas (robust aggregation and local SGD need several)
+    ep: int | None = None  # expert parallelism, pinned; searched among the degrees the experts allow when None
 
 
 def misfit_fix(dtype: str) -> str:
@@ -99,6 +102,39 @@ def check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
             raise PlanningError(str(exc)) from None
     check_schedule_pins(model, options)
     check_stage_pins(model, cluster, options)
+    check_expert_pins(model, options)
+
+
+def expert_degrees(model: ModelGraph) -> tuple[int, ...]:
+    """The expert-parallel degrees the model's experts split into: the divisors of the
+    gcd of its layers' expert counts; (1,) for a model without experts."""
+    counts = [l.num_experts for l in model.layers if l.num_experts]
+    if not counts:
+        return (1,)
+    common = math.gcd(*counts)
+    return tuple(d for d in range(1, common + 1) if common % d == 0)
+
+
+def check_expert_pins(model: ModelGraph, options: SearchOptions) -> None:
+    ep = options.ep
+    if ep is None or ep == 1:
+        return
+    if ep < 1:
+        raise PlanningError(f"--ep must be a positive integer, got {ep}")
+    degrees = expert_degrees(model)
+    if degrees == (1,):
+        raise PlanningError(f"--ep {ep}: the model has no module of experts to split (docs/model-file.md, "
+                            f"'Mixtures of experts')")
+    if ep not in degrees:
+        raise PlanningError(f"--ep {ep} does not divide the model's {degrees[-1]} experts per layer; use one of "
+                            f"{', '.join(map(str, degrees))}")
+    if options.dp is not None and options.dp % ep:
+        raise PlanningError(f"--ep {ep} must divide --dp {options.dp}: the experts split over data-parallel replicas")
+    if options.zero:
+        raise PlanningError(f"--ep {ep} runs with ZeRO 0 (the experts' gradients are averaged over their own replicas); "
+                            f"drop --zero {options.zero}")
+    if options.schedule == Schedule.INTERLEAVED or (options.virtual_stages or 1) > 1:
+        raise PlanningError(f"--ep {ep} runs without virtual stages; drop the interleaved schedule")
 
 
 def check_schedule_pins(model: ModelGraph, options: SearchOptions) -> None:

@@ -104,6 +104,7 @@ class Predicted:
     dp_comm_time_s: float = 0.0
     pp_comm_time_s: float = 0.0
     tp_comm_time_s: float = 0.0
+    ep_comm_time_s: float = 0.0  # expert-parallel all-to-alls on the busiest rank ([Note: expert parallelism costs])
     # One micro-batch on each pipeline rank (all its virtual stages), forward and backward,
     # tensor-parallel and ZeRO-3 communication included: what ``hetpar validate`` compares
     # with the run's stage times. Empty where the prediction has none (hetero-DP plans).
@@ -190,6 +191,24 @@ class ParallelPlan:
         if layers != list(range(len(self.model.layer_names))):
             raise PlanFileError(f"stages cover layers {layers}, the model has {len(self.model.layer_names)} layers")
         self._check_data_parallel_options()
+        self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        """Expert parallelism is one degree for the whole plan, on the program's plain data parallelism."""
+        degrees = {s.expert_parallel for s in self.stages}
+        if degrees == {1}:
+            return
+        if len(degrees) > 1:
+            raise PlanFileError(f"stages have expert_parallel {sorted(degrees)}; a plan uses one degree on every stage")
+        ep = degrees.pop()
+        if any(s.zero_stage for s in self.stages):
+            raise PlanFileError(f"expert_parallel {ep} runs with zero_stage 0 on every stage")
+        if self.virtual_stages > 1:
+            raise PlanFileError(f"expert_parallel {ep} runs without virtual stages (virtual_stages is {self.virtual_stages})")
+        if (self.grad_compression != CompressionKind.NONE or self.aggregation != AggregationKind.MEAN or self.sync_every != 1
+                or self.replica_batch_shares is not None):
+            raise PlanFileError(f"expert_parallel {ep} runs with plain data parallelism: no gradient compression, robust "
+                                f"aggregation, local SGD or uneven replica shares")
 
     def _check_virtual_stages(self) -> None:
         """[Note: virtual stages] A plan with ``virtual_stages`` v > 1 lists pp * v stages in

@@ -58,6 +58,7 @@ class Candidate:
     tp_sum: tuple[tuple[str, int], ...] = ()
     stages_per_type: tuple[tuple[str, int], ...] = ()  # device type -> pipeline ranks it hosts (when typed)
     sync: SyncMethod = PLAIN  # how the replicas agree ([Note: sync method costs] in cost_models.grad_sync)
+    ep: int = 1  # expert parallelism: each stage's experts split over runs of ep replicas ([Note: expert parallelism costs])
 
     @property
     def num_chunks(self) -> int:
@@ -78,4 +79,5 @@ class Candidate:
     def describe(self) -> str:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         tp = f"tp={self.tp}" if self.tp is not None else "tp=" + "|".join(map(str, self.tp_degrees))
-        return f"dp={self.dp} {tp} pp={self.pp} micro-batch {self.micro_batch_size}x{self.num_microbatches} {self.schedule}{v}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"dp={self.dp}{ep} {tp} pp={self.pp} micro-batch {self.micro_batch_size}x{self.num_microbatches} {self.schedule}{v}"

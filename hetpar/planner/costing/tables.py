@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetpar.cost_models.collectives import grad_sync_scale, tensor_parallel_pass_s
+from hetpar.cost_models.collectives import all_to_all_time_s, grad_sync_scale, tensor_parallel_pass_s
 from hetpar.cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
 from hetpar.cost_models.memory import (
     FRAGMENTATION_MARGIN,
@@ -139,6 +139,7 @@ class LayerColumns:
     tensors: np.ndarray  # parameter tensors (an optimizer step pays per tensor)
     sharded_tensors: np.ndarray  # ... of which DTensors at this degree (0 at tp 1)
     splits: np.ndarray  # bool: the layer splits this many ways (LayerProfile.splits_at)
+    expert_params: np.ndarray  # parameters of the layer's modules of experts (not split by tp)
 
 
 def layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: int, dtype: str, cache: dict) -> LayerColumns:
@@ -167,6 +168,7 @@ def layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: in
             tensors=np.array([float(l.param_tensors) for l in model.layers]),
             sharded_tensors=np.array([float(l.tp_sharded_tensors if tp > 1 else 0) for l in model.layers]),
             splits=np.array([l.splits_at(tp) for l in model.layers]),
+            expert_params=np.array([float(l.expert_params) for l in model.layers]),
         )
     return cache[key]
 
@@ -242,16 +244,20 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     """
     mode, P, elem = cand.modes[k], cand.pp, dtype_bytes(dtype)
     r = c % P
-    cols, (tp_fwd, tp_bwd), comm, rates = memo(per_slot, (r, mode.tp), lambda: (
+    cols, (tp_fwd, tp_bwd), ep_pass, comm, rates = memo(per_slot, (r, mode.tp), lambda: (
         cols := layer_columns(model, cluster, slot.device_type, mode.tp, cand.micro_batch_size, dtype, cache),
         tp_collectives(model, cluster, slot, cols, mode.tp, cache),
+        expert_exchanges(model, cluster, slot, cols, cand.ep, cache),
         data_parallel_linear(cluster, cand.dp, mode.tp, slot, cache),
         optimizer_rates(cluster.profile(slot.device_type)),
     ))
     params = cols.params + (cols.tied if r != 0 else 0.0)  # a tied copy lives on every rank but the first
+    # [Note: expert parallelism costs]: a rank holds, syncs and steps 1/ep of the experts
+    held = params - cols.expert_params * (1.0 - 1.0 / cand.ep)
     full = mode.recompute == Recompute.FULL
-    fwd = cols.fwd + tp_fwd
-    bwd = cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_bwd + (tp_fwd if full else 0.0)
+    fwd = cols.fwd + tp_fwd + ep_pass
+    bwd = (cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_bwd + (tp_fwd if full else 0.0)
+           + ep_pass * (2 if full else 1))
     unsplit = np.where(cols.splits, 0.0, np.inf)  # a layer this degree cannot split: [Note: per-stage tensor parallelism]
     tables["time_s"][k, :, c] = fwd + bwd + unsplit
     tables["fwd_s"][k, :, c] = fwd
@@ -267,14 +273,32 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
         lat["gather_bwd_latency_s"][k, c] = ag_lat + rs_lat
     sync_lat, sync_pb = sync_linear(comm, cand.dp, mode.zero_stage, cluster.profile(slot.device_type), cand.num_microbatches,
                                      cand.sync, elem)
-    share = params / cand.dp if sharded else params
-    tables["epilogue_s"][k, :, c] = (sync_pb * params * elem
+    share = held / cand.dp if sharded else held
+    # the experts' gradients are averaged over dp / ep replicas: priced as the dp group's, for their 1/ep share
+    synced = held if cand.dp > cand.ep else held - cols.expert_params / cand.ep
+    tables["epilogue_s"][k, :, c] = (sync_pb * synced * elem
                                      + rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[optimizer], cols.tensors, cols.sharded_tensors))
     if c < P:
         lat["epilogue_latency_s"][k, c] = sync_lat + rates.fixed_s
     state = sum(sharded_state_bytes_per_param(dtype, optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
     activations = cols.inputs if full else cols.saved
-    tables["memory_bytes"][k, :, c] = FRAGMENTATION_MARGIN * (params * state + in_flight * activations) + unsplit
+    tables["memory_bytes"][k, :, c] = FRAGMENTATION_MARGIN * (held * state + in_flight * activations) + unsplit
+
+
+def expert_exchanges(model: ModelGraph, cluster, slot: StageSlot, cols: LayerColumns, ep: int, cache: dict) -> np.ndarray:
+    """Seconds of each layer's expert-parallel all-to-alls in one pass (dispatch and
+    combine: two), per micro-batch, over the stage's first ``ep`` replicas
+    ([Note: expert parallelism costs] in cost_models.collectives)."""
+    if ep == 1 or not any(l.routed_bytes for l in model.layers):
+        return np.zeros(len(model.layers))
+    group = [rep[0] for rep in slot.ranks[:ep]]
+    tp = len(slot.ranks[0])
+    place = placement(cluster, group)
+    return memo(cache, ("ep layers", model_token(model, cache), cols.scale, place, tp), lambda: np.array([
+        2 * memo(cache, ("a2a", l.routed_bytes, cols.scale, place, tp),
+                 lambda l=l: all_to_all_time_s(l.routed_bytes * cols.scale, group, cluster, concurrent=tp))
+        for l in model.layers
+    ]))
 
 
 def _levels(values: np.ndarray) -> np.ndarray:

@@ -38,9 +38,10 @@ class EstimateConfig:
     overlap_grad_reduce: bool = False
     kernel_efficiency: float | None = None  # None: each device's own (cost_models.compute.training_efficiency)
     sync: SyncMethod = PLAIN  # how the replicas agree under zero_stage 0 ([Note: sync method costs])
+    ep: int = 1  # expert parallelism: experts split over runs of ep replicas ([Note: expert parallelism costs])
 
     def __post_init__(self) -> None:
-        for name in ("global_batch_size", "dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
+        for name in ("global_batch_size", "dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise EstimateError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         self._check_choices()
@@ -55,6 +56,19 @@ class EstimateConfig:
                 f"the interleaved schedule needs micro-batches ({self.num_microbatches}) to be a multiple of pp({self.pp})"
             )
         self._check_stage_lists()
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if self.ep == 1:
+            return
+        if self.dp % self.ep:
+            raise EstimateError(f"expert parallelism {self.ep} must divide dp({self.dp}): the experts split over replicas")
+        zero = [r for r in range(self.pp) if self.zero_of(r)]
+        if zero:
+            raise EstimateError(f"expert parallelism {self.ep} runs with ZeRO 0; pipeline rank {zero[0]} has ZeRO "
+                                f"{self.zero_of(zero[0])}")
+        if self.virtual_stages > 1:
+            raise EstimateError(f"expert parallelism {self.ep} runs without virtual stages (got {self.virtual_stages})")
 
     def _check_choices(self) -> None:
         choices = (

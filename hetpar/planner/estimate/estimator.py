@@ -22,7 +22,7 @@ from hetpar.planner.estimate.layout import check_against, stage_layout, stage_sp
 from hetpar.planner.estimate.memory import rank_memory
 from hetpar.planner.estimate.report import Estimate, StageEstimate, TimeBreakdown
 from hetpar.planner.estimate.schedule_play import Played, play
-from hetpar.planner.estimate.step_costs import chunk_cost, dp_sync_s, optimizer_s, stage_params
+from hetpar.planner.estimate.step_costs import chunk_cost, dp_sync_s, optimizer_s, stage_params, synced_params
 from hetpar.planner.model_graph import ModelGraph
 from hetpar.planner.plan import Predicted
 from hetpar.runtime.schedule import Kind
@@ -61,7 +61,7 @@ def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig, *, bre
     costs = [chunk_cost(model, cluster, config, b, layouts[k % config.pp], k, memo) for k, b in enumerate(bounds)]
     played = play(model, cluster, config, layouts, bounds, costs, breakdown)
     stages = [_stage_estimate(model, config, layouts, bounds, played, r) for r in range(config.pp)]
-    return _assemble(model, cluster, config, layouts, split, played, stages)
+    return _assemble(model, cluster, config, layouts, split, played, stages, costs)
 
 
 def _stage_estimate(model, config, layouts, bounds, played: Played, r: int) -> StageEstimate:
@@ -83,14 +83,18 @@ def _stage_estimate(model, config, layouts, bounds, played: Played, r: int) -> S
     )
 
 
-def _assemble(model, cluster, config, layouts, split: StageSplit, played: Played, stages: list[StageEstimate]) -> Estimate:
+def _assemble(model, cluster, config, layouts, split: StageSplit, played: Played, stages: list[StageEstimate],
+              costs) -> Estimate:
     c, run = config, played.run
-    params = [stage_params(model, c.tp_of(s.index), s.chunks) for s in stages]
-    dp_s = [_exposed_dp_s(dp_sync_s(params[r], cluster, c, layouts[r], c.zero_of(r)), played, r, c) for r in range(c.pp)]
+    params = [stage_params(model, c.tp_of(s.index), s.chunks, c.ep) for s in stages]
+    synced = [synced_params(model, c.tp_of(s.index), s.chunks, c.dp, c.ep) for s in stages]
+    dp_s = [_exposed_dp_s(dp_sync_s(synced[r], cluster, c, layouts[r], c.zero_of(r)), played, r, c) for r in range(c.pp)]
     pipeline_end = max(run.end_s(r) for r in range(c.pp))
     dp = max(run.end_s(r) + dp_s[r] for r in range(c.pp)) - pipeline_end
     busiest = max(range(c.pp), key=run.busy_s)
     compute, tp, zero3 = (sum(played.parts[t.action.stage, t.action.kind][i] for t in run.ranks[busiest]) for i in range(3))
+    ep = sum(costs[t.action.stage].ep_seconds(t.action.kind) for t in run.ranks[busiest])
+    tp -= ep
     alone = played.run_without_transfers
     pp = max(0.0, run.end_s(busiest) - alone.end_s(busiest)) if alone is not None else 0.0
     def count(s: StageEstimate, attribute: str) -> int:
@@ -101,8 +105,8 @@ def _assemble(model, cluster, config, layouts, split: StageSplit, played: Played
     optimizer = max(optimizer_s(params[r], tensors[r], sharded[r], cluster.profile(layouts[r].device_type), c, c.zero_of(r))
                     for r in range(c.pp))
     # The busiest rank's busy time never exceeds the makespan; max() drops a rounding error's -1e-21.
-    time = TimeBreakdown(compute_s=compute, bubble_s=max(0.0, pipeline_end - compute - tp - zero3 - pp), tp_comm_s=tp, pp_comm_s=pp,
-                         dp_comm_s=dp + zero3, optimizer_s=optimizer)
+    time = TimeBreakdown(compute_s=compute, bubble_s=max(0.0, pipeline_end - compute - tp - ep - zero3 - pp), tp_comm_s=tp,
+                         pp_comm_s=pp, dp_comm_s=dp + zero3, optimizer_s=optimizer, ep_comm_s=ep)
     step = time.step_s
     flops = sum(l.fwd_flops + l.bwd_flops for l in model.layers) * c.global_batch_size
     peak = sum(cluster.profile(t).peak_flops(c.dtype) for t in cluster.device_types())
@@ -115,6 +119,7 @@ def _assemble(model, cluster, config, layouts, split: StageSplit, played: Played
         dp_comm_time_s=time.dp_comm_s,
         pp_comm_time_s=time.pp_comm_s,
         tp_comm_time_s=time.tp_comm_s,
+        ep_comm_time_s=time.ep_comm_s,
         stage_fwd_s=[s.fwd_s for s in stages],
         stage_bwd_s=[s.bwd_s for s in stages],
     )

@@ -36,7 +36,7 @@ def rank_memory(model: ModelGraph, config: EstimateConfig, bounds, chunks: list[
     c = config
     tp = c.tp_of(chunks[0] % c.pp)
     layers = [model.layers[l] for k in chunks for l in range(bounds[k][0], bounds[k][1] + 1)]
-    tied = stage_params(model, tp, [bounds[k] for k in chunks]) - sum(l.params_at(tp) for l in layers)
+    tied = stage_params(model, tp, [bounds[k] for k in chunks], c.ep) - sum(l.params_at(tp) for l in layers)  # and 1/ep experts
     weights, grads, opt = training_state_bytes(layers, tp=tp, dtype=c.dtype, optimizer=c.optimizer, dp=c.dp,
                                                zero_stage=c.zero_of(chunks[0] % c.pp), extra_params=tied)
     per_mb, workspace = {}, 0.0

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from hetpar.cost_models.cluster import Cluster
 from hetpar.cost_models.collectives import (
-    all_gather_time_s, grad_sync_scale, reduce_scatter_time_s, tensor_parallel_pass_s,
+    all_gather_time_s, all_to_all_time_s, grad_sync_scale, reduce_scatter_time_s, tensor_parallel_pass_s,
 )
 from hetpar.cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
 from hetpar.cost_models.devices import DeviceProfile
@@ -34,9 +34,11 @@ class ChunkCost:
     w_compute_s: float
     zero3_fwd_s: float  # ZeRO-3 gathers and reduce-scatters, before and after the compute
     zero3_bwd_s: float
+    fwd_ep_s: float = 0.0  # expert-parallel all-to-alls ([Note: expert parallelism costs]), counted in the tp part
+    b_ep_s: float = 0.0
 
     def seconds(self, kind: Kind, split_weights: bool) -> tuple[float, float, float]:
-        """(compute, tensor-parallel, exposed ZeRO-3) seconds of one action.
+        """(compute, tensor-parallel and expert-parallel, exposed ZeRO-3) seconds of one action.
 
         ZeRO-3's collectives are all exposed: the generated program makes each stage one
         FSDP unit ([Note: ZeRO through FSDP2] in runtime/data_parallel.py), so the stage's
@@ -44,13 +46,17 @@ class ChunkCost:
         reduce-scattered after it ends; nothing is left to prefetch under.
         """
         if kind is Kind.FORWARD:
-            compute, tp, gather = self.fwd_compute_s, self.fwd_tp_s, self.zero3_fwd_s
+            compute, tp, gather = self.fwd_compute_s, self.fwd_tp_s + self.fwd_ep_s, self.zero3_fwd_s
         elif kind is Kind.WEIGHT:
             return self.w_compute_s, 0.0, 0.0
         else:
             compute = self.b_compute_s + (0.0 if split_weights else self.w_compute_s)
-            tp, gather = self.b_tp_s, self.zero3_bwd_s
+            tp, gather = self.b_tp_s + self.b_ep_s, self.zero3_bwd_s
         return compute, tp, gather
+
+    def ep_seconds(self, kind: Kind) -> float:
+        """The expert-parallel part of ``seconds``'s second value."""
+        return self.fwd_ep_s if kind is Kind.FORWARD else 0.0 if kind is Kind.WEIGHT else self.b_ep_s
 
 
 def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bounds, layout: StageLayout, chunk: int,
@@ -75,7 +81,10 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     fwd = sum(t.fwd_s for t in times)
     full = config.recompute_of(chunk) == Recompute.FULL
     gather_fwd, gather_bwd = zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp))
+    ep_fwd = expert_exchange_s(layers, cluster, config, layout, memo)
     return ChunkCost(
+        fwd_ep_s=ep_fwd,
+        b_ep_s=ep_fwd * (2 if full else 1),
         fwd_compute_s=fwd,
         fwd_tp_s=tp_fwd,
         b_compute_s=sum(t.bwd_input_s for t in times) + (fwd if full else 0.0),
@@ -84,6 +93,23 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
         zero3_fwd_s=gather_fwd,
         zero3_bwd_s=gather_bwd,
     )
+
+
+def expert_exchange_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout, memo: dict) -> float:
+    """One pass's expert-parallel all-to-alls of ``layers``, per micro-batch: dispatch and combine of each
+    layer's routed rows over the stage's first ``ep`` replicas ([Note: expert parallelism costs])."""
+    if config.ep == 1:
+        return 0.0
+    group = [replica[0] for replica in layout.ranks[: config.ep]]
+    scale = config.micro_batch_size * dtype_bytes(config.dtype) / 4
+    total = 0.0
+    for l in layers:
+        if l.routed_bytes:
+            key = ("a2a", l.routed_bytes, scale, tuple(group), len(layout.ranks[0]))
+            if key not in memo:
+                memo[key] = all_to_all_time_s(l.routed_bytes * scale, group, cluster, concurrent=len(layout.ranks[0]))
+            total += 2 * memo[key]
+    return total
 
 
 def zero3_comm_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout, zero_stage: int) -> tuple[float, float]:
@@ -106,13 +132,23 @@ def boundary_s(model: ModelGraph, cluster: Cluster, config: EstimateConfig, last
     return boundary_seconds(nbytes, src.ranks[0], dst.ranks[0], cluster, config.scatter_gather)
 
 
-def stage_params(model: ModelGraph, tp: int, chunks: list[tuple[int, int]]) -> float:
-    """Parameters a rank of these chunks holds and updates, a tied copy included ([Note: ZeRO stages])."""
+def stage_params(model: ModelGraph, tp: int, chunks: list[tuple[int, int]], ep: int = 1) -> float:
+    """Parameters a rank of these chunks holds and updates, a tied copy included ([Note: ZeRO stages]);
+    1/ep of the experts' ([Note: expert parallelism costs])."""
     layers = [l for first, last in chunks for l in range(first, last + 1)]
-    params = sum(model.layers[l].params_at(tp) for l in layers)
+    params = sum(model.layers[l].params_at(tp) - model.layers[l].expert_params * (1 - 1 / ep) for l in layers)
     if 0 not in layers:
         params += sum(model.layers[l].tied_at(tp) for l in layers)
     return params
+
+
+def synced_params(model: ModelGraph, tp: int, chunks: list[tuple[int, int]], dp: int, ep: int) -> float:
+    """Of ``stage_params``, those whose gradients the replicas synchronise: the experts' are averaged over
+    dp / ep replicas, priced as the data-parallel group's (none when dp == ep)."""
+    held = stage_params(model, tp, chunks, ep)
+    if dp > ep:
+        return held
+    return held - sum(model.layers[l].expert_params / ep for first, last in chunks for l in range(first, last + 1))
 
 
 def dp_sync_s(params: float, cluster: Cluster, config: EstimateConfig, layout: StageLayout, zero_stage: int) -> float:

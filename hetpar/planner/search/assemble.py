@@ -80,6 +80,7 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
                 tp_parts=parts,
                 zero_stage=mode.zero_stage if cand.dp > 1 else 0,
                 recompute=mode.recompute,
+                expert_parallel=cand.ep,
             )
         )
     predicted = _simulated_prediction(model, cluster, options, cand, bounds, stages) or _linear_prediction(options, tables, bounds, cost)
@@ -115,7 +116,7 @@ def _simulated_prediction(model: ModelGraph, cluster, options: SearchOptions, ca
         optimizer=options.optimizer, stage_layers=tuple(b - a + 1 for a, b in bounds),
         stage_devices=stage_devices_of([s.ranks for s in ranks], cluster.device_types()),
         stage_recompute=tuple(s.recompute for s in stages), stage_zero=tuple(s.zero_stage for s in ranks),
-        stage_tp=degrees if len(set(degrees)) > 1 else None, sync=cand.sync,
+        stage_tp=degrees if len(set(degrees)) > 1 else None, sync=cand.sync, ep=cand.ep,
     )
     try:
         result = estimate(model, cluster, config)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import itertools
 
 from hetpar.cost_models.layers import tp_misfit
+from hetpar.cost_models.grad_sync import PLAIN as PLAIN_SYNC
 from hetpar.planner.costing import Candidate, StageMode, ranks_by_type, type_width
 from hetpar.planner.errors import PlanningError
 from hetpar.planner.model_graph import ModelGraph
-from hetpar.planner.options import SearchOptions, check_pins, pinned_pp
+from hetpar.planner.options import SearchOptions, check_pins, expert_degrees, pinned_pp
 from hetpar.planner.search.split_model import degree_split
 from hetpar.planner.solver import divisors
 from hetpar.vocabulary import Recompute, Schedule
@@ -62,11 +63,12 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
                     continue
                 m = gbs // (dp * mbs)
                 for schedule, v in schedules_for(options, tp=degrees[-1], pp=pp, num_microbatches=m, num_layers=num_layers):
-                    modes = stage_modes(options, dp=dp, schedule=schedule, degrees=degrees)
-                    if modes:
-                        out.append(Candidate(dp=dp, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule=schedule,
-                                             virtual_stages=v, modes=modes, tp_sum=tp_sum, stages_per_type=per_type,
-                                             sync=options.sync))
+                    for ep in expert_choices(model, options, dp=dp, virtual_stages=v):
+                        modes = stage_modes(options, dp=dp, schedule=schedule, degrees=degrees, ep=ep)
+                        if modes:
+                            out.append(Candidate(dp=dp, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule=schedule,
+                                                 virtual_stages=v, modes=modes, tp_sum=tp_sum, stages_per_type=per_type,
+                                                 sync=options.sync, ep=ep))
     if not out:
         raise PlanningError(_no_candidate_reason(model, cluster, options, tp_ok))
     return out
@@ -179,10 +181,23 @@ def schedules_for(options: SearchOptions, *, tp: int, pp: int, num_microbatches:
     return out
 
 
-def stage_modes(options: SearchOptions, *, dp: int, schedule: str, degrees: tuple[int, ...] = (1,)) -> tuple[StageMode, ...]:
-    """The modes each stage may take; empty when the pins leave none; see [Note: search space]."""
+def expert_choices(model: ModelGraph, options: SearchOptions, *, dp: int, virtual_stages: int) -> tuple[int, ...]:
+    """The expert-parallel degrees a candidate with ``dp`` replicas may take: those the
+    model's experts split into that divide dp (the experts split over replicas), 1 only
+    under virtual stages; the pin where there is one. See [Note: expert parallelism costs]."""
+    if options.ep is not None:
+        return (options.ep,) if dp % options.ep == 0 and (options.ep == 1 or virtual_stages == 1) else ()
+    if virtual_stages > 1 or options.sync is not PLAIN_SYNC:
+        return (1,)
+    return tuple(d for d in expert_degrees(model) if dp % d == 0)
+
+
+def stage_modes(options: SearchOptions, *, dp: int, schedule: str, degrees: tuple[int, ...] = (1,),
+                ep: int = 1) -> tuple[StageMode, ...]:
+    """The modes each stage may take; empty when the pins leave none; see [Note: search space].
+    Under expert parallelism (``ep`` > 1) ZeRO stays 0."""
     recomputes = [options.recompute] if options.recompute else [Recompute.NONE, Recompute.FULL]
-    shardable = dp > 1 and schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE)
+    shardable = dp > 1 and schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE) and ep == 1
     if options.zero is not None:
         zeros = [options.zero] if options.zero == 0 or shardable else []
     else:
