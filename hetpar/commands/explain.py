@@ -45,7 +45,9 @@ def explain(
     console.print(
         f"step {seconds(t.step_s)}: compute {seconds(t.compute_s)}, bubble {seconds(t.bubble_s)}, "
         f"tp comm {seconds(t.tp_comm_s)}, pp comm {seconds(t.pp_comm_s)}, dp comm {seconds(t.dp_comm_s)}, "
-        f"optimizer {seconds(t.optimizer_s)}  ({est.tflops_per_device:.2f} TFLOP/s per device, MFU {est.mfu:.1%})"
+        f"optimizer {seconds(t.optimizer_s)}"
+        + (f", all-to-all {seconds(t.ep_comm_s)} (experts over ep {est.config.ep})" if est.config.ep > 1 else "")
+        + f"  ({est.tflops_per_device:.2f} TFLOP/s per device, MFU {est.mfu:.1%})"
     )
     if plan.data_parallel > 1:
         saved = result.plain_dp_comm_s - t.dp_comm_s
