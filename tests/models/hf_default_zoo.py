@@ -59,23 +59,23 @@ ENCODER_DECODERS = ("t5", "bart")
 VISION = ("vit", "resnet")
 
 
-def build_model(family="llama", size="tiny"):
+def build_model(family="llama", size="tiny", seq=None):
     model_class, config_class, tiny = FAMILIES[family]
     config = getattr(tf, config_class)(**(tiny if size == "tiny" else {}))
     return getattr(tf, model_class)(config)
 
 
-def _shape(family, size):
-    """(sequence length, vocabulary) of a token model; (image side, labels) of a vision model."""
+def _shape(family, size, seq=None):
+    """(sequence length, vocabulary) of a token model (``seq`` where given); (image side, labels) of a vision model."""
     if family in VISION:
         tiny = TINY_RESNET_IMAGE if family == "resnet" else TINY_IMAGE
         return (tiny if size == "tiny" else DEFAULT_IMAGE), 2  # the configs' default num_labels
     config = getattr(tf, FAMILIES[family][1])(**(FAMILIES[family][2] if size == "tiny" else {}))
-    return (TINY_SEQ if size == "tiny" else DEFAULT_SEQ), config.vocab_size
+    return int(seq) if seq else (TINY_SEQ if size == "tiny" else DEFAULT_SEQ), config.vocab_size
 
 
-def example_inputs(batch_size, family="llama", size="tiny"):
-    seq, vocab = _shape(family, size)
+def example_inputs(batch_size, family="llama", size="tiny", seq=None):
+    seq, vocab = _shape(family, size, seq)
     if family in VISION:
         return (torch.randn(batch_size, 3, seq, seq),)
     # token 3 upwards: no model's padding id (OPT's and RoBERTa's is 1, Gemma's 0)
@@ -91,8 +91,8 @@ def loss_fn(outputs, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def batches(batch_size, seed, family="llama", size="tiny"):
-    seq, vocab = _shape(family, size)
+def batches(batch_size, seed, family="llama", size="tiny", seq=None):
+    seq, vocab = _shape(family, size, seq)
     gen = torch.Generator().manual_seed(seed)
     while True:
         if family in VISION:
