@@ -143,6 +143,7 @@ def _check_stage(s: int, stage: Any) -> None:
     where = f"stages[{s}]"
     for field in ("index", "tensor_parallel", "zero_stage"):
         _integer(f"{where}.{field}", getattr(stage, field), minimum=0)
+    _integer(f"{where}.expert_parallel", stage.expert_parallel, minimum=1)
     for layer in stage.layers:
         _integer(f"{where}.layers", layer, minimum=0)
     for replica in stage.ranks:

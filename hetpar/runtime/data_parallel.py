@@ -13,6 +13,10 @@
 - ``RobustAggregate`` (runtime.robust): trimmed mean, median or Krum of the gathered gradients.
 - ``LocalSGD`` (runtime.local_sgd): parameters and optimizer state averaged every K steps.
 - ``FullyShard``: ZeRO 1-3 through FSDP2; see [Note: ZeRO through FSDP2].
+- ``ExpertParallelSync``: a stage whose experts are split over its replicas
+  (``expert_parallel`` > 1): the other parameters as ``AllReduce``, the experts'
+  gradients over the replicas holding the same experts; see [Note: expert parallelism]
+  in runtime/experts.py. Only with the plain all-reduce (``check_expert_parallel``).
 
 ``wrap`` also applies the faults a test asks for through ``HETPAR_TEST_FAULTS``
 (runtime.faults, [Note: test faults]); a program carries no test hooks of its own.
@@ -76,6 +80,7 @@ from torch.distributed.tensor import DTensor
 from hetpar.runtime.buckets import BUCKET_CAP_BYTES, GradientSync, grad_buckets, local, pack, unflatten
 from hetpar.runtime.compression import ErrorFeedbackSync
 from hetpar.runtime.distributed import Groups, StageSpec
+from hetpar.runtime.experts import expert_parameters
 from hetpar.runtime.faults import from_environment as faults_from_environment
 from hetpar.runtime.local_sgd import LocalSGD
 from hetpar.runtime.robust import RobustAggregate
@@ -86,10 +91,11 @@ class AllReduce(GradientSync):
     """Average gradients over the data-parallel group with SUM all-reduces, then / dp.
 
     Parameters without a gradient are skipped; every replica of a stage runs the same
-    graph, so they skip the same ones.
+    graph, so they skip the same ones. ``group`` None is this rank alone: the gradients
+    are only divided (the experts of a stage whose every replica holds other experts).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, data_parallel: int):
+    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, data_parallel: int):
         self.params = list(params)
         self.group = group
         self.data_parallel = data_parallel
@@ -135,18 +141,21 @@ class AllReduce(GradientSync):
 
     def _launch(self, bucket: list[nn.Parameter]) -> None:
         flat = self._packed(bucket, [p.grad for p in bucket])
-        self._launched.append((bucket, flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)))
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True) if self.group else None
+        self._launched.append((bucket, flat, work))
         self._launched_ids.update(id(p) for p in bucket)
 
     def reduce(self) -> None:
         for bucket, flat, work in self._launched:
-            work.wait()
+            if work is not None:
+                work.wait()
             unflatten(flat, [p.grad for p in bucket], divisor=self.data_parallel)
         rest = [p for p in self.params if id(p) not in self._launched_ids]
         for bucket in grad_buckets(rest):
             grads = [local(p.grad) for p in bucket]
             flat = self._packed(bucket, grads)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            if self.group is not None:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             unflatten(flat, grads, divisor=self.data_parallel)
         self._backwards, self._expected, self._counts = 0, None, {}
         self._launched, self._launched_ids = [], set()
@@ -167,6 +176,54 @@ class AllReduce(GradientSync):
 def _planned_buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     """Buckets of at most ``BUCKET_CAP_BYTES`` over the parameters in reverse order, by dtype."""
     return pack((p, p.dtype, p.numel() * p.element_size()) for p in reversed(params))
+
+
+class ExpertParallelSync(GradientSync):
+    """The gradients of a stage whose experts are split over its replicas: the experts'
+    summed over the replicas that hold the same experts (``Groups.expert_dp_group``), the
+    others' over all replicas, both divided by dp; see [Note: expert parallelism] in
+    runtime/experts.py."""
+
+    def __init__(self, params: Iterable[nn.Parameter], experts: list[nn.Parameter], groups: Groups,
+                 data_parallel: int, expert_parallel: int):
+        ids = {id(p) for p in experts}
+        self.dense = AllReduce([p for p in params if id(p) not in ids], groups.dp_group, data_parallel)
+        self.experts = AllReduce(experts, groups.expert_dp_group, data_parallel)
+        self.expert_parallel = expert_parallel
+
+    def __str__(self) -> str:
+        holders = self.dense.data_parallel // self.expert_parallel
+        return (f"all-reduce over {self.dense.data_parallel} replicas, experts split over ep {self.expert_parallel} "
+                f"(all-reduced over {holders} replica{'s' if holders > 1 else ''})")
+
+    def before_backward(self, last: bool) -> None:
+        self.dense.before_backward(last)
+        self.experts.before_backward(last)
+
+    def reduce(self) -> None:
+        self.dense.reduce()
+        self.experts.reduce()
+
+
+def check_expert_parallel(stage: StageSpec, compression: str, aggregation: str, sync_every: int) -> None:
+    """Refuse what does not combine with experts split over replicas (``expert_parallel``
+    > 1): only the plain all-reduce knows the experts' own data-parallel group.
+
+    Raises:
+        ValueError: one line naming the plan field to change.
+    """
+    if stage.expert_parallel == 1:
+        return
+    refused = [what for what, used in (
+        (f"zero_stage {stage.zero_stage}", stage.zero_stage > 0),
+        (f"grad_compression {compression}", parse_compression(compression).kind != CompressionKind.NONE),
+        (f"aggregation {aggregation}", parse_aggregation(aggregation).robust),
+        (f"sync_every {sync_every} (local SGD)", sync_every > 1),
+    ) if used]
+    if refused:
+        raise ValueError(f"stage with layers {stage.layers}: expert_parallel({stage.expert_parallel}) works with the "
+                         f"plain gradient all-reduce only, not with {refused[0]}; re-run hetpar plan without one or "
+                         f"the other")
 
 
 class _Bucket:
@@ -287,9 +344,12 @@ def _sync_method(module: nn.Module, stage: StageSpec, groups: Groups, compressio
     dp = groups.dp_group.size() if groups.dp_group is not None else 1
     check_sync(compression, aggregation, sync_every, sync_scope, data_parallel=dp, zero_stages=[stage.zero_stage],
                equal_shares=True)
+    check_expert_parallel(stage, compression, aggregation, sync_every)
     if groups.dp_group is None:
         return GradientSync()
     params = list(module.parameters())
+    if stage.expert_parallel > 1:
+        return ExpertParallelSync(params, expert_parameters(module), groups, dp, stage.expert_parallel)
     if stage.zero_stage > 0:
         return FullyShard(module, groups.dp_mesh, stage.zero_stage)
     if sync_every > 1:
@@ -314,4 +374,5 @@ def _sync_method(module: nn.Module, stage: StageSpec, groups: Groups, compressio
     return AllReduce(params, groups.dp_group, dp)
 
 
-__all__ = ["AllReduce", "BUCKET_CAP_BYTES", "CompressedAllReduce", "FullyShard", "GradientSync", "wrap"]
+__all__ = ["AllReduce", "BUCKET_CAP_BYTES", "CompressedAllReduce", "ExpertParallelSync", "FullyShard", "GradientSync",
+           "check_expert_parallel", "wrap"]

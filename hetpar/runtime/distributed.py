@@ -18,6 +18,13 @@ A stage with ZeRO (``zero_stage > 0``) and tensor parallelism also gets a 2-D
 DeviceMesh ``(dp, tp)`` built from the same two groups: FSDP2 shards DTensor
 parameters only when their tensor-parallel mesh and its data-parallel mesh are
 slices of one parent mesh.
+
+A stage with ``expert_parallel`` ep > 1 also gets, per tensor-parallel index t, its
+expert-parallel groups ``ranks[g*ep + j][t]`` for j < ep (runs of ep consecutive
+replicas; the group is a 1-D DeviceMesh whose coordinate j is the replica's d % ep) and
+its expert-data-parallel groups ``ranks[d][t]`` for d = j, j + ep, j + 2 ep, ... (the
+replicas that hold the same experts); see [Note: expert parallelism] in
+runtime/experts.py.
 """
 
 from __future__ import annotations
@@ -44,10 +51,14 @@ class StageSpec:
     tp_parts: dict[str, list[int]] = field(default_factory=dict)  # module path -> part sizes (runtime.parts)
     zero_stage: int = 0  # 0: all-reduce; 1-3: ZeRO through FSDP2 (runtime.data_parallel)
     recompute: str = "none"  # "none" | "selective" | "full" (runtime.recompute)
+    expert_parallel: int = 1  # experts split over runs of this many replicas (runtime.experts)
 
     def __post_init__(self) -> None:
         if any(len(replica) != self.tensor_parallel for replica in self.ranks):
             raise ValueError(f"stage with layers {self.layers}: every replica needs tensor_parallel({self.tensor_parallel}) ranks")
+        if self.expert_parallel < 1 or len(self.ranks) % self.expert_parallel:
+            raise ValueError(f"stage with layers {self.layers}: expert_parallel({self.expert_parallel}) must divide its "
+                             f"{len(self.ranks)} data-parallel replicas")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +89,8 @@ class Groups:
     dp_group: dist.ProcessGroup | None  # ranks[*][t] of this rank's stage
     dp_mesh: DeviceMesh | None = None  # mesh over the dp group (a slice of the (dp, tp) mesh under ZeRO with tp > 1)
     dp_node_group: dist.ProcessGroup | None = None  # the dp group's ranks on this rank's node, when asked for
+    ep_mesh: DeviceMesh | None = None  # 1-D mesh over this rank's expert-parallel group (expert_parallel > 1)
+    expert_dp_group: dist.ProcessGroup | None = None  # the replicas holding this rank's experts, when more than one
 
 
 def init_distributed(timeout_s: float, *, accelerator: bool = True) -> torch.device:
@@ -138,10 +151,11 @@ def locate(stages: list[StageSpec], rank: int) -> Placement:
 def build_groups(stages: list[StageSpec], me: Placement, device: torch.device, *, ranks_per_node: int | None = None
                  ) -> Groups:
     """Create every stage's tensor- and data-parallel groups on every rank (collective),
-    keeping this rank's; see [Note: rank layout]. Given ``ranks_per_node`` (global ranks
-    ``n * ranks_per_node ...`` share node n), also each data-parallel group's ranks on one
-    node (local SGD inside a node: runtime.local_sgd)."""
-    groups = _stage_groups(stages, me, device)
+    keeping this rank's, and the expert-parallel ones of stages with ``expert_parallel`` > 1;
+    see [Note: rank layout]. Given ``ranks_per_node`` (global ranks ``n * ranks_per_node
+    ...`` share node n), also each data-parallel group's ranks on one node (local SGD
+    inside a node: runtime.local_sgd)."""
+    groups = _expert_groups(stages, me, device, _stage_groups(stages, me, device))
     if ranks_per_node is None:
         return groups
     node_group = None
@@ -181,6 +195,30 @@ def _stage_groups(stages: list[StageSpec], me: Placement, device: torch.device) 
     tp_mesh = DeviceMesh.from_group(tp_group, device.type, mesh=list(mine.ranks[me.replica])) if tp_group else None
     dp_mesh = DeviceMesh.from_group(dp_group, device.type, mesh=column) if dp_group else None
     return Groups(tp_mesh=tp_mesh, dp_group=dp_group, dp_mesh=dp_mesh)
+
+
+def _expert_groups(stages: list[StageSpec], me: Placement, device: torch.device, groups: Groups) -> Groups:
+    """``groups`` with this rank's expert-parallel mesh and expert-data-parallel group
+    (collective: every rank creates every stage's); see [Note: rank layout]."""
+    ep_mesh = expert_dp_group = None
+    for s, stage in enumerate(stages):
+        ep = stage.expert_parallel
+        if ep == 1:
+            continue
+        for t in range(stage.tensor_parallel):
+            column = [replica[t] for replica in stage.ranks]
+            for g in range(0, len(column), ep):
+                members = column[g : g + ep]
+                group = dist.new_group(members)
+                if (s, t) == (me.stage, me.tp_index) and me.rank in members:
+                    ep_mesh = DeviceMesh.from_group(group, device.type, mesh=members, mesh_dim_names=("ep",))
+            for j in range(ep):
+                members = column[j::ep]
+                if len(members) > 1:
+                    group = dist.new_group(members)
+                    if (s, t) == (me.stage, me.tp_index) and me.rank in members:
+                        expert_dp_group = group
+    return replace(groups, ep_mesh=ep_mesh, expert_dp_group=expert_dp_group)
 
 
 def peers_of(stages: list[StageSpec], me: Placement) -> Peers:
