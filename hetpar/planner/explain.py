@@ -10,6 +10,7 @@ from html import escape
 from pathlib import Path
 
 from hetpar.cost_models.cluster import parse_cluster
+from hetpar.cost_models.compute import compiled_layer
 from hetpar.planner.capture import trace_model
 from hetpar.planner.errors import PlanFileError
 from hetpar.planner.estimate import Estimate, EstimateConfig, estimate, stage_devices_of
@@ -42,6 +43,8 @@ def explain_plan(plan: ParallelPlan, profiles: dict | None = None) -> Explanatio
     if file_fingerprint(path) != plan.model.fingerprint:
         raise PlanFileError(f"model file {str(path)!r} changed since planning; re-run hetpar plan")
     graph = trace_model(load_model_file(path, plan.model.args), tuple(plan.model.leaf_modules))
+    if plan.compiled:  # costed as the plan was: compiled stages' fused kernels ([Note: compiled stages])
+        graph = replace(graph, layers=[compiled_layer(layer) for layer in graph.layers])
     cluster = parse_cluster(plan.cluster.spec, profiles=profiles)
     config = estimate_config(plan, graph)
     predict = estimate if plan.replica_batch_shares is None else estimate_shares  # replicas of different device types
