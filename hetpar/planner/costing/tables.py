@@ -141,6 +141,15 @@ class LayerColumns:
     splits: np.ndarray  # bool: the layer splits this many ways (LayerProfile.splits_at)
     expert_params: np.ndarray  # parameters of the layer's modules of experts (not split by tp)
 
+    def held(self, ep: int) -> np.ndarray:
+        """Parameters a rank holds, steps and keeps state for: 1/ep of the experts' ([Note: expert parallelism costs])."""
+        return self.params - self.expert_params * (1.0 - 1.0 / ep)
+
+    def synced(self, dp: int, ep: int) -> np.ndarray:
+        """Of ``held``, those whose gradients the replicas synchronise: the experts' are averaged over dp / ep
+        replicas, priced as the data-parallel group's (none when dp == ep)."""
+        return self.held(ep) if dp > ep else self.held(ep) - self.expert_params / ep
+
 
 def layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: int, dtype: str, cache: dict) -> LayerColumns:
     key = ("layers", device_type, tp, mbs, dtype)
@@ -254,6 +263,7 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     params = cols.params + (cols.tied if r != 0 else 0.0)  # a tied copy lives on every rank but the first
     # [Note: expert parallelism costs]: a rank holds, syncs and steps 1/ep of the experts
     held = params - cols.expert_params * (1.0 - 1.0 / cand.ep)
+    synced = held - (cols.params - cols.synced(cand.dp, cand.ep))
     full = mode.recompute == Recompute.FULL
     fwd = cols.fwd + tp_fwd + ep_pass
     bwd = (cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_bwd + (tp_fwd if full else 0.0)
@@ -274,8 +284,6 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     sync_lat, sync_pb = sync_linear(comm, cand.dp, mode.zero_stage, cluster.profile(slot.device_type), cand.num_microbatches,
                                      cand.sync, elem)
     share = held / cand.dp if sharded else held
-    # the experts' gradients are averaged over dp / ep replicas: priced as the dp group's, for their 1/ep share
-    synced = held if cand.dp > cand.ep else held - cols.expert_params / cand.ep
     tables["epilogue_s"][k, :, c] = (sync_pb * synced * elem
                                      + rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[optimizer], cols.tensors, cols.sharded_tensors))
     if c < P:

@@ -139,7 +139,7 @@ def _reach(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, 
         full = mode.recompute == Recompute.FULL
         time_s = np.minimum(time_s, (cols.fwd + tp_fwd) * (2 if full else 1) + cols.b_input + cols.weight + tp_bwd)
         state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
-        memory = np.minimum(memory, FRAGMENTATION_MARGIN * (cols.params * state + in_flight * (cols.inputs if full else cols.saved)))
+        memory = np.minimum(memory, FRAGMENTATION_MARGIN * (cols.held(cand.ep) * state + in_flight * (cols.inputs if full else cols.saved)))
     ok = cols.splits & np.isfinite(time_s)
     time = np.concatenate([[0.0], np.cumsum(np.where(ok, time_s, 0.0))])
     mem = np.concatenate([[0.0], np.cumsum(np.where(ok, memory, 0.0))])
@@ -195,8 +195,9 @@ def _least_epilogue(cluster, cand: Candidate, slot: StageSlot, cols, tp: int, ze
     for zero in zeros:
         lat, pb = sync_linear(comm, cand.dp, zero, cluster.profile(slot.device_type), cand.num_microbatches, cand.sync,
                                dtype_bytes(dtype))
-        share = cols.params / cand.dp if cand.dp > 1 and zero > 0 else cols.params
-        per_layer.append(pb * cols.params * dtype_bytes(dtype)
+        held = cols.held(cand.ep)
+        share = held / cand.dp if cand.dp > 1 and zero > 0 else held
+        per_layer.append(pb * cols.synced(cand.dp, cand.ep) * dtype_bytes(dtype)
                          + rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[optimizer], cols.tensors, cols.sharded_tensors))
         latency.append(lat + rates.fixed_s)
     return np.min(per_layer, axis=0), min(latency)
@@ -262,5 +263,5 @@ def memory_may_fit(model: ModelGraph, cluster, cand: Candidate, options: SearchO
         cols = layer_columns(model, cluster, device_type, mode.tp, cand.micro_batch_size, options.dtype, cache)
         state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
         activations = cols.inputs if mode.recompute == Recompute.FULL else cols.saved
-        need = np.minimum(need, np.where(cols.splits, mode.tp * (cols.params * state + activations), np.inf))
+        need = np.minimum(need, np.where(cols.splits, mode.tp * (cols.held(cand.ep) * state + activations), np.inf))
     return FRAGMENTATION_MARGIN * float(need.sum()) <= capacity
