@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import linecache
 import logging
 import os
 import re
@@ -168,6 +169,77 @@ def quiet_torch_logs():
             lg.disabled = was
 
 
+# [Note: data-dependent ops on meta]
+# A meta tensor has a shape and no values. An op whose output's size depends on the
+# values (torch.nonzero, torch.masked_select, torch.where(condition), boolean-mask
+# indexing, torch.unique) or that hands a value to Python (.item(), .tolist()) cannot
+# run on it, and counting it as no work would hide the work that follows it: a mixture
+# of experts written as a loop over its experts, each run on the rows that chose it,
+# would cost only its router. So hetpar stops with one line that names the op, the
+# module that calls it and the fix, the experts contract ([Note: the experts contract]
+# in runtime/experts.py), whose module hetpar counts from the routing. The op is named
+# by the graph node that failed where a captured graph runs on meta (runtime.graph
+# ``meta_run_error``), by the error, or by the failing source line where a tracer
+# failed on it (a loop over ``.tolist()``, a branch on ``.item()``).
+DATA_DEPENDENT_OPS = {  # op or method name -> how the message names it
+    "nonzero": "torch.nonzero", "nonzero_static": "torch.nonzero", "argwhere": "torch.argwhere",
+    "masked_select": "torch.masked_select", "unique": "torch.unique", "_unique2": "torch.unique",
+    "unique_consecutive": "torch.unique_consecutive", "unique_dim": "torch.unique", "item": ".item()",
+    "_local_scalar_dense": ".item()", "tolist": ".tolist()",
+}
+# A module of experts whose own forward selects each expert's rows (transformers' "eager" experts).
+_EXPERTS_LOOP = ("is a module of experts whose forward selects each expert's rows by their values, which no tracer "
+                 "can follow on the meta device: give it a forward without data-dependent shapes (rows sorted by "
+                 "expert, torch.nn.functional.grouped_mm: examples/moe_gpt.py), or build a Hugging Face model with "
+                 "experts_implementation 'grouped_mm' (its default) or 'batched_mm'")
+BOOLEAN_MASK = "x[mask]"  # indexing with a boolean mask (it runs torch.nonzero)
+_SIZE_ONLY = ("nonzero", "argwhere", "masked_select", "unique")  # ops whose output size, not value, is the data's
+EXPERTS_FIX = ("write the experts as one module called experts(hidden, top_k_index, top_k_weights) "
+               "(docs/model-file.md, 'Mixtures of experts')")
+
+
+def data_dependent_message(module: str | None, op: str) -> str:
+    """The line for ``module`` calling the data-dependent ``op``; see [Note: data-dependent ops on meta]."""
+    where = module or "the model's own forward"
+    if op == BOOLEAN_MASK:
+        return (f"{where} indexes a tensor with a boolean mask, whose result's size depends on the data, so hetpar "
+                f"cannot measure it on the meta device: {EXPERTS_FIX}")
+    what = "output size" if any(name in op for name in _SIZE_ONLY) or "where" in op else "value"
+    return (f"{where} calls {op}, whose {what} depends on the data, so hetpar cannot measure it on the meta "
+            f"device: {EXPERTS_FIX}")
+
+
+def data_dependent_op(exc: BaseException, node: fx.Node | None = None) -> str | None:
+    """The data-dependent op that ``exc`` failed on, named by the graph ``node`` that
+    raised it, else by the failing source line, else (ops that make data-dependent
+    shapes) by the error; None for other failures, a branch on a value among them. See
+    [Note: data-dependent ops on meta]."""
+    text = f"{type(exc).__name__}: {exc}"
+    sized = next((DATA_DEPENDENT_OPS[name] for name in _SIZE_ONLY if re.search(rf"\b{name}\b", text)), None)
+    if node is not None:
+        target = node.target
+        name = target._overloadpacket.__name__ if isinstance(target, torch._ops.OpOverload) else (
+            target if isinstance(target, str) else getattr(target, "__name__", ""))
+        if name == "where" and len(node.args) + len(node.kwargs) == 1:
+            return "torch.where(condition)"
+        if name in DATA_DEPENDENT_OPS:
+            return DATA_DEPENDENT_OPS[name]
+        if name in ("getitem", "index", "__getitem__") and sized == DATA_DEPENDENT_OPS["nonzero"]:
+            return BOOLEAN_MASK
+    return _data_dependent_call(exc) or sized
+
+
+def _data_dependent_call(exc: BaseException) -> str | None:
+    """The data-dependent call on the model's source line where a tracer failed
+    (``.tolist()``, ``.item()``, ``torch.nonzero``...), None if it calls none."""
+    line = ""
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        filename = frame.f_code.co_filename
+        if not str(Path(filename).resolve()).startswith(_TRACER_DIRS) and not filename.startswith("<"):
+            line = linecache.getline(filename, lineno)
+    return next((label for name, label in DATA_DEPENDENT_OPS.items() if re.search(rf"\b{name}\(", line)), None)
+
+
 def failure_site(tracer: str, exc: BaseException, model: nn.Module) -> Failure:
     """Find the module and source line where tracing failed; see [Note: where tracing failed]."""
     names = {id(m): name for name, m in model.named_modules()}
@@ -192,6 +264,11 @@ def _message(model: nn.Module, fx_failure: Failure, export_failure: Failure | No
         cause = (f"forward's output holds a value of type {unreturnable}, which torch.export cannot return: return "
                  f"tensors (in tuples, lists, dicts or ModelOutputs){_CACHE_HINT if 'Cache' in unreturnable else ''}")
         return f"cannot trace {type(model).__name__}: {cause}; {failures}"
+    called = _data_dependent_call((export_failure or fx_failure).error)
+    if data_dependent((export_failure or fx_failure).error) and culprit and is_experts(model.get_submodule(culprit)):
+        return f"cannot trace {type(model).__name__}: {culprit} {_EXPERTS_LOOP}; {failures}"
+    if called and data_dependent((export_failure or fx_failure).error):
+        return f"cannot trace {type(model).__name__}: {data_dependent_message(culprit, called)}; {failures}"
     if data_dependent((export_failure or fx_failure).error):
         where = f"{culprit} " if culprit else ""
         hint = (f"{where}branches on tensor values, which no tracer can follow on the meta device: branch on shapes "
@@ -280,5 +357,6 @@ def attribute(module: nn.Module, path: str) -> Any:
     return getattr(module.get_submodule(owner) if owner else module, name)
 
 
-__all__ = ["Failure", "attribute", "TraceError", "TracerFailed", "capture", "data_dependent", "export_graph", "fx_trace", "failure_site", "module_path", "module_paths",
+__all__ = ["BOOLEAN_MASK", "DATA_DEPENDENT_OPS", "EXPERTS_FIX", "Failure", "attribute", "TraceError", "TracerFailed", "capture",
+           "data_dependent", "data_dependent_message", "data_dependent_op", "export_graph", "fx_trace", "failure_site", "module_path", "module_paths",
            "quiet_torch_logs"]

@@ -38,6 +38,7 @@ micro-batches have static shapes, and become constants in the stage's graph.
 from __future__ import annotations
 
 import collections
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
-from hetpar.runtime.capture import TraceError, capture, data_dependent, failure_site, module_paths
+from hetpar.runtime.capture import (TraceError, capture, data_dependent, data_dependent_message, data_dependent_op,
+                                    failure_site, module_path, module_paths)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,11 +311,28 @@ def _exported_values(lg: LayeredGraph, inputs: tuple) -> dict[str, Any]:
 
 
 def meta_run_error(gm: fx.GraphModule, exc: BaseException, what: str = "") -> TraceError:
-    """A one-line TraceError for a graph (or a stage of it) that fails to run on the meta device."""
+    """A one-line TraceError for a graph (or a stage of it) that fails to run on the meta
+    device: a data-dependent op named with its module ([Note: data-dependent ops on meta]
+    in runtime/capture.py), or where it failed."""
+    node = _failing_node(exc)
+    op = data_dependent_op(exc, node)
+    if op is not None:
+        module = module_path(node) if node is not None else failure_site("the meta run", exc, gm).module
+        return TraceError(data_dependent_message(module, op))
     failure = failure_site("the meta run", exc, gm)
     hint = ("planning runs the model on meta tensors, so forward must not read tensor values "
             "(branch on shapes or config instead)" if data_dependent(exc) else "report this model")
     return TraceError(f"cannot run {what or type(gm).__name__} on the meta device: {failure.describe()}; {hint}")
+
+
+def _failing_node(exc: BaseException) -> fx.Node | None:
+    """The graph node an fx.Interpreter was running when ``exc`` was raised (the innermost one)."""
+    node = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        candidate = frame.f_locals.get("n") if frame.f_code.co_name == "run_node" else None
+        if isinstance(candidate, fx.Node):
+            node = candidate
+    return node
 
 
 @dataclass(frozen=True, kw_only=True)

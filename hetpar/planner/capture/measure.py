@@ -6,7 +6,9 @@ runs under saved-tensor hooks that see every tensor autograd keeps.
 
 [Note: what a kernel costs]
 - FLOPs of matmuls, convolutions and attention come from torch's own formulas
-  (``torch.utils.flop_counter``), so totals equal ``FlopCounterMode``'s.
+  (``torch.utils.flop_counter``), so totals equal ``FlopCounterMode``'s; grouped
+  matmuls (the experts of a mixture), which torch's counter does not know, are counted
+  as [Note: grouped matmuls] says.
 - Elementwise FLOPs (pointwise ops, reductions, norms, softmax) are counted as one per
   element of the largest operand: a floor, since these kernels are bound by memory
   traffic, which the byte counts give.
@@ -143,7 +145,8 @@ class _KernelCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _METADATA_OPS:
             return func(*args, **kwargs)
-        if func not in flop_registry:  # as FlopCounterMode: count composite ops by their parts
+        # as FlopCounterMode: count composite ops by their parts
+        if func not in flop_registry and func._schema.name not in GROUPED_MATMULS:
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
@@ -154,10 +157,12 @@ class _KernelCounter(TorchDispatchMode):
 
     def _charge(self, func, args, kwargs, out) -> None:
         counts = self.result.nodes[self._node()]
-        packet = func._overloadpacket
+        packet, qualified = func._overloadpacket, func._schema.name
         flops, elementwise = 0.0, 0.0
         if packet in flop_registry:
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif qualified in GROUPED_MATMULS:
+            flops = grouped_mm_flops(qualified, args)
         elif torch.Tag.pointwise in func.tags or torch.Tag.reduction in func.tags or packet.__name__ in _ELEMENTWISE_EXTRA:
             elementwise = float(max((t.numel() for t in _tensors((args, kwargs, out))), default=0))
         written = float(sum(_nbytes(t) for t in _tensors(out)))
@@ -176,7 +181,12 @@ class _KernelCounter(TorchDispatchMode):
             counts.fwd_elementwise_flops += elementwise
             counts.fwd_bytes += moved
             counts.fwd_matmuls += int(flops > 0)
-            rows = matmul_rows(packet.__name__, args, out) if flops > 0 else None
+            if flops <= 0:
+                rows = None
+            elif qualified in GROUPED_MATMULS:
+                rows = grouped_mm_rows(qualified, args)
+            else:
+                rows = matmul_rows(packet.__name__, args, out)
             if rows is not None:
                 counts.matmul_rows[rows] = counts.matmul_rows.get(rows, 0.0) + flops
 
@@ -235,6 +245,61 @@ def matmul_rows(op: str, args: tuple, out: Any) -> tuple[int, bool, int] | None:
             weight = tensors[1]
             return int(result[0][0, 0].numel()), True, _width(weight[0].numel(), weight.shape[0])
     return None
+
+
+# [Note: grouped matmuls]
+# A mixture of experts multiplies each routed row by its own expert's matrices in one
+# grouped kernel, which torch's FLOP counter does not know:
+# - ``aten._grouped_mm`` (``F.grouped_mm``): rows [S, K] grouped by offsets times a
+#   stack [G, K, N], one matrix per group (the experts' forward and their input
+#   gradient); [K, S] by [S, N], grouped along the shared S, giving [G, K, N] (the
+#   weights' gradient); a stack [G, M, K] by [K, N] grouped along N; and [G, M, K] by
+#   [G, K, N], a batch of products (runtime.experts ``grouped_mm_shape``).
+# - Hugging Face's ``transformers::grouped_mm_fallback`` (input [S, K] by weights
+#   [E, K, N]), which transformers 5 runs under torch.export, so on the meta capture of
+#   its models, for dtypes other than bfloat16, and its backward op
+#   ``transformers::grouped_mm_fallback_backward``, both gradients: two such products.
+# They are matched by qualified name (hetpar never imports transformers) and counted as
+# matmuls: 2 FLOPs per multiply-add of every group's product, every row in a group (the
+# routing sends each of the tokens x top-k rows to one expert, so the offsets end at
+# the last row). Bytes are any kernel's: each operand read once (every expert's weights),
+# the output written once. A grouped kernel runs each group's product as a matmul of
+# its own, so its rows ([Note: matmul rows]) are a group's: in the experts' forward, the
+# S rows over G experts, S / G on average (uniform routing), growing with the batch;
+# the other layouts record their products' rows, which do not grow, as bmm's do.
+GROUPED_MATMULS = ("aten::_grouped_mm", "transformers::grouped_mm_fallback",
+                   "transformers::grouped_mm_fallback_backward")
+
+
+def grouped_mm_flops(op: str, args: tuple) -> float:
+    """FLOPs of the grouped matmul ``op`` (a qualified name of ``GROUPED_MATMULS``) on
+    operands ``args``; see [Note: grouped matmuls]."""
+    a, b = args[0].shape, args[1].shape
+    if op != "aten::_grouped_mm":  # Hugging Face's: input [S, K], weights [E, K, N]
+        products = 2 if op.endswith("_backward") else 1  # the input's and the weights' gradients
+        return 2.0 * products * a[0] * a[1] * b[2]
+    if len(a) == 2 and len(b) == 3:  # rows grouped, a matrix per group
+        return 2.0 * a[0] * a[1] * b[2]
+    if len(a) == 3 and len(b) == 2:  # columns of b grouped, a matrix of a per group
+        return 2.0 * a[1] * a[2] * b[1]
+    if len(a) == 2 and len(b) == 2:  # the shared dimension grouped: one [M, N] product per group
+        return 2.0 * a[0] * a[1] * b[1]
+    return 2.0 * a[0] * a[1] * a[2] * b[2]  # a batch of products
+
+
+def grouped_mm_rows(op: str, args: tuple) -> tuple[int, bool, int]:
+    """(rows of one group's product at the traced batch, whether they grow with the batch,
+    width) of a forward grouped matmul; see [Note: grouped matmuls] and [Note: matmul rows]."""
+    a, b = args[0].shape, args[1].shape
+    if len(a) == 2 and len(b) == 3:  # the experts' forward: S rows over G experts
+        return max(1, round(a[0] / b[0])), True, _width(a[1], b[2])
+    offs = args[2] if len(args) > 2 and isinstance(args[2], torch.Tensor) else None
+    groups = a[0] if len(a) == 3 else (offs.shape[0] if offs is not None else 1)
+    if len(a) == 3 and len(b) == 3:
+        return int(a[1]), False, _width(a[2], b[2])
+    if len(a) == 3:
+        return int(a[1]), False, _width(a[2], max(1, b[1] // groups))
+    return int(a[0]), False, _width(max(1, a[1] // groups), b[1])
 
 
 def _width(inner: int, columns: int) -> int:
@@ -369,12 +434,13 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def node_label(node: fx.Node) -> str:
-    """What a node runs, short: ``aten.linear``, ``attn.q`` (a module), ``view``."""
+    """What a node runs, short: ``aten.linear``, ``attn.q`` (a module), ``view``, an op of
+    another library by its namespace (``transformers.grouped_mm_fallback``)."""
     if node.op == "call_module":
         return str(node.target)
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target._overloadpacket.__name__}"
+        return f"{target.namespace}.{target._overloadpacket.__name__}"  # aten.mm, transformers.grouped_mm_fallback
     return getattr(target, "__name__", str(target))
 
 
@@ -383,4 +449,4 @@ def node_module(node: fx.Node) -> str:
     return module_path(node)
 
 
-__all__ = ["Measurement", "NodeCounts", "UNATTRIBUTED", "matmul_rows", "measure", "node_label", "node_module"]
+__all__ = ["GROUPED_MATMULS", "Measurement", "NodeCounts", "UNATTRIBUTED", "grouped_mm_flops", "grouped_mm_rows", "matmul_rows", "measure", "node_label", "node_module"]

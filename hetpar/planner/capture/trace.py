@@ -29,6 +29,7 @@ import torch.fx as fx
 from hetpar.cost_models.layers import LayerProfile
 from hetpar.planner.capture.measure import Measurement, NodeCounts, measure, node_label, node_module
 from hetpar.planner.capture.module_tp import BlockDryRun, block_sharding
+from hetpar.planner.capture.moe import NO_EXPERTS, LayerExperts, layer_experts
 from hetpar.planner.capture.tp_collectives import layer_collectives
 from hetpar.planner.capture.tp_dry_run import find_sharding
 from hetpar.planner.capture.tp_ilp import split_nodes
@@ -38,6 +39,7 @@ from hetpar.planner.capture.vocab_parallel import splits_vocabulary, token_embed
 from hetpar.planner.model_graph import BoundaryTensor, ModelGraph, NodeProfile
 from hetpar.vocabulary import Sharding
 from hetpar.runtime.capture import attribute
+from hetpar.runtime.experts import experts_modules
 from hetpar.runtime.graph import LayeredGraph, Stage, boundary_values, build_stage, meta_run_error, record_values, trace_layers
 from hetpar.runtime.model_file import ModelFile, file_fingerprint
 from hetpar.runtime.module_stage import DecoderLayout, layout_for
@@ -121,6 +123,7 @@ def _measure_layers(lg: LayeredGraph, stages: list[Stage], values: dict[str, Any
     blocks once]); weights in ``tied`` are not split over the vocabulary."""
     cache: dict[Any, _Measured] = {}
     out = []
+    experts = {path: m.num_experts for path, m in experts_modules(model)}  # [Note: experts in a layer]
     for index, stage in enumerate(stages):
         inputs = _layer_inputs(lg, values, stage, meta_inputs, needs_grad)
         name = lg.layer_names[index]
@@ -139,6 +142,8 @@ def _measure_layers(lg: LayeredGraph, stages: list[Stage], values: dict[str, Any
                                                        tokens=example[0].shape[1], tied=tied)
             except Exception as exc:  # noqa: BLE001 - located and reported as one line
                 raise meta_run_error(stage.module, exc, f"layer {name}") from exc
+            if experts:
+                cache[key] = replace(cache[key], experts=layer_experts(stage.module, inputs, cache[key].whole, experts))
         out.append(cache[key])
     return out
 
@@ -258,6 +263,7 @@ class _Measured:
     sharded_tensors: int = 0
     tp_degrees: tuple[int, ...] | None = None
     tp_source: str = "finder"  # or "base_model_tp_plan"; see [Note: tensor parallelism of exported graphs]
+    experts: LayerExperts = NO_EXPERTS  # [Note: experts in a layer] in planner.capture.moe
 
     @property
     def node_counts(self) -> list[NodeCounts]:
@@ -288,6 +294,10 @@ class _Measured:
             tied_params=tied_params,
             matmul_rows=_matmul_rows(w),
             matmul_ops=int(w.total("fwd_matmuls")),
+            expert_params=self.experts.params,
+            num_experts=self.experts.num_experts,
+            routed_bytes=self.experts.routed_bytes,
+            expert_flops_fraction=self.experts.flops_fraction,
         )
 
 
