@@ -41,15 +41,15 @@ MIXTRAL_ARGS = {"family": "mixtral"}
 GLOBAL_BATCH = 8
 
 
-def _plan(model: Path, args: dict, *, dp: int, ep: int, tp: int = 1, pp: int = 1, micro_batch_size: int = 2
-          ) -> ParallelPlan:
-    """The planner's plan of dp x tp x pp ranks, its every stage's experts split over ep
-    replicas (as ``hetpar plan --ep`` will pin it)."""
-    options = SearchOptions(global_batch_size=GLOBAL_BATCH, dtype="fp32", schedule="1f1b", dp=dp, tp=tp, pp=pp,
-                            micro_batch_size=micro_batch_size)
+def _plan(model: Path, args: dict, *, dp: int, ep: int, tp: int = 1, pp: int = 1, micro_batch_size: int = 2,
+          **pins) -> ParallelPlan:
+    """The planner's plan of dp x tp x pp ranks, its experts split over ep replicas
+    (``hetpar plan --dp --tp --pp --ep``)."""
+    options = SearchOptions(global_batch_size=GLOBAL_BATCH, dtype="fp32", **{"schedule": "1f1b", **pins}, dp=dp, tp=tp,
+                            pp=pp, ep=ep, micro_batch_size=micro_batch_size)
     plan = plan_model(model, parse_cluster(f"1x{dp * tp * pp}xcpu"), options, model_args=args)
-    stages = [dataclasses.replace(s, expert_parallel=ep) for s in plan.stages]
-    return dataclasses.replace(plan, stages=stages)
+    assert [s.expert_parallel for s in plan.stages] == [ep] * len(plan.stages)
+    return plan
 
 
 @pytest.fixture
@@ -186,8 +186,7 @@ def test_program_splits_experts_only_where_the_plan_does():
     assert "experts.apply_expert_parallel(model_shard, groups.ep_mesh)" in source
     assert "expert_parallel=2," in source and "| tp | ep" in source
     compile(source, "train.py", "exec")
-    plain = program_source(dataclasses.replace(plan, stages=[dataclasses.replace(s, expert_parallel=1)
-                                                             for s in plan.stages]))
+    plain = program_source(_plan(MOE_GPT, MOE_ARGS, dp=4, ep=1, micro_batch_size=1))
     assert "expert_parallel" not in plain and "from hetpar.runtime import (checkpoint, cli, data_parallel, devices, distributed, materialize" in plain
     assert "| ep" not in plain
 
@@ -210,6 +209,15 @@ LAYOUTS = {
     "ep2_pp2": (2, 2, 1, 2, 1, "sgd"),
     "ep2_tp2": (2, 2, 2, 1, 2, "adamw"),
 }
+
+
+@pytest.mark.slow
+def test_moe_gpt_with_zero_bubble_and_recompute_trains_like_one_process(tmp_path, float64_experts):
+    """W actions run the exchanges' backward again (with the parameters as inputs), and
+    recompute runs their forward again in the backward: every rank of a group alike."""
+    plan = _plan(MOE_GPT, MOE_ARGS, dp=2, ep=2, pp=2, micro_batch_size=1, schedule="zb", recompute="full")
+    assert plan.schedule == "zb" and all(s.recompute == "full" for s in plan.stages)
+    _trains_like_one_process(plan, tmp_path, "sgd")
 
 
 @pytest.mark.slow
