@@ -193,8 +193,9 @@ class ExpertParallelSync(GradientSync):
 
     def __str__(self) -> str:
         holders = self.dense.data_parallel // self.expert_parallel
+        experts = f"all-reduced over {holders} replicas" if holders > 1 else "each replica holds its own"
         return (f"all-reduce over {self.dense.data_parallel} replicas, experts split over ep {self.expert_parallel} "
-                f"(all-reduced over {holders} replica{'s' if holders > 1 else ''})")
+                f"({experts})")
 
     def before_backward(self, last: bool) -> None:
         self.dense.before_backward(last)

@@ -281,5 +281,5 @@ class _Exchange(torch.autograd.Function):
         return _exchange(grad, ctx.group, ctx.sent, ctx.received), None, None, None
 
 
-__all__ = ["ExpertParallelError", "ExpertParallelForward", "apply_expert_parallel", "expert_parameters", "experts_modules",
-           "grouped_mm_shape", "is_experts", "route"]
+__all__ = ["ExpertParallelError", "ExpertParallelForward", "apply_expert_parallel", "expert_parameters",
+           "experts_modules", "grouped_mm_shape", "is_experts", "route"]
