@@ -15,7 +15,7 @@ from hetpar.runtime.model_file import load_model_file, parse_model_args
 
 # Per-sample quantities that scale with the batch size; parameters and shapes do not.
 _SCALED_LAYER_KEYS = ("fwd_flops", "bwd_flops", "saved_activation_bytes", "boundary_bytes", "fwd_elementwise_flops",
-                      "bwd_elementwise_flops", "fwd_bytes_accessed", "bwd_bytes_accessed")
+                      "bwd_elementwise_flops", "fwd_bytes_accessed", "bwd_bytes_accessed", "routed_bytes")
 _SCALED_NODE_KEYS = ("fwd_flops", "bwd_flops", "fwd_elementwise_flops", "bwd_elementwise_flops", "fwd_bytes_accessed",
                      "bwd_bytes_accessed", "saved_activation_bytes", "output_bytes")
 _TOTAL_KEYS = ("params", "fwd_flops", "bwd_flops", "saved_activation_bytes", "fwd_bytes_accessed", "bwd_bytes_accessed")
@@ -56,6 +56,9 @@ def trace_report(graph: ModelGraph, batch_size: int = 1, *, with_nodes: bool = F
         row: dict[str, Any] = {"name": layer.name, "params": layer.params}
         row.update({k: getattr(layer, k) * batch_size for k in _SCALED_LAYER_KEYS})
         row["tied_params"] = layer.tied_params
+        # its modules of experts ([Note: experts in a layer]): routed_bytes (scaled above) is one dispatch's rows
+        row.update(expert_params=layer.expert_params, num_experts=layer.num_experts,
+                   expert_flops_fraction=layer.expert_flops_fraction)
         row["boundary_shapes_per_sample"] = [{"shape": list(t.shape), "dtype": t.dtype} for t in boundary]
         # how tensor parallelism splits the layer, and who said so ("finder", "base_model_tp_plan")
         row["tp_sharding"] = {path: how.value for path, how in sharding.items()}
@@ -83,13 +86,18 @@ def print_layers(title: str, report: dict[str, Any]) -> None:
     table = Table(title=f"{title}: {len(rows)} layers, batch size {report['batch_size']}, captured with "
                         f"{'torch.fx' if report['capture'] == 'fx' else 'torch.export'}", title_justify="left")
     table.add_column("layer", overflow="fold")
-    for column in ("params", "fwd GFLOP", "bwd GFLOP", "saved activations", "to next layer"):
+    experts = any(r["num_experts"] for r in rows)  # a mixture of experts: its experts' count and share of FLOPs
+    for column in ("params", "fwd GFLOP", "bwd GFLOP", "saved activations", "to next layer", *(("experts",) if experts else ())):
         table.add_column(column, justify="right")
     for r in rows:
+        share = (f"{r['num_experts']} ({r['expert_flops_fraction']:.0%})" if r["num_experts"] else "",) if experts else ()
         table.add_row(r["name"], f"{r['params']:,}", f"{r['fwd_flops'] / 1e9:.3f}", f"{r['bwd_flops'] / 1e9:.3f}",
-                      gib(r["saved_activation_bytes"]), gib(r["boundary_bytes"]))
+                      gib(r["saved_activation_bytes"]), gib(r["boundary_bytes"]), *share)
     table.add_row("total", f"{totals['params']:,}", f"{totals['fwd_flops'] / 1e9:.3f}", f"{totals['bwd_flops'] / 1e9:.3f}",
-                  gib(totals["saved_activation_bytes"]), "", style="bold")
+                  gib(totals["saved_activation_bytes"]), "", *(("",) if experts else ()), style="bold")
+    if experts:
+        table.caption = "experts: the layer's experts (the share of its FLOPs they run)"
+        table.caption_justify = "left"
     console.print(table)
 
 
