@@ -58,15 +58,8 @@ class LayerProfile:
     # fwd_flops, width sqrt(K N)).
     matmul_rows: tuple[tuple[int, bool, float, int], ...] = ()
     matmul_ops: int = 0  # forward ops that run FLOPs (matmuls, attention): the kernels compiling keeps
-    # Its modules of experts, if it is a mixture of experts ([Note: experts in a layer] in
-    # planner/capture/moe.py; [Note: the experts contract] in runtime/experts.py).
-    expert_params: int = 0  # their parameters: the part of ``params`` that expert parallelism splits
-    num_experts: int = 0  # E of its modules of experts (their gcd if they differ); 0: none
-    # bytes of the hidden rows they receive, one direction (tokens x top-k x H x element
-    # size): what one all-to-all dispatch moves if every row left the rank
-    routed_bytes: float = 0.0
-    expert_flops_fraction: float = 0.0  # of fwd and bwd FLOPs, run inside modules of experts
-    # Mixtures of experts ([Note: the experts contract] in runtime/experts.py): the layer's
+    # Mixtures of experts ([Note: the experts contract] in runtime/experts.py; measured as
+    # [Note: experts in a layer] in planner/capture/moe.py says): the layer's
     # modules of experts, which expert parallelism splits ([Note: expert parallelism costs]
     # in cost_models/collectives.py).
     expert_params: int = 0  # parameters of its modules of experts
