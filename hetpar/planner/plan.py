@@ -206,9 +206,9 @@ class ParallelPlan:
         if self.virtual_stages > 1:
             raise PlanFileError(f"expert_parallel {ep} runs without virtual stages (virtual_stages is {self.virtual_stages})")
         if (self.grad_compression != CompressionKind.NONE or self.aggregation != AggregationKind.MEAN or self.sync_every != 1
-                or self.replica_batch_shares is not None):
+                or self.replica_batch_shares is not None or self.rebalance_every):
             raise PlanFileError(f"expert_parallel {ep} runs with plain data parallelism: no gradient compression, robust "
-                                f"aggregation, local SGD or uneven replica shares")
+                                f"aggregation, local SGD, uneven replica shares or rebalancing")
 
     def _check_virtual_stages(self) -> None:
         """[Note: virtual stages] A plan with ``virtual_stages`` v > 1 lists pp * v stages in
