@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hetpar.cost_models.cluster import parse_cluster
-from hetpar.cost_models.collectives import all_gather_time_s, all_to_all_time_s, p2p_time_s
+from hetpar.cost_models.collectives import EXCHANGES_PER_DISPATCH, all_gather_time_s, all_to_all_time_s, p2p_time_s
 from hetpar.cost_models.compute import dtype_bytes
 from hetpar.cost_models.layers import LayerProfile
 from hetpar.cost_models.memory import state_bytes_per_param
@@ -44,6 +44,15 @@ def config(**kw) -> EstimateConfig:
 # --- the all-to-all ------------------------------------------------------------------------
 
 
+def test_all_to_all_on_a_measured_node_takes_its_all_gather_fit():
+    cluster = parse_cluster("1x2xcpu")  # the CPU profile has measured collectives
+    fit = cluster.profile("cpu").collectives["all_gather"]
+    # the fit is of all-gathers over its ranks: latency + output bytes / bw; an all-to-all of a 1 MB buffer
+    # sends what an all-gather of a 1 MB output sends
+    assert fit.ranks == 2
+    assert all_to_all_time_s(1e6, [0, 1], cluster) == pytest.approx(fit.latency_s + 1e6 / fit.bw_bytes_per_s)
+
+
 def test_all_to_all_inside_a_node_moves_the_peers_share_over_the_node_link():
     cluster = parse_cluster("1x8xA100-80GB")
     nbytes = 64e6
@@ -66,7 +75,7 @@ def test_all_to_all_across_nodes_is_bound_by_each_devices_share_of_the_nic():
 # --- the estimate --------------------------------------------------------------------------
 
 
-def test_expert_parallelism_holds_one_ep_th_of_the_experts_and_pays_four_all_to_alls_per_layer():
+def test_expert_parallelism_holds_one_ep_th_of_the_experts_and_pays_its_all_to_alls_per_layer():
     model, cluster = moe_graph(), parse_cluster("1x4xA100-80GB")
     one, two = (estimate(model, cluster, config(ep=ep)) for ep in (1, 2))
     w, g, o = state_bytes_per_param("bf16")
@@ -74,9 +83,11 @@ def test_expert_parallelism_holds_one_ep_th_of_the_experts_and_pays_four_all_to_
     assert one.stages[0].memory.weights_bytes - two.stages[0].memory.weights_bytes == pytest.approx(dropped * w)
     assert one.stages[0].memory.optimizer_bytes - two.stages[0].memory.optimizer_bytes == pytest.approx(dropped * o)
     assert one.time.ep_comm_s == 0.0
-    per_pass = 2 * all_to_all_time_s(ROUTED * dtype_bytes("bf16") / 4, [0, 1], cluster)  # dispatch and combine
+    rows = all_to_all_time_s(ROUTED * dtype_bytes("bf16") / 4, [0, 1], cluster)
+    counts = all_to_all_time_s(8.0 * 2, [0, 1], cluster)  # eight bytes per rank of the group
+    per_layer = 2 * rows + EXCHANGES_PER_DISPATCH * counts + 2 * rows  # forward: rows there and back, counts; backward
     microbatches = 2  # global batch 8 over dp 4 at micro-batch 1
-    assert two.time.ep_comm_s == pytest.approx(microbatches * len(model.layers) * 2 * per_pass)
+    assert two.time.ep_comm_s == pytest.approx(microbatches * len(model.layers) * per_layer)
     assert two.time.step_s == pytest.approx(two.predicted.step_time_s)
     assert two.predicted.ep_comm_time_s == two.time.ep_comm_s
 

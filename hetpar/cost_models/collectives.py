@@ -411,10 +411,20 @@ def broadcast_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, c
 # its zone (P_inter) and in other zones (P_zone); B_intra the node's link, E_dev one
 # device's share of its node's egress with the whole group sending, B_wan the WAN link's
 # bandwidth shared by the rank's zone; a the latency of the farthest peer (a message per
-# peer). The experts' compute is unchanged by ep (each rank runs the rows its experts
+# peer). Inside one node whose profile has a measured all-gather (``hetpar profile``;
+# the CPU profile), the all-to-all takes that fit's time for the bytes it sends: an
+# all-gather sends the same (n - 1)/n of a rank's bytes over the same links, and
+# all-to-all has no fit of its own. Each dispatch also exchanges the row counts (and the
+# rows' expert numbers) first, all-to-alls of a few bytes that cost their latency
+# (``EXCHANGES_PER_DISPATCH``). The experts' compute is unchanged by ep (each rank runs the rows its experts
 # receive, 1/ep of E experts' rows from ep ranks); their parameters, gradients and
 # optimizer state are 1/ep per rank, and their gradients are averaged over the dp / ep
 # replicas holding the same experts rather than over all dp.
+# All-to-alls of a forward dispatch besides the rows' two (there and back): the row
+# counts and the rows' expert numbers (runtime/experts.py ``dispatch``).
+EXCHANGES_PER_DISPATCH = 2
+
+
 def all_to_all_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, concurrent: int = 1) -> float:
     """Seconds of an all-to-all in which each rank of ``ranks`` holds ``nbytes`` spread
     evenly over the group (1/n of it stays); see [Note: expert parallelism costs].
@@ -436,6 +446,9 @@ def all_to_all_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, 
     n = links.n
     if n <= 1 or nbytes == 0:
         return 0.0
+    fit = links.measured.get("all_gather")
+    if fit is not None:
+        return measured_collective_s("all_gather", fit, nbytes, n)
     per_peer = nbytes / n
     zones = _by_zone(ranks, cluster)
     worst = 0.0

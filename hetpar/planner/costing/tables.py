@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetpar.cost_models.collectives import all_to_all_time_s, grad_sync_scale, tensor_parallel_pass_s
+from hetpar.cost_models.collectives import EXCHANGES_PER_DISPATCH, all_to_all_time_s, grad_sync_scale, tensor_parallel_pass_s
 from hetpar.cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
 from hetpar.cost_models.memory import (
     FRAGMENTATION_MARGIN,
@@ -253,7 +253,7 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     """
     mode, P, elem = cand.modes[k], cand.pp, dtype_bytes(dtype)
     r = c % P
-    cols, (tp_fwd, tp_bwd), ep_pass, comm, rates = memo(per_slot, (r, mode.tp), lambda: (
+    cols, (tp_fwd, tp_bwd), (ep_fwd, ep_bwd), comm, rates = memo(per_slot, (r, mode.tp), lambda: (
         cols := layer_columns(model, cluster, slot.device_type, mode.tp, cand.micro_batch_size, dtype, cache),
         tp_collectives(model, cluster, slot, cols, mode.tp, cache),
         expert_exchanges(model, cluster, slot, cols, cand.ep, cache),
@@ -265,9 +265,9 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     held = params - cols.expert_params * (1.0 - 1.0 / cand.ep)
     synced = held - (cols.params - cols.synced(cand.dp, cand.ep))
     full = mode.recompute == Recompute.FULL
-    fwd = cols.fwd + tp_fwd + ep_pass
+    fwd = cols.fwd + tp_fwd + ep_fwd
     bwd = (cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_bwd + (tp_fwd if full else 0.0)
-           + ep_pass * (2 if full else 1))
+           + ep_bwd + (ep_fwd if full else 0.0))
     unsplit = np.where(cols.splits, 0.0, np.inf)  # a layer this degree cannot split: [Note: per-stage tensor parallelism]
     tables["time_s"][k, :, c] = fwd + bwd + unsplit
     tables["fwd_s"][k, :, c] = fwd
@@ -293,20 +293,24 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     tables["memory_bytes"][k, :, c] = FRAGMENTATION_MARGIN * (held * state + in_flight * activations) + unsplit
 
 
-def expert_exchanges(model: ModelGraph, cluster, slot: StageSlot, cols: LayerColumns, ep: int, cache: dict) -> np.ndarray:
-    """Seconds of each layer's expert-parallel all-to-alls in one pass (dispatch and
-    combine: two), per micro-batch, over the stage's first ``ep`` replicas
+def expert_exchanges(model: ModelGraph, cluster, slot: StageSlot, cols: LayerColumns, ep: int, cache: dict
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of each layer's expert-parallel all-to-alls per micro-batch over the
+    stage's first ``ep`` replicas, (forward, backward): the rows there and back in each
+    pass, and the forward's small exchanges of counts and expert numbers
     ([Note: expert parallelism costs] in cost_models.collectives)."""
     if ep == 1 or not any(l.routed_bytes for l in model.layers):
-        return np.zeros(len(model.layers))
+        return np.zeros(len(model.layers)), np.zeros(len(model.layers))
     group = [rep[0] for rep in slot.ranks[:ep]]
     tp = len(slot.ranks[0])
     place = placement(cluster, group)
-    return memo(cache, ("ep layers", model_token(model, cache), cols.scale, place, tp), lambda: np.array([
+    small = EXCHANGES_PER_DISPATCH * all_to_all_time_s(8.0 * ep, group, cluster, concurrent=tp)
+    rows = memo(cache, ("ep layers", model_token(model, cache), cols.scale, place, tp), lambda: np.array([
         2 * memo(cache, ("a2a", l.routed_bytes, cols.scale, place, tp),
                  lambda l=l: all_to_all_time_s(l.routed_bytes * cols.scale, group, cluster, concurrent=tp))
         for l in model.layers
     ]))
+    return rows + np.where(rows > 0, small, 0.0), rows
 
 
 def _levels(values: np.ndarray) -> np.ndarray:

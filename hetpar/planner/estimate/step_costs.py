@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from hetpar.cost_models.cluster import Cluster
 from hetpar.cost_models.collectives import (
-    all_gather_time_s, all_to_all_time_s, grad_sync_scale, reduce_scatter_time_s, tensor_parallel_pass_s,
+    EXCHANGES_PER_DISPATCH, all_gather_time_s, all_to_all_time_s, grad_sync_scale, reduce_scatter_time_s,
+    tensor_parallel_pass_s,
 )
 from hetpar.cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
 from hetpar.cost_models.devices import DeviceProfile
@@ -81,10 +82,10 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     fwd = sum(t.fwd_s for t in times)
     full = config.recompute_of(chunk) == Recompute.FULL
     gather_fwd, gather_bwd = zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp))
-    ep_fwd = expert_exchange_s(layers, cluster, config, layout, memo)
+    ep_fwd, ep_bwd = expert_exchange_s(layers, cluster, config, layout, memo)
     return ChunkCost(
         fwd_ep_s=ep_fwd,
-        b_ep_s=ep_fwd * (2 if full else 1),
+        b_ep_s=ep_bwd + (ep_fwd if full else 0.0),
         fwd_compute_s=fwd,
         fwd_tp_s=tp_fwd,
         b_compute_s=sum(t.bwd_input_s for t in times) + (fwd if full else 0.0),
@@ -95,21 +96,27 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     )
 
 
-def expert_exchange_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout, memo: dict) -> float:
-    """One pass's expert-parallel all-to-alls of ``layers``, per micro-batch: dispatch and combine of each
-    layer's routed rows over the stage's first ``ep`` replicas ([Note: expert parallelism costs])."""
+def expert_exchange_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout, memo: dict
+                      ) -> tuple[float, float]:
+    """The expert-parallel all-to-alls of ``layers`` per micro-batch over the stage's first ``ep`` replicas,
+    (forward, backward): each layer's rows there and back in each pass, and the forward's small exchanges of
+    counts and expert numbers ([Note: expert parallelism costs])."""
     if config.ep == 1:
-        return 0.0
+        return 0.0, 0.0
     group = [replica[0] for replica in layout.ranks[: config.ep]]
     scale = config.micro_batch_size * dtype_bytes(config.dtype) / 4
-    total = 0.0
+    tp = len(layout.ranks[0])
+    small = EXCHANGES_PER_DISPATCH * all_to_all_time_s(8.0 * config.ep, group, cluster, concurrent=tp)
+    rows = 0.0
+    moe_layers = 0
     for l in layers:
         if l.routed_bytes:
-            key = ("a2a", l.routed_bytes, scale, tuple(group), len(layout.ranks[0]))
+            key = ("a2a", l.routed_bytes, scale, tuple(group), tp)
             if key not in memo:
-                memo[key] = all_to_all_time_s(l.routed_bytes * scale, group, cluster, concurrent=len(layout.ranks[0]))
-            total += 2 * memo[key]
-    return total
+                memo[key] = all_to_all_time_s(l.routed_bytes * scale, group, cluster, concurrent=tp)
+            rows += 2 * memo[key]
+            moe_layers += 1
+    return rows + moe_layers * small, rows
 
 
 def zero3_comm_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout, zero_stage: int) -> tuple[float, float]:
