@@ -166,3 +166,20 @@ def test_mixtral_8x7b_plans_with_expert_parallelism_below_sixty_percent_mfu():
     peak = sum(cluster.profile(t).peak_flops("bf16") for t in cluster.device_types())
     assert 0.2 < flops / plan.predicted.step_time_s / peak < 0.6
     assert plan.predicted.ep_comm_time_s > 0
+
+
+def test_an_expert_imbalance_slows_only_expert_parallel_plans_by_their_experts_share():
+    model, cluster = moe_graph(), parse_cluster("1x4xA100-80GB")
+    for ep in (1, 2):
+        even, skewed = (estimate(model, cluster, config(ep=ep, expert_imbalance=f)) for f in (1.0, 1.5))
+        if ep == 1:  # every rank runs all its own rows whatever the routing
+            assert skewed.predicted.step_time_s == even.predicted.step_time_s
+            continue
+        # the busiest rank's experts run 1.5x their rows: 0.8 of the layer's FLOPs grow by half
+        layer = model.layers[0]
+        assert layer.with_expert_load(1.5).fwd_flops == pytest.approx(layer.fwd_flops * (1 + 0.8 * 0.5))
+        assert skewed.time.compute_s > even.time.compute_s * 1.2
+        assert skewed.time.ep_comm_s > even.time.ep_comm_s
+        assert skewed.model_flops_per_step == even.model_flops_per_step  # the model's work is what it is
+    with pytest.raises(EstimateError, match="expert imbalance"):
+        config(expert_imbalance=0.5)

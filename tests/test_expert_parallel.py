@@ -28,7 +28,7 @@ from hetpar.planner.plan import ParallelPlan
 from hetpar.rewriters import compile_plan
 from hetpar.rewriters.program import program_source
 from hetpar.runtime.distributed import StageSpec
-from hetpar.runtime.experts import (ExpertParallelError, ExpertParallelForward, apply_expert_parallel,
+from hetpar.runtime.experts import (ExpertParallelError, ExpertParallelForward, RoutingLoad, apply_expert_parallel,
                                     expert_parameters, experts_modules, route)
 from hetpar.runtime.model_file import load_model_file
 from hetpar.runtime.training import read_metrics
@@ -254,6 +254,9 @@ def test_checkpoint_at_ep_2_resumes_at_ep_1(tmp_path, float64_experts):
     first, _ = _run(split, tmp_path / "ep2", init_state,
                     [*ckpt, "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "2"])
     (saved_dir,) = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")]
+    # the routing's load in the metrics: at most all rows to one of the 2 ranks (twice the even share)
+    loads = [r.get("expert_imbalance") for r in read_metrics(tmp_path / "ep2" / "m.jsonl")]
+    assert len(loads) == 2 and all(1.0 <= x <= 2.0 for x in loads), loads
     saved = checkpoint_model_tensors(saved_dir)
     assert saved["blocks.0.moe.experts.gate_up"].shape == init_state["blocks.0.moe.experts.gate_up"].shape
     assert [k for k in first if not torch.equal(saved[k], first[k])] == []
@@ -275,6 +278,7 @@ def test_checkpoint_at_ep_2_resumes_at_ep_1(tmp_path, float64_experts):
         assert "resum" in stderr and "step 3" in stderr, stderr[-2000:]
         losses = [r["loss"] for r in read_metrics(tmp_path / name / "m.jsonl")]
         assert len(losses) == steps - 2
+        assert all("expert_imbalance" not in r for r in read_metrics(tmp_path / name / "m.jsonl"))  # no split experts
         assert_within_rounding(optimizer, steps, exact_losses[:2] + losses, final, reference, exact_losses, exact)
 
 
@@ -287,3 +291,13 @@ def _run(plan: ParallelPlan, out: Path, init_state: dict, args: list[str]) -> tu
                            "--save-final", "final.pt", "--metrics", "m.jsonl", *args])
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out / "final.pt", weights_only=True), result.stderr
+
+
+def test_routing_load_is_the_most_rows_one_rank_is_sent_over_the_even_share():
+    load = RoutingLoad()
+    assert load.take() is None
+    load.record([3, 1])  # 3 of 4 rows to rank 0 of 2: 1.5 times the even 2
+    load.record([0, 0])  # nothing routed: no figure
+    load.record([2, 2, 2, 2])
+    assert load.take() == 1.5
+    assert load.take() is None

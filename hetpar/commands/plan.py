@@ -32,6 +32,7 @@ def plan(
     dp: Annotated[Optional[int], typer.Option(help="Pin the data-parallel degree.")] = None,
     tp: Annotated[Optional[int], typer.Option(help="Pin the tensor-parallel degree.")] = None,
     pp: Annotated[Optional[int], typer.Option(help="Pin the number of pipeline stages.")] = None,
+    expert_imbalance: Annotated[float, typer.Option(help="Under expert parallelism, the busiest rank receives this many times the uniform share of routed tokens (1: uniform routing; a program's metrics report its own as expert_imbalance).")] = 1.0,
     ep: Annotated[Optional[int], typer.Option(help="Pin expert parallelism: each stage's experts split over this many data-parallel replicas, tokens exchanged by all-to-all \\[default: searched among the divisors of the experts per layer that divide dp; 1 for a model without experts].", show_default=False)] = None,
     micro_batch_size: Annotated[Optional[int], typer.Option(help="Pin the micro-batch size.")] = None,
     schedule: Annotated[Optional[Schedule], typer.Option(help="Pin the pipeline schedule (zb is ZB-H1) \\[default: 1f1b, zb and interleaved are searched; gpipe only when pinned].")] = None,
@@ -63,7 +64,7 @@ def plan(
     options = SearchOptions(
         global_batch_size=global_batch,
         dtype=(dtype.value if dtype else default_dtype(the_cluster.device_types())),
-        dp=dp, tp=tp, pp=pp, ep=ep,
+        dp=dp, tp=tp, pp=pp, ep=ep, expert_imbalance=expert_imbalance,
         micro_batch_size=micro_batch_size,
         schedule=schedule.value if schedule else None,
         recompute=recompute.value if recompute else None,

@@ -472,6 +472,19 @@ def all_to_all_time_s(nbytes: float, ranks: Sequence[int], cluster: Cluster, *, 
     return (n - 1) * latency + worst
 
 
+# [Note: expert load]
+# Routing is learned, so experts are not equally popular: a rank whose experts receive
+# more rows than the uniform 1/ep share computes longer, and every rank of its group waits
+# for it at the combine. ``--expert-imbalance F`` (F >= 1, recorded in the plan as
+# ``expert_imbalance``; 1 is uniform routing) says the busiest rank receives F times the
+# uniform share: under expert parallelism its experts' FLOPs and the rows it receives are
+# costed at F times (``LayerProfile.with_expert_load``); without expert parallelism every
+# rank runs all its own rows whatever the routing, so nothing changes. The program
+# measures its routing (``expert_imbalance`` in its metrics: each step, the most rows a
+# rank of the group was sent over the mean, as rank 0 routed them), which is the number
+# to give.
+
+
 # --- Across zones ([Note: collectives across zones]) -------------------------------------
 
 

@@ -67,6 +67,17 @@ class LayerProfile:
     routed_bytes: float = 0.0  # bytes of the rows (token, choice) its experts receive, per sample, one way
     expert_flops_fraction: float = 0.0  # of fwd and bwd FLOPs, the share run inside modules of experts
 
+    def with_expert_load(self, factor: float) -> "LayerProfile":
+        """The layer as the busiest expert-parallel rank runs it when its experts receive
+        ``factor`` times the uniform share of rows ([Note: expert load] in
+        cost_models/collectives.py): their FLOPs and the rows it receives times ``factor``."""
+        if factor == 1.0 or not self.num_experts:
+            return self
+        grow = 1.0 + self.expert_flops_fraction * (factor - 1.0)
+        return replace(self, fwd_flops=self.fwd_flops * grow, bwd_flops=self.bwd_flops * grow,
+                       routed_bytes=self.routed_bytes * factor,
+                       expert_flops_fraction=self.expert_flops_fraction * factor / grow)
+
     def flops_at(self, tp: int) -> tuple[float, float]:
         """(forward, backward) FLOPs one tensor-parallel rank runs, per sample."""
         keep = 1.0 - self.tp_split_flops_fraction * (1.0 - 1.0 / tp)

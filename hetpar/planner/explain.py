@@ -74,6 +74,7 @@ def estimate_config(plan: ParallelPlan, graph) -> EstimateConfig:
         sync=cost_method(plan.grad_compression, plan.aggregation, plan.sync_every, plan.sync_scope, optimizer=Optimizer.ADAMW,
                          width=matrix_width(graph.layers)),
         ep=max(s.expert_parallel for s in plan.stages),
+        expert_imbalance=plan.expert_imbalance,
     )
 
 

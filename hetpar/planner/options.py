@@ -51,6 +51,7 @@ class SearchOptions:
     sync: SyncMethod = PLAIN  # how replicas agree, priced (planner.strategies.sync_methods); not PLAIN: ZeRO 0 only
     min_dp: int = 1  # fewest data-parallel replicas (robust aggregation and local SGD need several)
     ep: int | None = None  # expert parallelism, pinned; searched among the degrees the experts allow when None
+    expert_imbalance: float = 1.0  # the busiest expert-parallel rank's rows over the uniform share ([Note: expert load])
 
 
 def misfit_fix(dtype: str) -> str:
@@ -116,6 +117,9 @@ def expert_degrees(model: ModelGraph) -> tuple[int, ...]:
 
 
 def check_expert_pins(model: ModelGraph, options: SearchOptions) -> None:
+    imbalance = options.expert_imbalance
+    if not (isinstance(imbalance, (int, float)) and imbalance >= 1.0):
+        raise PlanningError(f"--expert-imbalance must be a number >= 1 (1: uniform routing), got {imbalance!r}")
     ep = options.ep
     if ep is None or ep == 1:
         return

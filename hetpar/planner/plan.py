@@ -162,6 +162,7 @@ class ParallelPlan:
     replica_batch_shares: list[int] | None = None  # micro-batch size of each replica; None: micro_batch_size each
     virtual_stages: int = 1  # model chunks per pipeline rank; stages[s] runs on the ranks of stages[s % pp]
     compiled: bool = False  # stages run under torch.compile; the costs count fused kernels ([Note: compiled stages])
+    expert_imbalance: float = 1.0  # the busiest expert-parallel rank's rows over the uniform share the costs assumed ([Note: expert load])
     schema_version: int = SCHEMA_VERSION
     kind: str = PLAN_KIND
 
@@ -195,6 +196,8 @@ class ParallelPlan:
 
     def _check_expert_parallel(self) -> None:
         """Expert parallelism is one degree for the whole plan, on the program's plain data parallelism."""
+        if type(self.expert_imbalance) not in (int, float) or not self.expert_imbalance >= 1.0:
+            raise PlanFileError(f"expert_imbalance({self.expert_imbalance!r}) must be a number >= 1 (1: uniform routing)")
         degrees = {s.expert_parallel for s in self.stages}
         if degrees == {1}:
             return

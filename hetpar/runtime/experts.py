@@ -240,6 +240,29 @@ def route(top_k_index: torch.Tensor, per_rank: int, ep: int) -> tuple[torch.Tens
     return order, counts, local_ids
 
 
+class RoutingLoad:
+    """The most rows this process's dispatches sent one rank of their group, over the
+    uniform share, since the last ``take`` ([Note: expert load] in
+    cost_models/collectives.py: the number ``hetpar plan --expert-imbalance`` takes)."""
+
+    def __init__(self) -> None:
+        self._worst: float | None = None
+
+    def record(self, sent: list[int]) -> None:
+        total = sum(sent)
+        if total:
+            ratio = max(sent) * len(sent) / total
+            self._worst = ratio if self._worst is None else max(self._worst, ratio)
+
+    def take(self) -> float | None:
+        """The worst ratio since the last call (None: no dispatch ran), and start afresh."""
+        worst, self._worst = self._worst, None
+        return worst
+
+
+ROUTING_LOAD = RoutingLoad()  # this process's; a step's figure goes to the metrics file (runtime.training)
+
+
 def dispatch(split: _Split, local_experts, hidden: torch.Tensor, top_k_index: torch.Tensor,
              top_k_weights: torch.Tensor) -> torch.Tensor:
     """The split module of experts applied to ``hidden`` [N, H] for the choices
@@ -251,6 +274,7 @@ def dispatch(split: _Split, local_experts, hidden: torch.Tensor, top_k_index: to
     received_counts = torch.empty_like(counts)
     dist.all_to_all_single(received_counts, counts, group=split.group)
     sent, received = counts.tolist(), received_counts.tolist()
+    ROUTING_LOAD.record(sent)
     rows = _Exchange.apply(hidden[order // k], split.group, received, sent)
     ids = _exchange(local_ids, split.group, received, sent)
     out = local_experts(rows, ids)
@@ -281,5 +305,5 @@ class _Exchange(torch.autograd.Function):
         return _exchange(grad, ctx.group, ctx.sent, ctx.received), None, None, None
 
 
-__all__ = ["ExpertParallelError", "ExpertParallelForward", "apply_expert_parallel", "expert_parameters",
+__all__ = ["ROUTING_LOAD", "ExpertParallelError", "ExpertParallelForward", "RoutingLoad", "apply_expert_parallel", "expert_parameters",
            "experts_modules", "grouped_mm_shape", "is_experts", "route"]

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hetpar.runtime.distributed import Placement, StageSpec
+from hetpar.runtime.experts import ROUTING_LOAD
 from hetpar.runtime.parts import layouts_of
 from hetpar.runtime.shard import chunk_modules
 from hetpar.vocabulary import Optimizer
@@ -72,7 +73,7 @@ class LossReport:
     def __init__(self, me: Placement, logger: "StepLogger", *, last_stage: int, data_parallel: int):
         self.me, self.logger = me, logger
         self.last_stage, self.data_parallel = last_stage, data_parallel
-        self._pending: tuple[int, float, torch.Tensor, dist.Work] | None = None
+        self._pending: tuple[int, float, torch.Tensor, dist.Work, float | None] | None = None
 
     def submit(self, step: int, local_loss: torch.Tensor, step_time_s: float) -> None:
         """Start step ``step``'s all-reduce (collective) and log the step before it."""
@@ -81,15 +82,15 @@ class LossReport:
         value = value.reshape(1).clone()
         work = dist.all_reduce(value, op=dist.ReduceOp.SUM, async_op=True)
         self.flush()
-        self._pending = (step, step_time_s, value, work)
+        self._pending = (step, step_time_s, value, work, ROUTING_LOAD.take())
 
     def flush(self) -> None:
         """Wait for the pending report, if any, and log it."""
         if self._pending is not None:
-            step, step_time_s, value, work = self._pending
+            step, step_time_s, value, work, load = self._pending
             self._pending = None
             work.wait()
-            self.logger.log(step, float(value.item()), step_time_s)
+            self.logger.log(step, float(value.item()), step_time_s, expert_imbalance=load)
 
 
 class StepLogger:
@@ -121,8 +122,9 @@ class StepLogger:
             self._file.writelines(kept)
             self._file.flush()
 
-    def log(self, step: int, loss: float, step_time_s: float) -> None:
-        """Record step ``step`` (1-based)."""
+    def log(self, step: int, loss: float, step_time_s: float, *, expert_imbalance: float | None = None) -> None:
+        """Record step ``step`` (1-based); ``expert_imbalance``: its routing's (runtime.experts.RoutingLoad),
+        where this rank dispatched to experts split over ranks."""
         if not self.enabled:
             return
         samples_per_s = self.global_batch_size / step_time_s if step_time_s > 0 else float("inf")
@@ -135,6 +137,8 @@ class StepLogger:
         )
         if self._file is not None:
             record = {"kind": "step", "step": step, "loss": loss, "step_time_s": step_time_s, "samples_per_s": samples_per_s}
+            if expert_imbalance is not None:
+                record["expert_imbalance"] = expert_imbalance
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
 

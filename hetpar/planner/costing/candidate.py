@@ -59,6 +59,7 @@ class Candidate:
     stages_per_type: tuple[tuple[str, int], ...] = ()  # device type -> pipeline ranks it hosts (when typed)
     sync: SyncMethod = PLAIN  # how the replicas agree ([Note: sync method costs] in cost_models.grad_sync)
     ep: int = 1  # expert parallelism: each stage's experts split over runs of ep replicas ([Note: expert parallelism costs])
+    expert_load: float = 1.0  # the busiest expert-parallel rank's rows over the uniform share ([Note: expert load])
 
     @property
     def num_chunks(self) -> int:

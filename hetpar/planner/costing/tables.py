@@ -151,15 +151,19 @@ class LayerColumns:
         return self.held(ep) if dp > ep else self.held(ep) - self.expert_params / ep
 
 
-def layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: int, dtype: str, cache: dict) -> LayerColumns:
-    key = ("layers", device_type, tp, mbs, dtype)
+def layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: int, dtype: str, cache: dict,
+                  expert_load: float = 1.0) -> LayerColumns:
+    """Per-layer columns at one (type, tp, micro-batch, dtype); the layers' times as the busiest
+    expert-parallel rank runs them at ``expert_load`` ([Note: expert load])."""
+    key = ("layers", device_type, tp, mbs, dtype, expert_load)
     if key not in cache:
         device = cluster.profile(device_type)
         scale = dtype_bytes(dtype) / 4 * mbs
         times = []
         for layer in model.layers:
             try:
-                times.append(layer_timing(layer, device, tp=tp, micro_batch_size=mbs, dtype=dtype))
+                times.append(layer_timing(layer.with_expert_load(expert_load), device, tp=tp, micro_batch_size=mbs,
+                                          dtype=dtype))
             except (KeyError, ValueError):
                 times.append(None)
         inf = float("inf")
@@ -254,9 +258,10 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     mode, P, elem = cand.modes[k], cand.pp, dtype_bytes(dtype)
     r = c % P
     cols, (tp_fwd, tp_bwd), (ep_fwd, ep_bwd), comm, rates = memo(per_slot, (r, mode.tp), lambda: (
-        cols := layer_columns(model, cluster, slot.device_type, mode.tp, cand.micro_batch_size, dtype, cache),
+        cols := layer_columns(model, cluster, slot.device_type, mode.tp, cand.micro_batch_size, dtype, cache,
+                              cand.expert_load if cand.ep > 1 else 1.0),
         tp_collectives(model, cluster, slot, cols, mode.tp, cache),
-        expert_exchanges(model, cluster, slot, cols, cand.ep, cache),
+        expert_exchanges(model, cluster, slot, cols, cand.ep, cache, cand.expert_load),
         data_parallel_linear(cluster, cand.dp, mode.tp, slot, cache),
         optimizer_rates(cluster.profile(slot.device_type)),
     ))
@@ -293,21 +298,22 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     tables["memory_bytes"][k, :, c] = FRAGMENTATION_MARGIN * (held * state + in_flight * activations) + unsplit
 
 
-def expert_exchanges(model: ModelGraph, cluster, slot: StageSlot, cols: LayerColumns, ep: int, cache: dict
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def expert_exchanges(model: ModelGraph, cluster, slot: StageSlot, cols: LayerColumns, ep: int, cache: dict,
+                     expert_load: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Seconds of each layer's expert-parallel all-to-alls per micro-batch over the
     stage's first ``ep`` replicas, (forward, backward): the rows there and back in each
     pass, and the forward's small exchanges of counts and expert numbers
-    ([Note: expert parallelism costs] in cost_models.collectives)."""
+    ([Note: expert parallelism costs] in cost_models.collectives); the busiest rank's rows at
+    ``expert_load`` times the uniform share ([Note: expert load])."""
     if ep == 1 or not any(l.routed_bytes for l in model.layers):
         return np.zeros(len(model.layers)), np.zeros(len(model.layers))
     group = [rep[0] for rep in slot.ranks[:ep]]
     tp = len(slot.ranks[0])
     place = placement(cluster, group)
     small = EXCHANGES_PER_DISPATCH * all_to_all_time_s(8.0 * ep, group, cluster, concurrent=tp)
-    rows = memo(cache, ("ep layers", model_token(model, cache), cols.scale, place, tp), lambda: np.array([
-        2 * memo(cache, ("a2a", l.routed_bytes, cols.scale, place, tp),
-                 lambda l=l: all_to_all_time_s(l.routed_bytes * cols.scale, group, cluster, concurrent=tp))
+    rows = memo(cache, ("ep layers", model_token(model, cache), cols.scale, place, tp, expert_load), lambda: np.array([
+        2 * memo(cache, ("a2a", l.routed_bytes * expert_load, cols.scale, place, tp),
+                 lambda l=l: all_to_all_time_s(l.routed_bytes * expert_load * cols.scale, group, cluster, concurrent=tp))
         for l in model.layers
     ]))
     return rows + np.where(rows > 0, small, 0.0), rows

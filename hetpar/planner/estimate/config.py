@@ -39,6 +39,7 @@ class EstimateConfig:
     kernel_efficiency: float | None = None  # None: each device's own (cost_models.compute.training_efficiency)
     sync: SyncMethod = PLAIN  # how the replicas agree under zero_stage 0 ([Note: sync method costs])
     ep: int = 1  # expert parallelism: experts split over runs of ep replicas ([Note: expert parallelism costs])
+    expert_imbalance: float = 1.0  # the busiest expert-parallel rank's rows over the uniform share ([Note: expert load])
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep"):
@@ -59,6 +60,8 @@ class EstimateConfig:
         self._check_experts()
 
     def _check_experts(self) -> None:
+        if not (isinstance(self.expert_imbalance, (int, float)) and self.expert_imbalance >= 1.0):
+            raise EstimateError(f"expert imbalance must be a number >= 1 (1: uniform routing), got {self.expert_imbalance!r}")
         if self.ep == 1:
             return
         if self.dp % self.ep:

@@ -67,7 +67,8 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     layers = model.layers[first : last + 1]
     device = cluster.profile(layout.device_type)
     tp = config.tp_of(chunk % config.pp)
-    times = [layer_timing(l, device, tp=tp, micro_batch_size=config.micro_batch_size, dtype=config.dtype,
+    load = config.expert_imbalance if config.ep > 1 else 1.0  # [Note: expert load]
+    times = [layer_timing(l.with_expert_load(load), device, tp=tp, micro_batch_size=config.micro_batch_size, dtype=config.dtype,
                           kernel_efficiency=config.kernel_efficiency) for l in layers]
     scale = config.micro_batch_size * dtype_bytes(config.dtype) / 4
     group = tuple(layout.ranks[0])
@@ -111,9 +112,10 @@ def expert_exchange_s(layers, cluster: Cluster, config: EstimateConfig, layout: 
     moe_layers = 0
     for l in layers:
         if l.routed_bytes:
-            key = ("a2a", l.routed_bytes, scale, tuple(group), tp)
+            nbytes = l.routed_bytes * config.expert_imbalance * scale  # the busiest rank's rows ([Note: expert load])
+            key = ("a2a", nbytes, tuple(group), tp)
             if key not in memo:
-                memo[key] = all_to_all_time_s(l.routed_bytes * scale, group, cluster, concurrent=tp)
+                memo[key] = all_to_all_time_s(nbytes, group, cluster, concurrent=tp)
             rows += 2 * memo[key]
             moe_layers += 1
     return rows + moe_layers * small, rows

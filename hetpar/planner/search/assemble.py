@@ -98,6 +98,7 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
         solver=info,
         alternatives=list(alternatives),
         virtual_stages=cand.virtual_stages,
+        expert_imbalance=options.expert_imbalance,
     )
 
 
@@ -117,6 +118,7 @@ def _simulated_prediction(model: ModelGraph, cluster, options: SearchOptions, ca
         stage_devices=stage_devices_of([s.ranks for s in ranks], cluster.device_types()),
         stage_recompute=tuple(s.recompute for s in stages), stage_zero=tuple(s.zero_stage for s in ranks),
         stage_tp=degrees if len(set(degrees)) > 1 else None, sync=cand.sync, ep=cand.ep,
+        expert_imbalance=options.expert_imbalance,
     )
     try:
         result = estimate(model, cluster, config)

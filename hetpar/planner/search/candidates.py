@@ -68,7 +68,7 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
                         if modes:
                             out.append(Candidate(dp=dp, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule=schedule,
                                                  virtual_stages=v, modes=modes, tp_sum=tp_sum, stages_per_type=per_type,
-                                                 sync=options.sync, ep=ep))
+                                                 sync=options.sync, ep=ep, expert_load=options.expert_imbalance))
     if not out:
         raise PlanningError(_no_candidate_reason(model, cluster, options, tp_ok))
     return out
