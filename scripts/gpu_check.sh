@@ -2,13 +2,14 @@
 # The GPU check anyone with one CUDA GPU can run (its runs: docs/benchmarks/gpu-validate_*.md):
 #   tests     the `gpu` tests (timing with CUDA events against a synchronised step);
 #   validate  six single-GPU plans of examples/gpt.py (350M and 1.3B parameters, several
-#             micro-batch sizes, with and without recompute) planned with the datasheet
-#             profile for eager stages (--no-compile) and run by `hetpar validate`;
+#             micro-batch sizes, with and without recompute) and two of
+#             examples/moe_gpt.py (8 experts, top 2: grouped_mm in bf16) planned with the
+#             datasheet profile for eager stages (--no-compile) and run by `hetpar validate`;
 #   loops     the 1.3B plan at micro-batch 8 against hand-written loops (eager AdamW,
 #             fused AdamW, torch.compile with fused AdamW; benchmarks/gpu_loop_bench.py)
 #             and the same plan for compiled stages (--compile), validated;
 #   profile   `hetpar profile` of this GPU;
-#   repredict the six plans predicted again with the measured profile;
+#   repredict the plans predicted again with the measured profile;
 # then one table of predicted against measured step times. GPU_CHECK_PARTS=a,b runs
 # only those parts (the summary always), e.g. GPU_CHECK_PARTS=repredict on another host over a
 # copied OUT_DIR; GPU_CHECK_CONFIGS=a,b only those plans (names as in CONFIGS below).
@@ -38,10 +39,12 @@ PARTS=,${GPU_CHECK_PARTS:-tests,validate,loops,profile,repredict},
 want() { [[ $PARTS == *,$1,* ]]; }
 M350=(-a n_layers=24 -a hidden=1024 -a heads=16 -a seq_len=1024 -a vocab=50304)
 M1300=(-a n_layers=24 -a hidden=2048 -a heads=16 -a seq_len=1024 -a vocab=50304)
+MOE=(-a n_layers=8 -a hidden=1024 -a heads=16 -a experts=8 -a top_k=2 -a ffn=2048 -a seq_len=1024 -a vocab=50304)
 PROFILE_OPTS=()
 if [ "$SMOKE" = 1 ]; then
     M350=(-a n_layers=2 -a hidden=32 -a heads=4 -a seq_len=16 -a vocab=64)
     M1300=(-a n_layers=2 -a hidden=64 -a heads=4 -a seq_len=16 -a vocab=64)
+    MOE=(-a n_layers=2 -a hidden=32 -a heads=4 -a experts=4 -a ffn=32 -a seq_len=16 -a vocab=64)
     PROFILE_OPTS=(--quick --nproc 1)
     CLUSTER=${CLUSTER:-1x1xcpu}
 elif ! { want tests || want validate || want loops || want profile; }; then
@@ -54,13 +57,15 @@ else
 fi
 CLUSTER=${CLUSTER:-1x1xH200-141GB}
 
-# name model micro-batch recompute; the global batch is two micro-batches
+# name model micro-batch recompute [model file, default examples/gpt.py]; the global batch is two micro-batches
 CONFIGS="350m_mb4_none M350 4 none
 350m_mb16_none M350 16 none
 350m_mb16_full M350 16 full
 1p3b_mb4_none M1300 4 none
 1p3b_mb8_none M1300 8 none
-1p3b_mb8_full M1300 8 full"
+1p3b_mb8_full M1300 8 full
+moe_mb4_none MOE 4 none examples/moe_gpt.py
+moe_mb8_none MOE 8 none examples/moe_gpt.py"
 
 # GPU_CHECK_CONFIGS=a,b keeps only those configurations (e.g. 350m_mb4_none for a quick check)
 if [ -n "${GPU_CHECK_CONFIGS:-}" ]; then
@@ -69,9 +74,9 @@ fi
 
 # each_config FUNCTION: calls FUNCTION name plan-arguments... for each configuration
 each_config() {
-    while read -r name model mb recompute; do
+    while read -r name model mb recompute file; do
         declare -n margs=$model
-        "$1" "$name" examples/gpt.py "${margs[@]}" -c "$CLUSTER" -b $((2 * mb)) --micro-batch-size "$mb" \
+        "$1" "$name" "${file:-examples/gpt.py}" "${margs[@]}" -c "$CLUSTER" -b $((2 * mb)) --micro-batch-size "$mb" \
             --recompute "$recompute" --no-compile
         unset -n margs
     done <<<"$CONFIGS"
