@@ -75,3 +75,20 @@ def test_exported_graph_refuses_other_shapes():
     lg = trace_layers(model, example_inputs=mf.example_inputs(2))
     with pytest.raises(TraceError, match="exported for inputs shaped"):
         record_values(lg, mf.example_inputs(3))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_module_stage_cut_hands_over_the_hidden_state_only(family):
+    """The exported graph passes the causal mask (and rotary tables) from layer to layer;
+    the program's module stages send only the hidden state, and so the planner counts
+    ([Note: what a module stage sends] in planner/capture/trace.py)."""
+    from hetpar.planner.capture import trace_model
+
+    seq = 64
+    graph = trace_model(load_model_file(ROOT / "tests/models/hf_default_zoo.py", {"family": family, "seq": seq}))
+    assert graph.capture == "export"
+    hidden = 32  # the tiny config's width
+    for layer, crossing in zip(graph.layers[:-1], graph.boundaries[:-1]):
+        assert [tuple(t.shape) for t in crossing] == [(1, seq, hidden)], layer.name  # no [1, 1, T, T] mask
+        assert layer.boundary_bytes == seq * hidden * 4
+    assert graph.layers[-1].boundary_bytes == 0

@@ -87,8 +87,9 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
     for index, (stage, measured) in enumerate(zip(stages, measured_layers)):
         name = lg.layer_names[index]
         params, tied, tensors, tied_held = _owned_params(stage.module, held)
+        sent = _sent(lg, values, needs_grad, index, stage) if layout is not None else list(stage.send)
         profile = measured.profile(name=name, params=params, tied_params=tied, param_tensors=tensors,
-                                   boundary_bytes=float(sum(s.nbytes for s in stage.send)))
+                                   boundary_bytes=float(sum(s.nbytes for s in sent)))
         split_tied = sum(p.numel() for p in tied_held if id(p) in split_ties)
         if split_tied:  # counted as this layer's split parameters, but held (and counted) first by an earlier layer
             profile = replace(profile, tp_split_params=profile.tp_split_params - split_tied,
@@ -98,7 +99,7 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
         parts.append(_absolute(measured.relative_parts, name))
         sources.append(measured.tp_source if measured.relative_sharding else "")
         boundaries.append([BoundaryTensor(shape=t.shape, dtype=str(t.dtype).removeprefix("torch."), nbytes=t.nbytes)
-                           for t in stage.send])
+                           for t in sent])
         nodes += _node_profiles(stage.module, index, measured.node_counts)
     return ModelGraph(
         file=str(model_file.path.resolve()),
@@ -114,6 +115,24 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
         nodes=nodes,
         measured_layers=len({id(m) for m in measured_layers}),
     )
+
+
+# [Note: what a module stage sends]
+# An exported Hugging Face decoder passes more than the hidden state from layer to layer:
+# the causal mask ([1, 1, T, T], 16 GiB per sample at 128k tokens), the rotary cos and
+# sin tables and the positions, each computed once before the first block. The program
+# runs such a model as module stages (runtime/module_stage.py), which send only the
+# hidden state and compute the mask, positions and rotary tables again on each stage
+# from the sequence length. So a cut of a module-stage model hands over the tensors that
+# carry gradients (the hidden state), and that is what its boundary bytes count: what
+# the pipeline sends, and what full recompute keeps as a stage's input.
+def _sent(lg: LayeredGraph, values: dict[str, Any], needs_grad: dict[str, bool], index: int, stage: Stage) -> list:
+    """The tensors a module stage hands over after layer ``index``: the differentiable ones
+    ([Note: what a module stage sends])."""
+    if stage.is_last:
+        return []
+    names = boundary_values(lg, values, index)
+    return [spec for name, spec in zip(names, stage.send) if needs_grad.get(name)]
 
 
 def _measure_layers(lg: LayeredGraph, stages: list[Stage], values: dict[str, Any], meta_inputs: tuple, needs_grad,
