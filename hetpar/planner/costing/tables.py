@@ -268,7 +268,7 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     params = cols.params + (cols.tied if r != 0 else 0.0)  # a tied copy lives on every rank but the first
     # [Note: expert parallelism costs]: a rank holds, syncs and steps 1/ep of the experts
     held = params - cols.expert_params * (1.0 - 1.0 / cand.ep)
-    synced = held - (cols.params - cols.synced(cand.dp, cand.ep))
+    synced = held - (cols.held(cand.ep) - cols.synced(cand.dp, cand.ep))  # the experts unsynced at dp == ep
     full = mode.recompute == Recompute.FULL
     fwd = cols.fwd + tp_fwd + ep_fwd
     bwd = (cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_bwd + (tp_fwd if full else 0.0)
