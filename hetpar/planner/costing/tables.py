@@ -265,9 +265,9 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
         data_parallel_linear(cluster, cand.dp, mode.tp, slot, cache),
         optimizer_rates(cluster.profile(slot.device_type)),
     ))
-    params = cols.params + (cols.tied if r != 0 else 0.0)  # a tied copy lives on every rank but the first
-    # [Note: expert parallelism costs]: a rank holds, syncs and steps 1/ep of the experts
-    held = params - cols.expert_params * (1.0 - 1.0 / cand.ep)
+    # [Note: expert parallelism costs]: a rank holds, syncs and steps 1/ep of the experts;
+    # a tied copy lives on every rank but the first
+    held = cols.held(cand.ep) + (cols.tied if r != 0 else 0.0)
     synced = held - (cols.held(cand.ep) - cols.synced(cand.dp, cand.ep))  # the experts unsynced at dp == ep
     full = mode.recompute == Recompute.FULL
     fwd = cols.fwd + tp_fwd + ep_fwd
