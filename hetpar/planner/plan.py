@@ -56,6 +56,14 @@ class StagePlan:
     # experts [(d % ep) E / ep, (d % ep + 1) E / ep) of each, tokens exchanged by all-to-all
     # inside each run of ep consecutive replicas ([Note: expert parallelism] in runtime/experts.py)
     expert_parallel: int = 1
+    # Megatron's sequence parallelism inside the tp group: the residual stream between a
+    # rowwise and the next colwise Linear (norms, dropout, residual adds) held as 1/tp of
+    # the sequence per rank ([Note: sequence parallelism] in runtime/sequence.py); tp > 1 only
+    sequence_parallel: bool = False
+    # every sequence split over runs of this many consecutive replicas: ranks has
+    # data_parallel * context_parallel rows, row d trains data replica d // cp on context
+    # chunks d % cp ([Note: context parallelism] in runtime/context.py)
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.zero_stage not in tuple(ZeroStage):
@@ -71,6 +79,14 @@ class StagePlan:
         if type(self.expert_parallel) is not int or self.expert_parallel < 1 or len(self.ranks) % self.expert_parallel:
             raise PlanFileError(f"stage {self.index}: expert_parallel({self.expert_parallel!r}) must be a positive "
                                 f"integer dividing its {len(self.ranks)} data-parallel replicas")
+        if type(self.context_parallel) is not int or self.context_parallel < 1 or len(self.ranks) % self.context_parallel:
+            raise PlanFileError(f"stage {self.index}: context_parallel({self.context_parallel!r}) must be a positive "
+                                f"integer dividing its {len(self.ranks)} rows of ranks")
+        if type(self.sequence_parallel) is not bool:
+            raise PlanFileError(f"stage {self.index}: sequence_parallel({self.sequence_parallel!r}) must be true or false")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise PlanFileError(f"stage {self.index}: sequence_parallel needs tensor_parallel > 1 (it shards the "
+                                f"sequence over the tp ranks)")
         widths = {len(r) for r in self.ranks}
         if widths != {self.tensor_parallel}:
             raise PlanFileError(
@@ -172,10 +188,12 @@ class ParallelPlan:
         physical = self.stages[:pp]  # the stages that own their ranks; the others reuse them
         world = self.cluster.world_size
         tps = {s.tensor_parallel for s in physical}
-        used = sum(self.data_parallel * s.tensor_parallel for s in physical)
+        cp = self.context_parallel
+        used = sum(self.data_parallel * cp * s.tensor_parallel for s in physical)
         if used != world:
             tp_text = f"tp({tps.pop()})" if len(tps) == 1 else "sum of stage tp"
-            raise PlanFileError(f"dp({self.data_parallel}) * {tp_text} * pp({pp}) = {used} != world_size({world})")
+            cp_text = f" * cp({cp})" if cp > 1 else ""
+            raise PlanFileError(f"dp({self.data_parallel}){cp_text} * {tp_text} * pp({pp}) = {used} != world_size({world})")
         expected = self.data_parallel * self.micro_batch_size * self.num_microbatches
         if expected != self.global_batch_size:
             raise PlanFileError(
@@ -183,8 +201,10 @@ class ParallelPlan:
                 f"num_microbatches({self.num_microbatches}) = {expected} != global_batch_size({self.global_batch_size})"
             )
         for s in self.stages:
-            if len(s.ranks) != self.data_parallel:
-                raise PlanFileError(f"stage {s.index} has {len(s.ranks)} replicas, data_parallel is {self.data_parallel}")
+            if len(s.ranks) != self.data_parallel * cp:
+                rows = f"data_parallel({self.data_parallel}) * context_parallel({cp})" if cp > 1 else \
+                    f"data_parallel is {self.data_parallel}"
+                raise PlanFileError(f"stage {s.index} has {len(s.ranks)} replicas, {rows}")
         all_ranks = sorted(r for s in physical for rep in s.ranks for r in rep)
         if all_ranks != list(range(world)):
             raise PlanFileError(f"stage ranks must cover 0..{world - 1} exactly once")
@@ -193,6 +213,30 @@ class ParallelPlan:
             raise PlanFileError(f"stages cover layers {layers}, the model has {len(self.model.layer_names)} layers")
         self._check_data_parallel_options()
         self._check_expert_parallel()
+        self._check_context_parallel()
+
+    @property
+    def context_parallel(self) -> int:
+        """The context-parallel degree: every sequence is split over this many ranks
+        (one degree on every stage; ``_check_context_parallel``)."""
+        return self.stages[0].context_parallel if self.stages else 1
+
+    def _check_context_parallel(self) -> None:
+        """Context parallelism is one degree for the whole plan, on plain data parallelism."""
+        degrees = {s.context_parallel for s in self.stages}
+        if degrees == {1}:
+            return
+        if len(degrees) > 1:
+            raise PlanFileError(f"stages have context_parallel {sorted(degrees)}; a plan uses one degree on every stage")
+        cp = degrees.pop()
+        if any(s.expert_parallel > 1 for s in self.stages):
+            raise PlanFileError(f"context_parallel {cp} runs without expert_parallel")
+        if self.virtual_stages > 1:
+            raise PlanFileError(f"context_parallel {cp} runs without virtual stages (virtual_stages is {self.virtual_stages})")
+        if (self.grad_compression != CompressionKind.NONE or self.aggregation != AggregationKind.MEAN or self.sync_every != 1
+                or self.replica_batch_shares is not None or self.rebalance_every):
+            raise PlanFileError(f"context_parallel {cp} runs with plain data parallelism: no gradient compression, "
+                                f"robust aggregation, local SGD, uneven replica shares or rebalancing")
 
     def _check_expert_parallel(self) -> None:
         """Expert parallelism is one degree for the whole plan, on the program's plain data parallelism."""

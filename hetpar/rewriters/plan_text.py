@@ -144,6 +144,9 @@ def _check_stage(s: int, stage: Any) -> None:
     for field in ("index", "tensor_parallel", "zero_stage"):
         _integer(f"{where}.{field}", getattr(stage, field), minimum=0)
     _integer(f"{where}.expert_parallel", stage.expert_parallel, minimum=1)
+    _integer(f"{where}.context_parallel", stage.context_parallel, minimum=1)
+    if type(stage.sequence_parallel) is not bool:
+        raise CompileError(f"plan field {where}.sequence_parallel must be true or false; {REPLAN}")
     for layer in stage.layers:
         _integer(f"{where}.layers", layer, minimum=0)
     for replica in stage.ranks:

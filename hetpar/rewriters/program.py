@@ -72,7 +72,7 @@ class Features:
         return cls(
             pipelined=len(plan.stages) > 1,
             chunked=plan.virtual_stages > 1,
-            data_parallel=plan.data_parallel > 1,
+            data_parallel=plan.data_parallel * plan.context_parallel > 1,
             compression=plan.grad_compression != CompressionKind.NONE,
             robust=plan.aggregation != AggregationKind.MEAN,
             local_sgd=plan.sync_every > 1,
@@ -199,6 +199,12 @@ def _stage_spec_source(plan: ParallelPlan, stage: StagePlan) -> str:
     if stage.expert_parallel > 1:  # [Note: expert parallelism] in hetpar/runtime/experts.py
         lines.append(f"        expert_parallel={stage.expert_parallel!r},  # experts split over runs of this many "
                      f"replicas")
+    if stage.sequence_parallel:  # [Note: sequence parallelism] in hetpar/runtime/sequence.py
+        lines.append(f"        sequence_parallel={stage.sequence_parallel!r},  # norms and residuals on 1/tp of the "
+                     f"sequence")
+    if stage.context_parallel > 1:  # [Note: context parallelism] in hetpar/runtime/context.py
+        lines.append(f"        context_parallel={stage.context_parallel!r},  # each sequence split over runs of this "
+                     f"many replicas")
     if stage.tp_sharding:
         lines.append("        tp_sharding={")
         lines += [f"            {path!r}: {getattr(kind, 'value', kind)!r}," for path, kind in stage.tp_sharding.items()]

@@ -52,6 +52,8 @@ class StageSpec:
     zero_stage: int = 0  # 0: all-reduce; 1-3: ZeRO through FSDP2 (runtime.data_parallel)
     recompute: str = "none"  # "none" | "selective" | "full" (runtime.recompute)
     expert_parallel: int = 1  # experts split over runs of this many replicas (runtime.experts)
+    sequence_parallel: bool = False  # the residual stream sharded over the tp ranks' sequence (runtime.sequence)
+    context_parallel: int = 1  # every sequence split over runs of this many replicas (runtime.context)
 
     def __post_init__(self) -> None:
         if any(len(replica) != self.tensor_parallel for replica in self.ranks):
@@ -59,6 +61,11 @@ class StageSpec:
         if self.expert_parallel < 1 or len(self.ranks) % self.expert_parallel:
             raise ValueError(f"stage with layers {self.layers}: expert_parallel({self.expert_parallel}) must divide its "
                              f"{len(self.ranks)} data-parallel replicas")
+        if self.context_parallel < 1 or len(self.ranks) % self.context_parallel:
+            raise ValueError(f"stage with layers {self.layers}: context_parallel({self.context_parallel}) must divide "
+                             f"its {len(self.ranks)} rows of ranks")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError(f"stage with layers {self.layers}: sequence_parallel needs tensor_parallel > 1")
 
 
 @dataclass(frozen=True, kw_only=True)
