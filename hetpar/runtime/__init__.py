@@ -9,6 +9,7 @@ Modules, in the order a program uses them:
 - ``graph``: fx capture, layers, and stage cuts.
 - ``module_stage``: stages of Hugging Face decoder-only LMs cut at module boundaries (the model's own modules).
 - ``shard``: this rank's stage, tensor parallel, its replica's rows of each batch, its micro-batches.
+- ``context``: context parallelism: sequences split over ranks, attention all-gathering keys and values.
 - ``experts``: modules of experts (the contract hetpar recognises) and expert parallelism: experts split over
   replicas, rows exchanged by all-to-all.
 - ``materialize``: the model built on the meta device, and only this rank's tensors computed (or read from --init-from).

@@ -25,6 +25,13 @@ replicas; the group is a 1-D DeviceMesh whose coordinate j is the replica's d % 
 its expert-data-parallel groups ``ranks[d][t]`` for d = j, j + ep, j + 2 ep, ... (the
 replicas that hold the same experts); see [Note: expert parallelism] in
 runtime/experts.py.
+
+A plan with ``context_parallel`` cp > 1 has ``data_parallel * cp`` rows: row d is data
+replica ``d // cp`` (``Placement.data_replica``, whose rows of each batch it reads) and
+context index ``d % cp`` (``Placement.context_index``). Its context-parallel group, per
+tensor-parallel index t, is the run ``ranks[g*cp + j][t]`` for j < cp, a 1-D DeviceMesh
+``cp`` (``Groups.cp_mesh``); the data-parallel column still holds all dp * cp rows. See
+[Note: context parallelism] in runtime/context.py.
 """
 
 from __future__ import annotations
@@ -74,8 +81,19 @@ class Placement:
 
     rank: int
     stage: int
-    replica: int
+    replica: int  # the row of ranks[d][t]: with context parallelism, not the data replica
     tp_index: int
+    context_parallel: int = 1  # the plan's cp: rows per data replica
+
+    @property
+    def data_replica(self) -> int:
+        """The data-parallel replica whose rows of each batch this rank reads."""
+        return self.replica // self.context_parallel
+
+    @property
+    def context_index(self) -> int:
+        """This rank's index in its context-parallel group (0 without context parallelism)."""
+        return self.replica % self.context_parallel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +116,7 @@ class Groups:
     dp_node_group: dist.ProcessGroup | None = None  # the dp group's ranks on this rank's node, when asked for
     ep_mesh: DeviceMesh | None = None  # 1-D mesh over this rank's expert-parallel group (expert_parallel > 1)
     expert_dp_group: dist.ProcessGroup | None = None  # the replicas holding this rank's experts, when more than one
+    cp_mesh: DeviceMesh | None = None  # 1-D mesh over this rank's context-parallel group (context_parallel > 1)
 
 
 def init_distributed(timeout_s: float, *, accelerator: bool = True) -> torch.device:
@@ -151,7 +170,8 @@ def locate(stages: list[StageSpec], rank: int) -> Placement:
     for s, stage in enumerate(stages):
         for d, replica in enumerate(stage.ranks):
             if rank in replica:
-                return Placement(rank=rank, stage=s, replica=d, tp_index=replica.index(rank))
+                return Placement(rank=rank, stage=s, replica=d, tp_index=replica.index(rank),
+                                 context_parallel=stage.context_parallel)
     raise ValueError(f"rank {rank} is in no stage of this program")
 
 
@@ -162,7 +182,7 @@ def build_groups(stages: list[StageSpec], me: Placement, device: torch.device, *
     see [Note: rank layout]. Given ``ranks_per_node`` (global ranks ``n * ranks_per_node
     ...`` share node n), also each data-parallel group's ranks on one node (local SGD
     inside a node: runtime.local_sgd)."""
-    groups = _expert_groups(stages, me, device, _stage_groups(stages, me, device))
+    groups = _context_groups(stages, me, device, _expert_groups(stages, me, device, _stage_groups(stages, me, device)))
     if ranks_per_node is None:
         return groups
     node_group = None
@@ -226,6 +246,24 @@ def _expert_groups(stages: list[StageSpec], me: Placement, device: torch.device,
                     if (s, t) == (me.stage, me.tp_index) and me.rank in members:
                         expert_dp_group = group
     return replace(groups, ep_mesh=ep_mesh, expert_dp_group=expert_dp_group)
+
+
+def _context_groups(stages: list[StageSpec], me: Placement, device: torch.device, groups: Groups) -> Groups:
+    """``groups`` with this rank's context-parallel mesh (collective: every rank creates
+    every stage's); see [Note: rank layout]."""
+    cp_mesh = None
+    for s, stage in enumerate(stages):
+        cp = stage.context_parallel
+        if cp == 1:
+            continue
+        for t in range(stage.tensor_parallel):
+            column = [replica[t] for replica in stage.ranks]
+            for g in range(0, len(column), cp):
+                members = column[g : g + cp]
+                group = dist.new_group(members)
+                if (s, t) == (me.stage, me.tp_index) and me.rank in members:
+                    cp_mesh = DeviceMesh.from_group(group, device.type, mesh=members, mesh_dim_names=("cp",))
+    return replace(groups, cp_mesh=cp_mesh)
 
 
 def peers_of(stages: list[StageSpec], me: Placement) -> Peers:

@@ -31,6 +31,7 @@ one the planner traced: a leading layer, one layer per block, a trailing layer.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,14 +148,14 @@ class DecoderStage(nn.Module):
             paths += [*(f"{layout.base}.{name}" for name in layout.norm), layout.head]
         for path in paths:
             _attach(self, path, model.get_submodule(path))
+        self.context = None  # a runtime.context.ContextSplit under context parallelism (context.apply_to_decoder)
 
     def forward(self, x: torch.Tensor) -> Any:
         layout = self._layout
         base = self.get_submodule(layout.base)
         h = self._embed(base, x) if self._embeds else x
         if self._blocks:
-            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-            masks = _causal_masks(self._config, h, positions)
+            positions, masks = self._positions_and_masks(h)
             rotary = base.get_submodule(layout.rotary)(h, position_ids=positions) if layout.rotary else None
             blocks = base.get_submodule(layout.blocks)
             for i in self._blocks:
@@ -167,6 +168,16 @@ class DecoderStage(nn.Module):
         for name in layout.norm:
             h = base.get_submodule(name)(h)
         return self._output_type(logits=self.get_submodule(layout.head)(h))
+
+    def _positions_and_masks(self, h: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The position ids of ``h``'s tokens and the masks by attention kind: 0 .. T - 1
+        and the model's causal masks, or under context parallelism the rank's global
+        positions and no masks (its attention masks by position: [Note: context
+        parallelism] in runtime/context.py)."""
+        if self.context is None:
+            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            return positions, _causal_masks(self._config, h, positions)
+        return self.context.positions(h.shape[1], device=h.device).unsqueeze(0), collections.defaultdict(lambda: None)
 
     def _embed(self, base: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         if self._layout.family == "llama":

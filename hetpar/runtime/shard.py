@@ -40,6 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from hetpar.runtime.context import (ContextParallelError, ContextSplit, apply_to_decoder, apply_to_graph,
+                                    local_example)
 from hetpar.runtime.graph import Stage, build_stage, record_values, trace_layers
 from hetpar.runtime.model_file import ModelFile
 from hetpar.runtime.module_stage import cut_module_stage, localise_attention
@@ -64,6 +66,7 @@ def cut_stage(
     recompute: str = Recompute.NONE,
     tensor_parallel: int = 1,
     tp_sharding: dict[str, str] | None = None,
+    cp_mesh: DeviceMesh | None = None,
 ) -> Stage:
     """Trace the whole model and cut layers ``layers[0]..layers[1]`` out as this rank's stage.
 
@@ -81,14 +84,23 @@ def cut_stage(
     before ``apply_tensor_parallel`` splits its modules.
     ``model`` may be on the meta device (``runtime.materialize.build_on_meta``): the
     stage then holds meta tensors until ``materialize_stages`` computes them.
+    With ``cp_mesh`` (``Groups.cp_mesh``), the stage is cut for the rank's share of each
+    sequence and its positions and attention are made context-parallel ([Note: context
+    parallelism] in runtime/context.py).
 
     Raises:
         ShardError: the model's layers are not the ones the program was compiled for,
-            or a shape constant cannot follow the split.
+            or a shape constant cannot follow the split, or context parallelism cannot
+            split the model.
     """
     example = model_file.example_inputs(micro_batch_size)
+    split = ContextSplit.of(cp_mesh) if cp_mesh is not None else None
+    if split is not None:
+        example = _context_call(local_example, example, split.cp)
     stage = cut_module_stage(model, example, layers, layer_names, recompute=recompute)
     if stage is not None:  # a Hugging Face decoder: the model's own modules ([Note: stages of the eager model])
+        if split is not None:
+            _context_call(apply_to_decoder, stage.module, split)
         return stage
     layered = trace_layers(model, leaf_modules, example_inputs=example)  # torch.fx, else torch.export
     if list(layered.layer_names) != list(layer_names):
@@ -102,8 +114,24 @@ def cut_stage(
         _meta_ops_on_cpu(stage.module)
     if tensor_parallel > 1 and tp_sharding and layered.capture == "fx":
         _localise(stage, example, tensor_parallel, tp_sharding)
-    apply_recompute(stage.module, layered.node_layer, recompute)
+    node_layer = layered.node_layer
+    if split is not None:
+        if layered.capture != "fx":
+            raise ShardError(f"context parallelism of {model_file.path.name}: a model captured with torch.export is "
+                             f"not supported (only fx-traced models and Hugging Face decoders)")
+        node_layer = dict(node_layer)
+        local_len = next(t.shape[1] for t in example if isinstance(t, torch.Tensor))
+        _context_call(apply_to_graph, stage.module, values, node_layer, local_len, split)
+    apply_recompute(stage.module, node_layer, recompute)
     return stage
+
+
+def _context_call(fn, *args):
+    """``fn(*args)`` of runtime.context, its refusal raised as a ShardError."""
+    try:
+        return fn(*args)
+    except ContextParallelError as exc:
+        raise ShardError(str(exc)) from None
 
 
 def _localise(stage: Stage, example: tuple, tp: int, tp_sharding: dict[str, str]) -> None:

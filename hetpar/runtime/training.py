@@ -50,7 +50,8 @@ def announce(me: Placement, stage: StageSpec, grad_sync: object = "one replica")
     (``grad_sync``: the stage's data-parallel sync, runtime.data_parallel)."""
     if me.replica == 0 and me.tp_index == 0:
         first, last = stage.layers
-        print(f"hetpar: stage {me.stage} (layers {first}-{last}): tp {stage.tensor_parallel}, {grad_sync}, "
+        cp = f", cp {stage.context_parallel}" if stage.context_parallel > 1 else ""
+        print(f"hetpar: stage {me.stage} (layers {first}-{last}): tp {stage.tensor_parallel}{cp}, {grad_sync}, "
               f"recompute {stage.recompute}", file=sys.stderr, flush=True)
 
 
@@ -61,6 +62,9 @@ class LossReport:
     ``local_loss`` is a replica's mean over its micro-batches on the last stage. The
     tensor-parallel index 0 of each replica of the last stage contributes
     ``local_loss / dp``, every other rank zero, and one all-reduce over the world sums.
+    Under context parallelism each of a replica's cp rows holds the mean over its own
+    equal share of the tokens and contributes ``local_loss / (dp * cp)`` ([Note: context
+    parallelism] in runtime/context.py).
     The all-reduce is asynchronous and a step's line is logged once the next step's
     report starts (or at ``flush``): a blocking one would hold every rank at the end of
     each step until the last stage finished, where a pipeline's first stages would
@@ -70,9 +74,10 @@ class LossReport:
     ``flush`` before a checkpoint keeps the metrics file complete up to the checkpoint.
     """
 
-    def __init__(self, me: Placement, logger: "StepLogger", *, last_stage: int, data_parallel: int):
+    def __init__(self, me: Placement, logger: "StepLogger", *, last_stage: int, data_parallel: int,
+                 context_parallel: int = 1):
         self.me, self.logger = me, logger
-        self.last_stage, self.data_parallel = last_stage, data_parallel
+        self.last_stage, self.data_parallel = last_stage, data_parallel * context_parallel  # the reporting rows
         self._pending: tuple[int, float, torch.Tensor, dist.Work, float | None] | None = None
 
     def submit(self, step: int, local_loss: torch.Tensor, step_time_s: float) -> None:
