@@ -20,6 +20,7 @@ Each feature's code appears only where the plan asks for it:
 | ``precision.LossScaler`` | dtype fp16 |
 | ``torch.autocast`` | dtype bf16 or fp16 |
 | ``shard.apply_tensor_parallel`` | a stage with ``tensor_parallel`` > 1 |
+| ``sequence_parallel=`` of a stage and of ``shard.cut_stage`` | a stage with ``sequence_parallel`` |
 | ``experts.apply_expert_parallel``, ``expert_parallel=`` of a stage, the ``ep`` column | a stage with ``expert_parallel`` > 1 |
 | ``CONTEXT_PARALLEL``, ``cp_mesh=``, ``context.split_batches``, ``me.data_replica`` | ``context_parallel`` > 1 |
 | the schedule and ``executor`` | more than one stage |
@@ -60,6 +61,7 @@ class Features:
     tensor_parallel: bool
     expert_parallel: bool  # some stage splits its experts over replicas: runtime.experts
     context_parallel: bool  # every sequence split over cp ranks: runtime.context
+    sequence_parallel: bool  # some stage runs its residual stream on 1/tp of the sequence: runtime.sequence
     vocab_loss: bool  # a head split over the vocabulary: the loss runs under loss_parallel
     tied: bool
     rebalance: bool
@@ -83,6 +85,7 @@ class Features:
             tensor_parallel=any(s.tensor_parallel > 1 for s in plan.stages),
             expert_parallel=any(s.expert_parallel > 1 for s in plan.stages),
             context_parallel=plan.context_parallel > 1,
+            sequence_parallel=any(s.sequence_parallel for s in plan.stages),
             vocab_loss=any(s.tensor_parallel > 1 and Sharding.VOCAB_HEAD.value in {getattr(k, "value", k) for k in
                                                                                  s.tp_sharding.values()}
                            for s in plan.stages),
@@ -316,6 +319,8 @@ def _model_shard(plan: ParallelPlan, f: Features) -> str:
         if f.tensor_parallel else ""
     # context parallel: cut for the rank's share of each sequence ([Note: context parallelism] in hetpar/runtime/context.py)
     local += ", cp_mesh=groups.cp_mesh" if f.context_parallel else ""
+    # sequence parallel: norms and residuals on 1/tp of the sequence ([Note: sequence parallelism] in hetpar/runtime/sequence.py)
+    local += ",\n                       sequence_parallel={0}.sequence_parallel" if f.sequence_parallel else ""
     if f.chunked:
         lines += [
             f"chunks = {{{recompute}",

@@ -41,6 +41,7 @@ import torch.nn as nn
 from hetpar.runtime.graph import Stage, TensorSpec
 from hetpar.runtime.parts import PartError
 from hetpar.runtime.recompute import checkpoint_call
+from hetpar.runtime.sequence import gather_sequence, scatter_sequence, sequence_of
 from hetpar.vocabulary import Recompute, Sharding
 
 # Base-model classes whose forward is Llama's (embed, rotary tables, layers called with
@@ -154,19 +155,23 @@ class DecoderStage(nn.Module):
         layout = self._layout
         base = self.get_submodule(layout.base)
         h = self._embed(base, x) if self._embeds else x
+        seq = sequence_of(self) if self._blocks else None  # [Note: sequence parallelism] in runtime/sequence.py
         if self._blocks:
             positions, masks = self._positions_and_masks(h)
             rotary = base.get_submodule(layout.rotary)(h, position_ids=positions) if layout.rotary else None
             blocks = base.get_submodule(layout.blocks)
+            h = h if seq is None else scatter_sequence(h, seq)  # after the tables and masks of the whole sequence
             for i in self._blocks:
                 call = _Gpt2Block(blocks.get_submodule(str(i)), masks["full_attention"], positions) \
                     if layout.family == "gpt2" else \
                     _LlamaBlock(blocks.get_submodule(str(i)), masks[_mask_kind(self._config, i)], rotary, positions)
                 h = checkpoint_call(call, h, mode=self._recompute)
         if not self._heads:
-            return (h,)
+            return (h if seq is None else gather_sequence(h, seq),)
         for name in layout.norm:
             h = base.get_submodule(name)(h)
+        if seq is not None:
+            h = gather_sequence(h, seq, partial_grad=seq.head_partial_grad)
         return self._output_type(logits=self.get_submodule(layout.head)(h))
 
     def _positions_and_masks(self, h: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -178,6 +183,22 @@ class DecoderStage(nn.Module):
             positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
             return positions, _causal_masks(self._config, h, positions)
         return self.context.positions(h.shape[1], device=h.device).unsqueeze(0), collections.defaultdict(lambda: None)
+
+    def sequence_layout(self) -> tuple[list[str], list[str], str | None]:
+        """(the blocks, the norms after them, the head) as paths of this stage: what
+        runtime.sequence.shard_module_stage shards; nothing for a stage without blocks.
+
+        Raises:
+            ValueError: an OPT stage, whose blocks call their Linears on a flattened input.
+        """
+        layout = self._layout
+        if not self._blocks:
+            return [], [], None
+        if layout.family == "opt":
+            raise ValueError("OPT's decoder layers flatten the sequence before their Linears; sequence parallelism "
+                             "runs Llama-like and GPT-2 stages: plan OPT without it")
+        norms = [f"{layout.base}.{name}" for name in layout.norm] if self._heads else []
+        return [layout.block_path(i) for i in self._blocks], norms, layout.head if self._heads else None
 
     def _embed(self, base: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         if self._layout.family == "llama":

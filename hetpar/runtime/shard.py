@@ -48,6 +48,8 @@ from hetpar.runtime.module_stage import cut_module_stage, localise_attention
 from hetpar.runtime.parts import (LAYOUTS_ATTRIBUTE, PartError, copy_shape_arguments, is_conv1d, localise_shapes,
                                   part_layouts)
 from hetpar.runtime.recompute import apply_recompute
+from hetpar.runtime.sequence import (SEQUENCE_ATTRIBUTE, SequenceError, SequenceGroup, gathered_for_colwise,
+                                     save_gathered_as_shard, sequence_of, shard_graph, shard_module_stage)
 from hetpar.vocabulary import Recompute, Sharding
 
 
@@ -67,6 +69,7 @@ def cut_stage(
     tensor_parallel: int = 1,
     tp_sharding: dict[str, str] | None = None,
     cp_mesh: DeviceMesh | None = None,
+    sequence_parallel: bool = False,
 ) -> Stage:
     """Trace the whole model and cut layers ``layers[0]..layers[1]`` out as this rank's stage.
 
@@ -87,6 +90,9 @@ def cut_stage(
     With ``cp_mesh`` (``Groups.cp_mesh``), the stage is cut for the rank's share of each
     sequence and its positions and attention are made context-parallel ([Note: context
     parallelism] in runtime/context.py).
+    With ``sequence_parallel`` (tp > 1), the stage's residual stream is made to run on
+    1/tp of the sequence ([Note: sequence parallelism] in runtime/sequence.py; the tp
+    group is bound by ``apply_tensor_parallel``).
 
     Raises:
         ShardError: the model's layers are not the ones the program was compiled for,
@@ -101,6 +107,9 @@ def cut_stage(
     if stage is not None:  # a Hugging Face decoder: the model's own modules ([Note: stages of the eager model])
         if split is not None:
             _context_call(apply_to_decoder, stage.module, split)
+        if sequence_parallel:
+            _sequence_call(shard_module_stage, stage.module, _sequence_group(stage.module, tensor_parallel),
+                           tp_sharding or {})
         return stage
     layered = trace_layers(model, leaf_modules, example_inputs=example)  # torch.fx, else torch.export
     if list(layered.layer_names) != list(layer_names):
@@ -122,6 +131,12 @@ def cut_stage(
         node_layer = dict(node_layer)
         local_len = next(t.shape[1] for t in example if isinstance(t, torch.Tensor))
         _context_call(apply_to_graph, stage.module, values, node_layer, local_len, split)
+    if sequence_parallel:
+        if layered.capture != "fx":
+            raise ShardError(f"sequence parallelism of {model_file.path.name}: a model captured with torch.export is "
+                             f"not supported (only fx-traced models and Hugging Face decoders); plan it without")
+        node_layer = _sequence_call(shard_graph, stage.module, values, node_layer, tp_sharding or {},
+                                    _sequence_group(stage.module, tensor_parallel))
     apply_recompute(stage.module, node_layer, recompute)
     return stage
 
@@ -131,6 +146,23 @@ def _context_call(fn, *args):
     try:
         return fn(*args)
     except ContextParallelError as exc:
+        raise ShardError(str(exc)) from None
+
+
+def _sequence_group(module: nn.Module, tp: int) -> SequenceGroup:
+    """A new ``SequenceGroup`` of ``tp`` ranks, kept on the stage module for ``apply_tensor_parallel``."""
+    if tp < 2:
+        raise ShardError(f"sequence parallelism needs tensor_parallel > 1, not {tp}; plan the stage without it")
+    seq = SequenceGroup(tp)
+    setattr(module, SEQUENCE_ATTRIBUTE, seq)
+    return seq
+
+
+def _sequence_call(fn, *args):
+    """``fn(*args)`` of runtime.sequence, its refusal raised as a ShardError."""
+    try:
+        return fn(*args)
+    except SequenceError as exc:
         raise ShardError(str(exc)) from None
 
 
@@ -263,8 +295,8 @@ class _SharedInputs:
         self._wrapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def wrap(self, x: torch.Tensor) -> torch.Tensor:
-        if not (torch.is_grad_enabled() and x.requires_grad):
-            return x
+        if not (torch.is_grad_enabled() and x.requires_grad) or gathered_for_colwise(x):
+            return x  # gathered over the sequence: its backward sums the gradients ([Note: sequence parallelism])
         seen = self._wrapped.get(id(x))
         if seen is not None and seen[0] is x:
             return seen[1]
@@ -336,6 +368,15 @@ _STYLES = {
 }
 
 
+# Under sequence parallelism a rowwise Linear reduce-scatters its output over the sequence
+# instead of all-reducing it ([Note: sequence parallelism] in runtime/sequence.py).
+_SEQUENCE_STYLES = {
+    Sharding.ROWWISE: lambda: _Rowwise(output_layouts=Shard(1)),
+    Sharding.ROWWISE_SLICE: lambda: _Rowwise(input_layouts=Replicate(), output_layouts=Shard(1)),
+}
+_COLWISE_KINDS = frozenset({Sharding.COLWISE, Sharding.COLWISE_GATHER, Sharding.VOCAB_HEAD})
+
+
 # The styles that cut a [V, H] weight alike wherever it is held, an Embedding's and a
 # head's: Shard(0), rank t holding rows t V / tp to (t + 1) V / tp, so a weight tied
 # between them splits the same way in both ([Note: tied vocab-parallel weights] in
@@ -367,6 +408,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
         ShardError: a path names no submodule of the stage, or an unknown sharding.
     """
     shared = _SharedInputs(mesh.get_group())
+    sequences = [s for s in map(sequence_of, chunk_modules(module)) if s is not None]
+    for seq in sequences:  # [Note: sequence parallelism] in runtime/sequence.py
+        _sequence_call(seq.bind, mesh.get_group())
     styles: dict[str, ParallelStyle] = {}
     for path, kind in tp_sharding.items():
         try:
@@ -375,7 +419,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
             raise ShardError(f"tp_sharding names {path!r}, which is not a module of this stage") from None
         if kind not in _STYLES:
             raise ShardError(f"tp_sharding of {path!r} is {kind!r}; expected one of {', '.join(_STYLES)}")
-        styles[path] = _STYLES[kind](shared)
+        styles[path] = _SEQUENCE_STYLES[kind]() if sequences and kind in _SEQUENCE_STYLES else _STYLES[kind](shared)
     try:
         setattr(module, LAYOUTS_ATTRIBUTE, part_layouts(tp_parts or {}, module, mesh.size()))
     except (PartError, AttributeError) as exc:
@@ -390,6 +434,23 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
     for stage_module in chunk_modules(module):
         stage_module.register_forward_pre_hook(shared.forget)
         stage_module.register_forward_hook(shared.forget)
+    for seq in sequences:  # the colwise Linears keep the shard of a gathered input for backward
+        for path, kind in tp_sharding.items():
+            if kind in _COLWISE_KINDS:
+                _save_gathered_as_shard(module.get_submodule(path), seq)
+
+
+def _save_gathered_as_shard(module: nn.Module, seq: SequenceGroup) -> None:
+    """Run ``module`` under ``save_gathered_as_shard`` ([Note: sequence parallelism] in runtime/sequence.py)."""
+    def enter(mod: nn.Module, _args) -> None:
+        mod.__dict__.setdefault("_hetpar_saved_hooks", []).append(context := save_gathered_as_shard(seq))
+        context.__enter__()
+
+    def leave(mod: nn.Module, _args, _out) -> None:
+        mod.__dict__["_hetpar_saved_hooks"].pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
 
 
 def _ties(module: nn.Module) -> list[list[tuple[str, str]]]:
