@@ -1,0 +1,299 @@
+"""Context parallelism in the program (issue 32, item 2): every sequence split over cp
+ranks, attention all-gathering keys and values ([Note: context parallelism] in
+hetpar/runtime/context.py).
+
+The fast tests run in one process: the chunks, positions and masks; the attention of two
+context ranks simulated without a process group against plain causal SDPA (outputs and
+gradients); stages cut with a context-parallel group of one rank against the whole
+model (fx GPT and Hugging Face Llama); refusals; the program's text. The slow ones run
+compiled programs under torchrun on gloo and compare them with one process training on
+the same global batch ([Note: float tolerance] in tests/test_distributed.py), for
+examples/gpt.py (fx) and a tiny Hugging Face Llama (module stages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from conftest import ROOT
+from hetpar.cost_models.cluster import parse_cluster
+from hetpar.planner.api import plan_model
+from hetpar.planner.options import SearchOptions
+from hetpar.planner.plan import ParallelPlan
+from hetpar.rewriters.program import program_source
+from hetpar.runtime.context import (ATTENTION, POSITIONS, ContextParallelError, attend, attention_mask,
+                                    chunk_positions, global_order, local_positions, split_batches, split_sequence)
+from hetpar.runtime.distributed import StageSpec, locate
+from hetpar.runtime.graph import trace_layers
+from hetpar.runtime.model_file import load_model_file
+from hetpar.runtime.shard import ShardError, cut_stage
+from test_distributed import assert_matches_reference, run_compiled
+
+GPT = ROOT / "examples" / "gpt.py"
+GPT_ARGS = {"n_layers": 2, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64}
+ZOO = ROOT / "tests" / "models" / "hf_default_zoo.py"
+LLAMA_ARGS = {"family": "llama"}
+GLOBAL_BATCH = 8
+
+
+def cp_plan(model: Path, args: dict, *, cp: int, dp: int = 1, tp: int = 1, pp: int = 1, micro_batch_size: int = 2,
+            **pins) -> ParallelPlan:
+    """The planner's plan of dp * cp x tp x pp ranks, its rows then made cp context ranks
+    of each of dp data replicas (until ``hetpar plan`` searches over cp): each replica's
+    micro-batches hold cp times the rows, so the global batch stays."""
+    options = SearchOptions(global_batch_size=GLOBAL_BATCH, dtype="fp32", **{"schedule": "1f1b", **pins}, dp=dp * cp,
+                            tp=tp, pp=pp, micro_batch_size=micro_batch_size)
+    plan = plan_model(model, parse_cluster(f"1x{dp * cp * tp * pp}xcpu"), options, model_args=args)
+    stages = [dataclasses.replace(s, context_parallel=cp) for s in plan.stages]
+    return dataclasses.replace(plan, stages=stages, data_parallel=dp, micro_batch_size=plan.micro_batch_size * cp,
+                               replica_batch_shares=None)
+
+
+# ----------------------------------------------------------------------------- chunks, positions, masks
+
+
+def test_each_rank_holds_chunk_j_and_its_mirror():
+    assert chunk_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert chunk_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    held = torch.cat([chunk_positions(24, 3, j) for j in range(3)])
+    assert sorted(held.tolist()) == list(range(24))  # the ranks' chunks partition the sequence
+    assert chunk_positions(24, 3, 1).tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
+    assert local_positions(4, 2, 1).tolist() == [2, 3, 4, 5]  # from the rank's own length
+    with pytest.raises(ContextParallelError, match=r"a sequence of 6 tokens does not split into 2 \* "
+                                                   r"context_parallel\(2\) equal chunks; use a sequence length "
+                                                   r"divisible by 4"):
+        chunk_positions(6, 2, 0)
+
+
+def test_gathered_chunks_go_back_to_global_order():
+    for local, cp in ((2, 2), (4, 3), (6, 1)):
+        gathered = torch.cat([local_positions(local, cp, r) for r in range(cp)])  # what all_gather returns
+        assert gathered[global_order(local, cp)].tolist() == list(range(local * cp))
+
+
+def test_inputs_and_targets_split_alike_along_the_sequence():
+    tokens = torch.arange(16).view(2, 8)
+    targets = tokens + 100
+    (inputs,), labels = next(split_batches(iter([((tokens,), targets)]), 2, 1))
+    assert inputs.tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert labels.tolist() == (inputs + 100).tolist()
+    with pytest.raises(ContextParallelError, match=r"a tensor of shape \[8\] has none"):
+        split_sequence(torch.zeros(8), 2, 0)
+
+
+def test_mask_is_causal_by_position_within_the_window():
+    q, k = torch.tensor([2, 5]), torch.arange(6)
+    assert attention_mask(q, k).int().tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
+    assert attention_mask(q, k, sliding_window=2).int().tolist() == [[0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("cp,kv_heads,window", [(2, 4, None), (3, 2, None), (2, 2, 5)], ids=["cp2", "cp3_gqa", "window"])
+def test_simulated_context_ranks_attend_like_causal_sdpa(cp, kv_heads, window):
+    """Each of cp ranks attends its chunks' queries to the gathered keys (here: all keys,
+    no process group); outputs and gradients, summed over the ranks as the reduce-scatter
+    sums them, equal one causal SDPA over the whole sequence."""
+    torch.manual_seed(0)
+    b, heads, seq, d = 2, 4, 12 * cp, 8
+    q = torch.randn(b, heads, seq, d, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, kv_heads, seq, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(b, heads, seq, d, dtype=torch.float64)
+    gqa = kv_heads != heads
+    full_mask = attention_mask(torch.arange(seq), torch.arange(seq), sliding_window=window) if window else None
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask, is_causal=window is None, enable_gqa=gqa)
+    want = torch.autograd.grad(expected, (q, k, v), grad_out)
+    out = torch.empty_like(expected)
+    total = 0
+    for j in range(cp):
+        positions = chunk_positions(seq, cp, j)
+        mine = attend(q[:, :, positions], k, v, positions, torch.arange(seq), sliding_window=window, enable_gqa=gqa)
+        out[:, :, positions] = mine.detach()
+        total = total + (mine * grad_out[:, :, positions]).sum()
+    torch.testing.assert_close(out, expected)
+    for got, grad in zip(torch.autograd.grad(total, (q, k, v)), want):
+        torch.testing.assert_close(got, grad)
+
+
+# ----------------------------------------------------------------------------- stages with a group of one rank
+
+
+@pytest.fixture
+def one_rank_cp_mesh(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_fx_gpt_stage_calls_context_positions_and_attention(one_rank_cp_mesh, recompute):
+    model_file = load_model_file(GPT, GPT_ARGS)
+    torch.manual_seed(0)
+    model = model_file.build_model()
+    names = list(trace_layers(model).layer_names)
+    stage = cut_stage(model, model_file, 2, (0, len(names) - 1), names, recompute=recompute, cp_mesh=one_rank_cp_mesh)
+    if recompute == "none":
+        calls = [n.target for n in stage.module.graph.nodes if n.op == "call_module"]
+        assert calls.count(POSITIONS) == 1 and calls.count(ATTENTION) == GPT_ARGS["n_layers"]
+        assert not any(n.target is F.scaled_dot_product_attention for n in stage.module.graph.nodes)
+    tokens = torch.randint(0, GPT_ARGS["vocab"], (2, GPT_ARGS["seq_len"]))
+    torch.testing.assert_close(stage.module(tokens), model(tokens))
+
+
+def test_fx_gpt_pipeline_stage_receives_the_local_sequence(one_rank_cp_mesh, monkeypatch):
+    """A later stage's receive shapes are [b, T / cp, h]: the stage is cut from a local example."""
+    import hetpar.runtime.shard as shard
+
+    model_file = load_model_file(GPT, GPT_ARGS)
+    model = model_file.build_model()
+    names = list(trace_layers(model).layer_names)
+    monkeypatch.setattr(shard.ContextSplit, "of", classmethod(lambda cls, mesh: cls(cp=2, index=1, group=None)))
+    stage = cut_stage(model, model_file, 2, (2, len(names) - 1), names, cp_mesh=one_rank_cp_mesh)
+    assert [spec.shape for spec in stage.recv] == [(2, GPT_ARGS["seq_len"] // 2, GPT_ARGS["hidden"])]
+
+
+def test_hugging_face_llama_stage_attends_through_hetpar(one_rank_cp_mesh):
+    pytest.importorskip("transformers")
+    model_file = load_model_file(ZOO, LLAMA_ARGS)
+    torch.manual_seed(0)
+    model = model_file.build_model()
+    names = list(trace_layers(model, example_inputs=model_file.example_inputs(2)).layer_names)
+    stage = cut_stage(model, model_file, 2, (0, len(names) - 1), names, cp_mesh=one_rank_cp_mesh)
+    attention = model.model.layers[0].self_attn
+    assert attention.config._attn_implementation == "hetpar_context"
+    assert model.config._attn_implementation != "hetpar_context"  # the stage's own copy of the config
+    tokens = model_file.example_inputs(2)[0]
+    torch.testing.assert_close(stage.module(tokens).logits, model(tokens).logits)
+
+
+HAND_WRITTEN = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(16, dim=-1)
+        MASKED
+        return x + y
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(batch_size, **_):
+    return (torch.zeros(batch_size, 8, dtype=torch.long),)
+"""
+
+
+@pytest.mark.parametrize("attention,message", [
+    ("y = torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v", r"a softmax of a product of two activations"),
+    ("y = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))",
+     r"scaled_dot_product_attention with an explicit attn_mask"),
+], ids=["by_hand", "attn_mask"])
+def test_attention_context_parallelism_cannot_split_is_refused(one_rank_cp_mesh, tmp_path, attention, message):
+    path = tmp_path / "net.py"
+    path.write_text(HAND_WRITTEN.replace("MASKED", attention))
+    model_file = load_model_file(path, {})
+    model = model_file.build_model()
+    names = list(trace_layers(model).layer_names)
+    with pytest.raises(ShardError, match=message):
+        cut_stage(model, model_file, 2, (0, len(names) - 1), names, cp_mesh=one_rank_cp_mesh)
+
+
+def test_hugging_face_gpt2_is_refused(one_rank_cp_mesh):
+    pytest.importorskip("transformers")
+    model_file = load_model_file(ZOO, {"family": "gpt2"})
+    model = model_file.build_model()
+    names = list(trace_layers(model, example_inputs=model_file.example_inputs(2)).layer_names)
+    with pytest.raises(ShardError, match=r"Hugging Face gpt2 model: only the Llama-like families"):
+        cut_stage(model, model_file, 2, (0, len(names) - 1), names, cp_mesh=one_rank_cp_mesh)
+
+
+# ----------------------------------------------------------------------------- layout and program
+
+
+def test_rows_are_data_replicas_times_context_ranks():
+    stages = [StageSpec(layers=(0, 1), device_type="cpu", tensor_parallel=2, ranks=[[0, 1], [2, 3], [4, 5], [6, 7]],
+                        context_parallel=2)]
+    me = locate(stages, 7)  # row 3: data replica 1, context index 1
+    assert (me.replica, me.data_replica, me.context_index, me.tp_index) == (3, 1, 1, 1)
+    assert (locate(stages, 2).data_replica, locate(stages, 2).context_index) == (0, 1)
+
+
+def test_program_splits_sequences_only_where_the_plan_does():
+    plan = cp_plan(GPT, GPT_ARGS, cp=2)
+    assert plan.data_parallel == 1 and plan.context_parallel == 2 and plan.global_batch_size == GLOBAL_BATCH
+    source = program_source(plan)
+    for line in ("CONTEXT_PARALLEL = 2", "cp_mesh=groups.cp_mesh", "REPLICA_MICRO_BATCH_SIZES[me.data_replica]",
+                 "data = context.split_batches(data, CONTEXT_PARALLEL, me.context_index)",
+                 "context_parallel=CONTEXT_PARALLEL)", "grad_sync = data_parallel.wrap(", "dp 1 x cp 2 x pp 1"):
+        assert line in source, line
+    compile(source, "train.py", "exec")
+    plain = program_source(cp_plan(GPT, GPT_ARGS, cp=1))
+    assert "context" not in plain and "data_replica" not in plain and "cp_mesh" not in plain
+
+
+# ----------------------------------------------------------------------------- under torchrun
+
+# (cp, tp, pp, optimizer) of each run: every layout trains with SGD on one model and AdamW on the other
+LAYOUTS = {
+    "cp2": (2, 1, 1, "sgd"),
+    "cp2_tp2": (2, 2, 1, "adamw"),
+    "cp2_pp2": (2, 1, 2, "sgd"),
+}
+OTHER = {"sgd": "adamw", "adamw": "sgd"}
+
+
+def _trains_like_one_process(plan: ParallelPlan, tmp_path: Path, optimizer: str) -> None:
+    run = run_compiled(plan, tmp_path, optimizer)
+    assert ", cp 2," in run.stderr, run.stderr[-2000:]
+    assert_matches_reference(plan, run.init_state, optimizer, len(run.losses), run.losses, run.final, run.ref_state)
+    assert run.ref_losses[-1] != run.ref_losses[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gpt_trains_like_one_process(tmp_path, layout):
+    cp, tp, pp, optimizer = LAYOUTS[layout]
+    plan = cp_plan(GPT, GPT_ARGS, cp=cp, tp=tp, pp=pp)
+    assert (plan.pipeline_parallel, plan.stages[0].tensor_parallel) == (pp, tp)
+    _trains_like_one_process(plan, tmp_path, optimizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_llama_trains_like_one_process(tmp_path, layout):
+    pytest.importorskip("transformers")
+    cp, tp, pp, optimizer = LAYOUTS[layout]
+    plan = cp_plan(ZOO, LLAMA_ARGS, cp=cp, tp=tp, pp=pp)
+    assert (plan.pipeline_parallel, plan.stages[0].tensor_parallel) == (pp, tp)
+    _trains_like_one_process(plan, tmp_path, OTHER[optimizer])
