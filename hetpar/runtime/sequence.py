@@ -68,6 +68,7 @@ run without dropout.
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -97,6 +98,12 @@ class SequenceGroup:
     group: Any = None
     hooks: list = field(default_factory=list)
     head_partial_grad: bool = False  # a module stage's head is split colwise: it reads its input gathered so
+    save_shards: bool = True  # colwise Linears save a gathered input as its shard (not under recompute, which drops it)
+    _gathered: dict = field(default_factory=dict)  # storage pointer -> (weakref of a gathered tensor, its shard)
+
+    def forget(self, *_: Any) -> None:
+        """Drop the record of this forward's gathered tensors (a stage forward's hook)."""
+        self._gathered.clear()
 
     def bind(self, group: Any) -> None:
         size = dist.get_world_size(group)
@@ -124,7 +131,7 @@ def _gather(x: torch.Tensor, seq: SequenceGroup, dim: int) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] * seq.tp, *moved.shape[1:]))
     dist.all_gather_into_tensor(out, moved, group=seq.group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _chunk(x: torch.Tensor, seq: SequenceGroup, dim: int) -> torch.Tensor:
@@ -139,7 +146,7 @@ def _reduce_scatter(x: torch.Tensor, seq: SequenceGroup, dim: int) -> torch.Tens
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // seq.tp, *moved.shape[1:]))
     dist.reduce_scatter_tensor(out, moved, group=seq.group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 class _Scatter(torch.autograd.Function):
@@ -201,6 +208,8 @@ def gather_sequence(x: torch.Tensor, seq: SequenceGroup, *, partial_grad: bool =
     out = _Gather.apply(x, seq, dim, partial_grad)
     if partial_grad:
         setattr(out, GATHERED_ATTRIBUTE, True)
+        if seq.save_shards and dim == 1 and torch.is_grad_enabled():
+            seq._gathered[out.untyped_storage().data_ptr()] = (weakref.ref(out), x.detach())
     return out
 
 
@@ -243,18 +252,27 @@ def gather_input(module: nn.Module, seq: SequenceGroup, *, partial_grad: bool) -
 
 
 def save_gathered_as_shard(seq: SequenceGroup) -> torch.autograd.graph.saved_tensors_hooks:
-    """A context in which a tensor saved for backward that ``gather_sequence`` made is
-    saved as this rank's chunk and gathered again when backward needs it (Korthikanti
-    et al. 2022, section 4.2.2: the colwise Linear's input is not kept whole)."""
+    """A context in which a tensor saved for backward that is a whole view of what
+    ``gather_sequence(partial_grad=True)`` made (a colwise Linear's input, a DTensor's local
+    tensor) is saved as this rank's shard and gathered again when backward needs it
+    (Korthikanti et al. 2022, section 4.2.2: the input is not kept whole)."""
+    from torch.distributed.tensor import DTensor
+
     def pack(t: torch.Tensor) -> Any:
-        if gathered_for_colwise(t) and seq.tp > 1:
-            return (_SHARD_OF_GATHERED, _chunk(t.detach(), seq, 1), t.requires_grad)
-        return t
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        entry = seq._gathered.get(local.untyped_storage().data_ptr()) if local.device.type != "meta" else None
+        whole = entry[0]() if entry is not None else None
+        if whole is None or not local.is_contiguous() or local.storage_offset() or local.numel() != whole.numel():
+            return t
+        spec = (t.device_mesh, t.placements) if isinstance(t, DTensor) else None
+        return _SHARD_OF_GATHERED, entry[1], tuple(local.shape), spec
 
     def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, tuple) and packed and packed[0] is _SHARD_OF_GATHERED:
-            return _gather(packed[1], seq, 1)
-        return packed
+        if not (isinstance(packed, tuple) and packed and packed[0] is _SHARD_OF_GATHERED):
+            return packed
+        _, shard, shape, spec = packed
+        whole = _gather(shard, seq, 1).reshape(shape)
+        return whole if spec is None else DTensor.from_local(whole, spec[0], spec[1], run_check=False)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 

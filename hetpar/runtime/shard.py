@@ -108,7 +108,7 @@ def cut_stage(
         if split is not None:
             _context_call(apply_to_decoder, stage.module, split)
         if sequence_parallel:
-            _sequence_call(shard_module_stage, stage.module, _sequence_group(stage.module, tensor_parallel),
+            _sequence_call(shard_module_stage, stage.module, _sequence_group(stage.module, tensor_parallel, recompute),
                            tp_sharding or {})
         return stage
     layered = trace_layers(model, leaf_modules, example_inputs=example)  # torch.fx, else torch.export
@@ -136,7 +136,7 @@ def cut_stage(
             raise ShardError(f"sequence parallelism of {model_file.path.name}: a model captured with torch.export is "
                              f"not supported (only fx-traced models and Hugging Face decoders); plan it without")
         node_layer = _sequence_call(shard_graph, stage.module, values, node_layer, tp_sharding or {},
-                                    _sequence_group(stage.module, tensor_parallel))
+                                    _sequence_group(stage.module, tensor_parallel, recompute))
     apply_recompute(stage.module, node_layer, recompute)
     return stage
 
@@ -149,11 +149,11 @@ def _context_call(fn, *args):
         raise ShardError(str(exc)) from None
 
 
-def _sequence_group(module: nn.Module, tp: int) -> SequenceGroup:
+def _sequence_group(module: nn.Module, tp: int, recompute: str) -> SequenceGroup:
     """A new ``SequenceGroup`` of ``tp`` ranks, kept on the stage module for ``apply_tensor_parallel``."""
     if tp < 2:
         raise ShardError(f"sequence parallelism needs tensor_parallel > 1, not {tp}; plan the stage without it")
-    seq = SequenceGroup(tp)
+    seq = SequenceGroup(tp, save_shards=recompute == Recompute.NONE)
     setattr(module, SEQUENCE_ATTRIBUTE, seq)
     return seq
 
@@ -435,9 +435,12 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
         stage_module.register_forward_pre_hook(shared.forget)
         stage_module.register_forward_hook(shared.forget)
     for seq in sequences:  # the colwise Linears keep the shard of a gathered input for backward
-        for path, kind in tp_sharding.items():
-            if kind in _COLWISE_KINDS:
-                _save_gathered_as_shard(module.get_submodule(path), seq)
+        if seq.save_shards:
+            for path, kind in tp_sharding.items():
+                if kind in _COLWISE_KINDS:
+                    _save_gathered_as_shard(module.get_submodule(path), seq)
+        for stage_module in chunk_modules(module):
+            stage_module.register_forward_pre_hook(seq.forget)
 
 
 def _save_gathered_as_shard(module: nn.Module, seq: SequenceGroup) -> None:
