@@ -78,6 +78,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hetpar.runtime.buckets import all_gather_rows
+
 # The attribute of a stage module that holds its ``SequenceGroup`` (set when the stage
 # is cut with sequence parallelism; its group is bound by runtime.shard.apply_tensor_parallel).
 SEQUENCE_ATTRIBUTE = "hetpar_sequence_parallel"
@@ -114,7 +116,20 @@ class SequenceGroup:
 
     @property
     def rank(self) -> int:
-        return dist.get_rank(self.group) if self.group is not None else 0
+        return dist.get_rank(self.group) if not self.unbound() else 0
+
+    def unbound(self) -> bool:
+        """True for a group of one without a process group (nothing to communicate).
+
+        Raises:
+            SequenceError: ``tp`` > 1 and no group was bound (tensor parallelism not applied).
+        """
+        if self.group is not None:
+            return False
+        if self.tp > 1:
+            raise SequenceError(f"the stage runs sequence-parallel over tp({self.tp}) but no tp group was bound; "
+                                f"apply tensor parallelism (runtime.shard.apply_tensor_parallel) before running it")
+        return True
 
 
 def sequence_of(module: nn.Module) -> SequenceGroup | None:
@@ -126,12 +141,11 @@ def sequence_of(module: nn.Module) -> SequenceGroup | None:
 
 
 def _gather(x: torch.Tensor, seq: SequenceGroup, dim: int) -> torch.Tensor:
-    if seq.tp == 1:
+    if seq.unbound():
         return x
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] * seq.tp, *moved.shape[1:]))
-    dist.all_gather_into_tensor(out, moved, group=seq.group)
-    return out.movedim(0, dim).contiguous()
+    moved = x.movedim(dim, 0)
+    out = all_gather_rows(moved, seq.group)  # [tp, S / tp, ...]
+    return out.reshape(-1, *moved.shape[1:]).movedim(0, dim).contiguous()
 
 
 def _chunk(x: torch.Tensor, seq: SequenceGroup, dim: int) -> torch.Tensor:
@@ -141,11 +155,12 @@ def _chunk(x: torch.Tensor, seq: SequenceGroup, dim: int) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, seq: SequenceGroup, dim: int) -> torch.Tensor:
-    if seq.tp == 1:
+    if seq.unbound():
         return x
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // seq.tp, *moved.shape[1:]))
-    dist.reduce_scatter_tensor(out, moved, group=seq.group)
+    # torch 2.13 names it reduce_scatter_single (reduce_scatter_tensor is deprecated there)
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, moved, group=seq.group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -188,7 +203,7 @@ class _ReduceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.seq.tp > 1:
+        if not ctx.seq.unbound():
             grad = grad.contiguous()
             dist.all_reduce(grad, group=ctx.seq.group)
         return grad, None

@@ -51,7 +51,8 @@ def announce(me: Placement, stage: StageSpec, grad_sync: object = "one replica")
     if me.replica == 0 and me.tp_index == 0:
         first, last = stage.layers
         cp = f", cp {stage.context_parallel}" if stage.context_parallel > 1 else ""
-        print(f"hetpar: stage {me.stage} (layers {first}-{last}): tp {stage.tensor_parallel}{cp}, {grad_sync}, "
+        sp = " (sequence-parallel)" if stage.sequence_parallel else ""  # [Note: sequence parallelism] in runtime/sequence.py
+        print(f"hetpar: stage {me.stage} (layers {first}-{last}): tp {stage.tensor_parallel}{sp}{cp}, {grad_sync}, "
               f"recompute {stage.recompute}", file=sys.stderr, flush=True)
 
 

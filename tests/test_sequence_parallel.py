@@ -1,0 +1,387 @@
+"""Sequence parallelism ([Note: sequence parallelism] in hetpar/runtime/sequence.py): the
+autograd functions and stage rewrites in one process, compiled programs at tp 2 (with
+pp 2, dp 2, ZeRO, recompute) trained like one process under torchrun, and the saved
+activations it removes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import operator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import ROOT, run_torchrun
+from hetpar.rewriters.program import program_source
+from hetpar.runtime.graph import trace_layers
+from hetpar.runtime.model_file import load_model_file
+from hetpar.runtime.sequence import (SequenceError, SequenceGroup, gather_sequence, gathered_for_colwise, reduce_grad,
+                                     scatter_sequence, shard_graph, shard_module_stage)
+from hetpar.runtime.shard import ShardError, cut_stage
+from test_distributed import GPT_ARGS, HF_LLAMA, assert_trains_like_one_process
+
+GPT = ROOT / "examples" / "gpt.py"
+GQA = ROOT / "tests" / "models" / "gqa_fused.py"
+BLOCK_TP = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise", "mlp.fc": "colwise",
+            "mlp.proj": "rowwise"}
+
+
+def _gpt_tp(n_layers: int = GPT_ARGS["n_layers"]) -> dict[str, str]:
+    return {f"blocks.{i}.{path}": kind for i in range(n_layers) for path, kind in BLOCK_TP.items()}
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A process group of one: the collectives run, over one rank."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        seq = SequenceGroup(1)
+        seq.bind(dist.group.WORLD)
+        yield seq
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+def test_functions_move_values_and_gradients_like_their_transposes_on_one_rank(one_rank):
+    x = torch.randn(2, 6, 4, requires_grad=True)
+    y = scatter_sequence(x, one_rank)
+    z = gather_sequence(y * 2, one_rank, partial_grad=True)
+    assert gathered_for_colwise(z) and not gathered_for_colwise(y)
+    w = reduce_grad(gather_sequence(z, one_rank), one_rank)
+    torch.testing.assert_close(w, 2 * x)
+    (g,) = torch.autograd.grad(w.pow(2).sum(), x)
+    torch.testing.assert_close(g, 8 * x)
+
+
+def test_scatter_of_a_broadcast_partner_cuts_its_own_sequence_dimension(one_rank):
+    pos = torch.randn(6, 4, requires_grad=True)  # a position embedding [S, H] added to [B, S, H]
+    out = scatter_sequence(pos, one_rank, dim=0)
+    assert out.shape == pos.shape
+    out.sum().backward()
+    assert torch.equal(pos.grad, torch.ones(6, 4))
+
+
+def test_an_unbound_group_of_two_refuses_to_run():
+    with pytest.raises(SequenceError, match=r"tp\(2\) but no tp group was bound"):
+        gather_sequence(torch.ones(1, 2, 1), SequenceGroup(2))
+
+
+def _gpt_stage(recompute: str = "none", *, tp: int = 2, sequence_parallel: bool = True, args=GPT_ARGS, path=GPT,
+               tp_sharding=None):
+    model_file = load_model_file(path, args)
+    torch.manual_seed(0)
+    model = model_file.build_model()
+    names = list(trace_layers(model).layer_names)
+    stage = cut_stage(model, model_file, 2, (0, len(names) - 1), names, recompute=recompute, tensor_parallel=tp,
+                      tp_sharding=_gpt_tp() if tp_sharding is None else tp_sharding,
+                      sequence_parallel=sequence_parallel)
+    return model, model_file, stage
+
+
+def test_fx_gpt_stage_scatters_after_the_embeddings_and_gathers_at_the_edges():
+    _, _, stage = _gpt_stage()
+    nodes = list(stage.module.graph.nodes)
+    names = [getattr(n.target, "__name__", n.target) for n in nodes if n.op in ("call_function", "call_module")]
+    # the token and position embeddings are cut to this rank's positions before their sum
+    first_add = next(n for n in nodes if n.target is operator.add)
+    assert [a.target.__name__ for a in first_add.args] == ["scatter_sequence", "scatter_sequence"]
+    assert [a.args[1] for a in first_add.args] == [1, 0]  # [B, S, H] along 1, [S, H] along 0
+    # q, k and v read one gather; so does the MLP's fc; the unsplit head reads a plain one
+    assert names.count("gather_sequence_for_colwise") == 2 * GPT_ARGS["n_layers"]
+    head = next(n for n in nodes if n.target == "lm_head")
+    assert head.args[0].target.__name__ == "gather_sequence"
+    for block in range(GPT_ARGS["n_layers"]):
+        (q,) = [n for n in nodes if n.target == f"blocks.{block}.attn.q"]
+        (k,) = [n for n in nodes if n.target == f"blocks.{block}.attn.k"]
+        assert q.args[0] is k.args[0] and q.args[0].target.__name__ == "gather_sequence_for_colwise"
+        assert q.args[0].args[0].target == f"blocks.{block}.ln1"  # the norm ran on the shard
+    # shape reads of the sharded norm output are the whole micro-batch's
+    assert not any(n.target is getattr and n.args[1] == "shape" and n.args[0].op == "call_module" for n in nodes)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_fx_gpt_stage_under_recompute_keeps_the_collectives_in_its_layers(recompute):
+    _, _, stage = _gpt_stage(recompute)
+    code = stage.module.code
+    assert "recompute_layer_1" in code and "checkpoint" not in code.split("def forward")[0]
+
+
+def test_fx_gpt_stage_on_one_rank_computes_the_model(one_rank):
+    """shard_graph's rewrite of a whole (unsplit) stage, over a group of one: the model's
+    outputs and gradients, norms' parameters read through reduce_grad."""
+    model, model_file, stage = _gpt_stage(tp=1, sequence_parallel=False)
+    layered = trace_layers(model)
+    from hetpar.runtime.graph import record_values
+
+    example = model_file.example_inputs(2)
+    shard_graph(stage.module, record_values(layered, example), layered.node_layer, _gpt_tp(), one_rank)
+    tokens = example[0]
+    expected = model(tokens)
+    expected.pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    out = stage.module(tokens)
+    torch.testing.assert_close(out, expected)
+    out.pow(2).mean().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], msg=name)
+
+
+def test_sequence_that_tp_does_not_divide_is_refused_in_one_line():
+    with pytest.raises(ShardError, match=r"^sequence parallelism splits the sequence of 15 over tp\(2\), which does "
+                                         r"not divide it; [^\n]*$"):
+        _gpt_stage(args={**GPT_ARGS, "seq_len": 15})
+
+
+def test_sequence_parallel_needs_tensor_parallel():
+    with pytest.raises(ShardError, match=r"needs tensor_parallel > 1"):
+        _gpt_stage(tp=1)
+
+
+def _llama(tmp_path: Path) -> Path:
+    path = tmp_path / "hfllama.py"
+    path.write_text(HF_LLAMA)
+    return path
+
+
+def test_llama_module_stage_on_one_rank_computes_the_model(tmp_path, one_rank):
+    pytest.importorskip("transformers")
+    from hetpar.runtime.module_stage import cut_module_stage
+
+    model_file = load_model_file(_llama(tmp_path), {})
+    torch.manual_seed(0)
+    model = model_file.build_model()
+    names = ["embeddings", "model.layers.0", "model.layers.1", "head"]
+    tokens = model_file.example_inputs(2)[0].random_(0, 128)
+    stage = cut_module_stage(model, (tokens,), (0, 3), names)
+    tp_sharding = {f"model.layers.{i}.{p}": "colwise" for i in range(2) for p in ("self_attn.q_proj", "mlp.up_proj")}
+    shard_module_stage(stage.module, one_rank, tp_sharding)
+    norms = [m for n, m in stage.module.named_modules() if n.endswith("layernorm") or n == "model.norm"]
+    assert len(norms) == 5 and all(m._forward_pre_hooks for m in norms)
+    attention = stage.module.get_submodule("model.layers.0.self_attn")
+    assert attention._forward_pre_hooks and attention._forward_hooks  # gathered in, scattered out
+    expected = model(tokens).logits
+    expected.pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    out = stage.module(tokens).logits
+    torch.testing.assert_close(out, expected)
+    out.pow(2).mean().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], msg=name)
+
+
+def test_program_passes_sequence_parallel_to_the_cut_only_where_planned():
+    from conftest import build_plan
+
+    plan = build_plan(GPT, GPT_ARGS, splits=[[0, 1], [2, 3]], tensor_parallel=2, tp_blocks=True, num_microbatches=2)
+    assert "sequence_parallel" not in program_source(plan)
+    source = program_source(_with_sequence_parallel(plan))
+    assert source.count("sequence_parallel=True,  # norms and residuals on 1/tp of the sequence") == 2
+    assert "sequence_parallel=stage_plan.sequence_parallel)" in source
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+
+def _with_sequence_parallel(plan, **stage_fields):
+    """``plan`` with every stage of tp > 1 sequence-parallel (and ``stage_fields`` set)."""
+    stages = [dataclasses.replace(s, sequence_parallel=s.tensor_parallel > 1, **stage_fields) for s in plan.stages]
+    return dataclasses.replace(plan, stages=stages)
+
+
+def _planned(path: Path, args: dict, *, tp: int = 2, pp: int = 1, dp: int = 1, **pins):
+    """The planner's plan pinned to dp x tp x pp (``hetpar plan --dp --tp --pp``), made sequence-parallel."""
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.api import plan_model
+    from hetpar.planner.options import SearchOptions
+
+    options = SearchOptions(global_batch_size=8, dtype="fp32", micro_batch_size=2, **{"schedule": "1f1b", **pins},
+                            dp=dp, tp=tp, pp=pp)
+    plan = plan_model(path, parse_cluster(f"1x{dp * tp * pp}xcpu"), options, model_args=args)
+    assert plan.pipeline_parallel == pp and all(s.tensor_parallel == tp and s.tp_sharding for s in plan.stages)
+    return _with_sequence_parallel(plan)
+
+
+def _announced(stderr: str, plan) -> None:
+    assert stderr.count("(sequence-parallel)") == len(plan.stages), stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_gpt_tp2_trains_like_one_process(tmp_path, optimizer):
+    plan = _planned(GPT, GPT_ARGS)
+    _announced(assert_trains_like_one_process(plan, tmp_path, optimizer), plan)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_gpt_tp2_with_recompute_trains_like_one_process(tmp_path, recompute):
+    plan = _with_sequence_parallel(_planned(GPT, GPT_ARGS), recompute=recompute)
+    assert_trains_like_one_process(plan, tmp_path, "adamw")
+
+
+@pytest.mark.slow
+def test_gpt_tp2_by_pp2_trains_like_one_process(tmp_path):
+    plan = _planned(GPT, GPT_ARGS, pp=2)
+    _announced(assert_trains_like_one_process(plan, tmp_path, "adamw"), plan)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 3])
+def test_gpt_tp2_by_dp2_trains_like_one_process(tmp_path, zero):
+    plan = _planned(GPT, GPT_ARGS, dp=2, zero=zero)
+    assert all(s.zero_stage == zero for s in plan.stages)
+    stderr = assert_trains_like_one_process(plan, tmp_path, "sgd")
+    assert zero == 0 or "ZeRO-3 through FSDP2" in stderr
+
+
+@pytest.mark.slow
+def test_fused_qkv_gpt_tp2_trains_like_one_process(tmp_path):
+    """tests/models/gqa_fused.py: one Linear makes q, k and v, split part by part ([Note:
+    part-laid Linears] in runtime/parts.py), reading one gathered input."""
+    plan = _planned(GQA, {})
+    assert any(s.tp_parts for s in plan.stages)
+    assert_trains_like_one_process(plan, tmp_path, "adamw")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_llama_tp2_trains_like_one_process(tmp_path, optimizer):
+    pytest.importorskip("transformers")
+    plan = _planned(_llama(tmp_path), {})
+    _announced(assert_trains_like_one_process(plan, tmp_path, optimizer), plan)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_llama_tp2_with_recompute_trains_like_one_process(tmp_path, recompute):
+    pytest.importorskip("transformers")
+    plan = _with_sequence_parallel(_planned(_llama(tmp_path), {}), recompute=recompute)
+    assert_trains_like_one_process(plan, tmp_path, "adamw")
+
+
+@pytest.mark.slow
+def test_llama_tp2_by_pp2_trains_like_one_process(tmp_path):
+    pytest.importorskip("transformers")
+    plan = _planned(_llama(tmp_path), {}, pp=2)
+    assert_trains_like_one_process(plan, tmp_path, "sgd")
+
+
+@pytest.mark.slow
+def test_llama_tp2_by_dp2_zero_3_trains_like_one_process(tmp_path):
+    pytest.importorskip("transformers")
+    plan = _planned(_llama(tmp_path), {}, dp=2, zero=3)
+    assert "ZeRO-3 through FSDP2" in assert_trains_like_one_process(plan, tmp_path, "adamw")
+
+
+# What a rank's forward saves for backward, in bytes (saved_tensors_hooks, parameters left
+# out, each storage once): the fx GPT's whole stage in one process, and at tp 2 with and
+# without sequence parallelism. The colwise Linears' own hooks (which keep a gathered input
+# as its shard) are innermost and hide what they save from an outer hook, so the worker
+# counts through them too.
+SAVED_BYTES_WORKER = '''
+import json, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from hetpar.runtime import shard
+from hetpar.runtime.graph import trace_layers
+from hetpar.runtime.model_file import load_model_file
+
+COUNTERS = []
+REAL = shard.save_gathered_as_shard
+
+
+def counted(seq):
+    inner = REAL(seq)
+
+    def pack(t):
+        packed = inner.pack_hook(t)
+        for count in COUNTERS:
+            count(packed[1] if isinstance(packed, tuple) else packed)
+        return packed
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, inner.unpack_hook)
+
+
+shard.save_gathered_as_shard = counted
+
+
+def saved_bytes(module, run):
+    params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr() for p in module.parameters()}
+    seen, total = set(), [0]
+
+    def count(t):
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+        if key[0] not in params and key not in seen:
+            seen.add(key)
+            total[0] += local.numel() * local.element_size()
+
+    def pack(t):
+        count(t)
+        return t
+
+    COUNTERS.append(count)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    COUNTERS.remove(count)
+    return out, total[0]
+
+
+args = json.loads(sys.argv[1])
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+model_file = load_model_file(args["model"], args["model_args"])
+names = list(trace_layers(model_file.build_model()).layer_names)
+result = {}
+for tp, sp in ((1, False), (mesh.size(), False), (mesh.size(), True)):
+    torch.manual_seed(0)
+    model = model_file.build_model()
+    tp_sharding = args["tp_sharding"] if tp > 1 else None
+    stage = shard.cut_stage(model, model_file, args["batch"], (0, len(names) - 1), names, tensor_parallel=tp,
+                            tp_sharding=tp_sharding, sequence_parallel=sp)
+    if tp > 1:
+        shard.apply_tensor_parallel(stage.module, mesh, tp_sharding)
+    (tokens,) = model_file.example_inputs(args["batch"])
+    dist.broadcast(tokens, 0)
+    logits, nbytes = saved_bytes(stage.module, lambda: stage.module(tokens))
+    logits.pow(2).mean().backward()
+    result["tp1" if tp == 1 else "tp" if not sp else "sp"] = nbytes
+if dist.get_rank() == 0:
+    print("SAVED " + json.dumps(result))
+dist.destroy_process_group()
+'''
+
+
+def saved_activation_bytes(tmp_path: Path, model_args: dict, batch: int = 2) -> dict[str, int]:
+    """Bytes one rank's forward of the fx GPT saves: ``tp1`` (one process), ``tp`` (tp 2)
+    and ``sp`` (tp 2, sequence-parallel)."""
+    worker = tmp_path / "saved_bytes.py"
+    worker.write_text(SAVED_BYTES_WORKER)
+    spec = {"model": str(GPT), "model_args": model_args, "batch": batch, "tp_sharding": _gpt_tp(model_args["n_layers"])}
+    result = run_torchrun(worker, 2, [json.dumps(spec)])
+    assert result.returncode == 0, result.stderr[-4000:]
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("SAVED ")]
+    return json.loads(line.removeprefix("SAVED "))
+
+
+@pytest.mark.slow
+def test_sequence_parallel_saves_one_tp_th_of_the_blocks_activations(tmp_path):
+    """Korthikanti et al. 2022, Table 2: tp alone saves sbh(10 + 24/t + ...) per layer,
+    with sp sbh(34/t + ...), 1/t of one process's. Here (no dropout, the unsplit head
+    reading the whole gathered sequence) each block's share is 1/tp of one process's."""
+    args = {"n_layers": 4, "hidden": 64, "heads": 4, "seq_len": 64, "vocab": 64}
+    saved = saved_activation_bytes(tmp_path, args)
+    head_input = 2 * args["seq_len"] * args["hidden"] * 4  # [B, S, H] float32, gathered for the unsplit lm_head
+    assert saved["sp"] < saved["tp"] < saved["tp1"]
+    blocks_sp = saved["sp"] - head_input  # what is left is 1/tp of the one-process blocks, embeddings and ln_f
+    assert abs(blocks_sp - (saved["tp1"] - head_input) / 2) <= 0.05 * saved["tp1"] / 2, saved
