@@ -20,20 +20,30 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from conftest import ROOT
+from test_distributed import assert_matches_reference, run_compiled
+
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.planner.api import plan_model
 from hetpar.planner.options import SearchOptions
 from hetpar.planner.plan import ParallelPlan
 from hetpar.rewriters.program import program_source
-from hetpar.runtime.context import (ATTENTION, POSITIONS, ContextParallelError, attend, attention_mask,
-                                    chunk_positions, global_order, local_positions, split_batches, split_sequence)
+from hetpar.runtime.context import (
+    ATTENTION,
+    POSITIONS,
+    ContextParallelError,
+    attend,
+    attention_mask,
+    chunk_positions,
+    global_order,
+    local_positions,
+    split_batches,
+    split_sequence,
+)
 from hetpar.runtime.distributed import StageSpec, locate
 from hetpar.runtime.graph import trace_layers
 from hetpar.runtime.model_file import load_model_file
 from hetpar.runtime.shard import ShardError, cut_stage
-from test_distributed import assert_matches_reference, run_compiled
 
 GPT = ROOT / "examples" / "gpt.py"
 GPT_ARGS = {"n_layers": 2, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64}
@@ -93,7 +103,8 @@ def test_mask_is_causal_by_position_within_the_window():
     assert attention_mask(q, k, sliding_window=2).int().tolist() == [[0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 1, 1]]
 
 
-@pytest.mark.parametrize("cp,kv_heads,window", [(2, 4, None), (3, 2, None), (2, 2, 5)], ids=["cp2", "cp3_gqa", "window"])
+@pytest.mark.parametrize("cp,kv_heads,window", [(2, 4, None), (3, 2, None), (2, 2, 5)],
+                         ids=["cp2", "cp3_gqa", "window"])
 def test_simulated_context_ranks_attend_like_causal_sdpa(cp, kv_heads, window):
     """Each of cp ranks attends its chunks' queries to the gathered keys (here: all keys,
     no process group); outputs and gradients, summed over the ranks as the reduce-scatter
@@ -160,11 +171,15 @@ def test_fx_gpt_pipeline_stage_receives_the_local_sequence(one_rank_cp_mesh, mon
     assert [spec.shape for spec in stage.recv] == [(2, GPT_ARGS["seq_len"] // 2, GPT_ARGS["hidden"])]
 
 
-def test_hugging_face_llama_stage_attends_through_hetpar(one_rank_cp_mesh):
+@pytest.mark.parametrize("family,window", [("llama", None), ("mistral", 3)], ids=["llama", "mistral_window_3"])
+def test_hugging_face_stage_attends_through_hetpar(one_rank_cp_mesh, family, window):
+    """The attention function hetpar registers equals the model's own, sliding window included."""
     pytest.importorskip("transformers")
-    model_file = load_model_file(ZOO, LLAMA_ARGS)
+    model_file = load_model_file(ZOO, {"family": family})
     torch.manual_seed(0)
     model = model_file.build_model()
+    if window is not None:  # shorter than the sequence of 8, so that it masks
+        model.config.sliding_window = window
     names = list(trace_layers(model, example_inputs=model_file.example_inputs(2)).layer_names)
     stage = cut_stage(model, model_file, 2, (0, len(names) - 1), names, cp_mesh=one_rank_cp_mesh)
     attention = model.model.layers[0].self_attn
@@ -229,6 +244,35 @@ def test_attention_context_parallelism_cannot_split_is_refused(one_rank_cp_mesh,
         cut_stage(model, model_file, 2, (0, len(names) - 1), names, cp_mesh=one_rank_cp_mesh)
 
 
+def test_positions_not_read_from_the_sequence_and_multihead_attention_are_refused(one_rank_cp_mesh, tmp_path):
+    """An arange as long as the sequence but not of its length (here half the width of
+    16) may or may not count positions: refused rather than guessed."""
+    path = tmp_path / "net.py"
+    half_width = "x = self.emb(idx)\n        x = x + torch.arange(x.shape[-1] // 2, device=x.device).repeat(2)"
+    path.write_text(HAND_WRITTEN.replace("MASKED", "y = F.scaled_dot_product_attention(q, k, v, is_causal=True)")
+                    .replace("x = self.emb(idx)", half_width))
+    model_file = load_model_file(path, {})
+    model = model_file.build_model()
+    names = list(trace_layers(model).layer_names)
+    with pytest.raises(ShardError, match=r"torch.arange\(floordiv\) has the length of a sequence here but is not "
+                                         r"read from a tensor's shape along the sequence"):
+        cut_stage(model, model_file, 4, (0, len(names) - 1), names, cp_mesh=one_rank_cp_mesh)
+
+    class WithMultihead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+
+        def forward(self, x):
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    gm = torch.fx.symbolic_trace(WithMultihead(), concrete_args=None)
+    from hetpar.runtime.context import ContextSplit, apply_to_graph
+
+    with pytest.raises(ContextParallelError, match=r"nn.MultiheadAttention under context parallelism"):
+        apply_to_graph(torch.fx.GraphModule(gm, gm.graph), {}, {}, 8, ContextSplit(cp=1, index=0))
+
+
 def test_hugging_face_gpt2_is_refused(one_rank_cp_mesh):
     pytest.importorskip("transformers")
     model_file = load_model_file(ZOO, {"family": "gpt2"})
@@ -264,11 +308,12 @@ def test_program_splits_sequences_only_where_the_plan_does():
 
 # ----------------------------------------------------------------------------- under torchrun
 
-# (cp, tp, pp, optimizer) of each run: every layout trains with SGD on one model and AdamW on the other
+# (dp, cp, tp, pp, optimizer) of each run: every layout trains with SGD on one model and AdamW on the other
 LAYOUTS = {
-    "cp2": (2, 1, 1, "sgd"),
-    "cp2_tp2": (2, 2, 1, "adamw"),
-    "cp2_pp2": (2, 1, 2, "sgd"),
+    "cp2": (1, 2, 1, 1, "sgd"),
+    "cp2_tp2": (1, 2, 2, 1, "adamw"),
+    "cp2_pp2": (1, 2, 1, 2, "sgd"),
+    "dp2_cp2": (2, 2, 1, 1, "adamw"),  # rows 0, 1 read data replica 0's rows of each batch, rows 2, 3 replica 1's
 }
 OTHER = {"sgd": "adamw", "adamw": "sgd"}
 
@@ -283,9 +328,9 @@ def _trains_like_one_process(plan: ParallelPlan, tmp_path: Path, optimizer: str)
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_gpt_trains_like_one_process(tmp_path, layout):
-    cp, tp, pp, optimizer = LAYOUTS[layout]
-    plan = cp_plan(GPT, GPT_ARGS, cp=cp, tp=tp, pp=pp)
-    assert (plan.pipeline_parallel, plan.stages[0].tensor_parallel) == (pp, tp)
+    dp, cp, tp, pp, optimizer = LAYOUTS[layout]
+    plan = cp_plan(GPT, GPT_ARGS, dp=dp, cp=cp, tp=tp, pp=pp, micro_batch_size=2 // dp)
+    assert (plan.data_parallel, plan.pipeline_parallel, plan.stages[0].tensor_parallel) == (dp, pp, tp)
     _trains_like_one_process(plan, tmp_path, optimizer)
 
 
@@ -293,7 +338,31 @@ def test_gpt_trains_like_one_process(tmp_path, layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_llama_trains_like_one_process(tmp_path, layout):
     pytest.importorskip("transformers")
-    cp, tp, pp, optimizer = LAYOUTS[layout]
-    plan = cp_plan(ZOO, LLAMA_ARGS, cp=cp, tp=tp, pp=pp)
-    assert (plan.pipeline_parallel, plan.stages[0].tensor_parallel) == (pp, tp)
+    dp, cp, tp, pp, optimizer = LAYOUTS[layout]
+    plan = cp_plan(ZOO, LLAMA_ARGS, dp=dp, cp=cp, tp=tp, pp=pp, micro_batch_size=2 // dp)
+    assert (plan.data_parallel, plan.pipeline_parallel, plan.stages[0].tensor_parallel) == (dp, pp, tp)
     _trains_like_one_process(plan, tmp_path, OTHER[optimizer])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_zero_over_the_column_trains_like_one_process(tmp_path, zero_stage):
+    """FSDP2 shards over all dp * cp rows of the column and averages their gradients: the
+    mean over data replicas and context chunks, as the all-reduce does."""
+    plan = cp_plan(GPT, GPT_ARGS, cp=2)
+    plan = dataclasses.replace(plan, stages=[dataclasses.replace(s, zero_stage=zero_stage) for s in plan.stages])
+    run = run_compiled(plan, tmp_path, "adamw")
+    assert f"ZeRO-{zero_stage} through FSDP2 over 2 replicas" in run.stderr, run.stderr[-2000:]
+    assert_matches_reference(plan, run.init_state, "adamw", len(run.losses), run.losses, run.final, run.ref_state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,args", [(GPT, GPT_ARGS), (ZOO, LLAMA_ARGS)], ids=["gpt", "llama"])
+def test_zero_bubble_and_recompute_train_like_one_process(tmp_path, model, args):
+    """W actions run the all-gather's backward (a reduce-scatter) again, and recompute runs
+    its forward again in the backward: every rank of a context group alike."""
+    if model == ZOO:
+        pytest.importorskip("transformers")
+    plan = cp_plan(model, args, cp=2, pp=2, micro_batch_size=1, schedule="zb", recompute="full")
+    assert plan.schedule == "zb" and all(s.recompute == "full" for s in plan.stages)
+    _trains_like_one_process(plan, tmp_path, "sgd")

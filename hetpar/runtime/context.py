@@ -62,8 +62,9 @@ from __future__ import annotations
 
 import copy
 import operator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -112,7 +113,8 @@ def chunk_positions(seq_len: int, cp: int, index: int, *, device: torch.device |
                                    f"equal chunks; use a sequence length divisible by {2 * cp}")
     chunk = seq_len // (2 * cp)
     early, late = index * chunk, (2 * cp - 1 - index) * chunk
-    return torch.cat([torch.arange(early, early + chunk, device=device), torch.arange(late, late + chunk, device=device)])
+    return torch.cat([torch.arange(early, early + chunk, device=device),
+                      torch.arange(late, late + chunk, device=device)])
 
 
 def local_positions(local_len: int, cp: int, index: int, *, device: torch.device | str | None = None,
@@ -208,8 +210,8 @@ def attention_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, *, slid
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor,
-           *, causal: bool = True, sliding_window: int | None = None, dropout_p: float = 0.0, scale: float | None = None,
-           enable_gqa: bool = False) -> torch.Tensor:
+           *, causal: bool = True, sliding_window: int | None = None, dropout_p: float = 0.0,
+           scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
     """Queries ``q`` [b, heads, s_q, d] at ``q_positions`` attended to keys and values
     ``k``, ``v`` [b, kv_heads, s_k, d] at ``k_positions``, masked by position
     (``attention_mask``; no mask when not ``causal`` and no window)."""
@@ -321,7 +323,8 @@ def apply_to_graph(module: fx.GraphModule, values: dict[str, Any], node_layer: d
     return replaced
 
 
-def _replace(graph: fx.Graph, node: fx.Node, target: str, args: tuple, kwargs: dict, node_layer: dict[str, int]) -> None:
+def _replace(graph: fx.Graph, node: fx.Node, target: str, args: tuple, kwargs: dict,
+             node_layer: dict[str, int]) -> None:
     with graph.inserting_before(node):
         new = graph.call_module(target, args, kwargs)
     new.meta = dict(node.meta)
@@ -346,23 +349,29 @@ def _counts_the_sequence(node: fx.Node, values: dict[str, Any], local_len: int) 
     if len(node.args) != 1 or set(node.kwargs) - {"device", "dtype", "layout", "requires_grad", "pin_memory"}:
         return False  # a start or a step: not 0 .. T - 1
     end = node.args[0]
-    if isinstance(end, fx.Node) and _reads_dimension_1(end):
+    if isinstance(end, fx.Node) and _reads_the_sequence_length(end, values):
         return True
     raise ContextParallelError(f"{_where(node)}: torch.arange({end}) has the length of a sequence here but is not read "
-                               f"from a tensor's shape (x.shape[1]), so context parallelism cannot tell whether it "
-                               f"counts positions; read the length from the input's shape")
+                               f"from a tensor's shape along the sequence (x.shape[1]), so context parallelism cannot "
+                               f"tell whether it counts positions; read the length from the input's shape")
 
 
-def _reads_dimension_1(node: fx.Node) -> bool:
-    """``x.shape[1]``, ``x.size(1)`` or ``x.size()[1]``."""
-    if node.op == "call_method" and node.target == "size":
-        return node.args[1:] == (1,) or node.kwargs.get("dim") == 1
-    if node.op == "call_function" and node.target is operator.getitem and node.args[1] == 1:
-        source = node.args[0]
-        return isinstance(source, fx.Node) and (
-            (source.op == "call_function" and source.target is getattr and source.args[1] == "shape")
-            or (source.op == "call_method" and source.target == "size" and len(source.args) == 1))
-    return False
+def _reads_the_sequence_length(node: fx.Node, values: dict[str, Any]) -> bool:
+    """Whether ``node`` is ``x.shape[i]``, ``x.size(i)`` or ``x.size()[i]`` with i naming
+    dimension 1 of ``x`` (the sequence of [b, T, ...])."""
+    if node.op == "call_method" and node.target == "size" and len(node.args) == 2:
+        source, dim = node.args
+    elif node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        shape, dim = node.args
+        is_shape = (shape.op == "call_function" and shape.target is getattr and shape.args[1] == "shape") or \
+            (shape.op == "call_method" and shape.target == "size" and len(shape.args) == 1)
+        if not is_shape:
+            return False
+        source = shape.args[0]
+    else:
+        return False
+    value = values.get(source.name) if isinstance(source, fx.Node) else None
+    return isinstance(value, torch.Tensor) and isinstance(dim, int) and value.dim() >= 2 and dim % value.dim() == 1
 
 
 def _refuse_other_attention(module: fx.GraphModule) -> None:
@@ -438,7 +447,8 @@ def apply_to_decoder(stage: nn.Module, split: ContextSplit) -> list[str]:
     blocks = stage.get_submodule(layout.base).get_submodule(layout.blocks) if stage._blocks else None
     for i in stage._blocks:
         found = [(path, m) for path, m in blocks.get_submodule(str(i)).named_modules()
-                 if type(m).__name__.endswith("Attention") and hasattr(getattr(m, "config", None), "_attn_implementation")]
+                 if type(m).__name__.endswith("Attention")
+                 and hasattr(getattr(m, "config", None), "_attn_implementation")]
         if not found:
             raise ContextParallelError(f"{layout.block_path(i)} has no attention module that reads its config's "
                                        f"_attn_implementation; context parallelism cannot replace its attention")
@@ -453,7 +463,25 @@ def apply_to_decoder(stage: nn.Module, split: ContextSplit) -> list[str]:
     return changed
 
 
-__all__ = ["ATTENTION", "ContextAttention", "ContextParallelError", "ContextPositions", "ContextSplit", "HF_ATTENTION",
-           "POSITIONS", "apply_to_decoder", "apply_to_graph", "attend", "attention_mask", "chunk_positions",
-           "context_attention", "gather_sequence", "global_order", "hf_context_attention", "local_example", "local_positions",
-           "split_batches", "split_sequence"]
+__all__ = [
+    "ATTENTION",
+    "HF_ATTENTION",
+    "POSITIONS",
+    "ContextAttention",
+    "ContextParallelError",
+    "ContextPositions",
+    "ContextSplit",
+    "apply_to_decoder",
+    "apply_to_graph",
+    "attend",
+    "attention_mask",
+    "chunk_positions",
+    "context_attention",
+    "gather_sequence",
+    "global_order",
+    "hf_context_attention",
+    "local_example",
+    "local_positions",
+    "split_batches",
+    "split_sequence",
+]
