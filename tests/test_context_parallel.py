@@ -171,9 +171,12 @@ def test_fx_gpt_pipeline_stage_receives_the_local_sequence(one_rank_cp_mesh, mon
     assert [spec.shape for spec in stage.recv] == [(2, GPT_ARGS["seq_len"] // 2, GPT_ARGS["hidden"])]
 
 
-@pytest.mark.parametrize("family,window", [("llama", None), ("mistral", 3)], ids=["llama", "mistral_window_3"])
+@pytest.mark.parametrize("family,window", [("llama", None), ("mistral", 3), ("qwen2", None), ("gemma", None),
+                                           ("phi", None), ("gpt_neox", None), ("mixtral", None)],
+                         ids=["llama", "mistral_window_3", "qwen2", "gemma", "phi", "gpt_neox", "mixtral"])
 def test_hugging_face_stage_attends_through_hetpar(one_rank_cp_mesh, family, window):
-    """The attention function hetpar registers equals the model's own, sliding window included."""
+    """The attention function hetpar registers equals the model's own in every Llama-like
+    family, sliding window included."""
     pytest.importorskip("transformers")
     model_file = load_model_file(ZOO, {"family": family})
     torch.manual_seed(0)
@@ -182,8 +185,8 @@ def test_hugging_face_stage_attends_through_hetpar(one_rank_cp_mesh, family, win
         model.config.sliding_window = window
     names = list(trace_layers(model, example_inputs=model_file.example_inputs(2)).layer_names)
     stage = cut_stage(model, model_file, 2, (0, len(names) - 1), names, cp_mesh=one_rank_cp_mesh)
-    attention = model.model.layers[0].self_attn
-    assert attention.config._attn_implementation == "hetpar_context"
+    implementations = {m.config._attn_implementation for m in model.modules() if type(m).__name__.endswith("Attention")}
+    assert implementations == {"hetpar_context"}
     assert model.config._attn_implementation != "hetpar_context"  # the stage's own copy of the config
     tokens = model_file.example_inputs(2)[0]
     torch.testing.assert_close(stage.module(tokens).logits, model(tokens).logits)
