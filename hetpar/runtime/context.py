@@ -30,7 +30,8 @@ global order and attends its own queries to all keys under a boolean mask made f
 positions: query position >= key position, and within the sliding window where the
 model has one. The mask is [T / cp, T], never the global T x T. torch's
 ``scaled_dot_product_attention`` with an explicit mask runs on CPU (gloo) and CUDA
-(nccl) alike. Why an all-gather rather than a ring (Ring Attention passes key-value
+(nccl) alike; on CUDA a boolean mask rules out the flash kernel, so it runs the
+memory-efficient one. Why an all-gather rather than a ring (Ring Attention passes key-value
 blocks round the group, overlapping each step with compute): Llama 3 (Dubey et al.
 2024, "The Llama 3 Herd of Models", section 3.3.2) uses all-gather-based context
 parallelism because it supports any mask (document masks, sliding windows) and the keys
@@ -61,6 +62,7 @@ model captured with torch.export, a Hugging Face family other than the Llama-lik
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -191,9 +193,12 @@ def gather_sequence(x: torch.Tensor, split: ContextSplit, dim: int = -2) -> torc
     return gathered.index_select(0, global_order(x.shape[dim], split.cp, device=x.device)).movedim(0, dim)
 
 
+@functools.lru_cache(maxsize=64)
 def global_order(local_len: int, cp: int, *, device: torch.device | str | None = None) -> torch.Tensor:
     """For each global position of a sequence of ``local_len * cp`` tokens, its row in the
-    rank-ordered gather of every rank's ``local_len`` tokens."""
+    rank-ordered gather of every rank's ``local_len`` tokens. Kept per (length, cp,
+    device): every attention call of a step asks for the same one, and a copy to a GPU
+    would otherwise wait for it each time."""
     held = torch.cat([local_positions(local_len, cp, r) for r in range(cp)])
     return torch.argsort(held).to(device)
 

@@ -178,7 +178,8 @@ def locate(stages: list[StageSpec], rank: int) -> Placement:
 def build_groups(stages: list[StageSpec], me: Placement, device: torch.device, *, ranks_per_node: int | None = None
                  ) -> Groups:
     """Create every stage's tensor- and data-parallel groups on every rank (collective),
-    keeping this rank's, and the expert-parallel ones of stages with ``expert_parallel`` > 1;
+    keeping this rank's, and the expert-parallel ones of stages with ``expert_parallel`` > 1
+    and the context-parallel ones of stages with ``context_parallel`` > 1;
     see [Note: rank layout]. Given ``ranks_per_node`` (global ranks ``n * ranks_per_node
     ...`` share node n), also each data-parallel group's ranks on one node (local SGD
     inside a node: runtime.local_sgd)."""
