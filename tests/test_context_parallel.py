@@ -20,13 +20,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import ROOT
-from test_distributed import assert_matches_reference, run_compiled
+from conftest import ROOT, run_torchrun
+from test_distributed import (
+    LR,
+    _to_state,
+    assert_matches_reference,
+    assert_within_rounding,
+    reference_run,
+    run_compiled,
+)
 
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.planner.api import plan_model
 from hetpar.planner.options import SearchOptions
 from hetpar.planner.plan import ParallelPlan
+from hetpar.rewriters import compile_plan
 from hetpar.rewriters.program import program_source
 from hetpar.runtime.context import (
     ATTENTION,
@@ -44,6 +52,7 @@ from hetpar.runtime.distributed import StageSpec, locate
 from hetpar.runtime.graph import trace_layers
 from hetpar.runtime.model_file import load_model_file
 from hetpar.runtime.shard import ShardError, cut_stage
+from hetpar.runtime.training import read_metrics
 
 GPT = ROOT / "examples" / "gpt.py"
 GPT_ARGS = {"n_layers": 2, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64}
@@ -369,3 +378,35 @@ def test_zero_bubble_and_recompute_train_like_one_process(tmp_path, model, args)
     plan = cp_plan(model, args, cp=2, pp=2, micro_batch_size=1, schedule="zb", recompute="full")
     assert plan.schedule == "zb" and all(s.recompute == "full" for s in plan.stages)
     _trains_like_one_process(plan, tmp_path, "sgd")
+
+
+@pytest.mark.slow
+def test_checkpoint_at_cp_2_resumes_in_one_process(tmp_path):
+    """Every row of a cp 2 program holds the stage's whole parameters: its checkpoint holds
+    the model's own tensors and a program without context parallelism resumes from it,
+    ending where one uninterrupted process ends."""
+    steps, optimizer = 4, "adamw"
+    torch.manual_seed(1234)
+    init_state = load_model_file(GPT, GPT_ARGS).build_model().state_dict()
+    checkpoints = ["--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    _run(cp_plan(GPT, GPT_ARGS, cp=2), tmp_path / "cp2", init_state, optimizer, [*checkpoints, "--steps", "2"])
+    plain = cp_plan(GPT, GPT_ARGS, cp=1)
+    final, stderr = _run(plain, tmp_path / "cp1", init_state, optimizer, [*checkpoints, "--steps", str(steps)])
+    assert "resum" in stderr and "step 3" in stderr, stderr[-2000:]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "cp1" / "m.jsonl")]
+    assert len(losses) == steps - 2
+    reference = reference_run(plain, init_state, optimizer, steps)[1]
+    exact_losses, exact = reference_run(plain, _to_state(init_state, torch.float64), optimizer, steps,
+                                        dtype=torch.float64)
+    assert_within_rounding(optimizer, steps, exact_losses[:2] + losses, final, reference, exact_losses, exact)
+
+
+def _run(plan: ParallelPlan, out: Path, init_state: dict, optimizer: str, args: list[str]) -> tuple[dict, str]:
+    """Compile ``plan`` into ``out`` and run it from ``init_state``: its --save-final state and stderr."""
+    compile_plan(plan, out)
+    torch.save(init_state, out / "init.pt")
+    result = run_torchrun(out / "train.py", plan.cluster.world_size,
+                          ["--optimizer", optimizer, "--lr", str(LR[optimizer]), "--init-from", "init.pt",
+                           "--save-final", "final.pt", "--metrics", "m.jsonl", *args])
+    assert result.returncode == 0, result.stderr[-4000:]
+    return torch.load(out / "final.pt", weights_only=True), result.stderr
