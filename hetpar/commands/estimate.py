@@ -28,6 +28,8 @@ def estimate(
     tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")],
     pp: Annotated[int, typer.Option(help="Pipeline-parallel degree (pipeline ranks).")],
     micro_batch_size: Annotated[int, typer.Option(help="Samples per micro-batch.")],
+    cp: Annotated[int, typer.Option(help="Context parallelism: every sequence split over this many ranks (the cluster holds dp * cp * tp * pp devices).")] = 1,
+    sp: Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism on every stage with tp > 1.")] = False,
     ep: Annotated[int, typer.Option(help="Expert parallelism: the experts split over this many data-parallel replicas (divides dp).")] = 1,
     expert_imbalance: Annotated[float, typer.Option(help="Under expert parallelism, the busiest rank receives this many times the uniform share of routed tokens (1: uniform routing).")] = 1.0,
     stage_layers: Annotated[Optional[str], typer.Option(help="Layers per stage, e.g. 7,9,9,9 (pp * virtual-stages entries) \\[default: Megatron's, blocks evenly with the embedding first and the head last; else even].")] = None,
@@ -51,7 +53,7 @@ def estimate(
     the_cluster = parse_cluster(cluster, profiles=profiles_option(profile))
     config = EstimateConfig(
         global_batch_size=global_batch, dp=dp, tp=tp, pp=pp, micro_batch_size=micro_batch_size, ep=ep, expert_imbalance=expert_imbalance,
-        dtype=dtype.value if dtype else default_dtype(the_cluster.device_types()),
+        cp=cp, sequence_parallel=sp, dtype=dtype.value if dtype else default_dtype(the_cluster.device_types()),
         schedule=schedule.value, virtual_stages=virtual_stages, recompute=recompute.value, zero_stage=zero,
         optimizer=optimizer.value, stage_layers=_layer_counts(stage_layers), stage_devices=_names(stage_devices),
         scatter_gather=scatter_gather, overlap_grad_reduce=overlap_grad_reduce, kernel_efficiency=kernel_efficiency,

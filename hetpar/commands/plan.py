@@ -33,6 +33,9 @@ def plan(
     tp: Annotated[Optional[int], typer.Option(help="Pin the tensor-parallel degree.")] = None,
     pp: Annotated[Optional[int], typer.Option(help="Pin the number of pipeline stages.")] = None,
     expert_imbalance: Annotated[float, typer.Option(help="Under expert parallelism, the busiest rank receives this many times the uniform share of routed tokens (1: uniform routing; a program's metrics report its own as expert_imbalance).")] = 1.0,
+    cp: Annotated[Optional[int], typer.Option(help="Pin context parallelism: every sequence split over this many ranks (an early and a late chunk each), keys and values all-gathered for attention \\[default: searched among powers of two up to --max-cp that divide the replicas and cut the sequence into 2 cp chunks; 1 for a model without token inputs and attention].", show_default=False)] = None,
+    max_cp: Annotated[int, typer.Option(help="Largest context-parallel degree the search offers.")] = 16,
+    sp: Annotated[Switch, typer.Option("--sp", help="Sequence parallelism inside each stage's tensor-parallel group (norms, dropout and residuals on 1/tp of the sequence): auto searches it per stage; on puts it on every stage with tp > 1; off never.")] = Switch.AUTO,
     ep: Annotated[Optional[int], typer.Option(help="Pin expert parallelism: each stage's experts split over this many data-parallel replicas, tokens exchanged by all-to-all \\[default: searched among the divisors of the experts per layer that divide dp; 1 for a model without experts].", show_default=False)] = None,
     micro_batch_size: Annotated[Optional[int], typer.Option(help="Pin the micro-batch size.")] = None,
     schedule: Annotated[Optional[Schedule], typer.Option(help="Pin the pipeline schedule (zb is ZB-H1) \\[default: 1f1b, zb and interleaved are searched; gpipe only when pinned].")] = None,
@@ -64,7 +67,7 @@ def plan(
     options = SearchOptions(
         global_batch_size=global_batch,
         dtype=(dtype.value if dtype else default_dtype(the_cluster.device_types())),
-        dp=dp, tp=tp, pp=pp, ep=ep, expert_imbalance=expert_imbalance,
+        dp=dp, tp=tp, pp=pp, ep=ep, expert_imbalance=expert_imbalance, cp=cp, max_cp=max_cp, sequence_parallel=sp.value,
         micro_batch_size=micro_batch_size,
         schedule=schedule.value if schedule else None,
         recompute=recompute.value if recompute else None,
@@ -199,12 +202,13 @@ def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[d
         layers = names[s.layers[0]] if len(s.layers) == 1 else f"{names[s.layers[0]]} .. {names[s.layers[-1]]} ({len(s.layers)})"
         ranks = rank_ranges(s.ranks)
         memory = plan.predicted.peak_memory_bytes[s.index % plan.pipeline_parallel]
-        table.add_row(str(s.index), layers, s.device_type, str(s.tensor_parallel), ranks, s.recompute, str(s.zero_stage), gib(memory))
+        table.add_row(str(s.index), layers, s.device_type, f"{s.tensor_parallel}{' sp' if s.sequence_parallel else ''}", ranks, s.recompute, str(s.zero_stage), gib(memory))
     console.print(table)
     p = plan.predicted
     console.print(
-        f"dp={plan.data_parallel}{f' ep={plan.stages[0].expert_parallel}' if plan.stages[0].expert_parallel > 1 else ''} "
-        f"tp={plan.stages[0].tensor_parallel} pp={plan.pipeline_parallel}  "
+        f"dp={plan.data_parallel}{f' ep={plan.stages[0].expert_parallel}' if plan.stages[0].expert_parallel > 1 else ''}"
+        f"{f' cp={plan.context_parallel}' if plan.context_parallel > 1 else ''} "
+        f"tp={plan.stages[0].tensor_parallel}{' sp' if any(s.sequence_parallel for s in plan.stages) else ''} pp={plan.pipeline_parallel}  "
         f"micro-batch {plan.micro_batch_size} x {plan.num_microbatches}  schedule {plan.schedule.value}"
         f"{f' v={plan.virtual_stages}' if plan.virtual_stages > 1 else ''}  dtype {plan.dtype}{'  compiled' if plan.compiled else ''}"
     )

@@ -559,9 +559,37 @@ def tensor_parallel_pass_s(collectives, pass_: str, scale: float, ranks: Sequenc
     """
     if len(ranks) < 2:
         return 0.0
-    time = {"all_reduce": all_reduce_time_s, "all_gather": all_gather_time_s}
+    time = {"all_reduce": all_reduce_time_s, "all_gather": all_gather_time_s, "reduce_scatter": reduce_scatter_time_s}
     extra = getattr(cluster.group_of(ranks[0]).device, "tp_collective_overhead_s", None) or 0.0
     return sum(time[kind](nbytes * scale, ranks, cluster) + extra for p, kind, nbytes in collectives if p == pass_ and nbytes > 0)
+
+
+# [Note: context parallelism costs]
+# Under context parallelism of degree cp every sequence is cut into 2 cp chunks and rank
+# j of a cp group holds chunks j and 2 cp - 1 - j, so with causal attention each rank
+# has the same share of the work ([Note: context parallelism] in runtime/context.py).
+# One rank then runs 1/cp of every layer: its FLOPs, elementwise work, activations,
+# boundary and tensor-parallel collectives per sample are the layer's / cp
+# (``LayerProfile.at_context``), its parameters are whole. Attention needs every
+# earlier key and value: per layer and micro-batch the forward all-gathers the keys and
+# values over the cp group (``attention_kv_bytes``, split over tp where the layer's heads
+# are), and the backward reduce-scatters their gradients; the gathered ones are kept
+# for backward (saved bytes grow by kv (1 - 1/cp)). The exchange is counted exposed:
+# the program runs it before the attention that needs it, on the compute stream's
+# turn. Gradients are synchronised over all dp x cp ranks of a stage, which hold the
+# same parameters. The search and the estimator cost a plan of dp data replicas at
+# degree cp as dp x cp replicas of the model at ``at_context(cp)`` with the same
+# micro-batches, plus these exchanges.
+def context_exchange_s(kv_bytes: float, ranks: Sequence[int], cluster: Cluster, *, concurrent: int = 1
+                       ) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's key and value exchange over the
+    context-parallel group ``ranks``: an all-gather of ``kv_bytes`` (the whole sequence's
+    keys and values of a micro-batch, one tensor-parallel rank's share) and the
+    reduce-scatter of their gradients; see [Note: context parallelism costs]."""
+    if len(ranks) < 2 or kv_bytes <= 0:
+        return 0.0, 0.0
+    return (all_gather_time_s(kv_bytes, ranks, cluster, concurrent=concurrent),
+            reduce_scatter_time_s(kv_bytes, ranks, cluster, concurrent=concurrent))
 
 
 def p2p_time_s(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:

@@ -66,6 +66,11 @@ class LayerProfile:
     num_experts: int = 0  # their number of experts (the gcd where modules differ); 0: none
     routed_bytes: float = 0.0  # bytes of the rows (token, choice) its experts receive, per sample, one way
     expert_flops_fraction: float = 0.0  # of fwd and bwd FLOPs, the share run inside modules of experts
+    # Bytes of the keys and values the layer's attention reads, per sample (at the
+    # attention call, as the model passes them): what context parallelism gathers from
+    # the other ranks ([Note: context parallelism costs]). Not part of ``cost_key``: it
+    # follows from the shapes the other fields already count.
+    attention_kv_bytes: float = 0.0
 
     def with_expert_load(self, factor: float) -> "LayerProfile":
         """The layer as the busiest expert-parallel rank runs it when its experts receive
@@ -77,6 +82,30 @@ class LayerProfile:
         return replace(self, fwd_flops=self.fwd_flops * grow, bwd_flops=self.bwd_flops * grow,
                        routed_bytes=self.routed_bytes * factor,
                        expert_flops_fraction=self.expert_flops_fraction * factor / grow)
+
+    def at_context(self, cp: int) -> "LayerProfile":
+        """The layer as one of ``cp`` context-parallel ranks runs it; see [Note: context
+        parallelism costs]."""
+        if cp == 1:
+            return self
+        share = 1.0 / cp
+        gathered = self.attention_kv_bytes * (1.0 - share)  # the other ranks' keys and values, kept for backward
+        split_gathered = gathered if self.tp_split_params > 0 else 0.0  # heads split over tp, so are their keys and values
+        return replace(
+            self,
+            fwd_flops=self.fwd_flops * share,
+            bwd_flops=self.bwd_flops * share,
+            saved_activation_bytes=self.saved_activation_bytes * share + gathered,
+            tp_split_saved_bytes=self.tp_split_saved_bytes * share + split_gathered,
+            boundary_bytes=self.boundary_bytes * share,
+            tp_collectives=tuple((p, kind, nbytes * share) for p, kind, nbytes in self.tp_collectives),
+            fwd_elementwise_flops=self.fwd_elementwise_flops * share,
+            bwd_elementwise_flops=self.bwd_elementwise_flops * share,
+            fwd_bytes_accessed=self.fwd_bytes_accessed * share,
+            bwd_bytes_accessed=self.bwd_bytes_accessed * share,
+            matmul_rows=tuple((max(1, rows // cp), grows, flops, width) for rows, grows, flops, width in self.matmul_rows),
+            routed_bytes=self.routed_bytes * share,
+        )
 
     def flops_at(self, tp: int) -> tuple[float, float]:
         """(forward, backward) FLOPs one tensor-parallel rank runs, per sample."""
@@ -95,12 +124,24 @@ class LayerProfile:
         """Activation bytes one tensor-parallel rank saves for backward, per sample."""
         return self.saved_activation_bytes - self.tp_split_saved_bytes * (1.0 - 1.0 / tp)
 
+    def with_sequence_parallel(self) -> "LayerProfile":
+        """The layer as a tensor-parallel rank runs it under sequence parallelism ([Note:
+        sequence parallelism costs]): what every rank repeated is held as 1/tp of the
+        sequence, so all its saved activations divide by tp; each all-reduce is a
+        reduce-scatter and an all-gather of the same tensor."""
+        if not self.tp_capable:
+            return self
+        collectives: list[tuple[str, str, float]] = []
+        for p, kind, nbytes in self.tp_collectives:
+            collectives += [(p, "reduce_scatter", nbytes), (p, "all_gather", nbytes)] if kind == "all_reduce" else [(p, kind, nbytes)]
+        return replace(self, tp_split_saved_bytes=self.saved_activation_bytes, tp_collectives=tuple(collectives))
+
     @functools.cached_property
     def cost_key(self) -> str:
         """What the layer costs, as a short key: equal for layers that cost the same
         (the blocks of a transformer), whatever their names. A profile's measured layer
         times are keyed by it ([Note: measured layers] in cost_models/compute.py)."""
-        fields = astuple(replace(self, name=""))
+        fields = astuple(replace(self, name=""))[: -len(_LATER_FIELDS)]
         if not self.num_experts:  # a dense layer keeps the key it had before experts were counted
             fields = fields[: -len(_EXPERT_FIELDS)]
         return hashlib.sha1(repr(tuple(f"{v:.6g}" if isinstance(v, float) else v for v in fields)).encode()).hexdigest()[:12]
@@ -114,7 +155,8 @@ class LayerProfile:
         return tp == 1 or not self.tp_capable or self.tp_degrees is None or tp in self.tp_degrees
 
 
-_EXPERT_FIELDS = ("expert_params", "num_experts", "routed_bytes", "expert_flops_fraction")  # the last fields
+_EXPERT_FIELDS = ("expert_params", "num_experts", "routed_bytes", "expert_flops_fraction")  # before _LATER_FIELDS
+_LATER_FIELDS = ("attention_kv_bytes",)  # the last fields, none of them in ``cost_key``
 
 
 def tp_misfit(layers, tp: int) -> LayerProfile | None:

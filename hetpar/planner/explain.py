@@ -75,6 +75,8 @@ def estimate_config(plan: ParallelPlan, graph) -> EstimateConfig:
                          width=matrix_width(graph.layers)),
         ep=max(s.expert_parallel for s in plan.stages),
         expert_imbalance=plan.expert_imbalance,
+        cp=plan.context_parallel,
+        stage_sp=tuple(s.sequence_parallel for s in ranks),
     )
 
 

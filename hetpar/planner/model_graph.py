@@ -6,7 +6,7 @@ tables, the estimate, the search, the strategies): a leaf, plain data, no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hetpar.cost_models.layers import LayerProfile
@@ -59,6 +59,29 @@ class ModelGraph:
     boundaries: list[list[BoundaryTensor]] = field(default_factory=list)  # per layer: what crosses the cut after it
     nodes: list[NodeProfile] = field(default_factory=list)
     measured_layers: int = 0  # layers measured; the others reused a twin's numbers
+    sequence_length: int = 0  # tokens per sample when the first input is token ids, else 0
+
+    def at_context(self, cp: int) -> "ModelGraph":
+        """The model as one of ``cp`` context-parallel ranks runs it ([Note: context
+        parallelism costs] in cost_models/collectives.py): each layer at 1/cp of the tokens."""
+        if cp == 1:
+            return self
+        return replace(self, layers=[l.at_context(cp) for l in self.layers], input_bytes=self.input_bytes / cp)
+
+    def with_sequence_parallel(self) -> "ModelGraph":
+        """The model as a tensor-parallel rank runs it under sequence parallelism ([Note:
+        sequence parallelism costs] in cost_models/layers.py)."""
+        return replace(self, layers=[l.with_sequence_parallel() for l in self.layers])
+
+    def sequence_splits(self, tp: int) -> bool:
+        """Whether sequence parallelism can run at degree ``tp``: a token model whose
+        sequence divides by tp and whose layers split over tp."""
+        return self.sequence_length > 0 and self.sequence_length % tp == 0 and any(l.tp_capable for l in self.layers)
+
+    @property
+    def context_capable(self) -> bool:
+        """Whether context parallelism applies: a token model whose layers attend."""
+        return self.sequence_length > 0 and any(l.attention_kv_bytes > 0 for l in self.layers)
 
     @property
     def layer_names(self) -> list[str]:

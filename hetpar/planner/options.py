@@ -17,7 +17,7 @@ from hetpar.cost_models.grad_sync import PLAIN, SyncMethod
 from hetpar.cost_models.layers import tp_misfit
 from hetpar.planner.errors import PlanningError
 from hetpar.planner.model_graph import ModelGraph
-from hetpar.vocabulary import DType, Optimizer, Recompute, Schedule, ZeroStage
+from hetpar.vocabulary import DType, Optimizer, Recompute, Schedule, Switch, ZeroStage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +52,9 @@ class SearchOptions:
     min_dp: int = 1  # fewest data-parallel replicas (robust aggregation and local SGD need several)
     ep: int | None = None  # expert parallelism, pinned; searched among the degrees the experts allow when None
     expert_imbalance: float = 1.0  # the busiest expert-parallel rank's rows over the uniform share ([Note: expert load])
+    cp: int | None = None  # context parallelism, pinned; searched among powers of two up to max_cp when None
+    max_cp: int = 16
+    sequence_parallel: str = Switch.AUTO  # on: every stage with tp > 1; off: none; auto: searched per stage
 
 
 def misfit_fix(dtype: str) -> str:
@@ -75,8 +78,10 @@ def check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
     if options.pp is not None and not 1 <= options.pp <= world:
         raise PlanningError(f"--pp {options.pp} must be between 1 and the cluster's world size ({world})")
     dp, tp, pp = options.dp, options.tp, options.pp
-    if dp and tp and pp and dp * tp * pp != world:
-        raise PlanningError(f"dp({dp}) * tp({tp}) * pp({pp}) = {dp * tp * pp} != world_size({world})")
+    cp = options.cp or 1
+    if dp and tp and pp and dp * cp * tp * pp != world:
+        cp_text = f" * cp({cp})" if cp > 1 else ""
+        raise PlanningError(f"dp({dp}){cp_text} * tp({tp}) * pp({pp}) = {dp * cp * tp * pp} != world_size({world})")
     if pp and pp > len(model.layers):
         raise PlanningError(f"--pp {pp} exceeds the model's {len(model.layers)} layers")
     if tp and tp > 1 and not any(l.tp_capable for l in model.layers):
@@ -104,6 +109,30 @@ def check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
     check_schedule_pins(model, options)
     check_stage_pins(model, cluster, options)
     check_expert_pins(model, options)
+    check_sequence_pins(model, options)
+
+
+def check_sequence_pins(model: ModelGraph, options: SearchOptions) -> None:
+    """Refuse --cp and --sp pins the model cannot take, in one line each."""
+    if options.sequence_parallel not in tuple(Switch):
+        raise PlanningError(f"unknown --sp {options.sequence_parallel!r}; use auto, on or off")
+    if options.sequence_parallel == Switch.ON and not model.sequence_splits(2) and not any(
+            model.sequence_splits(t) for t in range(2, options.max_tp + 1)):
+        raise PlanningError("--sp on: sequence parallelism splits the tokens of a model whose first input is token ids "
+                            "and whose layers tensor parallelism splits; this model has none")
+    cp = options.cp
+    if cp is None or cp == 1:
+        return
+    if cp < 1:
+        raise PlanningError(f"--cp must be a positive integer, got {cp}")
+    if not model.context_capable:
+        raise PlanningError(f"--cp {cp}: context parallelism splits the tokens of a model whose first input is token ids "
+                            f"and whose layers attend; this model has no such input or attention")
+    if model.sequence_length % (2 * cp):
+        raise PlanningError(f"--cp {cp}: the sequence of {model.sequence_length} tokens does not cut into 2 * cp = "
+                            f"{2 * cp} equal chunks; pick a cp that divides {model.sequence_length // 2}")
+    if options.ep not in (None, 1):
+        raise PlanningError(f"--cp {cp} runs without expert parallelism (--ep {options.ep})")
 
 
 def expert_degrees(model: ModelGraph) -> tuple[int, ...]:

@@ -82,6 +82,7 @@ class NodeCounts:
     # Forward matmul FLOPs by (rows, rows grow with the batch, width); see [Note: matmul rows].
     matmul_rows: dict[tuple[int, bool, int], float] = field(default_factory=dict)
     fwd_matmuls: int = 0  # forward ops with FLOPs (matmuls, convolutions, attention): kernels compiling keeps
+    attention_kv_bytes: float = 0.0  # keys and values its attention calls read ([Note: context parallelism costs])
 
 
 @dataclass
@@ -95,16 +96,17 @@ class Measurement:
         return float(sum(getattr(c, what) for c in self.nodes.values()))
 
 
-def measure(module: fx.GraphModule, inputs: list[torch.Tensor]) -> Measurement:
+def measure(module: fx.GraphModule, inputs: list[torch.Tensor], *, masks: bool = True) -> Measurement:
     """Run ``module`` forward and backward on meta ``inputs`` and count its kernels.
 
     Inputs that require gradients (activations received from an earlier layer) get
-    them; the others (data, masks) do not, as in training.
+    them; the others (data, masks) do not, as in training. Without ``masks`` the masks
+    its attention calls receive are not counted as saved ([Note: causal masks]).
     """
     result = Measurement(nodes={n.name: NodeCounts() for n in module.graph.nodes if n.op not in ("placeholder", "output")})
     result.nodes[UNATTRIBUTED] = NodeCounts()
     _count_kernels(module, inputs, result)
-    _count_saved(module, inputs, result)
+    _count_saved(module, inputs, result, masks)
     _count_params(module, result)
     return result
 
@@ -329,8 +331,9 @@ def _count_kernels(module: fx.GraphModule, inputs: list[torch.Tensor], result: M
             torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
 
 
-def _count_saved(module: fx.GraphModule, inputs: list[torch.Tensor], result: Measurement) -> None:
-    """Bytes autograd keeps for backward, per node, parameters excluded, each storage once."""
+def _count_saved(module: fx.GraphModule, inputs: list[torch.Tensor], result: Measurement, masks: bool = True) -> None:
+    """Bytes autograd keeps for backward, per node, parameters excluded, each storage once;
+    and the keys and values each node's attention reads."""
     params = {p.untyped_storage()._cdata for p in module.parameters()}
     seen: set[int] = set()
     current = [UNATTRIBUTED]
@@ -345,7 +348,10 @@ def _count_saved(module: fx.GraphModule, inputs: list[torch.Tensor], result: Mea
     def before(n: fx.Node) -> None:
         current[0] = n.name if n.name in result.nodes else UNATTRIBUTED
 
-    with _fused_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def attention(key: torch.Tensor, value: torch.Tensor) -> None:
+        result.nodes[current[0]].attention_kv_bytes += _nbytes(key) + _nbytes(value)
+
+    with _fused_attention(_AttentionSeen(attention, masks)), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         _NodeRunner(module, before).run(*_grad_inputs(inputs))
 
 
@@ -394,8 +400,32 @@ class _FusedSDPA(torch.autograd.Function):
 _SDPA = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
 
 
+# [Note: causal masks]
+# A model whose attention is causal needs no T x T mask: the fused kernels take
+# ``is_causal``. Hugging Face decoders exported on meta still build one ([1, 1, T, T],
+# 16 GiB per sample at 128k tokens) and hand it to every attention call, while the
+# program runs them as module stages (runtime/module_stage.py) through SDPA with no
+# materialised mask when there is no padding. Their blocks are measured with
+# ``masks=False``: the mask is not counted as saved. Any other model's mask is counted
+# at its true size, as the fused kernel keeps it.
+@dataclass(frozen=True)
+class _AttentionSeen:
+    """What the saved-bytes pass does at each attention call: report its keys and values,
+    and whether the mask counts as saved."""
+
+    record: Any  # callable(key, value)
+    masks: bool = True
+
+
+_SEEN: list[_AttentionSeen] = []  # the innermost pass's, while one runs
+
+
 def _fused_sdpa(query, key, value, attn_mask=None, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return _FusedSDPA.apply(query, key, value, attn_mask if isinstance(attn_mask, torch.Tensor) else None)
+    seen = _SEEN[-1] if _SEEN else None
+    if seen is not None:
+        seen.record(key, value)
+    keep_mask = isinstance(attn_mask, torch.Tensor) and (seen is None or seen.masks)
+    return _FusedSDPA.apply(query, key, value, attn_mask if keep_mask else None)
 
 
 class _FusedAttentionMode(TorchFunctionMode):
@@ -408,8 +438,8 @@ class _FusedAttentionMode(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _fused_attention():
-    """Stand in fused attention; see [Note: fused attention on meta].
+def _fused_attention(seen: _AttentionSeen | None = None):
+    """Stand in fused attention; see [Note: fused attention on meta]. ``seen`` hears of each call.
 
     A torch-function mode only sees the outermost call, so attention inside a function
     it passes on (``F.multi_head_attention_forward`` of an opaque nn.MultiheadAttention)
@@ -418,11 +448,15 @@ def _fused_attention():
     """
     original = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = _fused_sdpa
+    if seen is not None:
+        _SEEN.append(seen)
     try:
         with _FusedAttentionMode():
             yield
     finally:
         F.scaled_dot_product_attention = original
+        if seen is not None:
+            _SEEN.pop()
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

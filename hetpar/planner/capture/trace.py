@@ -114,7 +114,16 @@ def trace_model(model_file: ModelFile, leaf_modules: tuple[str, ...] = ()) -> Mo
         boundaries=boundaries,
         nodes=nodes,
         measured_layers=len({id(m) for m in measured_layers}),
+        sequence_length=_sequence_length(example),
     )
+
+
+def _sequence_length(example: tuple) -> int:
+    """The tokens per sample of a model whose first input is token ids [batch, tokens]; 0 otherwise."""
+    first = example[0] if example else None
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+        return int(first.shape[1])
+    return 0
 
 
 # [Note: what a module stage sends]
@@ -317,6 +326,7 @@ class _Measured:
             num_experts=self.experts.num_experts,
             routed_bytes=self.experts.routed_bytes,
             expert_flops_fraction=self.experts.flops_fraction,
+            attention_kv_bytes=w.total("attention_kv_bytes"),
         )
 
 
@@ -382,7 +392,7 @@ def _measure_block(stage: Stage, inputs: list[torch.Tensor], model: torch.nn.Mod
     saves is counted on the graph from the ILP's layout (the ops on split values, the
     split Linears), since the exported graph cannot run split."""
     module = stage.module
-    whole = measure(module, inputs)
+    whole = measure(module, inputs, masks=False)  # [Note: causal masks] in planner.capture.measure
     num_ops = sum(1 for n in module.graph.nodes if n.op not in _NO_KERNEL_OPS)
     split = block_sharding(model, layout, block, seq_len, module, inputs, whole)
     sharding = split.chosen

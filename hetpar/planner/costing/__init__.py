@@ -16,7 +16,7 @@ they build on each other:
 """
 
 from hetpar.planner.costing.by_type import compose_tables, tables_by_type, type_sequence
-from hetpar.planner.costing.cache import memo
+from hetpar.planner.costing.cache import memo, model_token, model_variant
 from hetpar.planner.costing.candidate import Candidate, StageMode
 from hetpar.planner.costing.communication import boundary_seconds, collective_linear, data_parallel_linear, sync_linear
 from hetpar.planner.costing.evaluation import SplitCost, chunk_terms, evaluate_split, stage_memory_breakdown
@@ -42,6 +42,8 @@ __all__ = [
     "evaluate_split",
     "layer_columns",
     "memo",
+    "model_token",
+    "model_variant",
     "pack_stage_ranks",
     "ranks_by_type",
     "stage_memory_breakdown",

@@ -16,3 +16,17 @@ def memo(cache: dict, key, compute):
 def model_token(model: ModelGraph, cache: dict) -> int:
     """A number that names ``model`` in ``cache`` (which keeps the model, so that its id is not reused)."""
     return memo(cache, ("model", id(model)), lambda: (model, len(cache)))[1]
+
+
+def model_variant(model: ModelGraph, cache: dict, *, cp: int = 1, sequence_parallel: bool = False) -> ModelGraph:
+    """``model`` as one rank of ``cp`` context-parallel ranks runs it, under sequence
+    parallelism where asked ([Note: context parallelism costs] in cost_models/collectives.py,
+    [Note: sequence parallelism costs] in cost_models/layers.py); made once per cache."""
+    if cp == 1 and not sequence_parallel:
+        return model
+
+    def make() -> ModelGraph:
+        out = model.at_context(cp)
+        return out.with_sequence_parallel() if sequence_parallel else out
+
+    return memo(cache, ("variant", model_token(model, cache), cp, sequence_parallel), make)

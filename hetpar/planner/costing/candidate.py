@@ -15,9 +15,11 @@ class StageMode:
     recompute: str = Recompute.NONE  # "none" | "selective" | "full"
     zero_stage: int = 0
     tp: int = 1  # tensor-parallel degree of the stage
+    sp: bool = False  # sequence parallelism inside the stage's tp group (tp > 1 only)
 
     def describe(self) -> str:
-        parts = ([f"recompute {self.recompute}"] if self.recompute != Recompute.NONE else []) + ([f"zero {self.zero_stage}"] if self.zero_stage else [])
+        parts = ([f"recompute {self.recompute}"] if self.recompute != Recompute.NONE else []) + ([f"zero {self.zero_stage}"] if self.zero_stage else []) \
+            + (["sp"] if self.sp else [])
         return ", ".join(parts) or "plain"
 
 
@@ -60,6 +62,15 @@ class Candidate:
     sync: SyncMethod = PLAIN  # how the replicas agree ([Note: sync method costs] in cost_models.grad_sync)
     ep: int = 1  # expert parallelism: each stage's experts split over runs of ep replicas ([Note: expert parallelism costs])
     expert_load: float = 1.0  # the busiest expert-parallel rank's rows over the uniform share ([Note: expert load])
+    # context parallelism: every sequence split over runs of cp of the ``dp`` replica rows,
+    # which are then dp / cp data replicas x cp ([Note: context parallelism costs]); the
+    # tables cost ``dp`` rows of the model at 1/cp of its tokens
+    cp: int = 1
+
+    @property
+    def data_replicas(self) -> int:
+        """The data-parallel degree of the plan: ``dp`` rows over ``cp``."""
+        return self.dp // self.cp
 
     @property
     def num_chunks(self) -> int:
@@ -81,4 +92,6 @@ class Candidate:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         tp = f"tp={self.tp}" if self.tp is not None else "tp=" + "|".join(map(str, self.tp_degrees))
         ep = f" ep={self.ep}" if self.ep > 1 else ""
+        if self.cp > 1:
+            return f"dp={self.data_replicas} cp={self.cp} {tp} pp={self.pp} micro-batch {self.micro_batch_size}x{self.num_microbatches} {self.schedule}"
         return f"dp={self.dp}{ep} {tp} pp={self.pp} micro-batch {self.micro_batch_size}x{self.num_microbatches} {self.schedule}{v}"

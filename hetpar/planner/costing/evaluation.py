@@ -78,7 +78,7 @@ def stage_memory_breakdown(model: ModelGraph, tables: CostTables, s: int, first:
     cand = tables.candidate
     mode = mode or cand.modes[0]
     in_flight = activation_multipliers(cand.schedule, cand.pp, cand.num_microbatches, cand.virtual_stages)[s]
-    layers = model.layers[first : last + 1]
+    layers = [l.with_sequence_parallel() if mode.sp else l for l in model.layers[first : last + 1]]
     c = dict(tp=mode.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
     experts = sum(l.expert_params for l in layers) * (1.0 - 1.0 / cand.ep)  # held by other replicas ([Note: expert parallelism costs])
     weights, grads, opt = training_state_bytes(layers, tp=mode.tp, dtype=dtype, optimizer=optimizer, dp=cand.dp, zero_stage=mode.zero_stage,

@@ -52,7 +52,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetpar.cost_models.collectives import EXCHANGES_PER_DISPATCH, all_to_all_time_s, grad_sync_scale, tensor_parallel_pass_s
+from hetpar.cost_models.collectives import (EXCHANGES_PER_DISPATCH, all_to_all_time_s, context_exchange_s, grad_sync_scale,
+                                            tensor_parallel_pass_s)
 from hetpar.cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
 from hetpar.cost_models.memory import (
     FRAGMENTATION_MARGIN,
@@ -60,7 +61,7 @@ from hetpar.cost_models.memory import (
     sharded_state_bytes_per_param,
     state_bytes_per_param,
 )
-from hetpar.planner.costing.cache import memo, model_token
+from hetpar.planner.costing.cache import memo, model_token, model_variant
 from hetpar.planner.costing.candidate import Candidate
 from hetpar.planner.costing.communication import boundary_seconds, data_parallel_linear, placement, sync_linear
 from hetpar.planner.costing.in_flight import activation_multipliers
@@ -155,7 +156,7 @@ def layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: in
                   expert_load: float = 1.0) -> LayerColumns:
     """Per-layer columns at one (type, tp, micro-batch, dtype); the layers' times as the busiest
     expert-parallel rank runs them at ``expert_load`` ([Note: expert load])."""
-    key = ("layers", device_type, tp, mbs, dtype, expert_load)
+    key = ("layers", model_token(model, cache), device_type, tp, mbs, dtype, expert_load)
     if key not in cache:
         device = cluster.profile(device_type)
         scale = dtype_bytes(dtype) / 4 * mbs
@@ -205,6 +206,7 @@ def build_tables(
         cache: reused across candidates (per-layer timings, collective fits).
     """
     cache = {} if cache is None else cache
+    model = model_variant(model, cache, cp=cand.cp)  # [Note: context parallelism costs]
     slots = slots or stage_slots(cluster, cand)
     P, C, K, L = cand.pp, cand.num_chunks, len(cand.modes), len(model.layers)
     degrees = cand.tp_degrees
@@ -257,7 +259,9 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     """
     mode, P, elem = cand.modes[k], cand.pp, dtype_bytes(dtype)
     r = c % P
-    cols, (tp_fwd, tp_bwd), (ep_fwd, ep_bwd), comm, rates = memo(per_slot, (r, mode.tp), lambda: (
+    whole = model
+    model = model_variant(model, cache, sequence_parallel=mode.sp)  # [Note: sequence parallelism costs]
+    cols, (tp_fwd, tp_bwd), (ep_fwd, ep_bwd), comm, rates = memo(per_slot, (r, mode.tp, mode.sp), lambda: (
         cols := layer_columns(model, cluster, slot.device_type, mode.tp, cand.micro_batch_size, dtype, cache,
                               cand.expert_load if cand.ep > 1 else 1.0),
         tp_collectives(model, cluster, slot, cols, mode.tp, cache),
@@ -265,6 +269,8 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
         data_parallel_linear(cluster, cand.dp, mode.tp, slot, cache),
         optimizer_rates(cluster.profile(slot.device_type)),
     ))
+    cp_fwd, cp_bwd = memo(per_slot, (r, mode.tp, "cp"), lambda: context_exchanges(whole, cluster, slot, cols, cand.cp, cache))
+    tp_fwd, tp_bwd = tp_fwd + cp_fwd, tp_bwd + cp_bwd  # [Note: context parallelism costs]: with the tp collectives
     # [Note: expert parallelism costs]: a rank holds, syncs and steps 1/ep of the experts;
     # a tied copy lives on every rank but the first
     held = cols.held(cand.ep) + (cols.tied if r != 0 else 0.0)
@@ -317,6 +323,22 @@ def expert_exchanges(model: ModelGraph, cluster, slot: StageSlot, cols: LayerCol
         for l in model.layers
     ]))
     return rows + np.where(rows > 0, small, 0.0), rows
+
+
+def context_exchanges(model: ModelGraph, cluster, slot: StageSlot, cols: LayerColumns, cp: int, cache: dict
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of each layer's context-parallel key and value exchange per micro-batch over the stage's
+    first ``cp`` rows, (forward, backward) ([Note: context parallelism costs] in cost_models.collectives)."""
+    if cp == 1:
+        return np.zeros(len(model.layers)), np.zeros(len(model.layers))
+    group = [rep[0] for rep in slot.ranks[:cp]]
+    tp = len(slot.ranks[0])
+    place = placement(cluster, group)
+    pairs = [memo(cache, ("cp", l.attention_kv_bytes, l.tp_capable, cols.scale, place, tp),
+                  lambda l=l: context_exchange_s(l.attention_kv_bytes * cols.scale / (tp if l.tp_capable else 1), group,
+                                                 cluster, concurrent=tp))
+             for l in model.layers]
+    return np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])
 
 
 def _levels(values: np.ndarray) -> np.ndarray:

@@ -40,9 +40,12 @@ class EstimateConfig:
     sync: SyncMethod = PLAIN  # how the replicas agree under zero_stage 0 ([Note: sync method costs])
     ep: int = 1  # expert parallelism: experts split over runs of ep replicas ([Note: expert parallelism costs])
     expert_imbalance: float = 1.0  # the busiest expert-parallel rank's rows over the uniform share ([Note: expert load])
+    cp: int = 1  # context parallelism: every sequence split over cp ranks ([Note: context parallelism costs])
+    sequence_parallel: bool = False  # sequence parallelism on every stage with tp > 1 ([Note: sequence parallelism costs])
+    stage_sp: tuple[bool, ...] | None = None  # sequence parallelism per pipeline rank, p entries; ``sequence_parallel`` when None
 
     def __post_init__(self) -> None:
-        for name in ("global_batch_size", "dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep"):
+        for name in ("global_batch_size", "dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep", "cp"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise EstimateError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         self._check_choices()
@@ -58,6 +61,19 @@ class EstimateConfig:
             )
         self._check_stage_lists()
         self._check_experts()
+        self._check_context()
+
+    def _check_context(self) -> None:
+        if self.stage_sp is not None and len(self.stage_sp) != self.pp:
+            raise EstimateError(f"stage_sp has {len(self.stage_sp)} entries, pp({self.pp}) needed")
+        if self.cp == 1:
+            return
+        if self.ep > 1:
+            raise EstimateError(f"context parallelism {self.cp} runs without expert parallelism (got ep {self.ep})")
+        if self.virtual_stages > 1:
+            raise EstimateError(f"context parallelism {self.cp} runs without virtual stages (got {self.virtual_stages})")
+        if self.replica_batch_shares is not None:
+            raise EstimateError(f"context parallelism {self.cp} runs with equal replica shares")
 
     def _check_experts(self) -> None:
         if not (isinstance(self.expert_imbalance, (int, float)) and self.expert_imbalance >= 1.0):
@@ -130,6 +146,17 @@ class EstimateConfig:
     def recompute_of(self, chunk: int) -> str:
         """The recompute mode of virtual stage ``chunk``."""
         return self.stage_recompute[chunk] if self.stage_recompute is not None else self.recompute
+
+    @property
+    def replica_rows(self) -> int:
+        """Rows of ranks per stage: dp data replicas x cp ranks sharing each sequence. They
+        hold the same parameters: gradients sync and ZeRO shards over all of them."""
+        return self.dp * self.cp
+
+    def sp_of(self, rank: int) -> bool:
+        """Whether pipeline rank ``rank`` runs sequence parallelism (only where its tp > 1)."""
+        on = self.stage_sp[rank] if self.stage_sp is not None else self.sequence_parallel
+        return bool(on) and self.tp_of(rank) > 1
 
     def tp_of(self, rank: int) -> int:
         """The tensor-parallel degree of pipeline rank ``rank``."""

@@ -52,6 +52,8 @@ def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig, *, bre
         cost_models.devices.ProfileError: a device lacks the training dtype.
     """
     check_against(model, cluster, config)
+    whole = model
+    model = model.at_context(config.cp)  # [Note: context parallelism costs] in cost_models/collectives.py
     if config.replica_batch_shares is not None:  # hetero_dp builds on this module, so it estimates those plans
         raise EstimateError("replica_batch_shares: estimate the plan with planner.strategies.hetero_dp.estimate_shares")
     layouts = stage_layout(cluster, config)
@@ -61,7 +63,7 @@ def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig, *, bre
     costs = [chunk_cost(model, cluster, config, b, layouts[k % config.pp], k, memo) for k, b in enumerate(bounds)]
     played = play(model, cluster, config, layouts, bounds, costs, breakdown)
     stages = [_stage_estimate(model, config, layouts, bounds, played, r) for r in range(config.pp)]
-    return _assemble(model, cluster, config, layouts, split, played, stages, costs)
+    return _assemble(model, cluster, config, layouts, split, played, stages, costs, whole)
 
 
 def _stage_estimate(model, config, layouts, bounds, played: Played, r: int) -> StageEstimate:
@@ -84,7 +86,7 @@ def _stage_estimate(model, config, layouts, bounds, played: Played, r: int) -> S
 
 
 def _assemble(model, cluster, config, layouts, split: StageSplit, played: Played, stages: list[StageEstimate],
-              costs) -> Estimate:
+              costs, whole: ModelGraph) -> Estimate:
     c, run = config, played.run
     params = [stage_params(model, c.tp_of(s.index), s.chunks, c.ep) for s in stages]
     synced = [synced_params(model, c.tp_of(s.index), s.chunks, c.dp, c.ep) for s in stages]
@@ -108,7 +110,7 @@ def _assemble(model, cluster, config, layouts, split: StageSplit, played: Played
     time = TimeBreakdown(compute_s=compute, bubble_s=max(0.0, pipeline_end - compute - tp - ep - zero3 - pp), tp_comm_s=tp,
                          pp_comm_s=pp, dp_comm_s=dp + zero3, optimizer_s=optimizer, ep_comm_s=ep)
     step = time.step_s
-    flops = sum(l.fwd_flops + l.bwd_flops for l in model.layers) * c.global_batch_size
+    flops = sum(l.fwd_flops + l.bwd_flops for l in whole.layers) * c.global_batch_size
     peak = sum(cluster.profile(t).peak_flops(c.dtype) for t in cluster.device_types())
     predicted = Predicted(
         step_time_s=step,

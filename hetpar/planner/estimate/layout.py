@@ -42,10 +42,13 @@ def check_against(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -
             no layer that tensor parallelism splits.
     """
     world, c = cluster.world_size, config
-    if c.stage_tp is not None and c.dp * c.devices_per_replica != world:
-        raise EstimateError(f"dp({c.dp}) * sum of stage tp({c.devices_per_replica}) = {c.dp * c.devices_per_replica} != world_size({world})")
-    if c.stage_tp is None and c.dp * c.tp * c.pp != world:
-        raise EstimateError(f"dp({c.dp}) * tp({c.tp}) * pp({c.pp}) = {c.dp * c.tp * c.pp} != world_size({world})")
+    rows, dp_text = c.replica_rows, f"dp({c.dp})" + (f" * cp({c.cp})" if c.cp > 1 else "")
+    if c.stage_tp is not None and rows * c.devices_per_replica != world:
+        raise EstimateError(f"{dp_text} * sum of stage tp({c.devices_per_replica}) = {rows * c.devices_per_replica} != world_size({world})")
+    if c.stage_tp is None and rows * c.tp * c.pp != world:
+        raise EstimateError(f"{dp_text} * tp({c.tp}) * pp({c.pp}) = {rows * c.tp * c.pp} != world_size({world})")
+    if c.cp > 1:
+        _check_context(model, c)
     num_layers, chunks = len(model.layers), c.pp * c.virtual_stages
     if c.stage_layers is not None and sum(c.stage_layers) != num_layers:
         raise EstimateError(
@@ -62,6 +65,17 @@ def check_against(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -
             where = f"--tp {c.tp}" if c.stage_tp is None else f"stage {k} (tp {tp})"
             raise EstimateError(f"{where}: layer {misfit.name} splits only {_degrees(misfit)} ways (heads or features "
                                 f"do not divide by {tp}); pick one of those")
+
+
+def _check_context(model: ModelGraph, c: EstimateConfig) -> None:
+    """Refuse context parallelism where it does not apply: a model without token inputs or
+    attention, or a sequence that does not cut into 2 cp chunks."""
+    if not model.context_capable:
+        raise EstimateError(f"--cp {c.cp}: context parallelism splits the tokens of a model whose first input is token "
+                            f"ids and whose layers attend; this model has no such input or attention")
+    if model.sequence_length % (2 * c.cp):
+        raise EstimateError(f"--cp {c.cp}: the sequence of {model.sequence_length} tokens does not cut into 2 * cp = "
+                            f"{2 * c.cp} equal chunks; pick a cp that divides {model.sequence_length // 2}")
 
 
 def _degrees(layer: LayerProfile) -> str:
@@ -86,7 +100,7 @@ def stage_layout(cluster: Cluster, config: EstimateConfig) -> list[StageLayout]:
     """
     c = config
     if c.stage_devices is None:
-        groups = pack_stage_ranks(list(range(cluster.world_size)), c.dp, [c.tp_of(s) for s in range(c.pp)])
+        groups = pack_stage_ranks(list(range(cluster.world_size)), c.replica_rows, [c.tp_of(s) for s in range(c.pp)])
     else:
         groups = _ranks_by_device(cluster, config)
     types = cluster.device_types()
@@ -98,7 +112,7 @@ def _ranks_by_device(cluster: Cluster, config: EstimateConfig) -> list[list[list
     wanted = [_canonical(name, cluster) for name in config.stage_devices]
     for name in dict.fromkeys(wanted):
         mine = [s for s, n in enumerate(wanted) if n == name]
-        need = sum(config.dp * config.tp_of(s) for s in mine)
+        need = sum(config.replica_rows * config.tp_of(s) for s in mine)
         have = types.count(name)
         if need > have:
             each = f"dp({config.dp}) * tp({config.tp}) each" if config.stage_tp is None else f"dp({config.dp}) * their tp"
@@ -107,7 +121,7 @@ def _ranks_by_device(cluster: Cluster, config: EstimateConfig) -> list[list[list
     for name in dict.fromkeys(wanted):
         mine = [s for s, n in enumerate(wanted) if n == name]
         free = [r for r, t in enumerate(types) if t == name]
-        for s, ranks in zip(mine, pack_stage_ranks(free, config.dp, [config.tp_of(s) for s in mine])):
+        for s, ranks in zip(mine, pack_stage_ranks(free, config.replica_rows, [config.tp_of(s) for s in mine])):
             groups[s] = ranks
     return groups
 

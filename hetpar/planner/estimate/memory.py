@@ -36,14 +36,17 @@ def rank_memory(model: ModelGraph, config: EstimateConfig, bounds, chunks: list[
     c = config
     tp = c.tp_of(chunks[0] % c.pp)
     layers = [model.layers[l] for k in chunks for l in range(bounds[k][0], bounds[k][1] + 1)]
+    sp = c.sp_of(chunks[0] % c.pp)  # [Note: sequence parallelism costs]
+    if sp:
+        layers = [l.with_sequence_parallel() for l in layers]
     tied = stage_params(model, tp, [bounds[k] for k in chunks], c.ep) - sum(l.params_at(tp) for l in layers)  # and 1/ep experts
-    weights, grads, opt = training_state_bytes(layers, tp=tp, dtype=c.dtype, optimizer=c.optimizer, dp=c.dp,
+    weights, grads, opt = training_state_bytes(layers, tp=tp, dtype=c.dtype, optimizer=c.optimizer, dp=c.replica_rows,
                                                zero_stage=c.zero_of(chunks[0] % c.pp), extra_params=tied)
     per_mb, workspace = {}, 0.0
     for k in chunks:
         first, last = bounds[k]
         inputs = model.layers[first - 1].boundary_bytes if first > 0 else model.input_bytes
-        mine = model.layers[first : last + 1]
+        mine = [l.with_sequence_parallel() if sp else l for l in model.layers[first : last + 1]]
         per_mb[k] = activation_bytes_per_microbatch(mine, tp=tp, micro_batch_size=c.micro_batch_size,
                                                     dtype=c.dtype, recompute=c.recompute_of(k), input_bytes=inputs)
         workspace = max(workspace, recompute_workspace_bytes(mine, tp=tp, micro_batch_size=c.micro_batch_size, dtype=c.dtype,

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from hetpar.cost_models.cluster import Cluster
 from hetpar.cost_models.collectives import (
-    EXCHANGES_PER_DISPATCH, all_gather_time_s, all_to_all_time_s, grad_sync_scale, reduce_scatter_time_s,
-    tensor_parallel_pass_s,
+    EXCHANGES_PER_DISPATCH, all_gather_time_s, all_to_all_time_s, context_exchange_s, grad_sync_scale,
+    reduce_scatter_time_s, tensor_parallel_pass_s,
 )
 from hetpar.cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
 from hetpar.cost_models.devices import DeviceProfile
@@ -65,6 +65,8 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     """One chunk's action seconds; ``memo`` keeps each layer kind's tensor-parallel collectives over one group for the estimate."""
     first, last = bounds
     layers = model.layers[first : last + 1]
+    if config.sp_of(chunk % config.pp):  # [Note: sequence parallelism costs]
+        layers = [l.with_sequence_parallel() for l in layers]
     device = cluster.profile(layout.device_type)
     tp = config.tp_of(chunk % config.pp)
     load = config.expert_imbalance if config.ep > 1 else 1.0  # [Note: expert load]
@@ -84,6 +86,8 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     full = config.recompute_of(chunk) == Recompute.FULL
     gather_fwd, gather_bwd = zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp))
     ep_fwd, ep_bwd = expert_exchange_s(layers, cluster, config, layout, memo)
+    cp_fwd, cp_bwd = context_exchange_total_s(layers, cluster, config, layout, memo)
+    tp_fwd, tp_bwd = tp_fwd + cp_fwd, tp_bwd + cp_bwd  # counted with tensor parallelism's collectives
     return ChunkCost(
         fwd_ep_s=ep_fwd,
         b_ep_s=ep_bwd + (ep_fwd if full else 0.0),
@@ -121,10 +125,29 @@ def expert_exchange_s(layers, cluster: Cluster, config: EstimateConfig, layout: 
     return rows + moe_layers * small, rows
 
 
+def context_exchange_total_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout, memo: dict
+                             ) -> tuple[float, float]:
+    """The context-parallel key and value exchanges of ``layers`` per micro-batch over the stage's
+    first ``cp`` rows, (forward, backward) ([Note: context parallelism costs] in cost_models/collectives.py)."""
+    if config.cp == 1:
+        return 0.0, 0.0
+    group = [replica[0] for replica in layout.ranks[: config.cp]]
+    tp = len(layout.ranks[0])
+    scale = config.micro_batch_size * dtype_bytes(config.dtype) / 4
+    fwd = bwd = 0.0
+    for l in layers:
+        nbytes = l.attention_kv_bytes * scale / (tp if l.tp_capable else 1)
+        key = ("cp", nbytes, tuple(group), tp)
+        if key not in memo:
+            memo[key] = context_exchange_s(nbytes, group, cluster, concurrent=tp)
+        fwd, bwd = fwd + memo[key][0], bwd + memo[key][1]
+    return fwd, bwd
+
+
 def zero3_comm_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout, zero_stage: int) -> tuple[float, float]:
     """ZeRO-3, per micro-batch: gather the weights for forward; gather again and reduce-scatter the gradients in
     backward; data-parallel synchronisation inside the step, so times the device's ``grad_sync_scale``."""
-    if zero_stage < 3 or config.dp == 1:
+    if zero_stage < 3 or config.replica_rows == 1:
         return 0.0, 0.0
     tp = len(layout.ranks[0])
     nbytes = sum(l.params_at(tp) for l in layers) * dtype_bytes(config.dtype)
@@ -164,13 +187,13 @@ def dp_sync_s(params: float, cluster: Cluster, config: EstimateConfig, layout: S
     """The gradient synchronisation of one pipeline rank in a step: an all-reduce; ZeRO-1's reduce-scatter and
     all-gather; ZeRO-2's reduce-scatter after every micro-batch's backward ([Note: ZeRO through FSDP2] in
     runtime/data_parallel.py) and all-gather (ZeRO-3 synchronises per micro-batch, in ``zero3_comm_s``)."""
-    if config.dp == 1 or zero_stage == 3:
+    if config.replica_rows == 1 or zero_stage == 3:
         return 0.0
     nbytes = params * dtype_bytes(config.dtype)
     group, kw = [replica[0] for replica in layout.ranks], {"concurrent": len(layout.ranks[0])}
     scale = grad_sync_scale(cluster.profile(layout.device_type))
     if zero_stage == 0:
-        return sync_seconds(config.sync, params, dtype_bytes(config.dtype), config.dp, cluster.profile(layout.device_type),
+        return sync_seconds(config.sync, params, dtype_bytes(config.dtype), config.replica_rows, cluster.profile(layout.device_type),
                             collective_over(group, cluster, **kw)) * scale
     scatters = config.num_microbatches if zero_stage == 2 else 1
     return (scatters * reduce_scatter_time_s(nbytes, group, cluster, **kw) + all_gather_time_s(nbytes, group, cluster, **kw)) * scale
@@ -185,6 +208,6 @@ def optimizer_s(params: float, tensors: int, sharded_tensors: int, device: Devic
     besides the layers and the gradient sync (docs/profiling.md); datasheet profiles
     have none of these.
     """
-    share = params / config.dp if zero_stage >= 1 else params
+    share = params / config.replica_rows if zero_stage >= 1 else params
     rates = optimizer_rates(device, config.kernel_efficiency)
     return rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[config.optimizer], tensors, sharded_tensors) + rates.fixed_s

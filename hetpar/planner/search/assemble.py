@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from hetpar.planner.costing import Candidate, CostTables, SplitCost, evaluate_split, stage_memory_breakdown
+from hetpar.planner.costing import Candidate, CostTables, SplitCost, evaluate_split, model_variant, stage_memory_breakdown
 from hetpar.planner.estimate import EstimateConfig, EstimateError, equal_split, estimate, stage_devices_of
 from hetpar.planner.model_graph import ModelGraph
 from hetpar.planner.options import SearchOptions, misfit_fix
@@ -23,6 +23,7 @@ def overflow(tables: CostTables) -> float:
 
 def explain_misfit(model: ModelGraph, options: SearchOptions, tables: CostTables) -> str:
     cand = tables.candidate
+    model = model_variant(model, {}, cp=cand.cp)
     bounds = equal_split(tables.num_layers, tables.num_chunks)
     modes = greedy_modes(tables, bounds)
     cost = evaluate_split(tables, bounds, modes)
@@ -81,6 +82,8 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
                 zero_stage=mode.zero_stage if cand.dp > 1 else 0,
                 recompute=mode.recompute,
                 expert_parallel=cand.ep,
+                sequence_parallel=mode.sp,
+                context_parallel=cand.cp,
             )
         )
     predicted = _simulated_prediction(model, cluster, options, cand, bounds, stages) or _linear_prediction(options, tables, bounds, cost)
@@ -91,7 +94,7 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
         micro_batch_size=cand.micro_batch_size,
         num_microbatches=cand.num_microbatches,
         schedule=Schedule(cand.schedule),
-        data_parallel=cand.dp,
+        data_parallel=cand.data_replicas,
         dtype=options.dtype,
         stages=stages,
         predicted=predicted,
@@ -112,13 +115,13 @@ def _simulated_prediction(model: ModelGraph, cluster, options: SearchOptions, ca
     ranks = stages[: cand.pp]
     degrees = tuple(s.tensor_parallel for s in ranks)
     config = EstimateConfig(
-        global_batch_size=options.global_batch_size, dp=cand.dp, tp=degrees[0], pp=cand.pp,
+        global_batch_size=options.global_batch_size, dp=cand.data_replicas, tp=degrees[0], pp=cand.pp,
         micro_batch_size=cand.micro_batch_size, dtype=options.dtype, schedule=cand.schedule, virtual_stages=cand.virtual_stages,
         optimizer=options.optimizer, stage_layers=tuple(b - a + 1 for a, b in bounds),
         stage_devices=stage_devices_of([s.ranks for s in ranks], cluster.device_types()),
         stage_recompute=tuple(s.recompute for s in stages), stage_zero=tuple(s.zero_stage for s in ranks),
         stage_tp=degrees if len(set(degrees)) > 1 else None, sync=cand.sync, ep=cand.ep,
-        expert_imbalance=options.expert_imbalance,
+        expert_imbalance=options.expert_imbalance, cp=cand.cp, stage_sp=tuple(s.sequence_parallel for s in ranks),
     )
     try:
         result = estimate(model, cluster, config)

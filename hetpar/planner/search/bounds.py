@@ -23,6 +23,8 @@ from hetpar.planner.costing import (
     data_parallel_linear,
     layer_columns,
     memo,
+    model_token,
+    model_variant,
     stage_slots,
     sync_linear,
     tp_collectives,
@@ -64,7 +66,8 @@ def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache
         cache: reused across candidates: per-layer times depend only on (tp, micro-batch
             size, device type, the tensor-parallel group's placement).
     """
-    rest, pace, wt = _bound_terms(model, cluster, cand, dtype, {} if cache is None else cache, optimizer)
+    cache = {} if cache is None else cache
+    rest, pace, wt = _bound_terms(model_variant(model, cache, cp=cand.cp), cluster, cand, dtype, cache, optimizer)
     return (rest + wt.round_max * pace) / wt.scale
 
 
@@ -106,6 +109,7 @@ def budget_may_beat(model: ModelGraph, cluster, cand: Candidate, options: Search
     """False when no split of ``cand`` can beat ``cutoff_s``; see [Note: degree budget bound]. True when it does not apply."""
     if len(cand.tp_degrees) == 1 or not cand.tp_sum or cand.virtual_stages > 1:
         return True
+    model = model_variant(model, cache, cp=cand.cp)
     rest, _, wt = _bound_terms(model, cluster, cand, options.dtype, cache, options.optimizer)
     if wt.round_max == 0:
         return True
@@ -136,10 +140,13 @@ def _reach(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, 
     for mode in cand.modes:
         if mode.tp != tp:
             continue
+        # sequence parallelism: less memory, no less time ([Note: sequence parallelism costs])
+        held = layer_columns(model_variant(model, cache, sequence_parallel=True), cluster, device_type, tp,
+                             cand.micro_batch_size, options.dtype, cache) if mode.sp else cols
         full = mode.recompute == Recompute.FULL
         time_s = np.minimum(time_s, (cols.fwd + tp_fwd) * (2 if full else 1) + cols.b_input + cols.weight + tp_bwd)
         state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
-        memory = np.minimum(memory, FRAGMENTATION_MARGIN * (cols.held(cand.ep) * state + in_flight * (cols.inputs if full else cols.saved)))
+        memory = np.minimum(memory, FRAGMENTATION_MARGIN * (held.held(cand.ep) * state + in_flight * (held.inputs if full else held.saved)))
     ok = cols.splits & np.isfinite(time_s)
     time = np.concatenate([[0.0], np.cumsum(np.where(ok, time_s, 0.0))])
     mem = np.concatenate([[0.0], np.cumsum(np.where(ok, memory, 0.0))])
@@ -165,7 +172,7 @@ def _bound_layers(model: ModelGraph, cluster, cand: Candidate, device_type: str,
                   optimizer: str, cache: dict) -> _BoundLayers:
     full_only = all(m.recompute == Recompute.FULL for m in cand.modes)
     zeros = tuple(sorted({m.zero_stage for m in cand.modes}))
-    key = ("bound", device_type, cand.dp, cand.micro_batch_size, tuple(sorted((tp, id(s)) for tp, s in slots.items())), full_only, zeros,
+    key = ("bound", model_token(model, cache), device_type, cand.dp, cand.micro_batch_size, tuple(sorted((tp, id(s)) for tp, s in slots.items())), full_only, zeros,
            dtype, optimizer)
     if key in cache:
         return cache[key]
@@ -255,12 +262,14 @@ def memory_may_fit(model: ModelGraph, cluster, cand: Candidate, options: SearchO
     """False when no split of ``cand`` can fit: the layers' memory, each at its smallest (one micro-batch
     in flight, the most frugal mode, over the devices of its degree), exceeds all devices' memory together."""
     cache = {} if cache is None else cache
+    model = model_variant(model, cache, cp=cand.cp)
     shares = _type_shares(cluster, cand)
     capacity = sum(next(iter(slots.values())).memory_bytes * devices for slots, _, devices in shares.values() if slots)
     device_type = next(iter(shares))
     need = np.full(len(model.layers), np.inf)
     for mode in cand.modes:
-        cols = layer_columns(model, cluster, device_type, mode.tp, cand.micro_batch_size, options.dtype, cache)
+        cols = layer_columns(model_variant(model, cache, sequence_parallel=mode.sp), cluster, device_type, mode.tp,
+                             cand.micro_batch_size, options.dtype, cache)
         state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
         activations = cols.inputs if mode.recompute == Recompute.FULL else cols.saved
         need = np.minimum(need, np.where(cols.splits, mode.tp * (cols.held(cand.ep) * state + activations), np.inf))

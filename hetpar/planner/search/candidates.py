@@ -13,7 +13,7 @@ from hetpar.planner.model_graph import ModelGraph
 from hetpar.planner.options import SearchOptions, check_pins, expert_degrees, pinned_pp
 from hetpar.planner.search.split_model import degree_split
 from hetpar.planner.solver import divisors
-from hetpar.vocabulary import Recompute, Schedule
+from hetpar.vocabulary import Recompute, Schedule, Switch
 
 
 # [Note: search space]
@@ -51,27 +51,52 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
     check_pins(model, cluster, options)
     tp_ok = any(l.tp_capable for l in model.layers)
     out = []
-    for dp in divisors(cluster.world_size):
-        if gbs % dp or (options.dp is not None and options.dp != dp) or dp < options.min_dp:
-            continue
-        for degrees, tp_sum, per_type in _layouts(model, cluster, options, dp, tp_ok):
-            pp = sum(n for _, n in per_type) if per_type else cluster.world_size // (dp * degrees[0])
-            if pp > num_layers or (pinned_pp(options) or pp) != pp:
+    for rows in divisors(cluster.world_size):  # replica rows of each stage: dp data replicas x cp
+        for cp in context_choices(model, options, rows):
+            dp = rows // cp
+            if gbs % dp or (options.dp is not None and options.dp != dp) or dp < options.min_dp:
                 continue
-            for mbs in divisors(gbs // dp):
-                if options.micro_batch_size and mbs != options.micro_batch_size:
-                    continue
-                m = gbs // (dp * mbs)
-                for schedule, v in schedules_for(options, tp=degrees[-1], pp=pp, num_microbatches=m, num_layers=num_layers):
-                    for ep in expert_choices(model, options, dp=dp, virtual_stages=v):
-                        modes = stage_modes(options, dp=dp, schedule=schedule, degrees=degrees, ep=ep)
-                        if modes:
-                            out.append(Candidate(dp=dp, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule=schedule,
-                                                 virtual_stages=v, modes=modes, tp_sum=tp_sum, stages_per_type=per_type,
-                                                 sync=options.sync, ep=ep, expert_load=options.expert_imbalance))
+            out += _candidates_at(model, cluster, options, rows, cp, tp_ok)
     if not out:
         raise PlanningError(_no_candidate_reason(model, cluster, options, tp_ok))
     return out
+
+
+def _candidates_at(model: ModelGraph, cluster, options: SearchOptions, rows: int, cp: int, tp_ok: bool) -> list[Candidate]:
+    """The candidates with ``rows`` replica rows per stage, ``cp`` of them on each sequence."""
+    num_layers, gbs, dp = len(model.layers), options.global_batch_size, rows // cp
+    out = []
+    for degrees, tp_sum, per_type in _layouts(model, cluster, options, rows, tp_ok):
+        pp = sum(n for _, n in per_type) if per_type else cluster.world_size // (rows * degrees[0])
+        if pp > num_layers or (pinned_pp(options) or pp) != pp:
+            continue
+        for mbs in divisors(gbs // dp):
+            if options.micro_batch_size and mbs != options.micro_batch_size:
+                continue
+            m = gbs // (dp * mbs)
+            for schedule, v in schedules_for(options, tp=degrees[-1], pp=pp, num_microbatches=m, num_layers=num_layers):
+                if cp > 1 and v > 1:
+                    continue  # context parallelism runs without virtual stages
+                for ep in expert_choices(model, options, dp=rows, virtual_stages=v) if cp == 1 else (1,):
+                    modes = stage_modes(options, dp=rows, schedule=schedule, degrees=degrees, ep=ep,
+                                        sp_degrees=tuple(d for d in degrees if d > 1 and model.sequence_splits(d)))
+                    if modes:
+                        out.append(Candidate(dp=rows, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule=schedule,
+                                             virtual_stages=v, modes=modes, tp_sum=tp_sum, stages_per_type=per_type,
+                                             sync=options.sync, ep=ep, expert_load=options.expert_imbalance, cp=cp))
+    return out
+
+
+def context_choices(model: ModelGraph, options: SearchOptions, rows: int) -> tuple[int, ...]:
+    """The context-parallel degrees a stage with ``rows`` replica rows may take: powers of two up to
+    --max-cp that divide the rows and cut the sequence into 2 cp chunks; 1 without attention or under
+    another sync method; the pin where there is one ([Note: context parallelism costs])."""
+    if options.cp is not None:
+        return (options.cp,) if rows % options.cp == 0 else ()
+    if not model.context_capable or options.sync is not PLAIN_SYNC or options.ep not in (None, 1):
+        return (1,)
+    return tuple(cp for cp in (2**i for i in range(8)) if cp <= options.max_cp and rows % cp == 0
+                 and model.sequence_length % (2 * cp) == 0)
 
 
 def _layouts(model: ModelGraph, cluster, options: SearchOptions, dp: int, tp_ok: bool):
@@ -193,16 +218,23 @@ def expert_choices(model: ModelGraph, options: SearchOptions, *, dp: int, virtua
 
 
 def stage_modes(options: SearchOptions, *, dp: int, schedule: str, degrees: tuple[int, ...] = (1,),
-                ep: int = 1) -> tuple[StageMode, ...]:
+                ep: int = 1, sp_degrees: tuple[int, ...] = ()) -> tuple[StageMode, ...]:
     """The modes each stage may take; empty when the pins leave none; see [Note: search space].
-    Under expert parallelism (``ep`` > 1) ZeRO stays 0."""
+    Under expert parallelism (``ep`` > 1) ZeRO stays 0. A degree in ``sp_degrees`` runs with
+    sequence parallelism, without it, or both, as --sp says."""
     recomputes = [options.recompute] if options.recompute else [Recompute.NONE, Recompute.FULL]
     shardable = dp > 1 and schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE) and ep == 1
     if options.zero is not None:
         zeros = [options.zero] if options.zero == 0 or shardable else []
     else:
         zeros = [0, 2, 3] if shardable else [0]
-    return tuple(StageMode(recompute=r, zero_stage=z, tp=tp) for tp in degrees for z in zeros for r in recomputes)
+    def sps(tp: int) -> tuple[bool, ...]:
+        if tp not in sp_degrees or options.sequence_parallel == Switch.OFF:
+            return () if options.sequence_parallel == Switch.ON and tp > 1 else (False,)
+        return (True,) if options.sequence_parallel == Switch.ON else (False, True)
+
+    return tuple(StageMode(recompute=r, zero_stage=z, tp=tp, sp=sp) for tp in degrees for sp in sps(tp) for z in zeros
+                 for r in recomputes)
 
 
 def _no_candidate_reason(model: ModelGraph, cluster, options: SearchOptions, tp_ok: bool) -> str:

@@ -315,11 +315,12 @@ def _limit_reason(limits: list[str], options: SearchOptions, gap: float) -> str:
 
 
 def _candidate_dict(c: Candidate) -> dict:
-    return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batch_size": c.micro_batch_size, "schedule": c.schedule,
+    return {"dp": c.data_replicas, **({"cp": c.cp} if c.cp > 1 else {}), "tp": c.tp, "pp": c.pp, "micro_batch_size": c.micro_batch_size, "schedule": c.schedule,
             "virtual_stages": c.virtual_stages}
 
 
 def _mode_lists(tables: CostTables, split: SplitResult) -> dict:
     modes = [tables.candidate.modes[k] for k in split.modes]
     return {"recompute": [m.recompute for m in modes], "zero_stage": [m.zero_stage for m in modes],
-            "tensor_parallel": [m.tp for m in modes]}
+            "tensor_parallel": [m.tp for m in modes],
+            **({"sequence_parallel": [m.sp for m in modes]} if any(m.sp for m in modes) else {})}
