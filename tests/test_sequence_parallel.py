@@ -21,7 +21,7 @@ from hetpar.runtime.model_file import load_model_file
 from hetpar.runtime.sequence import (SequenceError, SequenceGroup, gather_sequence, gathered_for_colwise, reduce_grad,
                                      scatter_sequence, shard_graph, shard_module_stage)
 from hetpar.runtime.shard import ShardError, cut_stage
-from test_distributed import GPT_ARGS, HF_LLAMA, assert_trains_like_one_process
+from test_distributed import GPT_ARGS, HF_GPT2, HF_LLAMA, assert_trains_like_one_process
 
 GPT = ROOT / "examples" / "gpt.py"
 GQA = ROOT / "tests" / "models" / "gqa_fused.py"
@@ -177,6 +177,18 @@ def test_llama_module_stage_on_one_rank_computes_the_model(tmp_path, one_rank):
         torch.testing.assert_close(p.grad, grads[name], msg=name)
 
 
+def test_opt_module_stage_is_refused_in_one_line():
+    tf = pytest.importorskip("transformers")
+    from hetpar.runtime.module_stage import cut_module_stage
+
+    model = tf.OPTForCausalLM(tf.OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4,
+                                           vocab_size=64, max_position_embeddings=32, word_embed_proj_dim=32))
+    names = ["embeddings", "model.decoder.layers.0", "model.decoder.layers.1", "head"]
+    stage = cut_module_stage(model, (torch.zeros(2, 8, dtype=torch.long),), (0, 3), names)
+    with pytest.raises(SequenceError, match=r"^OPT's decoder layers flatten the sequence [^\n]*plan OPT without it$"):
+        shard_module_stage(stage.module, SequenceGroup(2), {})
+
+
 def test_program_passes_sequence_parallel_to_the_cut_only_where_planned():
     from conftest import build_plan
 
@@ -257,6 +269,18 @@ def test_llama_tp2_trains_like_one_process(tmp_path, optimizer):
     pytest.importorskip("transformers")
     plan = _planned(_llama(tmp_path), {})
     _announced(assert_trains_like_one_process(plan, tmp_path, optimizer), plan)
+
+
+@pytest.mark.slow
+def test_gpt2_tp2_trains_like_one_process(tmp_path):
+    """GPT-2's module stages: its tied embedding and head split over the vocabulary, its
+    fused c_attn (a Conv1D) part by part, the position embedding added before the cut."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "hfgpt2.py"
+    path.write_text(HF_GPT2)
+    plan = _planned(path, {})
+    assert any(s.tp_parts for s in plan.stages)
+    assert_trains_like_one_process(plan, tmp_path, "sgd")
 
 
 @pytest.mark.slow
