@@ -410,3 +410,15 @@ def _run(plan: ParallelPlan, out: Path, init_state: dict, optimizer: str, args: 
                            "--save-final", "final.pt", "--metrics", "m.jsonl", *args])
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out / "final.pt", weights_only=True), result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,args", [(GPT, GPT_ARGS), (ZOO, LLAMA_ARGS)], ids=["gpt", "llama"])
+def test_with_sequence_parallelism_trains_like_one_process(tmp_path, model, args):
+    """Sequence parallelism shards each rank's T / cp tokens again over its tp ranks between
+    the attention and MLP blocks; attention still sees the rank's whole share."""
+    if model == ZOO:
+        pytest.importorskip("transformers")
+    plan = cp_plan(model, args, cp=2, tp=2)
+    plan = dataclasses.replace(plan, stages=[dataclasses.replace(s, sequence_parallel=True) for s in plan.stages])
+    _trains_like_one_process(plan, tmp_path, "sgd")
