@@ -24,7 +24,6 @@ from hetpar.runtime.shard import ShardError, cut_stage
 from test_distributed import GPT_ARGS, HF_GPT2, HF_LLAMA, assert_trains_like_one_process
 
 GPT = ROOT / "examples" / "gpt.py"
-GQA = ROOT / "tests" / "models" / "gqa_fused.py"
 BLOCK_TP = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise", "mlp.fc": "colwise",
             "mlp.proj": "rowwise"}
 
@@ -139,6 +138,14 @@ def test_sequence_that_tp_does_not_divide_is_refused_in_one_line():
         _gpt_stage(args={**GPT_ARGS, "seq_len": 15})
 
 
+def test_llama_sequence_that_tp_does_not_divide_is_refused_in_one_line(tmp_path):
+    pytest.importorskip("transformers")
+    model_file = load_model_file(_llama(tmp_path), {})
+    names = ["embeddings", "model.layers.0", "model.layers.1", "head"]
+    with pytest.raises(ShardError, match=r"^sequence parallelism splits the sequence of 16 over tp\(3\)"):
+        cut_stage(model_file.build_model(), model_file, 2, (0, 3), names, tensor_parallel=3, sequence_parallel=True)
+
+
 def test_sequence_parallel_needs_tensor_parallel():
     with pytest.raises(ShardError, match=r"needs tensor_parallel > 1"):
         _gpt_stage(tp=1)
@@ -161,7 +168,7 @@ def test_llama_module_stage_on_one_rank_computes_the_model(tmp_path, one_rank):
     tokens = model_file.example_inputs(2)[0].random_(0, 128)
     stage = cut_module_stage(model, (tokens,), (0, 3), names)
     tp_sharding = {f"model.layers.{i}.{p}": "colwise" for i in range(2) for p in ("self_attn.q_proj", "mlp.up_proj")}
-    shard_module_stage(stage.module, one_rank, tp_sharding)
+    shard_module_stage(stage.module, one_rank, tp_sharding, tokens.shape[1])
     norms = [m for n, m in stage.module.named_modules() if n.endswith("layernorm") or n == "model.norm"]
     assert len(norms) == 5 and all(m._forward_pre_hooks for m in norms)
     attention = stage.module.get_submodule("model.layers.0.self_attn")
@@ -186,7 +193,7 @@ def test_opt_module_stage_is_refused_in_one_line():
     names = ["embeddings", "model.decoder.layers.0", "model.decoder.layers.1", "head"]
     stage = cut_module_stage(model, (torch.zeros(2, 8, dtype=torch.long),), (0, 3), names)
     with pytest.raises(SequenceError, match=r"^OPT's decoder layers flatten the sequence [^\n]*plan OPT without it$"):
-        shard_module_stage(stage.module, SequenceGroup(2), {})
+        shard_module_stage(stage.module, SequenceGroup(2), {}, 8)
 
 
 def test_program_passes_sequence_parallel_to_the_cut_only_where_planned():
@@ -255,11 +262,11 @@ def test_gpt_tp2_by_dp2_trains_like_one_process(tmp_path, zero):
 
 
 @pytest.mark.slow
-def test_fused_qkv_gpt_tp2_trains_like_one_process(tmp_path):
-    """tests/models/gqa_fused.py: one Linear makes q, k and v, split part by part ([Note:
-    part-laid Linears] in runtime/parts.py), reading one gathered input."""
-    plan = _planned(GQA, {})
-    assert any(s.tp_parts for s in plan.stages)
+@pytest.mark.parametrize("model", ["gqa_fused", "megatron_fused", "mingpt_fused"])
+def test_fused_qkv_gpt_tp2_trains_like_one_process(tmp_path, model):
+    """GPTs whose one Linear makes q, k and v: split part by part ([Note: part-laid
+    Linears] in runtime/parts.py) or per head (Megatron's layout), reading one gathered input."""
+    plan = _planned(ROOT / "tests" / "models" / f"{model}.py", {})
     assert_trains_like_one_process(plan, tmp_path, "adamw")
 
 

@@ -294,6 +294,12 @@ def save_gathered_as_shard(seq: SequenceGroup) -> torch.autograd.graph.saved_ten
 
 _SHARD_OF_GATHERED = object()
 
+def _check_length(sequence_length: int, tp: int) -> None:
+    if sequence_length % tp:
+        raise SequenceError(f"sequence parallelism splits the sequence of {sequence_length} over tp({tp}), which does "
+                            f"not divide it; choose a sequence length that tp divides or plan without it")
+
+
 # ----------------------------------------------------------------------------- module stages
 
 _NORM_NAMES = ("Norm", "Dropout")
@@ -305,7 +311,8 @@ def _token_local_module(module: nn.Module) -> bool:
     return isinstance(module, _TOKEN_LOCAL_MODULES) or any(n in type(module).__name__ for n in _NORM_NAMES)
 
 
-def shard_module_stage(stage: nn.Module, seq: SequenceGroup, tp_sharding: dict[str, str]) -> None:
+def shard_module_stage(stage: nn.Module, seq: SequenceGroup, tp_sharding: dict[str, str], sequence_length: int
+                       ) -> None:
     """Make a Hugging Face module stage (runtime.module_stage.DecoderStage) run its
     residual stream sharded over the sequence, with hooks; see [Note: sequence parallelism].
 
@@ -316,10 +323,12 @@ def shard_module_stage(stage: nn.Module, seq: SequenceGroup, tp_sharding: dict[s
     run on the shard; the stage gathers before its head (``DecoderStage.forward``).
 
     Raises:
-        SequenceError: the stage's family does not keep its blocks' children so (OPT).
+        SequenceError: the stage's family does not keep its blocks' children so (OPT),
+            or tp does not divide ``sequence_length``.
     """
     from hetpar.vocabulary import Sharding
 
+    _check_length(sequence_length, seq.tp)
     try:
         blocks, norms, head = stage.sequence_layout()
     except ValueError as exc:
@@ -428,9 +437,7 @@ class _GraphSharder:
             raise SequenceError(f"{rows[0].target} gives {sorted(shapes)}; sequence parallelism shards one "
                                 f"[batch, sequence, hidden] residual stream per stage: plan this stage without it")
         self.batch, self.sequence, self.hidden = shape
-        if self.sequence % self.seq.tp:
-            raise SequenceError(f"sequence parallelism splits the sequence of {self.sequence} over tp({self.seq.tp}), "
-                                f"which does not divide it; choose a sequence length that tp divides or plan without it")
+        _check_length(self.sequence, self.seq.tp)
         for node in list(graph.nodes):
             self._visit(node)
         both = sorted(set(self.sharded_modules) & set(self.plain_modules))
@@ -454,7 +461,7 @@ class _GraphSharder:
             return
         inputs = [a for a in node.all_input_nodes if a in self.state]
         states = {self.state[a] for a in inputs}
-        if _SHARDED in states and self._is_shape_read(node):
+        if _SHARDED in states and self._is_shape_read(node) and node.name in self.values:
             self._fold(node)
             return
         kind = self.kinds.get(node.target) if node.op == "call_module" else None
@@ -525,7 +532,7 @@ class _GraphSharder:
         for arg in node.all_input_nodes:
             value = self.values.get(arg.name)
             if self.state.get(arg) == _SHARDED:
-                if value.ndim != out.ndim:
+                if not isinstance(value, torch.Tensor) or value.ndim != out.ndim:
                     return False
             elif isinstance(value, torch.Tensor) and self._scatter_dim(value, out) == "no":
                 return False

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from hetpar.runtime.context import (ContextParallelError, ContextSplit, apply_to_decoder, apply_to_graph,
-                                    local_example)
+                                    local_example, require_attention)
 from hetpar.runtime.graph import Stage, build_stage, record_values, trace_layers
 from hetpar.runtime.model_file import ModelFile
 from hetpar.runtime.module_stage import cut_module_stage, localise_attention
@@ -109,7 +109,7 @@ def cut_stage(
             _context_call(apply_to_decoder, stage.module, split)
         if sequence_parallel:
             _sequence_call(shard_module_stage, stage.module, _sequence_group(stage.module, tensor_parallel, recompute),
-                           tp_sharding or {})
+                           tp_sharding or {}, example[0].shape[1])
         return stage
     layered = trace_layers(model, leaf_modules, example_inputs=example)  # torch.fx, else torch.export
     if list(layered.layer_names) != list(layer_names):
@@ -117,6 +117,11 @@ def cut_stage(
             f"{model_file.path.name} now has layers {list(layered.layer_names)}, "
             f"the program was compiled for {list(layer_names)}; re-run hetpar plan and compile"
         )
+    if split is not None:  # before the meta run: a model without attention may fail it on a cut dimension 1
+        if layered.capture != "fx":
+            raise ShardError(f"context parallelism of {model_file.path.name}: a model captured with torch.export is "
+                             f"not supported (only fx-traced models and Hugging Face decoders)")
+        _context_call(require_attention, layered.gm, model_file.path.name)
     values = record_values(layered, example)
     stage = build_stage(layered, values, layers[0], layers[1])
     if layered.capture == "export" and any(p.is_meta for p in model.parameters()):
@@ -125,9 +130,6 @@ def cut_stage(
         _localise(stage, example, tensor_parallel, tp_sharding)
     node_layer = layered.node_layer
     if split is not None:
-        if layered.capture != "fx":
-            raise ShardError(f"context parallelism of {model_file.path.name}: a model captured with torch.export is "
-                             f"not supported (only fx-traced models and Hugging Face decoders)")
         node_layer = dict(node_layer)
         local_len = next(t.shape[1] for t in example if isinstance(t, torch.Tensor))
         _context_call(apply_to_graph, stage.module, values, node_layer, local_len, split)
