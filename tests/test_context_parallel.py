@@ -242,7 +242,8 @@ def example_inputs(batch_size, **_):
 
 
 @pytest.mark.parametrize("attention,message", [
-    ("y = torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v", r"a softmax of a product of two activations"),
+    ("y = F.scaled_dot_product_attention(q, k, v, is_causal=True) + torch.softmax(q @ k.transpose(-2, -1), -1) @ v",
+     r"a softmax of a product of two activations"),
     ("y = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))",
      r"scaled_dot_product_attention with an explicit attn_mask"),
 ], ids=["by_hand", "attn_mask"])
@@ -283,6 +284,26 @@ def test_positions_not_read_from_the_sequence_and_multihead_attention_are_refuse
 
     with pytest.raises(ContextParallelError, match=r"nn.MultiheadAttention under context parallelism"):
         apply_to_graph(torch.fx.GraphModule(gm, gm.graph), {}, {}, 8, ContextSplit(cp=1, index=0))
+
+
+def test_models_without_attention_or_captured_by_export_are_refused(one_rank_cp_mesh, tmp_path):
+    mlp = load_model_file(ROOT / "examples" / "mlp.py", {})  # its dimension 1 is features, not a sequence
+    names = list(trace_layers(mlp.build_model()).layer_names)
+    with pytest.raises(ShardError, match=r"context parallelism of mlp.py: the model calls no "
+                                         r"F.scaled_dot_product_attention"):
+        cut_stage(mlp.build_model(), mlp, 2, (0, len(names) - 1), names, cp_mesh=one_rank_cp_mesh)
+    path = tmp_path / "branchy.py"  # a branch on a shape: torch.fx cannot trace it, torch.export can
+    branch = "y = F.scaled_dot_product_attention(q, k, v, is_causal=True)\n        if x.shape[1] > 1:\n" \
+             "            y = y * 2"
+    path.write_text(HAND_WRITTEN.replace("MASKED", branch))
+    model_file = load_model_file(path, {})
+    model = model_file.build_model()
+    layered = trace_layers(model, example_inputs=model_file.example_inputs(2))
+    assert layered.capture == "export"
+    names = list(layered.layer_names)
+    with pytest.raises(ShardError, match=r"context parallelism of branchy.py: a model captured with torch.export is "
+                                         r"not supported"):
+        cut_stage(model, model_file, 2, (0, len(names) - 1), names, cp_mesh=one_rank_cp_mesh)
 
 
 def test_hugging_face_gpt2_is_refused(one_rank_cp_mesh):

@@ -304,16 +304,13 @@ def apply_to_graph(module: fx.GraphModule, values: dict[str, Any], node_layer: d
     """
     graph = module.graph
     _refuse_other_attention(module)
-    module.add_submodule(POSITIONS, ContextPositions(split))
-    module.add_submodule(ATTENTION, ContextAttention(split))
     replaced = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is torch.arange and _counts_the_sequence(node, values, local_len):
-            end = node.args[-1] if node.args else node.kwargs["end"]
             kwargs = {k: node.kwargs[k] for k in ("device", "dtype") if k in node.kwargs}
-            _replace(graph, node, POSITIONS, (end,), kwargs, node_layer)
+            _replace(graph, node, POSITIONS, (node.args[0],), kwargs, node_layer, split)
         elif node.target is F.scaled_dot_product_attention:
             bound = dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
             if bound.get("attn_mask") is not None:
@@ -321,15 +318,34 @@ def apply_to_graph(module: fx.GraphModule, values: dict[str, Any], node_layer: d
                                            f"context parallelism masks by position (is_causal=True) and cannot tell "
                                            f"what this mask means")
             kwargs = {k: bound[k] for k in ("is_causal", "dropout_p", "scale", "enable_gqa") if k in bound}
-            _replace(graph, node, ATTENTION, (bound["query"], bound["key"], bound["value"]), kwargs, node_layer)
+            _replace(graph, node, ATTENTION, (bound["query"], bound["key"], bound["value"]), kwargs, node_layer,
+                     split)
             replaced += 1
     graph.lint()
     module.recompile()
     return replaced
 
 
+def require_attention(model: fx.GraphModule, name: str) -> None:
+    """Raise unless the traced whole model calls ``F.scaled_dot_product_attention``: a
+    model without attention has no sequence that context parallelism knows to split
+    (its dimension 1 may be features).
+
+    Raises:
+        ContextParallelError: no attention call in the model.
+    """
+    if not any(n.op == "call_function" and n.target is F.scaled_dot_product_attention for n in model.graph.nodes):
+        raise ContextParallelError(f"context parallelism of {name}: the model calls no F.scaled_dot_product_attention, "
+                                   f"so it has no sequence to split over ranks; plan it without context parallelism")
+
+
 def _replace(graph: fx.Graph, node: fx.Node, target: str, args: tuple, kwargs: dict,
-             node_layer: dict[str, int]) -> None:
+             node_layer: dict[str, int], split: ContextSplit) -> None:
+    """``node`` replaced by a call of the submodule ``target`` (``POSITIONS`` or
+    ``ATTENTION``, added on first use)."""
+    module = graph.owning_module
+    if not hasattr(module, target):
+        module.add_submodule(target, (ContextPositions if target == POSITIONS else ContextAttention)(split))
     with graph.inserting_before(node):
         new = graph.call_module(target, args, kwargs)
     new.meta = dict(node.meta)
@@ -487,6 +503,7 @@ __all__ = [
     "hf_context_attention",
     "local_example",
     "local_positions",
+    "require_attention",
     "split_batches",
     "split_sequence",
 ]
