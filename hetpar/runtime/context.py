@@ -31,8 +31,8 @@ positions: query position >= key position, and within the sliding window where t
 model has one. The mask is [T / cp, T], never the global T x T. torch's
 ``scaled_dot_product_attention`` with an explicit mask runs on CPU (gloo) and CUDA
 (nccl) alike; on CUDA a boolean mask rules out the flash kernel, so it runs the
-memory-efficient one. Why an all-gather rather than a ring (Ring Attention passes key-value
-blocks round the group, overlapping each step with compute): Llama 3 (Dubey et al.
+memory-efficient one. Why an all-gather rather than a ring (Ring Attention passes
+key-value blocks round the group, overlapping each step with compute): Llama 3 (Dubey et al.
 2024, "The Llama 3 Herd of Models", section 3.3.2) uses all-gather-based context
 parallelism because it supports any mask (document masks, sliding windows) and the keys
 and values are small under grouped-query attention (a few key-value heads), so the
@@ -54,9 +54,13 @@ stages are the same row, and the tensors between stages are [b, T / cp, h] (the 
 is cut from a local example, ``local_example``, so its receive shapes are the local ones).
 
 Refused (one line): a sequence length that 2 cp does not divide, an input without a
-sequence dimension, an attention written by hand (a softmax of a product of two
-activations) or with an explicit mask, ``nn.MultiheadAttention``, a non-Hugging Face
-model captured with torch.export, a Hugging Face family other than the Llama-like ones.
+sequence dimension, a model that calls no ``F.scaled_dot_product_attention`` (its
+dimension 1 need not be a sequence), an attention written by hand (a softmax of a
+product of two activations) or with an explicit mask, ``nn.MultiheadAttention``, an
+``arange`` as long as the rank's sequence but not read from its shape, a non-Hugging
+Face model captured with torch.export, GPT-2 and OPT module stages (learned positions
+outside the Llama-like forward). Not detected: attention inside a leaf module, and
+positions baked into a constant tensor (torch.fx folds ``torch.arange(16)``).
 """
 
 from __future__ import annotations
