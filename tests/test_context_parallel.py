@@ -64,8 +64,10 @@ GLOBAL_BATCH = 8
 def cp_plan(model: Path, args: dict, *, cp: int, dp: int = 1, tp: int = 1, pp: int = 1, micro_batch_size: int = 2,
             **pins) -> ParallelPlan:
     """The planner's plan of dp * cp x tp x pp ranks, its rows then made cp context ranks
-    of each of dp data replicas (until ``hetpar plan`` searches over cp): each replica's
-    micro-batches hold cp times the rows, so the global batch stays."""
+    of each of dp data replicas by hand (so that the runtime's tests do not hang on what
+    the search prices; ``test_plans_the_search_makes_with_cp_train_like_one_process``
+    runs the search's own): each replica's micro-batches hold cp times the rows, so the
+    global batch stays."""
     options = SearchOptions(global_batch_size=GLOBAL_BATCH, dtype="fp32", **{"schedule": "1f1b", **pins}, dp=dp * cp,
                             tp=tp, pp=pp, micro_batch_size=micro_batch_size)
     plan = plan_model(model, parse_cluster(f"1x{dp * cp * tp * pp}xcpu"), options, model_args=args)
@@ -443,3 +445,17 @@ def test_with_sequence_parallelism_trains_like_one_process(tmp_path, model, args
     plan = cp_plan(model, args, cp=2, tp=2)
     plan = dataclasses.replace(plan, stages=[dataclasses.replace(s, sequence_parallel=True) for s in plan.stages])
     _trains_like_one_process(plan, tmp_path, "sgd")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,args,pins", [(GPT, GPT_ARGS, dict(tp=1, pp=2)), (ZOO, LLAMA_ARGS, dict(tp=2, pp=1))],
+                         ids=["gpt_cp2_pp2", "llama_cp2_tp2"])
+def test_plans_the_search_makes_with_cp_train_like_one_process(tmp_path, model, args, pins):
+    """End to end: ``hetpar plan --cp 2`` (the search's own layer split and sharding) compiled and run."""
+    if model == ZOO:
+        pytest.importorskip("transformers")
+    options = SearchOptions(global_batch_size=GLOBAL_BATCH, dtype="fp32", schedule="1f1b", dp=1, cp=2,
+                            micro_batch_size=2, **pins)
+    plan = plan_model(model, parse_cluster("1x4xcpu"), options, model_args=args)
+    assert (plan.data_parallel, plan.context_parallel, plan.global_batch_size) == (1, 2, GLOBAL_BATCH)
+    _trains_like_one_process(plan, tmp_path, "adamw")
