@@ -104,6 +104,23 @@ def test_fx_gpt_stage_scatters_after_the_embeddings_and_gathers_at_the_edges():
     assert not any(n.target is getattr and n.args[1] == "shape" and n.args[0].op == "call_module" for n in nodes)
 
 
+GQA_TP = {"self_attn.qkv_proj": "colwise", "self_attn.o_proj": "rowwise", "mlp.gate_up_proj": "colwise",
+          "mlp.down_proj": "rowwise"}
+
+
+def test_inlined_norms_read_their_weights_through_reduce_grad_and_device_reads_gather_nothing():
+    """tests/models/gqa_fused.py: its RMSNorm is traced through (``x * rsqrt(...) *
+    self.weight``, the weight a get_attr), its rotary tables read ``x.device``."""
+    tp_sharding = {f"layers.{i}.{path}": kind for i in range(2) for path, kind in GQA_TP.items()}
+    _, _, stage = _gpt_stage(path=ROOT / "tests" / "models" / "gqa_fused.py", args={}, tp_sharding=tp_sharding)
+    calls = [n.target.__name__ for n in stage.module.graph.nodes if n.op == "call_function"
+             and n.target.__module__ == "hetpar.runtime.sequence"]
+    # one scatter after the embedding, one gather per colwise input, a plain one before the unsplit head
+    assert calls.count("scatter_sequence") == 1 and calls.count("gather_sequence") == 1
+    assert calls.count("gather_sequence_for_colwise") == 4
+    assert calls.count("reduce_grad") == 5  # two norms per layer and the final one
+
+
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_fx_gpt_stage_under_recompute_keeps_the_collectives_in_its_layers(recompute):
     _, _, stage = _gpt_stage(recompute)

@@ -383,7 +383,9 @@ _TOKEN_LOCAL_METHODS = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt
                         "float", "to", "type_as", "contiguous"}
 _LAST_DIM_METHODS = {"mean", "sum", "var", "norm", "amax"}
 _TOKEN_LOCAL_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.Dropout, nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Identity)
-_SHAPE_READS = {"shape", "size", "dim"}
+_SHAPE_READS = {"shape", "size"}
+# Reads a shard answers as the whole value would (``x.device`` for an ``arange``): no gather.
+_ALIKE_READS = {"device", "dtype", "ndim", "dim", "is_cuda", "get_device"}
 
 
 def shard_graph(module: fx.GraphModule, values: dict[str, Any], node_layer: dict[str, int],
@@ -461,8 +463,11 @@ class _GraphSharder:
             return
         inputs = [a for a in node.all_input_nodes if a in self.state]
         states = {self.state[a] for a in inputs}
-        if _SHARDED in states and self._is_shape_read(node) and node.name in self.values:
+        if _SHARDED in states and self._reads(node, _SHAPE_READS) and node.name in self.values:
             self._fold(node)
+            return
+        if self._reads(node, _ALIKE_READS):
+            self.state[node] = _REPLICATED
             return
         kind = self.kinds.get(node.target) if node.op == "call_module" else None
         if kind is not None:
@@ -487,10 +492,12 @@ class _GraphSharder:
             self._gather_args(node, partial_grad=False)
             self.state[node] = _REPLICATED
 
-    def _is_shape_read(self, node: fx.Node) -> bool:
+    @staticmethod
+    def _reads(node: fx.Node, attributes: set[str]) -> bool:
+        """Whether ``node`` reads one of ``attributes`` of a tensor (``x.shape``, ``x.size(1)``)."""
         if node.op == "call_function" and node.target is getattr:
-            return node.args[1] in _SHAPE_READS
-        return node.op == "call_method" and node.target in _SHAPE_READS
+            return node.args[1] in attributes
+        return node.op == "call_method" and node.target in attributes
 
     def _fold(self, node: fx.Node) -> None:
         """Replace a shape read of a sharded value by the whole micro-batch's shape."""

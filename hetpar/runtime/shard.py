@@ -441,8 +441,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
             for path, kind in tp_sharding.items():
                 if kind in _COLWISE_KINDS:
                     _save_gathered_as_shard(module.get_submodule(path), seq)
-        for stage_module in chunk_modules(module):
+        for stage_module in chunk_modules(module):  # a forward's record of its gathers lives as long as it
             stage_module.register_forward_pre_hook(seq.forget)
+            stage_module.register_forward_hook(seq.forget)
 
 
 def _save_gathered_as_shard(module: nn.Module, seq: SequenceGroup) -> None:
