@@ -23,8 +23,8 @@ depends on a token's place in the sequence takes the rank's global positions
 the position ids (and so the rotary tables) are the rank's positions.
 
 Attention (``context_attention``). Each rank all-gathers the keys and values of its
-group (an autograd function: the forward is ``all_gather_into_tensor`` along the
-sequence, the backward ``reduce_scatter_tensor`` of their gradients, so each rank gets
+group (an autograd function: the forward is an all-gather along the sequence, the
+backward a reduce-scatter of their gradients, so each rank gets
 the sum of every query's gradient for its keys and values), puts the gathered chunks in
 global order and attends its own queries to all keys under a boolean mask made from
 positions: query position >= key position, and within the sliding window where the
@@ -168,6 +168,12 @@ def local_example(example: tuple, cp: int) -> tuple:
 # ----------------------------------------------------------------------------- attention
 
 
+# torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor for the same
+# calls named *_single; an older torch has only the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _AllGather(torch.autograd.Function):
     """All-gather along dimension 0 over ``group``; the backward reduce-scatters (sums)
     the gradients back to their ranks."""
@@ -176,13 +182,13 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _ALL_GATHER(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        _REDUCE_SCATTER(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
 
 
