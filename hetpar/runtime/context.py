@@ -25,9 +25,9 @@ the position ids (and so the rotary tables) are the rank's positions.
 Attention (``context_attention``). Each rank all-gathers the keys and values of its
 group (an autograd function: the forward is an all-gather along the sequence, the
 backward a reduce-scatter of their gradients, so each rank gets the sum of every
-query's gradient for its keys and values), puts the gathered chunks in global order and attends its own queries to all keys under a boolean mask made from
-positions: query position >= key position, and within the sliding window where the
-model has one. The mask is [T / cp, T], never the global T x T. torch's
+query's gradient for its keys and values), puts the gathered chunks in global order
+and attends its own queries to all keys under a boolean mask made from positions:
+query position >= key position, and within the sliding window where the model has one. The mask is [T / cp, T], never the global T x T. torch's
 ``scaled_dot_product_attention`` with an explicit mask runs on CPU (gloo) and CUDA
 (nccl) alike; on CUDA a boolean mask rules out the flash kernel, so it runs the
 memory-efficient one. Why an all-gather rather than a ring (Ring Attention passes
