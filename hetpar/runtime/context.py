@@ -24,21 +24,21 @@ the position ids (and so the rotary tables) are the rank's positions.
 
 Attention (``context_attention``). Each rank all-gathers the keys and values of its
 group (an autograd function: the forward is an all-gather along the sequence, the
-backward a reduce-scatter of their gradients, so each rank gets the sum of every query's
-gradient for its keys and values), puts the gathered chunks in global order and attends
-its own queries to all keys under a boolean mask made from positions: query position >=
-key position, and within the sliding window where the model has one. The mask is [T/cp,
-T], never the global T x T. torch's ``scaled_dot_product_attention`` with an explicit
-mask runs on CPU (gloo) and CUDA (nccl) alike; on CUDA a boolean mask rules out the
-flash kernel, so it runs the memory-efficient one. Why an all-gather rather than a ring
-(Ring Attention passes key-value blocks round the group, overlapping each step with
-compute): Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.2) uses
-all-gather-based context parallelism because it supports any mask (document masks,
-sliding windows) and the keys and values are small under grouped-query attention (a few
-key-value heads), so the gather costs little next to the attention itself. In an fx
-stage every call of ``F.scaled_dot_product_attention`` (without an explicit
-``attn_mask``) becomes a call of ``ContextAttention``; a Hugging Face module stage's
-attention modules call ``hf_context_attention`` through transformers'
+backward a reduce-scatter of their gradients, so each rank gets the sum of every
+query's gradient for its keys and values), puts the gathered chunks in global order and
+attends its own queries to all keys under a boolean mask made from positions: query
+position >= key position, and within the sliding window where the model has one. The
+mask is [T/cp, T], never the global T x T. torch's ``scaled_dot_product_attention``
+with an explicit mask runs on CPU (gloo) and CUDA (nccl) alike; on CUDA a boolean mask
+rules out the flash kernel, so it runs the memory-efficient one. Why an all-gather
+rather than a ring (Ring Attention passes key-value blocks round the group, overlapping
+each step with compute): Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models",
+section 3.3.2) uses all-gather-based context parallelism because it supports any mask
+(document masks, sliding windows) and the keys and values are small under grouped-query
+attention (a few key-value heads), so the gather costs little next to the attention
+itself. In an fx stage every call of ``F.scaled_dot_product_attention`` (without an
+explicit ``attn_mask``) becomes a call of ``ContextAttention``; a Hugging Face module
+stage's attention modules call ``hf_context_attention`` through transformers'
 ``AttentionInterface`` (the stage's own copy of the config names it in
 ``_attn_implementation``).
 
