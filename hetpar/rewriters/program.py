@@ -348,6 +348,8 @@ def _model_shard(plan: ParallelPlan, f: Features) -> str:
             "",
             "# tensor parallel: shard the stage's Linears column- or row-wise over its tp ranks (on meta: nothing "
             "allocated yet)",
+            *(["# (sequence_parallel: rowwise outputs reduce-scattered over the sequence, colwise inputs gathered)"]
+              if f.sequence_parallel else []),
             "if stage_plan.tensor_parallel > 1:",
             "    shard.apply_tensor_parallel(model_shard, groups.tp_mesh, stage_plan.tp_sharding, stage_plan.tp_parts)",
         ]
