@@ -294,21 +294,39 @@ def save_gathered_as_shard(seq: SequenceGroup) -> torch.autograd.graph.saved_ten
 
 _SHARD_OF_GATHERED = object()
 
+
 def _check_length(sequence_length: int, tp: int) -> None:
     if sequence_length % tp:
         raise SequenceError(f"sequence parallelism splits the sequence of {sequence_length} over tp({tp}), which does "
                             f"not divide it; choose a sequence length that tp divides or plan without it")
 
 
+# ----------------------------------------------------------------------------- what runs on a shard
+
+_REPLICATED, _SPLIT, _SHARDED = "replicated", "split", "sharded"
+
+# Ops that act on each token alone (elementwise, or over the last dimension only).
+_TOKEN_LOCAL_FUNCTIONS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.rsqrt, torch.sqrt, torch.tanh, torch.exp,
+    torch.sigmoid, torch.relu, torch.pow,
+    F.gelu, F.silu, F.relu, F.dropout, F.layer_norm, F.rms_norm, F.tanh, F.sigmoid,
+}
+_TOKEN_LOCAL_METHODS = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "tanh", "exp", "sigmoid", "relu",
+                        "float", "to", "type_as", "contiguous"}
+_LAST_DIM_METHODS = {"mean", "sum", "var", "norm", "amax"}
+_TOKEN_LOCAL_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.Dropout, nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Identity)
+
 # ----------------------------------------------------------------------------- module stages
 
-_NORM_NAMES = ("Norm", "Dropout")
+# A model's own token-local modules, by how their class names end (``LlamaRMSNorm``,
+# ``GemmaRMSNorm``); a BatchNorm or GroupNorm mixes tokens and is not one.
+_TOKEN_LOCAL_NAMES = ("LayerNorm", "RMSNorm", "Dropout")
 
 
 def _token_local_module(module: nn.Module) -> bool:
-    """A module that acts on each token alone: a norm (nn's or a model's own, as its class
-    name says: ``LlamaRMSNorm``) or dropout."""
-    return isinstance(module, _TOKEN_LOCAL_MODULES) or any(n in type(module).__name__ for n in _NORM_NAMES)
+    """A module that acts on each token alone: a norm over the features or dropout."""
+    return isinstance(module, _TOKEN_LOCAL_MODULES) or type(module).__name__.endswith(_TOKEN_LOCAL_NAMES)
 
 
 def shard_module_stage(stage: nn.Module, seq: SequenceGroup, tp_sharding: dict[str, str], sequence_length: int
@@ -370,19 +388,6 @@ def _scatter_whole_output(seq: SequenceGroup) -> Callable:
 
 # ----------------------------------------------------------------------------- fx stages
 
-_REPLICATED, _SPLIT, _SHARDED = "replicated", "split", "sharded"
-
-# Ops that act on each token alone (elementwise, or over the last dimension only).
-_TOKEN_LOCAL_FUNCTIONS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
-    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.rsqrt, torch.sqrt, torch.tanh, torch.exp,
-    torch.sigmoid, torch.relu, torch.pow,
-    F.gelu, F.silu, F.relu, F.dropout, F.layer_norm, F.rms_norm, F.tanh, F.sigmoid,
-}
-_TOKEN_LOCAL_METHODS = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "tanh", "exp", "sigmoid", "relu",
-                        "float", "to", "type_as", "contiguous"}
-_LAST_DIM_METHODS = {"mean", "sum", "var", "norm", "amax"}
-_TOKEN_LOCAL_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.Dropout, nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Identity)
 _SHAPE_READS = {"shape", "size"}
 # Reads a shard answers as the whole value would (``x.device`` for an ``arange``): no gather.
 _ALIKE_READS = {"device", "dtype", "ndim", "dim", "is_cuda", "get_device"}
