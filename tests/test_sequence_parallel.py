@@ -433,3 +433,12 @@ def test_sequence_parallel_saves_one_tp_th_of_the_blocks_activations(tmp_path):
     assert saved["sp"] < saved["tp"] < saved["tp1"]
     blocks_sp = saved["sp"] - head_input  # what is left is 1/tp of the one-process blocks, embeddings and ln_f
     assert abs(blocks_sp - (saved["tp1"] - head_input) / 2) <= 0.05 * saved["tp1"] / 2, saved
+
+
+@pytest.mark.slow
+def test_gpt_tp2_by_pp2_zero_bubble_trains_like_one_process(tmp_path):
+    """Zero-bubble's W actions compute weight gradients apart from the input gradients:
+    the colwise inputs kept as shards are gathered again there, alike on both tp ranks."""
+    plan = _planned(GPT, GPT_ARGS, pp=2, schedule="zb")
+    assert plan.schedule == "zb"
+    assert_trains_like_one_process(plan, tmp_path, "adamw")
