@@ -42,24 +42,31 @@ node, a norm may be inlined as ``call_function``s on ``get_attr`` weights, and t
 embedding's output meets a position embedding of shape ``[S, H]``; a DTensor style only
 sees modules. ``shard_graph`` walks the stage graph once and gives every value a state:
 replicated, split (features, after a colwise Linear), or sharded (sequence). An op
-known to be token-local (elementwise, a norm over the last dimension, dropout) whose
-output is the residual stream's ``[B, S, H]`` or that reads a sharded value runs
-sharded: its replicated inputs are scattered (a broadcast partner such as ``[S, H]``
+known to be token-local (elementwise, a norm over the last dimension, dropout) that
+reads no split value, and whose output is the residual stream's ``[B, S, H]`` (the
+rowwise outputs' shape) or that reads a sharded value, runs sharded: its replicated inputs are scattered (a broadcast partner such as ``[S, H]``
 along its own sequence dimension; one of size 1 there, or without it, is read through
 ``reduce_grad``); any other op reads sharded values through a gather, so an unknown op
 costs communication, never correctness. Shape reads of a sharded value (``B, T, _ =
 x.shape``) are the whole micro-batch's, which is fixed ([Note: stage boundaries] in
-runtime/graph.py), so they become constants. Module stages of Hugging Face decoders
+runtime/graph.py), so they become constants; reads a shard answers as the whole would
+(``x.device``, ``x.dtype``) stay. Module stages of Hugging Face decoders
 (runtime/module_stage.py) use the same functions through hooks, as torchtitan's Llama
 recipe places its styles: the hidden state is scattered after the embedding and the
-position tables and masks (made from the whole sequence), every child of a block that
-holds a split Linear (attention, MLP) reads it gathered, the other children (norms) run
-sharded, and it is gathered again before the head or the stage's output.
+position tables and masks (made from the whole sequence); a block's norms and dropout
+run on the shard, every other child of the block (attention, MLP) reads its input
+gathered and, unless a rowwise Linear already reduce-scattered its output, has the
+output scattered again; the final norm runs on the shard, and the hidden state is
+gathered before the head or the stage's output.
 
 What the saving is: every activation saved in the residual stream (norm inputs, the
 residual sums, dropout masks) is 1/tp; the gathered input of q, k, v and the MLP's
 first Linear is saved as the shard and gathered again in backward (Korthikanti's
-section 4.2.2), through ``saved_tensors_hooks`` around the colwise Linear. Dropout in the
+section 4.2.2), through ``saved_tensors_hooks`` around the colwise Linear (without
+recompute, which drops it anyway). So a rank saves 1/tp of what one process saves
+for its blocks: 0.50 measured at tp 2 on examples/gpt.py and a Hugging Face Llama
+(tests/test_sequence_parallel.py ``saved_activation_bytes``; docs/running.md), where tp
+alone saves 0.63 to 0.68 (the whole residual stream). Dropout in the
 sharded region draws one mask per rank from the same generator state, so its masks
 differ from one process's (Megatron forks the tensor-parallel RNG there); the tests
 run without dropout.
