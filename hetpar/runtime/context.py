@@ -20,7 +20,8 @@ Positions. What the model computes per token runs unchanged on the rank's tokens
 depends on a token's place in the sequence takes the rank's global positions
 (``local_positions``): in an fx stage the ``torch.arange`` over the sequence's length
 (``x.shape[1]``) becomes a call of ``ContextPositions``, in a Hugging Face module stage
-the position ids (and so the rotary tables) are the rank's positions.
+the position ids (and so the rotary tables, or GPT-2's and OPT's learned position
+embeddings) are the rank's positions.
 
 Attention (``context_attention``). Each rank all-gathers the keys and values of its
 group (an autograd function: the forward is an all-gather along the sequence, the
@@ -58,8 +59,7 @@ sequence dimension, a model that calls no ``F.scaled_dot_product_attention`` (it
 dimension 1 need not be a sequence), an attention written by hand (a softmax of a
 product of two activations) or with an explicit mask, ``nn.MultiheadAttention``, an
 ``arange`` as long as the rank's sequence but not read from its shape, a non-Hugging
-Face model captured with torch.export, GPT-2 and OPT module stages (learned positions
-outside the Llama-like forward). Not detected: attention inside a leaf module, and
+Face model captured with torch.export. Not detected: attention inside a leaf module, and
 positions baked into a constant tensor (torch.fx folds ``torch.arange(16)``).
 """
 
@@ -463,15 +463,11 @@ def apply_to_decoder(stage: nn.Module, split: ContextSplit) -> list[str]:
         The paths of the attention modules changed.
 
     Raises:
-        ContextParallelError: a family other than the Llama-like ones, or a block without
-            an attention module that reads its config.
+        ContextParallelError: a block without an attention module that reads its config.
     """
     from transformers import AttentionInterface
 
     layout = stage._layout
-    if layout.family != "llama":
-        raise ContextParallelError(f"context parallelism of a Hugging Face {layout.family} model: only the Llama-like "
-                                   f"families (rotary positions) are supported")
     AttentionInterface.register(HF_ATTENTION, hf_context_attention)
     stage.context = split
     changed, configs = [], {}

@@ -179,10 +179,17 @@ class DecoderStage(nn.Module):
         and the model's causal masks, or under context parallelism the rank's global
         positions and no masks (its attention masks by position: [Note: context
         parallelism] in runtime/context.py)."""
+        positions = self._position_ids(h)
         if self.context is None:
-            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
             return positions, _causal_masks(self._config, h, positions)
-        return self.context.positions(h.shape[1], device=h.device).unsqueeze(0), collections.defaultdict(lambda: None)
+        return positions, collections.defaultdict(lambda: None)
+
+    def _position_ids(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, T] position ids of the T tokens along ``x``'s dimension 1: 0 .. T - 1, or
+        under context parallelism the rank's global positions."""
+        if self.context is None:
+            return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        return self.context.positions(x.shape[1], device=x.device).unsqueeze(0)
 
     def sequence_layout(self) -> tuple[list[str], list[str], str | None]:
         """(the blocks, the norms after them, the head) as paths of this stage: what
@@ -207,7 +214,7 @@ class DecoderStage(nn.Module):
             for name in after:
                 h = base.get_submodule(name)(h)
             return h
-        positions = torch.arange(tokens.shape[-1], device=tokens.device).unsqueeze(0)
+        positions = self._position_ids(tokens)
         if self._layout.family == "opt":  # positions from an all-ones mask: 0 .. T-1, offset inside embed_positions
             h = base.embed_tokens(tokens)
             if "project_in" in self._layout.embed:
