@@ -9,7 +9,9 @@ n_d`` rows after those of replicas 0..d-1. These ranges partition every global b
 so no sample is seen twice in a step and together the replicas see all of it, however
 unequal the shares. Every rank of a replica (its tensor-parallel and pipeline ranks)
 reads that replica's rows, and splits them into ``num_microbatches`` consecutive
-micro-batches.
+micro-batches. Under context parallelism the cp rows of ranks of a data replica all read
+its rows (``Placement.data_replica``), each keeping its own chunks of every sequence
+([Note: context parallelism] in runtime/context.py).
 
 What a rank reads depends on where the data comes from (``ModelFile.batches``):
 
