@@ -438,21 +438,31 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, tp_sharding: dict
     for stage_module in chunk_modules(module):
         stage_module.register_forward_pre_hook(shared.forget)
         stage_module.register_forward_hook(shared.forget)
-    for seq in sequences:  # the colwise Linears keep the shard of a gathered input for backward
-        if seq.save_shards:
-            for path, kind in tp_sharding.items():
-                if kind in _COLWISE_KINDS:
-                    _save_gathered_as_shard(module.get_submodule(path), seq)
-        for stage_module in chunk_modules(module):  # a forward's record of its gathers lives as long as it
-            stage_module.register_forward_pre_hook(seq.forget)
-            stage_module.register_forward_hook(seq.forget)
+    for stage_module in chunk_modules(module):
+        seq = sequence_of(stage_module)
+        if seq is not None:
+            _keep_gathered_inputs_as_shards(stage_module, seq, tp_sharding)
+
+
+def _keep_gathered_inputs_as_shards(stage_module: nn.Module, seq: SequenceGroup, tp_sharding: dict[str, str]) -> None:
+    """Make the colwise Linears of a sequence-parallel stage save a gathered input as its
+    shard (not under recompute), and the stage forget its gathers after each forward
+    ([Note: sequence parallelism] in runtime/sequence.py)."""
+    stage_module.register_forward_pre_hook(seq.forget)
+    stage_module.register_forward_hook(seq.forget)
+    if not seq.save_shards:
+        return
+    for path, kind in tp_sharding.items():
+        if kind in _COLWISE_KINDS:
+            _save_gathered_as_shard(stage_module.get_submodule(path), seq)
 
 
 def _save_gathered_as_shard(module: nn.Module, seq: SequenceGroup) -> None:
     """Run ``module`` under ``save_gathered_as_shard`` ([Note: sequence parallelism] in runtime/sequence.py)."""
     def enter(mod: nn.Module, _args) -> None:
-        mod.__dict__.setdefault("_hetpar_saved_hooks", []).append(context := save_gathered_as_shard(seq))
+        context = save_gathered_as_shard(seq)
         context.__enter__()
+        mod.__dict__.setdefault("_hetpar_saved_hooks", []).append(context)
 
     def leave(mod: nn.Module, _args, _out) -> None:
         mod.__dict__["_hetpar_saved_hooks"].pop().__exit__(None, None, None)
