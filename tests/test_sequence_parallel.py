@@ -442,3 +442,64 @@ def test_gpt_tp2_by_pp2_zero_bubble_trains_like_one_process(tmp_path):
     plan = _planned(GPT, GPT_ARGS, pp=2, schedule="zb")
     assert plan.schedule == "zb"
     assert_trains_like_one_process(plan, tmp_path, "adamw")
+
+
+# Each function at tp 2 against its definition, forward and backward, from what every
+# rank holds (all-gathered): the transposes of [Note: sequence parallelism]'s table.
+FUNCTIONS_WORKER = '''
+import torch
+import torch.distributed as dist
+from hetpar.runtime.sequence import SequenceGroup, gather_sequence, reduce_grad, scatter_sequence
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+seq = SequenceGroup(2)
+seq.bind(dist.group.WORLD)
+
+
+def every(t):
+    out = [torch.empty_like(t) for _ in range(2)]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def run(fn, x):
+    x = x.clone().requires_grad_()
+    y = fn(x)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(10 + rank))  # a different gradient per rank
+    (gx,) = torch.autograd.grad(y, x, g)
+    return y.detach(), g, gx
+
+
+common = torch.Generator().manual_seed(0)
+whole = torch.randn(3, 4, 5, generator=common)  # replicated over the group
+mine = torch.randn(3, 2, 5, generator=torch.Generator().manual_seed(1 + rank))  # this rank's shard
+
+y, g, gx = run(lambda x: scatter_sequence(x, seq), whole)
+assert torch.equal(y, whole[:, 2 * rank:2 * rank + 2])
+assert torch.equal(gx, torch.cat(every(g), 1))  # backward: all-gather
+
+y, g, gx = run(lambda x: scatter_sequence(x, seq, dim=0), whole[0])  # a [S, H] partner along its dim 0
+assert torch.equal(y, whole[0, 2 * rank:2 * rank + 2]) and torch.equal(gx, torch.cat(every(g), 0))
+
+y, g, gx = run(lambda x: gather_sequence(x, seq, partial_grad=True), mine)
+assert torch.equal(y, torch.cat(every(mine), 1))
+torch.testing.assert_close(gx, sum(every(g))[:, 2 * rank:2 * rank + 2])  # backward: reduce-scatter
+
+y, g, gx = run(lambda x: gather_sequence(x, seq), mine)
+assert torch.equal(y, torch.cat(every(mine), 1)) and torch.equal(gx, g[:, 2 * rank:2 * rank + 2])  # own chunk
+
+y, g, gx = run(lambda x: reduce_grad(x, seq), whole)
+assert torch.equal(y, whole)
+torch.testing.assert_close(gx, sum(every(g)))  # backward: all-reduce
+print("FUNCTIONS OK")
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_functions_at_tp_2_move_values_and_gradients_as_defined(tmp_path):
+    worker = tmp_path / "functions.py"
+    worker.write_text(FUNCTIONS_WORKER)
+    result = run_torchrun(worker, 2, [])
+    assert result.returncode == 0 and "FUNCTIONS OK" in result.stdout, result.stderr[-4000:]

@@ -211,7 +211,8 @@ class _ReduceGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if not ctx.seq.unbound():
-            grad = grad.contiguous()
+            # a copy: autograd may hand the same gradient tensor to another input too (an add's)
+            grad = grad.clone(memory_format=torch.contiguous_format)
             dist.all_reduce(grad, group=ctx.seq.group)
         return grad, None
 
