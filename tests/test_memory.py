@@ -1,5 +1,7 @@
 """The memory model against hand-derived values: training state, ZeRO, recompute, margin."""
 
+from dataclasses import replace
+
 import pytest
 
 from hetpar.cost_models.layers import LayerProfile
@@ -54,7 +56,13 @@ def test_activations_per_recompute_mode():
     layers = [layer(saved=100.0, boundary=10.0)] * 10
     kw = dict(tp=1, micro_batch_size=2, dtype="fp32")
     assert activation_bytes_per_microbatch(layers, recompute="none", **kw) == 10 * 100 * 2
-    assert activation_bytes_per_microbatch(layers, recompute="selective", **kw) == 10 * 100 * 2
+    # selective: each layer's input (5, then 10) and its matmul and attention outputs (40)
+    kept = [replace(l, selective_kept_bytes=40.0) for l in layers]
+    assert activation_bytes_per_microbatch(kept, recompute="selective", input_bytes=5.0, **kw) == (45 + 9 * 50) * 2
+    # never more than recompute none keeps
+    assert activation_bytes_per_microbatch([replace(l, selective_kept_bytes=95.0) for l in layers], recompute="selective",
+                                           input_bytes=5.0, **kw) == (100 + 9 * 100) * 2
+    assert recompute_workspace_bytes(kept, recompute="selective", **kw) == (100 - 40) * 2
     # full: the stage's input (5 bytes per sample) and each later layer's input (the previous boundary).
     assert activation_bytes_per_microbatch(layers, recompute="full", input_bytes=5.0, **kw) == (5 + 9 * 10) * 2
     assert recompute_workspace_bytes(layers, recompute="full", **kw) == 100 * 2

@@ -91,6 +91,7 @@ class LayerTime:
     fwd_s: float
     bwd_input_s: float  # B: the gradient of the layer's input, elementwise backward included
     bwd_weight_s: float  # W: the gradients of the layer's weights
+    fwd_memory_s: float = 0.0  # of fwd_s, the memory-bound part and launches: what selective recompute runs again
 
     @property
     def bwd_s(self) -> float:
@@ -160,6 +161,7 @@ def layer_timing(
     fwd_ratio, bwd_ratio = (1.0, 1.0) if explicit or tp > 1 else layer_correction(layer, device, micro_batch_size)
     return LayerTime(
         fwd_s=(fwd_flops / flop_rate + weights + saved / byte_rate + launch + sharded / 3) * fwd_ratio,
+        fwd_memory_s=(saved / byte_rate + launch) * fwd_ratio,
         bwd_input_s=((bwd_flops - weight_flops) / bwd_flop_rate + bwd_weights + 2 * saved / bwd_byte_rate + launch
                      + 2 * sharded / 3) * bwd_ratio,
         bwd_weight_s=(weight_flops / bwd_flop_rate + 2 * bwd_weights + launch) * bwd_ratio,

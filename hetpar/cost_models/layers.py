@@ -71,6 +71,10 @@ class LayerProfile:
     # the other ranks ([Note: context parallelism costs]). Not part of ``cost_key``: it
     # follows from the shapes the other fields already count.
     attention_kv_bytes: float = 0.0
+    # Of the saved activations, the outputs of the layer's matmuls and attention, per
+    # sample: what selective recompute keeps ([Note: selective recompute costs] in
+    # planner/capture/measure.py). Not part of ``cost_key``.
+    selective_kept_bytes: float = 0.0
 
     def with_expert_load(self, factor: float) -> "LayerProfile":
         """The layer as the busiest expert-parallel rank runs it when its experts receive
@@ -105,6 +109,7 @@ class LayerProfile:
             bwd_bytes_accessed=self.bwd_bytes_accessed * share,
             matmul_rows=tuple((max(1, rows // cp), grows, flops, width) for rows, grows, flops, width in self.matmul_rows),
             routed_bytes=self.routed_bytes * share,
+            selective_kept_bytes=self.selective_kept_bytes * share,
         )
 
     def flops_at(self, tp: int) -> tuple[float, float]:
@@ -123,6 +128,15 @@ class LayerProfile:
     def saved_bytes_at(self, tp: int) -> float:
         """Activation bytes one tensor-parallel rank saves for backward, per sample."""
         return self.saved_activation_bytes - self.tp_split_saved_bytes * (1.0 - 1.0 / tp)
+
+    def kept_bytes_at(self, tp: int) -> float:
+        """Activation bytes one tensor-parallel rank keeps under selective recompute, per
+        sample, its layer input aside: the matmul and attention outputs, split over tp as
+        the layer's saved activations are, and never more than those."""
+        saved = self.saved_bytes_at(tp)
+        if self.saved_activation_bytes <= 0:
+            return 0.0
+        return min(saved, self.selective_kept_bytes * saved / self.saved_activation_bytes)
 
     def with_sequence_parallel(self) -> "LayerProfile":
         """The layer as a tensor-parallel rank runs it under sequence parallelism ([Note:
@@ -156,7 +170,7 @@ class LayerProfile:
 
 
 _EXPERT_FIELDS = ("expert_params", "num_experts", "routed_bytes", "expert_flops_fraction")  # before _LATER_FIELDS
-_LATER_FIELDS = ("attention_kv_bytes",)  # the last fields, none of them in ``cost_key``
+_LATER_FIELDS = ("attention_kv_bytes", "selective_kept_bytes")  # the last fields, none of them in ``cost_key``
 
 
 def tp_misfit(layers, tp: int) -> LayerProfile | None:

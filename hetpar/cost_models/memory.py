@@ -20,12 +20,9 @@ before its reduce-scatter.
 A layer keeps, per micro-batch, what autograd saves for its backward (measured on the
 meta device, planner.capture):
 - no recompute: every saved tensor;
-- selective recompute (Korthikanti et al. 2022, section 5): the attention core (QK^T,
-  softmax, dropout, attention over V) is recomputed rather than stored. hetpar's
-  tracer already measures attention as a fused kernel keeps it
-  ([Note: fused attention on meta] in planner/capture/measure.py), which is exactly that
-  footprint, so selective keeps the measured bytes; a model that writes attention out
-  by hand is not split further (hetpar does not tell its attention core apart);
+- selective recompute: each layer's input and the outputs of its matmuls and attention
+  ([Note: selective recompute costs] in planner/capture/measure.py), never more than
+  none keeps; while a layer is rebuilt in backward, what it did not keep (the workspace);
 - full recompute: only each layer's input, plus, while a layer is rebuilt in backward,
   that one layer's saved tensors for one micro-batch (the workspace).
 A schedule keeps several micro-batches in flight on a rank; the peak comes from its
@@ -187,16 +184,21 @@ def activation_bytes_per_microbatch(
     """
     check_choices(recompute=recompute)
     scale = dtype_bytes(dtype) / 4 * micro_batch_size
-    if recompute != Recompute.FULL:
+    if recompute == Recompute.NONE:
         return sum(l.saved_bytes_at(tp) for l in layers) * scale
     inputs = [input_bytes] + [l.boundary_bytes for l in layers[:-1]]
+    if recompute == Recompute.SELECTIVE:
+        return sum(min(l.saved_bytes_at(tp), i + l.kept_bytes_at(tp)) for l, i in zip(layers, inputs)) * scale
     return sum(inputs) * scale
 
 
 def recompute_workspace_bytes(layers: Sequence[LayerProfile], *, tp: int, micro_batch_size: int, dtype: str, recompute: str) -> float:
-    """Bytes a rank needs while full recompute rebuilds one layer (the largest) for backward; 0 otherwise."""
-    if recompute != Recompute.FULL or not layers:
+    """Bytes a rank needs while recompute rebuilds one layer (the largest) for backward: all its saved
+    tensors under full recompute, those selective recompute does not keep under selective; 0 otherwise."""
+    if recompute == Recompute.NONE or not layers:
         return 0.0
+    if recompute == Recompute.SELECTIVE:
+        return max(l.saved_bytes_at(tp) - l.kept_bytes_at(tp) for l in layers) * dtype_bytes(dtype) / 4 * micro_batch_size
     return max(l.saved_bytes_at(tp) for l in layers) * dtype_bytes(dtype) / 4 * micro_batch_size
 
 

@@ -83,6 +83,7 @@ class NodeCounts:
     matmul_rows: dict[tuple[int, bool, int], float] = field(default_factory=dict)
     fwd_matmuls: int = 0  # forward ops with FLOPs (matmuls, convolutions, attention): kernels compiling keeps
     attention_kv_bytes: float = 0.0  # keys and values its attention calls read ([Note: context parallelism costs])
+    kept_bytes: float = 0.0  # outputs of its matmuls and attention: what selective recompute keeps ([Note: selective recompute costs])
 
 
 @dataclass
@@ -348,11 +349,47 @@ def _count_saved(module: fx.GraphModule, inputs: list[torch.Tensor], result: Mea
     def before(n: fx.Node) -> None:
         current[0] = n.name if n.name in result.nodes else UNATTRIBUTED
 
-    def attention(key: torch.Tensor, value: torch.Tensor) -> None:
-        result.nodes[current[0]].attention_kv_bytes += _nbytes(key) + _nbytes(value)
+    def attention(key: torch.Tensor, value: torch.Tensor, out: Any = None) -> None:
+        counts = result.nodes[current[0]]
+        if out is None:
+            counts.attention_kv_bytes += _nbytes(key) + _nbytes(value)
+        else:
+            counts.kept_bytes += sum(_nbytes(t) for t in out)
 
-    with _fused_attention(_AttentionSeen(attention, masks)), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def kept(out: Any) -> None:
+        result.nodes[current[0]].kept_bytes += sum(_nbytes(t) for t in _tensors(out))
+
+    with _fused_attention(_AttentionSeen(attention, masks)), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            _KeptOutputs(kept):
         _NodeRunner(module, before).run(*_grad_inputs(inputs))
+
+
+# [Note: selective recompute costs]
+# Selective recompute (runtime/recompute.py) keeps the outputs of a layer's matrix
+# multiplications, convolutions and attention and recomputes everything else in
+# backward (torchtitan's op-level policy; with attention as one fused kernel this is
+# Korthikanti et al.'s selective recompute and more: the norms, activations and dropout
+# are recomputed too). The saved-bytes pass counts those outputs per node (``kept_bytes``:
+# the forward ATen matmuls, and a fused attention's output and log-sum-exp), and the cost
+# models keep, per micro-batch, the layer's input and those outputs (never more than
+# recompute none keeps), and charge the backward the forward's memory-bound part again
+# (``LayerTime.fwd_memory_s``): the recomputed ops are the elementwise ones.
+_KEPT_OPS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                       aten.convolution.default, aten._grouped_mm.default})
+
+
+class _KeptOutputs(TorchDispatchMode):
+    """Reports the outputs of the forward ops selective recompute keeps ([Note: selective recompute costs])."""
+
+    def __init__(self, record: Any):
+        super().__init__()
+        self.record = record
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _KEPT_OPS and torch._C._current_autograd_node() is None:
+            self.record(out)
+        return out
 
 
 def _count_params(module: fx.GraphModule, result: Measurement) -> None:
@@ -413,7 +450,7 @@ class _AttentionSeen:
     """What the saved-bytes pass does at each attention call: report its keys and values,
     and whether the mask counts as saved."""
 
-    record: Any  # callable(key, value)
+    record: Any  # callable(key, value, outputs=None)
     masks: bool = True
 
 
@@ -425,7 +462,10 @@ def _fused_sdpa(query, key, value, attn_mask=None, *args: Any, **kwargs: Any) ->
     if seen is not None:
         seen.record(key, value)
     keep_mask = isinstance(attn_mask, torch.Tensor) and (seen is None or seen.masks)
-    return _FusedSDPA.apply(query, key, value, attn_mask if keep_mask else None)
+    out = _FusedSDPA.apply(query, key, value, attn_mask if keep_mask else None)
+    if seen is not None:  # the fused kernel's output and its row log-sum-exp (float32), kept by selective recompute
+        seen.record(key, value, (out, query.new_empty(query.shape[:-1], dtype=torch.float32)))
+    return out
 
 
 class _FusedAttentionMode(TorchFunctionMode):

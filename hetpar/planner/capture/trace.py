@@ -327,6 +327,7 @@ class _Measured:
             routed_bytes=self.experts.routed_bytes,
             expert_flops_fraction=self.experts.flops_fraction,
             attention_kv_bytes=w.total("attention_kv_bytes"),
+            selective_kept_bytes=w.total("kept_bytes"),
         )
 
 

@@ -47,7 +47,7 @@ def chunk_terms(tables: CostTables, c: int, first: int, last: int, k: int, next_
     epilogue = tables.epilogue_latency_s[k, c] + tables.epilogue_s[k, rows, c].sum()
     memory = tables.memory_bytes[k, rows, c].sum()
     mode = tables.candidate.modes[k]
-    if mode.recompute == Recompute.FULL:
+    if mode.recompute != Recompute.NONE:  # selective's rebuilt layer is at most its whole saved activations
         memory += tables.workspace_bytes[a, rows].max()
     if mode.zero_stage == 3 and tables.candidate.dp > 1:
         memory += tables.zero3_buffer_bytes[a, rows].max()

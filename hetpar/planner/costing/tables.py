@@ -30,12 +30,13 @@ Collective times are read off the collective model as latency + bytes * per-byte
 
 Memory of rank r, which must fit its devices:
 
-    sum over its chunks of (sum memory[l] + [full recompute] max workspace[a, l] + [ZeRO-3] max zero3_buffer[a, l])
+    sum over its chunks of (sum memory[l] + [recompute] max workspace[a, l] + [ZeRO-3] max zero3_buffer[a, l])
 
 ``memory`` is the layer's training state under the mode's ZeRO stage plus its
 activations times the micro-batches the schedule keeps in flight on the chunk
 (``activation_multipliers``); the two maxima are the one-layer buffers of
-[Note: activations kept per micro-batch] and [Note: ZeRO stages] (cost_models/memory.py),
+[Note: activations kept per micro-batch] (a layer's whole saved activations, for full and, as an upper
+bound of what it rebuilds, for selective recompute) and [Note: ZeRO stages] (cost_models/memory.py),
 with at most ``_RANGE_MAX_LEVELS`` distinct values (larger sets are rounded up). For
 the interleaved schedule each chunk counts its own peak of in-flight micro-batches and
 its own buffers, an upper bound of the rank's joint peak that planner.estimate plays out.
@@ -141,6 +142,8 @@ class LayerColumns:
     sharded_tensors: np.ndarray  # ... of which DTensors at this degree (0 at tp 1)
     splits: np.ndarray  # bool: the layer splits this many ways (LayerProfile.splits_at)
     expert_params: np.ndarray  # parameters of the layer's modules of experts (not split by tp)
+    kept: np.ndarray  # bytes per micro-batch selective recompute keeps: input and matmul outputs ([Note: selective recompute costs])
+    refwd: np.ndarray  # seconds selective recompute runs again in backward: the forward's memory-bound part
 
     def held(self, ep: int) -> np.ndarray:
         """Parameters a rank holds, steps and keeps state for: 1/ep of the experts' ([Note: expert parallelism costs])."""
@@ -183,6 +186,10 @@ def layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: in
             sharded_tensors=np.array([float(l.tp_sharded_tensors if tp > 1 else 0) for l in model.layers]),
             splits=np.array([l.splits_at(tp) for l in model.layers]),
             expert_params=np.array([float(l.expert_params) for l in model.layers]),
+            kept=np.minimum(np.array([l.saved_bytes_at(tp) for l in model.layers]) * scale,
+                            np.concatenate([[model.input_bytes * scale], boundary[:-1]])
+                            + np.array([l.kept_bytes_at(tp) for l in model.layers]) * scale),
+            refwd=np.array([t.fwd_memory_s if t else inf for t in times]),
         )
     return cache[key]
 
@@ -275,10 +282,10 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     # a tied copy lives on every rank but the first
     held = cols.held(cand.ep) + (cols.tied if r != 0 else 0.0)
     synced = held - (cols.held(cand.ep) - cols.synced(cand.dp, cand.ep))  # the experts unsynced at dp == ep
-    full = mode.recompute == Recompute.FULL
+    full, selective = mode.recompute == Recompute.FULL, mode.recompute == Recompute.SELECTIVE
     fwd = cols.fwd + tp_fwd + ep_fwd
     bwd = (cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_bwd + (tp_fwd if full else 0.0)
-           + ep_bwd + (ep_fwd if full else 0.0))
+           + ep_bwd + (ep_fwd if full else 0.0) + (cols.refwd if selective else 0.0))
     unsplit = np.where(cols.splits, 0.0, np.inf)  # a layer this degree cannot split: [Note: per-stage tensor parallelism]
     tables["time_s"][k, :, c] = fwd + bwd + unsplit
     tables["fwd_s"][k, :, c] = fwd
@@ -300,7 +307,7 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     if c < P:
         lat["epilogue_latency_s"][k, c] = sync_lat + rates.fixed_s
     state = sum(sharded_state_bytes_per_param(dtype, optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
-    activations = cols.inputs if full else cols.saved
+    activations = cols.inputs if full else cols.kept if selective else cols.saved
     tables["memory_bytes"][k, :, c] = FRAGMENTATION_MARGIN * (held * state + in_flight * activations) + unsplit
 
 

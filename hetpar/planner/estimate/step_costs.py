@@ -84,6 +84,7 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     tp_fwd, tp_bwd = (sum(pass_s(l, p) for l in layers) for p in ("forward", "backward"))
     fwd = sum(t.fwd_s for t in times)
     full = config.recompute_of(chunk) == Recompute.FULL
+    refwd = sum(t.fwd_memory_s for t in times) if config.recompute_of(chunk) == Recompute.SELECTIVE else 0.0
     gather_fwd, gather_bwd = zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp))
     ep_fwd, ep_bwd = expert_exchange_s(layers, cluster, config, layout, memo)
     cp_fwd, cp_bwd = context_exchange_total_s(layers, cluster, config, layout, memo)
@@ -93,7 +94,7 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
         b_ep_s=ep_bwd + (ep_fwd if full else 0.0),
         fwd_compute_s=fwd,
         fwd_tp_s=tp_fwd,
-        b_compute_s=sum(t.bwd_input_s for t in times) + (fwd if full else 0.0),
+        b_compute_s=sum(t.bwd_input_s for t in times) + (fwd if full else 0.0) + refwd,
         b_tp_s=tp_bwd + (tp_fwd if full else 0.0),
         w_compute_s=sum(t.bwd_weight_s for t in times),
         zero3_fwd_s=gather_fwd,

@@ -143,10 +143,11 @@ def _reach(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, 
         # sequence parallelism: less memory, no less time ([Note: sequence parallelism costs])
         held = layer_columns(model_variant(model, cache, sequence_parallel=True), cluster, device_type, tp,
                              cand.micro_batch_size, options.dtype, cache) if mode.sp else cols
-        full = mode.recompute == Recompute.FULL
-        time_s = np.minimum(time_s, (cols.fwd + tp_fwd) * (2 if full else 1) + cols.b_input + cols.weight + tp_bwd)
+        full, selective = mode.recompute == Recompute.FULL, mode.recompute == Recompute.SELECTIVE
+        time_s = np.minimum(time_s, (cols.fwd + tp_fwd) * (2 if full else 1) + cols.b_input + cols.weight + tp_bwd
+                            + (cols.refwd if selective else 0.0))
         state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
-        memory = np.minimum(memory, FRAGMENTATION_MARGIN * (held.held(cand.ep) * state + in_flight * (held.inputs if full else held.saved)))
+        memory = np.minimum(memory, FRAGMENTATION_MARGIN * (held.held(cand.ep) * state + in_flight * (held.inputs if full else held.kept if selective else held.saved)))
     ok = cols.splits & np.isfinite(time_s)
     time = np.concatenate([[0.0], np.cumsum(np.where(ok, time_s, 0.0))])
     mem = np.concatenate([[0.0], np.cumsum(np.where(ok, memory, 0.0))])
@@ -271,6 +272,6 @@ def memory_may_fit(model: ModelGraph, cluster, cand: Candidate, options: SearchO
         cols = layer_columns(model_variant(model, cache, sequence_parallel=mode.sp), cluster, device_type, mode.tp,
                              cand.micro_batch_size, options.dtype, cache)
         state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
-        activations = cols.inputs if mode.recompute == Recompute.FULL else cols.saved
+        activations = {Recompute.FULL: cols.inputs, Recompute.SELECTIVE: cols.kept}.get(mode.recompute, cols.saved)
         need = np.minimum(need, np.where(cols.splits, mode.tp * (cols.held(cand.ep) * state + activations), np.inf))
     return FRAGMENTATION_MARGIN * float(need.sum()) <= capacity

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 
+from hetpar.cost_models.compute import dtype_bytes
 from hetpar.cost_models.layers import tp_misfit
+from hetpar.cost_models.memory import state_bytes_per_param
 from hetpar.cost_models.grad_sync import PLAIN as PLAIN_SYNC
 from hetpar.planner.costing import Candidate, StageMode, ranks_by_type, type_width
 from hetpar.planner.errors import PlanningError
@@ -30,9 +32,11 @@ from hetpar.vocabulary import Recompute, Schedule, Switch
 # 1F1B with v = 2..max_virtual_stages chunks per rank (pp > 1, tp 1 on every stage,
 # m a multiple of pp, pp v <= layers). GPipe has 1F1B's step time and never less
 # memory ([Note: linear step time]), so it is searched only when pinned. Inside, every
-# stage (every chunk, when interleaved) picks a mode: its degree times recompute none
-# or full (selective costs what none costs under this cost model: the tracer measures
-# attention as a fused kernel keeps it) times a ZeRO stage, 0, 2 or 3 when dp > 1 under
+# stage (every chunk, when interleaved) picks a mode: its degree (with sequence
+# parallelism where the degree is > 1 and the model's tokens split, unless --sp off:
+# [Note: sequence parallelism costs] in cost_models/layers.py) times recompute none, selective
+# or full ([Note: selective recompute costs] in planner/capture/measure.py) times a
+# ZeRO stage, 0, 2 or 3 when dp > 1 under
 # 1F1B and GPipe (the runtime shards with FSDP, which neither ZB-H1's split backward
 # nor interleaved chunks support), 0 otherwise. ZeRO-1 is searched only when pinned:
 # at one micro-batch it costs what ZeRO-2 costs and holds more; with more, ZeRO-2
@@ -56,6 +60,8 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
             dp = rows // cp
             if gbs % dp or (options.dp is not None and options.dp != dp) or dp < options.min_dp:
                 continue
+            if cp > 1 and options.cp is None and not _context_may_help(model, cluster, options, rows):
+                continue  # [Note: context-parallel candidates]
             out += _candidates_at(model, cluster, options, rows, cp, tp_ok)
     if not out:
         raise PlanningError(_no_candidate_reason(model, cluster, options, tp_ok))
@@ -73,6 +79,8 @@ def _candidates_at(model: ModelGraph, cluster, options: SearchOptions, rows: int
         for mbs in divisors(gbs // dp):
             if options.micro_batch_size and mbs != options.micro_batch_size:
                 continue
+            if cp > 1 and mbs % cp == 0 and options.cp is None:
+                continue  # [Note: context-parallel candidates]
             m = gbs // (dp * mbs)
             for schedule, v in schedules_for(options, tp=degrees[-1], pp=pp, num_microbatches=m, num_layers=num_layers):
                 if cp > 1 and v > 1:
@@ -85,6 +93,35 @@ def _candidates_at(model: ModelGraph, cluster, options: SearchOptions, rows: int
                                              virtual_stages=v, modes=modes, tp_sum=tp_sum, stages_per_type=per_type,
                                              sync=options.sync, ep=ep, expert_load=options.expert_imbalance, cp=cp))
     return out
+
+
+# [Note: context-parallel candidates]
+# A candidate of R replica rows at context parallelism cp with micro-batches of b
+# samples gives each rank the work of b / cp samples, m = gbs cp / (R b) times a step:
+# the same FLOPs, matmul rows, activations, boundaries and gradient sync as R rows at
+# cp 1 with micro-batches of b / cp, plus the key and value exchanges and the gathered
+# keys and values it keeps ([Note: context parallelism costs]). Where cp divides b that
+# candidate exists and costs no more in time or memory, so the search offers cp > 1 only
+# with micro-batches cp does not divide (mostly b = 1), unless --cp pins it. Nor does it
+# offer cp where R rows can take one sample each and one sample's activations fit the
+# devices of a replica without recompute (``_context_may_help``): there cp's gain would
+# be the smaller pipeline bubble of more, smaller micro-batches, a plan left to --cp.
+# Both keep the outer loop near its size without cp (offering cp everywhere took the
+# 175B benchmark's search from 524 to 3320 candidates and past its work limits).
+def _context_may_help(model: ModelGraph, cluster, options: SearchOptions, rows: int) -> bool:
+    """Whether context parallelism is offered at ``rows`` replica rows ([Note: context-parallel
+    candidates]): the batch has fewer samples than rows, or one sample's saved activations (no
+    recompute, sequence parallelism at the largest degree a replica's devices allow) exceed the memory of the devices a
+    replica spans, less their share of the training state sharded over all rows."""
+    if options.global_batch_size < rows:
+        return True
+    devices = cluster.world_size // rows
+    top = min(options.tp or options.max_tp, devices)
+    degree = max([d for d in range(2, top + 1) if model.sequence_splits(d)] or [1])
+    per_sample = sum(l.saved_activation_bytes for l in model.layers) * dtype_bytes(options.dtype) / 4 / degree
+    state = sum(state_bytes_per_param(options.dtype, options.optimizer)) * model.total_params / rows
+    memory = min(cluster.profile(t).memory_bytes for t in cluster.count_by_type())
+    return per_sample > devices * memory - state
 
 
 def context_choices(model: ModelGraph, options: SearchOptions, rows: int) -> tuple[int, ...]:
@@ -222,16 +259,16 @@ def stage_modes(options: SearchOptions, *, dp: int, schedule: str, degrees: tupl
     """The modes each stage may take; empty when the pins leave none; see [Note: search space].
     Under expert parallelism (``ep`` > 1) ZeRO stays 0. A degree in ``sp_degrees`` runs with
     sequence parallelism, without it, or both, as --sp says."""
-    recomputes = [options.recompute] if options.recompute else [Recompute.NONE, Recompute.FULL]
+    recomputes = [options.recompute] if options.recompute else [Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL]
     shardable = dp > 1 and schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE) and ep == 1
     if options.zero is not None:
         zeros = [options.zero] if options.zero == 0 or shardable else []
     else:
         zeros = [0, 2, 3] if shardable else [0]
-    def sps(tp: int) -> tuple[bool, ...]:
+    def sps(tp: int) -> tuple[bool, ...]:  # [Note: sequence parallelism costs]: on where it runs, unless --sp off
         if tp not in sp_degrees or options.sequence_parallel == Switch.OFF:
             return () if options.sequence_parallel == Switch.ON and tp > 1 else (False,)
-        return (True,) if options.sequence_parallel == Switch.ON else (False, True)
+        return (True,)
 
     return tuple(StageMode(recompute=r, zero_stage=z, tp=tp, sp=sp) for tp in degrees for sp in sps(tp) for z in zeros
                  for r in recomputes)

@@ -117,7 +117,7 @@ def _buffers(tables: CostTables, span: int) -> np.ndarray:
     for k, mode in enumerate(cand.modes):
         a = tables.tp_index(k)
         rows = []
-        if mode.recompute == Recompute.FULL:
+        if mode.recompute != Recompute.NONE:
             rows.append(tables.workspace_bytes[a])
         if mode.zero_stage == 3 and cand.dp > 1:
             rows.append(tables.zero3_buffer_bytes[a])
