@@ -10,6 +10,22 @@ rowwise Linears and the ops between them) and a part every rank repeats (norms,
 residual adds). Measuring the layer once whole and once as one of 2 ranks gives both:
 split = 2 * (whole - half), repeated = whole - split. At degree t a rank does
 repeated + split / t. The same holds for parameters and saved activations.
+
+[Note: sequence parallelism costs]
+Under sequence parallelism (Korthikanti et al. 2022, section 4.2.2; runtime/sequence.py)
+the part every tensor-parallel rank repeated (norms, dropout, residual adds) runs on
+1/t of the sequence, and a colwise Linear keeps its gathered input as the rank's shard,
+gathering it again in backward: all of a layer's saved activations divide by t
+(measured on CPU: a block saves exactly half of one process's at t = 2; tests/
+test_sequence_parallel.py). Each all-reduce becomes a reduce-scatter and an all-gather
+of the same tensor, which move what a ring all-reduce moves; without recompute the
+backward adds one all-gather per colwise input (per backward all-reduce); with recompute
+the forward's collectives run again instead, as they do for tensor parallelism alone.
+The elementwise work of the repeated part also divides by t, which the costs leave
+out (a small, favourable error). So under recompute it holds less and moves the same
+bytes, and the search takes it on every stage with t > 1 whose tokens split; without
+recompute it moves more in backward, and the search weighs it against tp alone (``--sp
+on`` or ``off`` pins it).
 """
 
 from __future__ import annotations
@@ -138,16 +154,23 @@ class LayerProfile:
             return 0.0
         return min(saved, self.selective_kept_bytes * saved / self.saved_activation_bytes)
 
-    def with_sequence_parallel(self) -> "LayerProfile":
+    def with_sequence_parallel(self, regather: bool = True) -> "LayerProfile":
         """The layer as a tensor-parallel rank runs it under sequence parallelism ([Note:
         sequence parallelism costs]): what every rank repeated is held as 1/tp of the
         sequence, so all its saved activations divide by tp; each all-reduce is a
-        reduce-scatter and an all-gather of the same tensor."""
+        reduce-scatter and an all-gather of the same tensor; with ``regather`` (no
+        recompute) the backward gathers each colwise input again, one all-gather per
+        backward all-reduce."""
         if not self.tp_capable:
             return self
         collectives: list[tuple[str, str, float]] = []
         for p, kind, nbytes in self.tp_collectives:
-            collectives += [(p, "reduce_scatter", nbytes), (p, "all_gather", nbytes)] if kind == "all_reduce" else [(p, kind, nbytes)]
+            if kind != "all_reduce":
+                collectives.append((p, kind, nbytes))
+                continue
+            collectives += [(p, "reduce_scatter", nbytes), (p, "all_gather", nbytes)]
+            if regather and p == "backward":
+                collectives.append((p, "all_gather", nbytes))
         return replace(self, tp_split_saved_bytes=self.saved_activation_bytes, tp_collectives=tuple(collectives))
 
     @functools.cached_property

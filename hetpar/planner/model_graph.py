@@ -68,10 +68,10 @@ class ModelGraph:
             return self
         return replace(self, layers=[l.at_context(cp) for l in self.layers], input_bytes=self.input_bytes / cp)
 
-    def with_sequence_parallel(self) -> "ModelGraph":
+    def with_sequence_parallel(self, regather: bool = True) -> "ModelGraph":
         """The model as a tensor-parallel rank runs it under sequence parallelism ([Note:
-        sequence parallelism costs] in cost_models/layers.py)."""
-        return replace(self, layers=[l.with_sequence_parallel() for l in self.layers])
+        sequence parallelism costs] in cost_models/layers.py); ``regather``: without recompute."""
+        return replace(self, layers=[l.with_sequence_parallel(regather) for l in self.layers])
 
     def sequence_splits(self, tp: int) -> bool:
         """Whether sequence parallelism can run at degree ``tp``: a token model whose

@@ -54,7 +54,7 @@ class SearchOptions:
     expert_imbalance: float = 1.0  # the busiest expert-parallel rank's rows over the uniform share ([Note: expert load])
     cp: int | None = None  # context parallelism, pinned; searched among powers of two up to max_cp when None
     max_cp: int = 16
-    sequence_parallel: str = Switch.AUTO  # auto, on: every stage with tp > 1 where the tokens split (on refuses a model without); off: none
+    sequence_parallel: str = Switch.AUTO  # auto: searched ([Note: sequence parallelism costs]); on: every stage with tp > 1; off: none
 
 
 def misfit_fix(dtype: str) -> str:

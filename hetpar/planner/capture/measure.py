@@ -375,7 +375,7 @@ def _count_saved(module: fx.GraphModule, inputs: list[torch.Tensor], result: Mea
 # recompute none keeps), and charge the backward the forward's memory-bound part again
 # (``LayerTime.fwd_memory_s``): the recomputed ops are the elementwise ones.
 _KEPT_OPS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-                       aten.convolution.default, aten._grouped_mm.default})
+                       aten.convolution.default})  # runtime/recompute.py's list, attention counted at its call
 
 
 class _KeptOutputs(TorchDispatchMode):

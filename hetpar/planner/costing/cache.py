@@ -18,15 +18,17 @@ def model_token(model: ModelGraph, cache: dict) -> int:
     return memo(cache, ("model", id(model)), lambda: (model, len(cache)))[1]
 
 
-def model_variant(model: ModelGraph, cache: dict, *, cp: int = 1, sequence_parallel: bool = False) -> ModelGraph:
+def model_variant(model: ModelGraph, cache: dict, *, cp: int = 1, sequence_parallel: bool = False,
+                  regather: bool = True) -> ModelGraph:
     """``model`` as one rank of ``cp`` context-parallel ranks runs it, under sequence
-    parallelism where asked ([Note: context parallelism costs] in cost_models/collectives.py,
-    [Note: sequence parallelism costs] in cost_models/layers.py); made once per cache."""
+    parallelism where asked (``regather``: without recompute) ([Note: context parallelism
+    costs] in cost_models/collectives.py, [Note: sequence parallelism costs] in
+    cost_models/layers.py); made once per cache."""
     if cp == 1 and not sequence_parallel:
         return model
 
     def make() -> ModelGraph:
         out = model.at_context(cp)
-        return out.with_sequence_parallel() if sequence_parallel else out
+        return out.with_sequence_parallel(regather) if sequence_parallel else out
 
-    return memo(cache, ("variant", model_token(model, cache), cp, sequence_parallel), make)
+    return memo(cache, ("variant", model_token(model, cache), cp, sequence_parallel, sequence_parallel and regather), make)

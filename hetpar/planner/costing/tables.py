@@ -267,8 +267,9 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     mode, P, elem = cand.modes[k], cand.pp, dtype_bytes(dtype)
     r = c % P
     whole = model
-    model = model_variant(model, cache, sequence_parallel=mode.sp)  # [Note: sequence parallelism costs]
-    cols, (tp_fwd, tp_bwd), (ep_fwd, ep_bwd), comm, rates = memo(per_slot, (r, mode.tp, mode.sp), lambda: (
+    regather = mode.recompute == Recompute.NONE
+    model = model_variant(model, cache, sequence_parallel=mode.sp, regather=regather)  # [Note: sequence parallelism costs]
+    cols, (tp_fwd, tp_bwd), (ep_fwd, ep_bwd), comm, rates = memo(per_slot, (r, mode.tp, mode.sp, mode.sp and regather), lambda: (
         cols := layer_columns(model, cluster, slot.device_type, mode.tp, cand.micro_batch_size, dtype, cache,
                               cand.expert_load if cand.ep > 1 else 1.0),
         tp_collectives(model, cluster, slot, cols, mode.tp, cache),
@@ -283,14 +284,15 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     held = cols.held(cand.ep) + (cols.tied if r != 0 else 0.0)
     synced = held - (cols.held(cand.ep) - cols.synced(cand.dp, cand.ep))  # the experts unsynced at dp == ep
     full, selective = mode.recompute == Recompute.FULL, mode.recompute == Recompute.SELECTIVE
+    replay = full or selective  # both run the forward's collectives again in backward
     fwd = cols.fwd + tp_fwd + ep_fwd
-    bwd = (cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_bwd + (tp_fwd if full else 0.0)
-           + ep_bwd + (ep_fwd if full else 0.0) + (cols.refwd if selective else 0.0))
+    bwd = (cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_bwd + (tp_fwd if replay else 0.0)
+           + ep_bwd + (ep_fwd if replay else 0.0) + (cols.refwd if selective else 0.0))
     unsplit = np.where(cols.splits, 0.0, np.inf)  # a layer this degree cannot split: [Note: per-stage tensor parallelism]
     tables["time_s"][k, :, c] = fwd + bwd + unsplit
     tables["fwd_s"][k, :, c] = fwd
     tables["weight_s"][k, :, c] = cols.weight
-    tables["tp_time_s"][k, :, c] = tp_fwd * (2 if full else 1) + tp_bwd
+    tables["tp_time_s"][k, :, c] = tp_fwd * (2 if replay else 1) + tp_bwd
     sharded = cand.dp > 1 and mode.zero_stage > 0
     if sharded and mode.zero_stage == 3:
         scale = grad_sync_scale(cluster.profile(slot.device_type))

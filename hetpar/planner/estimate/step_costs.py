@@ -66,7 +66,7 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     first, last = bounds
     layers = model.layers[first : last + 1]
     if config.sp_of(chunk % config.pp):  # [Note: sequence parallelism costs]
-        layers = [l.with_sequence_parallel() for l in layers]
+        layers = [l.with_sequence_parallel(config.recompute_of(chunk) == Recompute.NONE) for l in layers]
     device = cluster.profile(layout.device_type)
     tp = config.tp_of(chunk % config.pp)
     load = config.expert_imbalance if config.ep > 1 else 1.0  # [Note: expert load]
@@ -84,6 +84,7 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     tp_fwd, tp_bwd = (sum(pass_s(l, p) for l in layers) for p in ("forward", "backward"))
     fwd = sum(t.fwd_s for t in times)
     full = config.recompute_of(chunk) == Recompute.FULL
+    replay = config.recompute_of(chunk) != Recompute.NONE  # the forward's collectives run again in backward
     refwd = sum(t.fwd_memory_s for t in times) if config.recompute_of(chunk) == Recompute.SELECTIVE else 0.0
     gather_fwd, gather_bwd = zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp))
     ep_fwd, ep_bwd = expert_exchange_s(layers, cluster, config, layout, memo)
@@ -91,11 +92,11 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     tp_fwd, tp_bwd = tp_fwd + cp_fwd, tp_bwd + cp_bwd  # counted with tensor parallelism's collectives
     return ChunkCost(
         fwd_ep_s=ep_fwd,
-        b_ep_s=ep_bwd + (ep_fwd if full else 0.0),
+        b_ep_s=ep_bwd + (ep_fwd if replay else 0.0),
         fwd_compute_s=fwd,
         fwd_tp_s=tp_fwd,
         b_compute_s=sum(t.bwd_input_s for t in times) + (fwd if full else 0.0) + refwd,
-        b_tp_s=tp_bwd + (tp_fwd if full else 0.0),
+        b_tp_s=tp_bwd + (tp_fwd if replay else 0.0),
         w_compute_s=sum(t.bwd_weight_s for t in times),
         zero3_fwd_s=gather_fwd,
         zero3_bwd_s=gather_bwd,

@@ -32,9 +32,9 @@ from hetpar.vocabulary import Recompute, Schedule, Switch
 # 1F1B with v = 2..max_virtual_stages chunks per rank (pp > 1, tp 1 on every stage,
 # m a multiple of pp, pp v <= layers). GPipe has 1F1B's step time and never less
 # memory ([Note: linear step time]), so it is searched only when pinned. Inside, every
-# stage (every chunk, when interleaved) picks a mode: its degree (with sequence
-# parallelism where the degree is > 1 and the model's tokens split, unless --sp off:
-# [Note: sequence parallelism costs] in cost_models/layers.py) times recompute none, selective
+# stage (every chunk, when interleaved) picks a mode: its degree (where it is > 1 and the
+# model's tokens split, with sequence parallelism, and without it too under recompute
+# none: [Note: sequence parallelism costs] in cost_models/layers.py) times recompute none, selective
 # or full ([Note: selective recompute costs] in planner/capture/measure.py) times a
 # ZeRO stage, 0, 2 or 3 when dp > 1 under
 # 1F1B and GPipe (the runtime shards with FSDP, which neither ZB-H1's split backward
@@ -265,13 +265,15 @@ def stage_modes(options: SearchOptions, *, dp: int, schedule: str, degrees: tupl
         zeros = [options.zero] if options.zero == 0 or shardable else []
     else:
         zeros = [0, 2, 3] if shardable else [0]
-    def sps(tp: int) -> tuple[bool, ...]:  # [Note: sequence parallelism costs]: on where it runs, unless --sp off
+    def sps(tp: int, recompute: str) -> tuple[bool, ...]:  # [Note: sequence parallelism costs]
         if tp not in sp_degrees or options.sequence_parallel == Switch.OFF:
             return () if options.sequence_parallel == Switch.ON and tp > 1 else (False,)
-        return (True,)
+        if options.sequence_parallel == Switch.ON or recompute != Recompute.NONE:
+            return (True,)
+        return (False, True)
 
-    return tuple(StageMode(recompute=r, zero_stage=z, tp=tp, sp=sp) for tp in degrees for sp in sps(tp) for z in zeros
-                 for r in recomputes)
+    return tuple(StageMode(recompute=r, zero_stage=z, tp=tp, sp=sp) for tp in degrees for z in zeros for r in recomputes
+                 for sp in sps(tp, r))
 
 
 def _no_candidate_reason(model: ModelGraph, cluster, options: SearchOptions, tp_ok: bool) -> str:
