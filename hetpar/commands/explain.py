@@ -47,8 +47,14 @@ def explain(
         f"tp comm {seconds(t.tp_comm_s)}, pp comm {seconds(t.pp_comm_s)}, dp comm {seconds(t.dp_comm_s)}, "
         f"optimizer {seconds(t.optimizer_s)}"
         + (f", all-to-all {seconds(t.ep_comm_s)} (experts over ep {est.config.ep})" if est.config.ep > 1 else "")
+        + (f", context exchange {seconds(t.cp_comm_s)} (keys and values all-gathered over cp {est.config.cp})"
+           if est.config.cp > 1 else "")
         + f"  ({est.tflops_per_device:.2f} TFLOP/s per device, MFU {est.mfu:.1%})"
     )
+    sp = [str(s.index) for s in plan.stages if s.sequence_parallel]
+    if sp:
+        console.print(f"sequence parallel on stage{'s' if len(sp) > 1 else ''} {', '.join(sp)}: tp comm is reduce-scatters and "
+                      "all-gathers over the sequence where tensor parallelism alone all-reduces")
     if plan.data_parallel > 1:
         saved = result.plain_dp_comm_s - t.dp_comm_s
         console.print(f"data-parallel sync: {sync_description(plan)}"
@@ -67,7 +73,7 @@ def _print_stages(plan: ParallelPlan, est) -> None:
     for s, e in zip(plan.stages, est.stages):
         m = e.memory
         layers = names[s.layers[0]] if len(s.layers) == 1 else f"{names[s.layers[0]]} .. {names[s.layers[-1]]}"
-        table.add_row(str(s.index), layers, s.device_type, str(s.tensor_parallel), seconds(e.fwd_s), seconds(e.bwd_s),
+        table.add_row(str(s.index), layers, s.device_type, f"{s.tensor_parallel}{' sp' if s.sequence_parallel else ''}", seconds(e.fwd_s), seconds(e.bwd_s),
                       gib(m.weights_bytes), gib(m.gradients_bytes), gib(m.optimizer_bytes), gib(m.activations_bytes),
                       gib(m.total_bytes) + ("" if e.fits else " (does not fit)"))
     console.print(table)

@@ -55,11 +55,12 @@ class TimeBreakdown:
     dp_comm_s: float
     optimizer_s: float
     ep_comm_s: float = 0.0  # expert-parallel all-to-alls ([Note: expert parallelism costs])
+    cp_comm_s: float = 0.0  # context-parallel key and value exchanges ([Note: context parallelism costs])
 
     @property
     def step_s(self) -> float:
         return (self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.optimizer_s
-                + self.ep_comm_s)
+                + self.ep_comm_s + self.cp_comm_s)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,6 +37,8 @@ class ChunkCost:
     zero3_bwd_s: float
     fwd_ep_s: float = 0.0  # expert-parallel all-to-alls ([Note: expert parallelism costs]), counted in the tp part
     b_ep_s: float = 0.0
+    fwd_cp_s: float = 0.0  # context-parallel exchanges ([Note: context parallelism costs]), counted in the tp part
+    b_cp_s: float = 0.0
 
     def seconds(self, kind: Kind, split_weights: bool) -> tuple[float, float, float]:
         """(compute, tensor-parallel and expert-parallel, exposed ZeRO-3) seconds of one action.
@@ -47,17 +49,21 @@ class ChunkCost:
         reduce-scattered after it ends; nothing is left to prefetch under.
         """
         if kind is Kind.FORWARD:
-            compute, tp, gather = self.fwd_compute_s, self.fwd_tp_s + self.fwd_ep_s, self.zero3_fwd_s
+            compute, tp, gather = self.fwd_compute_s, self.fwd_tp_s + self.fwd_ep_s + self.fwd_cp_s, self.zero3_fwd_s
         elif kind is Kind.WEIGHT:
             return self.w_compute_s, 0.0, 0.0
         else:
             compute = self.b_compute_s + (0.0 if split_weights else self.w_compute_s)
-            tp, gather = self.b_tp_s + self.b_ep_s, self.zero3_bwd_s
+            tp, gather = self.b_tp_s + self.b_ep_s + self.b_cp_s, self.zero3_bwd_s
         return compute, tp, gather
 
     def ep_seconds(self, kind: Kind) -> float:
         """The expert-parallel part of ``seconds``'s second value."""
         return self.fwd_ep_s if kind is Kind.FORWARD else 0.0 if kind is Kind.WEIGHT else self.b_ep_s
+
+    def cp_seconds(self, kind: Kind) -> float:
+        """The context-parallel part of ``seconds``'s second value."""
+        return self.fwd_cp_s if kind is Kind.FORWARD else 0.0 if kind is Kind.WEIGHT else self.b_cp_s
 
 
 def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bounds, layout: StageLayout, chunk: int,
@@ -89,8 +95,9 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     gather_fwd, gather_bwd = zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp))
     ep_fwd, ep_bwd = expert_exchange_s(layers, cluster, config, layout, memo)
     cp_fwd, cp_bwd = context_exchange_total_s(layers, cluster, config, layout, memo)
-    tp_fwd, tp_bwd = tp_fwd + cp_fwd, tp_bwd + cp_bwd  # counted with tensor parallelism's collectives
     return ChunkCost(
+        fwd_cp_s=cp_fwd,
+        b_cp_s=cp_bwd + (cp_fwd if replay else 0.0),
         fwd_ep_s=ep_fwd,
         b_ep_s=ep_bwd + (ep_fwd if replay else 0.0),
         fwd_compute_s=fwd,
