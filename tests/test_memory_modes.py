@@ -22,9 +22,12 @@ Why 10%, from the arithmetic rather than from this machine:
   widest activation's gradient, [B, T/cp, 4h/tp] fp32 (``WIDEST``); the tests add it
   to the prediction by hand (the fix belongs in cost_models/memory.py: see the
   benchmark file) and then ask for 10%.
-- Under context parallelism the runtime's attention passes a [T/cp, T] mask, which
-  SDPA turns into float32 and keeps for backward, per layer and micro-batch; the
-  estimate does not count it (``MASK``), added here by hand the same way.
+- Under context parallelism the runtime attends chunk by chunk under torch's lower-right
+  causal bias ([Note: context parallelism] in hetpar/runtime/context.py): on CUDA the
+  flash kernel keeps no mask, on CPU torch's math path builds masks for the chunks and
+  keeps them for backward, about a float32 [T/cp, T] mask per layer and micro-batch
+  (``context_mask_bytes``). The estimate, which prices GPUs, does not count it; it is
+  added here by hand the same way.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def widest_gradient_bytes(tp: int = 1, cp: int = 1) -> int:
 
 
 def context_mask_bytes(cp: int) -> int:
-    """The float32 [T/cp, T] mask each attention layer's SDPA keeps under context parallelism."""
+    """About what each attention layer's SDPA keeps of masks on CPU under context parallelism: a float32 [T/cp, T]."""
     return ARGS["n_layers"] * ARGS["seq_len"] // cp * ARGS["seq_len"] * 4
 
 

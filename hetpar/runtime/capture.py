@@ -71,6 +71,21 @@ class _Tracer(fx.Tracer):
         # a module of experts is one call in the graph, so that the program can split it ([Note: the experts contract])
         return qualname in self.leaf_modules or is_experts(m) or super().is_leaf_module(m, qualname)
 
+    # [Note: buffers as graph values]
+    # torch.fx proxies a module's parameters when forward reads them, but hands forward its
+    # buffers as the tensors themselves, so a buffer indexed by a shape
+    # (``self.bias[:, :, :T, :T]``, nanoGPT's causal mask) fails with "slice indices must be
+    # integers" and the model fell back to torch.export, without tensor parallelism. A
+    # buffer read in forward is a get_attr node here, as a parameter is.
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter):
+            if not hasattr(self, "_buffer_names"):
+                self._buffer_names = {id(b): name for name, b in self.root.named_buffers()}
+            name = self._buffer_names.get(id(attr_val))
+            if name is not None:
+                return self.create_proxy("get_attr", name, (), {})
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
 
 class TracerFailed(TraceError):
     """One tracer failed; ``failure`` says where."""

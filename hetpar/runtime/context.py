@@ -26,12 +26,16 @@ embeddings) are the rank's positions.
 Attention (``context_attention``). Each rank all-gathers the keys and values of its
 group (an autograd function: the forward is an all-gather along the sequence, the
 backward a reduce-scatter of their gradients, so each rank gets the sum of every
-query's gradient for its keys and values), puts the gathered chunks in global order and
-attends its own queries to all keys under a boolean mask made from positions: query
-position >= key position, and within the sliding window where the model has one. The
-mask is [T/cp, T], never the global T x T. torch's ``scaled_dot_product_attention``
-with an explicit mask runs on CPU (gloo) and CUDA (nccl) alike; on CUDA a boolean mask
-rules out the flash kernel, so it runs the memory-efficient one. Why an all-gather
+query's gradient for its keys and values) and puts the gathered chunks in global order.
+Causal attention then runs chunk by chunk with no mask made: the rank's chunk c of L
+tokens attends the keys of chunks 0..c, the last L of them causally, which is
+``scaled_dot_product_attention`` with torch's lower-right causal bias
+(``torch.nn.attention.bias.causal_lower_right(L, (c + 1) L)``): on CUDA the flash or
+memory-efficient kernel with nothing of T^2 stored, and only the causal half of the work
+done (on CPU torch's math path builds the [L, (c + 1) L] mask inside the call). A
+sliding window (Mistral) or a non-causal call takes a boolean mask made from positions:
+query position >= key position, within the window; that mask is [T/cp, T], never the
+global T x T, and on CUDA it rules out the flash kernel. Why an all-gather
 rather than a ring (Ring Attention passes key-value blocks round the group, overlapping
 each step with compute): Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models",
 section 3.3.2) uses all-gather-based context parallelism because it supports any mask
@@ -77,6 +81,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -244,6 +249,15 @@ def context_attention(split: ContextSplit, q: torch.Tensor, k: torch.Tensor, v: 
     [Note: context parallelism]."""
     local = q.shape[-2]
     k_all, v_all = gather_sequence(k, split), gather_sequence(v, split)
+    if causal and sliding_window is None:  # chunk by chunk, no mask made ([Note: context parallelism])
+        chunk = local // 2
+        outs = []
+        for c, q_chunk in zip((split.index, 2 * split.cp - 1 - split.index), q.split(chunk, dim=-2)):
+            end = (c + 1) * chunk
+            outs.append(F.scaled_dot_product_attention(q_chunk, k_all[..., :end, :], v_all[..., :end, :],
+                                                       attn_mask=causal_lower_right(chunk, end), dropout_p=dropout_p,
+                                                       scale=scale, enable_gqa=enable_gqa))
+        return torch.cat(outs, dim=-2)
     q_positions = local_positions(local, split.cp, split.index, device=q.device)
     k_positions = torch.arange(local * split.cp, device=q.device)
     return attend(q, k_all, v_all, q_positions, k_positions, causal=causal, sliding_window=sliding_window,

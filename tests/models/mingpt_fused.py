@@ -9,7 +9,9 @@ The attention is nanoGPT's ``CausalSelfAttention`` (flash path) as published, an
 initialisation its ``_init_weights`` plus the scaled ``c_proj`` init. Two changes from
 nanoGPT, both outside the blocks: ``forward`` takes the token ids only and returns the
 logits (the loss is ``loss_fn``), and it has no ``assert t <= block_size``, which
-torch.fx cannot trace (it branches on a traced size).
+torch.fx cannot trace (it branches on a traced size). ``flash=false`` takes nanoGPT's
+other path, as published: attention written out with the causal mask a registered
+``bias`` buffer sliced to the sequence (``self.bias[:, :, :T, :T]``).
 """
 
 import math
@@ -18,17 +20,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-DEFAULTS = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=32, bias=True)
+DEFAULTS = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=32, bias=True, flash=True)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, bias: bool):
+    def __init__(self, n_embd: int, n_head: int, bias: bool, block_size: int = 0, flash: bool = True):
         super().__init__()
         assert n_embd % n_head == 0
         self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # key, query, value projections for all heads
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.n_head = n_head
         self.n_embd = n_embd
+        self.flash = flash
+        if not self.flash:  # causal mask to ensure that attention is only applied to the left in the input sequence
+            self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
 
     def forward(self, x):
         B, T, C = x.size()
@@ -36,7 +41,13 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            y = att @ v  # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
         return self.c_proj(y)
 
@@ -53,10 +64,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, bias: bool):
+    def __init__(self, n_embd: int, n_head: int, bias: bool, block_size: int = 0, flash: bool = True):
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
-        self.attn = CausalSelfAttention(n_embd, n_head, bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, bias, block_size, flash)
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = MLP(n_embd, bias)
 
@@ -66,12 +77,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, n_layer: int, n_embd: int, n_head: int, vocab_size: int, block_size: int, bias: bool):
+    def __init__(self, n_layer: int, n_embd: int, n_head: int, vocab_size: int, block_size: int, bias: bool,
+                 flash: bool = True):
         super().__init__()
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(vocab_size, n_embd),
             wpe=nn.Embedding(block_size, n_embd),
-            h=nn.ModuleList([Block(n_embd, n_head, bias) for _ in range(n_layer)]),
+            h=nn.ModuleList([Block(n_embd, n_head, bias, block_size, flash) for _ in range(n_layer)]),
             ln_f=nn.LayerNorm(n_embd, bias=bias),
         ))
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
@@ -99,8 +111,9 @@ class GPT(nn.Module):
 
 
 def build_model(n_layer=DEFAULTS["n_layer"], n_embd=DEFAULTS["n_embd"], n_head=DEFAULTS["n_head"],
-                vocab_size=DEFAULTS["vocab_size"], block_size=DEFAULTS["block_size"], bias=DEFAULTS["bias"]):
-    return GPT(n_layer, n_embd, n_head, vocab_size, block_size, bias)
+                vocab_size=DEFAULTS["vocab_size"], block_size=DEFAULTS["block_size"], bias=DEFAULTS["bias"],
+                flash=DEFAULTS["flash"]):
+    return GPT(n_layer, n_embd, n_head, vocab_size, block_size, bias, flash)
 
 
 def example_inputs(batch_size, vocab_size=DEFAULTS["vocab_size"], block_size=DEFAULTS["block_size"], **_):
