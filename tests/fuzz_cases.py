@@ -353,9 +353,11 @@ def check_plan(plan, case: Case, cluster, options, workdir: Path, *, compile_pla
     # Degrees: every device runs one stage replica.
     world = plan.cluster.world_size
     ranks = plan.stages[: plan.pipeline_parallel]
-    used = sum(plan.data_parallel * s.tensor_parallel for s in ranks)
+    cp = plan.context_parallel
+    used = sum(plan.data_parallel * cp * s.tensor_parallel for s in ranks)
     _require(used == world == len(plan.cluster.device_types),
-             f"dp({plan.data_parallel}) * tp{[s.tensor_parallel for s in ranks]} summed over pp({plan.pipeline_parallel}) = {used} != world_size({world})")
+             f"dp({plan.data_parallel}) * cp({cp}) * tp{[s.tensor_parallel for s in ranks]} summed over "
+             f"pp({plan.pipeline_parallel}) = {used} != world_size({world})")
     if case.objective == "time":
         _require(world == cluster.world_size and plan.cluster.device_types == cluster.device_types(),
                  f"the plan's cluster ({plan.cluster.spec}) is not the cluster asked for ({cluster.spec})")

@@ -182,9 +182,10 @@ def test_non_positive_time_limit_is_one_line(tmp_path):
 
 
 def test_degree_misfit_is_not_called_memory(tmp_path):
-    """A layout that fails on a layer's tensor-parallel splits once read "needs inf GiB on stage 1"."""
+    """A layout that fails on a layer's tensor-parallel splits once read "needs inf GiB on stage 1". (Context
+    parallelism would take the devices tp cannot: pinned off.)"""
     case = Case(model="gpt.py", model_args=MODELS[0][1], num_layers=3, groups=(Group(1, 8, "H200-141GB"), Group(3, 8, "Ascend910B")),
-                toml=False, global_batch=12, pins=(("dp", 2), ("schedule", "1f1b")), dtype="fp32")
+                toml=False, global_batch=12, pins=(("dp", 2), ("schedule", "1f1b"), ("cp", 1)), dtype="fp32")
     outcome = run_case(case, tmp_path)
     assert outcome.kind == "error"
     assert outcome.message.startswith("no plan: layer blocks.0 splits only 2 ways") and "inf" not in outcome.message
