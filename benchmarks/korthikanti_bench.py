@@ -67,6 +67,7 @@ from hetpar.runtime.model_file import load_model_file  # noqa: E402
 
 MODEL_FILE = "benchmarks/published/gpt.py"
 SEQ, VOCAB = 2048, 51200
+ATTENTION = ["unfused"]  # --attention: the paper's Megatron-LM wrote attention out (CoreAttention), keeping its s x s scores
 A100_PEAK_FLOP_S = 312e12  # A100 dense fp16/bf16 tensor-core peak, NVIDIA A100 datasheet; the paper's MFU denominator
 
 
@@ -97,7 +98,8 @@ class Row:
 
     @property
     def model_args(self) -> dict:
-        return dict(n_layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=VOCAB, seq_len=SEQ, bias=True, dropout=0.1)
+        return dict(n_layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=VOCAB, seq_len=SEQ, bias=True, dropout=0.1,
+                    attention=ATTENTION[0])
 
     @property
     def cluster(self) -> str:
@@ -162,7 +164,7 @@ def describe(plan: ParallelPlan) -> str:
     cp = _runs([s.context_parallel for s in physical])
     zero = _runs([s.zero_stage for s in physical])
     sched = plan.schedule + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-    return (f"dp {plan.data_parallel}, tp {tps}, pp {pp}" + ("" if cp == "1" else f", cp {cp}")
+    return (f"dp {plan.data_parallel}, tp {tps}, pp {pp}" + ("" if all(s.context_parallel == 1 for s in physical) else f", cp {cp}")
             + f", mb {plan.micro_batch_size} x {plan.num_microbatches}, {sched}, ZeRO {zero}")
 
 
@@ -180,7 +182,10 @@ def main() -> None:
     parser.add_argument("--no-plan", action="store_true", help="only the estimates")
     parser.add_argument("--check", action="store_true", help="only the consistency check of the published numbers")
     parser.add_argument("--only", help="rows whose label is this")
+    parser.add_argument("--attention", choices=["unfused", "sdpa"], default="unfused",
+                        help="attention as the paper's Megatron-LM wrote it out (default), or one fused call")
     args = parser.parse_args()
+    ATTENTION[0] = args.attention
     print(check_sources(), end="\n\n")
     if args.check:
         return

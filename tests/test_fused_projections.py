@@ -226,3 +226,17 @@ def _run(plan: ParallelPlan, out: Path, init_state: dict, args: list[str]) -> tu
                            *args])
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out / "final.pt", weights_only=True), result.stderr
+
+
+@pytest.mark.slow
+def test_written_out_attention_splits_by_heads_and_trains_at_tp_2_with_selective_recompute(tmp_path):
+    """benchmarks/published/gpt.py's ``attention=unfused`` (Megatron-LM's 2022 CoreAttention:
+    heads folded into the batch, baddbmm, a causal mask buffer, bmm) splits by heads, and
+    under selective recompute, which runs its products of two activations again in backward
+    ([Note: selective recompute costs]), trains at tp 2 like one process."""
+    published = Path(__file__).parent.parent / "benchmarks" / "published" / "gpt.py"
+    plan = _plan(published, 2, model_args={"attention": "unfused", "dropout": 0.0}, recompute="selective")
+    sharding = plan.stages[0].tp_sharding
+    assert [sharding[f"blocks.0.attn.{p}"] for p in "qkvo"] == [Sharding.COLWISE] * 3 + [Sharding.ROWWISE]
+    assert all(s.recompute == "selective" for s in plan.stages)
+    assert_trains_like_one_process(plan, tmp_path, "adamw")

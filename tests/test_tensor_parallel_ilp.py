@@ -115,6 +115,25 @@ class FixedHeads(nn.Module):
         return x + self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
 
 
+class WrittenOutAttention(nn.Module):
+    """Attention written out (Megatron-LM's 2022 ``CoreAttention``, nanoGPT's slow path):
+    ``q.shape`` read on the split value, Q K^T, a causal mask buffer filled, softmax,
+    times V; every op acts on whole heads, so q, k and v split by heads."""
+
+    def __init__(self, hidden: int = 128, heads: int = 4, seq: int = 8):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+        self.register_buffer("causal", torch.ones(seq, seq, dtype=torch.bool).triu(1), persistent=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        probs = torch.softmax(scores.masked_fill(self.causal, float("-inf")), dim=-1)
+        return x + self.o((probs @ v).transpose(1, 2).reshape(B, T, -1))
+
+
 class FusedQKV(nn.Module):
     """One Linear for q, k and v, chunked: a chunk over split features mixes q, k and v."""
 
@@ -310,7 +329,7 @@ def test_mlp_stacks_pair_their_linears():
 
 # The dry run -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("factory", [FixedHeads, FusedQKV])
+@pytest.mark.parametrize("factory", [FixedHeads, FusedQKV, WrittenOutAttention])
 def test_fixed_head_counts_and_fused_qkv_split_with_local_shapes(factory):
     """A head count fixed in the code and a chunked fused qkv split on the first solve
     (issue 30): the dry run makes the shape constants local ([Note: local shape
@@ -323,6 +342,8 @@ def test_fixed_head_counts_and_fused_qkv_split_with_local_shapes(factory):
     problem = build_problem(gm, inputs, TpCostModel.for_device())
     sharding = solve(problem).sharding(problem)
     assert Sharding.COLWISE in sharding.values() and dry_run(gm, inputs, sharding, 2) is None
+    if factory is WrittenOutAttention:  # split by heads: no gather anywhere
+        assert sharding == {"q": Sharding.COLWISE, "k": Sharding.COLWISE, "v": Sharding.COLWISE, "o": Sharding.ROWWISE}
     x = torch.randn(1, 8, 128)
     real = fx.symbolic_trace(module)
     local = copy.deepcopy(real)

@@ -16,6 +16,10 @@ FLOPs and parameters). ``--model-arg fused_qkv=1`` fuses them as Megatron-LM doe
 the code; hetpar splits it by heads (issue 30). Attention is
 ``scaled_dot_product_attention``: hetpar's tracer measures it as a fused kernel keeps
 it ([Note: fused attention on meta] in planner/capture/measure.py).
+``--model-arg attention=unfused`` writes attention out as Megatron-LM did in 2022
+(``CoreAttention``: Q K^T scaled, the causal mask filled, softmax, dropout, times V;
+batched matmuls over heads), which keeps the s x s scores and probabilities for backward:
+the model of Korthikanti et al.'s selective recompute.
 
     hetpar trace benchmarks/published/gpt.py --model-arg n_layers=96 --model-arg hidden=12288 \\
         --model-arg heads=96 --model-arg vocab=51200 --model-arg seq_len=2048
@@ -25,13 +29,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-DEFAULTS = dict(n_layers=2, hidden=128, heads=4, vocab=512, seq_len=64, bias=True, dropout=0.1, fused_qkv=False)
+DEFAULTS = dict(n_layers=2, hidden=128, heads=4, vocab=512, seq_len=64, bias=True, dropout=0.1, fused_qkv=False,
+                attention="sdpa")
+
+
+def core_attention(q, k, v, *, causal: torch.Tensor | None, dropout: float, training: bool):
+    """Attention of q, k, v ([B, H, T, D]): one fused call, or (``causal`` given: a [T, T]
+    bool mask, True above the diagonal) written out as Megatron-LM's ``CoreAttention``:
+    its batched products run as ``bmm`` over B x H, as Megatron's ``baddbmm`` does."""
+    if causal is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout if training else 0.0)
+    T = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    probs = F.dropout(torch.softmax(scores.masked_fill(causal[:T, :T], float("-inf")), dim=-1), dropout, training)
+    return probs @ v
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, bias: bool, dropout: float):
+    def __init__(self, hidden: int, heads: int, bias: bool, dropout: float, causal: torch.Tensor | None = None):
         super().__init__()
         self.head_dim, self.dropout = hidden // heads, dropout
+        self.register_buffer("causal", causal, persistent=False)
         self.q = nn.Linear(hidden, hidden, bias=bias)
         self.k = nn.Linear(hidden, hidden, bias=bias)
         self.v = nn.Linear(hidden, hidden, bias=bias)
@@ -42,16 +60,17 @@ class Attention(nn.Module):
         q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = core_attention(q, k, v, causal=self.causal, dropout=self.dropout, training=self.training)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class FusedAttention(nn.Module):
     """Megatron-LM's ``ParallelAttention``: q, k and v of each head side by side in one Linear's output."""
 
-    def __init__(self, hidden: int, heads: int, bias: bool, dropout: float):
+    def __init__(self, hidden: int, heads: int, bias: bool, dropout: float, causal: torch.Tensor | None = None):
         super().__init__()
         self.heads, self.head_dim, self.dropout = heads, hidden // heads, dropout
+        self.register_buffer("causal", causal, persistent=False)
         self.query_key_value = nn.Linear(hidden, 3 * hidden, bias=bias)
         self.o = nn.Linear(hidden, hidden, bias=bias)
 
@@ -60,15 +79,15 @@ class FusedAttention(nn.Module):
         qkv = self.query_key_value(x).view(B, T, self.heads, 3 * self.head_dim)
         q, k, v = qkv.split(self.head_dim, dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = core_attention(q, k, v, causal=self.causal, dropout=self.dropout, training=self.training)
         return self.o(y.transpose(1, 2).reshape(B, T, C))
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, bias: bool, dropout: float, fused_qkv: bool):
+    def __init__(self, hidden: int, heads: int, bias: bool, dropout: float, fused_qkv: bool, causal: torch.Tensor | None):
         super().__init__()
         self.ln1 = nn.LayerNorm(hidden, bias=bias)
-        self.attn = (FusedAttention if fused_qkv else Attention)(hidden, heads, bias, dropout)
+        self.attn = (FusedAttention if fused_qkv else Attention)(hidden, heads, bias, dropout, causal)
         self.drop1 = nn.Dropout(dropout)
         self.ln2 = nn.LayerNorm(hidden, bias=bias)
         self.fc = nn.Linear(hidden, 4 * hidden, bias=bias)
@@ -81,12 +100,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, n_layers, hidden, heads, vocab, seq_len, bias, dropout, fused_qkv):
+    def __init__(self, n_layers, hidden, heads, vocab, seq_len, bias, dropout, fused_qkv, attention):
         super().__init__()
+        if attention not in ("sdpa", "unfused"):
+            raise ValueError(f"attention={attention!r}: choose sdpa or unfused")
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1) if attention == "unfused" else None
         self.tok_emb = nn.Embedding(vocab, hidden)
         self.pos_emb = nn.Embedding(seq_len, hidden)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(hidden, heads, bias, dropout, fused_qkv) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(hidden, heads, bias, dropout, fused_qkv, causal) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(hidden, bias=bias)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # output layer tied to the word embedding
@@ -101,8 +123,8 @@ class GPT(nn.Module):
 
 def build_model(n_layers=DEFAULTS["n_layers"], hidden=DEFAULTS["hidden"], heads=DEFAULTS["heads"], vocab=DEFAULTS["vocab"],
                 seq_len=DEFAULTS["seq_len"], bias=DEFAULTS["bias"], dropout=DEFAULTS["dropout"],
-                fused_qkv=DEFAULTS["fused_qkv"]):
-    return GPT(n_layers, hidden, heads, vocab, seq_len, bias, dropout, bool(fused_qkv))
+                fused_qkv=DEFAULTS["fused_qkv"], attention=DEFAULTS["attention"]):
+    return GPT(n_layers, hidden, heads, vocab, seq_len, bias, dropout, bool(fused_qkv), attention)
 
 
 def example_inputs(batch_size, vocab=DEFAULTS["vocab"], seq_len=DEFAULTS["seq_len"], **_):

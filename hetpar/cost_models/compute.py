@@ -91,7 +91,9 @@ class LayerTime:
     fwd_s: float
     bwd_input_s: float  # B: the gradient of the layer's input, elementwise backward included
     bwd_weight_s: float  # W: the gradients of the layer's weights
-    fwd_memory_s: float = 0.0  # of fwd_s, the memory-bound part and launches: what selective recompute runs again
+    # What selective recompute runs again in backward: of fwd_s, the memory-bound part and
+    # launches, and the products of two activations ([Note: selective recompute costs]).
+    selective_rerun_s: float = 0.0
 
     @property
     def bwd_s(self) -> float:
@@ -159,9 +161,10 @@ def layer_timing(
     weights = layer.params_at(tp) * 4.0 / (stream * byte_rate / device.mem_bw_bytes_per_s) if stream else 0.0
     bwd_weights = weights / bwd_scale
     fwd_ratio, bwd_ratio = (1.0, 1.0) if explicit or tp > 1 else layer_correction(layer, device, micro_batch_size)
+    rerun_flops = layer.selective_rerun_flops * micro_batch_size * (fwd_flops / (layer.fwd_flops * micro_batch_size) if layer.fwd_flops else 0.0)
     return LayerTime(
         fwd_s=(fwd_flops / flop_rate + weights + saved / byte_rate + launch + sharded / 3) * fwd_ratio,
-        fwd_memory_s=(saved / byte_rate + launch) * fwd_ratio,
+        selective_rerun_s=(rerun_flops / flop_rate + saved / byte_rate + launch) * fwd_ratio,
         bwd_input_s=((bwd_flops - weight_flops) / bwd_flop_rate + bwd_weights + 2 * saved / bwd_byte_rate + launch
                      + 2 * sharded / 3) * bwd_ratio,
         bwd_weight_s=(weight_flops / bwd_flop_rate + 2 * bwd_weights + launch) * bwd_ratio,

@@ -91,6 +91,9 @@ class LayerProfile:
     # sample: what selective recompute keeps ([Note: selective recompute costs] in
     # planner/capture/measure.py). Not part of ``cost_key``.
     selective_kept_bytes: float = 0.0
+    # Of the forward FLOPs, per sample, the products of two activations (a written-out
+    # attention's), which selective recompute runs again in backward. Not part of ``cost_key``.
+    selective_rerun_flops: float = 0.0
 
     def with_expert_load(self, factor: float) -> "LayerProfile":
         """The layer as the busiest expert-parallel rank runs it when its experts receive
@@ -126,6 +129,7 @@ class LayerProfile:
             matmul_rows=tuple((max(1, rows // cp), grows, flops, width) for rows, grows, flops, width in self.matmul_rows),
             routed_bytes=self.routed_bytes * share,
             selective_kept_bytes=self.selective_kept_bytes * share,
+            selective_rerun_flops=self.selective_rerun_flops * share,
         )
 
     def flops_at(self, tp: int) -> tuple[float, float]:
@@ -193,7 +197,7 @@ class LayerProfile:
 
 
 _EXPERT_FIELDS = ("expert_params", "num_experts", "routed_bytes", "expert_flops_fraction")  # before _LATER_FIELDS
-_LATER_FIELDS = ("attention_kv_bytes", "selective_kept_bytes")  # the last fields, none of them in ``cost_key``
+_LATER_FIELDS = ("attention_kv_bytes", "selective_kept_bytes", "selective_rerun_flops")  # the last fields, none of them in ``cost_key``
 
 
 def tp_misfit(layers, tp: int) -> LayerProfile | None:

@@ -13,10 +13,12 @@ in and out) and checkpoints see the stage module exactly as before: same submodu
 same qualified parameter names.
 
 ``full`` recomputes every activation of a layer. ``selective`` keeps the outputs of
-matrix multiplications, convolutions and attention (the expensive ops) and recomputes
-the rest (norms, activations, dropout, reshapes), the policy of torchtitan's
-op-level selective activation checkpointing; it needs torch's
-``create_selective_checkpoint_contexts``. Both use the non-reentrant checkpoint, which
+weight matmuls (``mm``/``addmm``), convolutions and fused attention and recomputes the
+rest: norms, activations, dropout, reshapes, and the products of two activations
+(``bmm``/``baddbmm``, a written-out attention's scores and its probabilities times V),
+Korthikanti et al.'s selective recompute ([Note: selective recompute costs] in
+planner/capture/measure.py; torchtitan's op-level list keeps ``bmm`` too, which keeps
+the s x s scores). It needs torch's ``create_selective_checkpoint_contexts``. Both use the non-reentrant checkpoint, which
 replays autocast and the RNG state, so a recomputed forward equals the first one.
 """
 
@@ -33,12 +35,11 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 
 _aten = torch.ops.aten
-# Ops whose outputs selective recompute keeps (torchtitan's _save_list, less the collectives).
+# Ops whose outputs selective recompute keeps (torchtitan's _save_list, less the
+# collectives and the products of two activations).
 _SAVED_OPS = {
     _aten.mm.default,
     _aten.addmm.default,
-    _aten.bmm.default,
-    _aten.baddbmm.default,
     _aten.convolution.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_flash_attention.default,

@@ -83,7 +83,8 @@ class NodeCounts:
     matmul_rows: dict[tuple[int, bool, int], float] = field(default_factory=dict)
     fwd_matmuls: int = 0  # forward ops with FLOPs (matmuls, convolutions, attention): kernels compiling keeps
     attention_kv_bytes: float = 0.0  # keys and values its attention calls read ([Note: context parallelism costs])
-    kept_bytes: float = 0.0  # outputs of its matmuls and attention: what selective recompute keeps ([Note: selective recompute costs])
+    kept_bytes: float = 0.0  # outputs of its weight matmuls and attention: what selective recompute keeps ([Note: selective recompute costs])
+    rerun_flops: float = 0.0  # forward FLOPs of its products of two activations: what selective recompute runs again
 
 
 @dataclass
@@ -356,8 +357,12 @@ def _count_saved(module: fx.GraphModule, inputs: list[torch.Tensor], result: Mea
         else:
             counts.kept_bytes += sum(_nbytes(t) for t in out)
 
-    def kept(out: Any) -> None:
-        result.nodes[current[0]].kept_bytes += sum(_nbytes(t) for t in _tensors(out))
+    def kept(out: Any, rerun_flops: float = 0.0) -> None:
+        counts = result.nodes[current[0]]
+        if rerun_flops:
+            counts.rerun_flops += rerun_flops
+        else:
+            counts.kept_bytes += sum(_nbytes(t) for t in _tensors(out))
 
     with _fused_attention(_AttentionSeen(attention, masks)), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             _KeptOutputs(kept):
@@ -365,21 +370,24 @@ def _count_saved(module: fx.GraphModule, inputs: list[torch.Tensor], result: Mea
 
 
 # [Note: selective recompute costs]
-# Selective recompute (runtime/recompute.py) keeps the outputs of a layer's matrix
-# multiplications, convolutions and attention and recomputes everything else in
-# backward (torchtitan's op-level policy; with attention as one fused kernel this is
-# Korthikanti et al.'s selective recompute and more: the norms, activations and dropout
-# are recomputed too). The saved-bytes pass counts those outputs per node (``kept_bytes``:
-# the forward ATen matmuls, and a fused attention's output and log-sum-exp), and the cost
-# models keep, per micro-batch, the layer's input and those outputs (never more than
-# recompute none keeps), and charge the backward the forward's memory-bound part again
-# (``LayerTime.fwd_memory_s``): the recomputed ops are the elementwise ones.
-_KEPT_OPS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-                       aten.convolution.default})  # runtime/recompute.py's list, attention counted at its call
+# Selective recompute (runtime/recompute.py) is Korthikanti et al.'s (2022, section 4.2):
+# it keeps the outputs of a layer's weight matmuls (``mm``/``addmm``: a Linear on any
+# input is one of those), convolutions and fused attention, and recomputes everything
+# else in backward: the norms, activations and dropout, and the products of two
+# activations (``bmm``/``baddbmm``: a written-out attention's Q K^T and its
+# probabilities times V, whose s x s inputs are what selective recompute exists not to
+# keep). The saved-bytes pass counts per node the kept outputs (``kept_bytes``: a fused
+# attention's output and log-sum-exp included) and the forward FLOPs of the recomputed
+# products (``rerun_flops``); the cost models keep, per micro-batch, the layer's input
+# and those outputs (never more than recompute none keeps), and charge the backward
+# the forward's memory-bound part and those FLOPs again (``LayerTime.selective_rerun_s``).
+_KEPT_OPS = frozenset({aten.mm.default, aten.addmm.default, aten.convolution.default})  # runtime/recompute.py's list, attention counted at its call
+_RERUN_OPS = frozenset({aten.bmm.default, aten.baddbmm.default})
 
 
 class _KeptOutputs(TorchDispatchMode):
-    """Reports the outputs of the forward ops selective recompute keeps ([Note: selective recompute costs])."""
+    """Reports the outputs of the forward ops selective recompute keeps, and the FLOPs of
+    the products it runs again ([Note: selective recompute costs])."""
 
     def __init__(self, record: Any):
         super().__init__()
@@ -387,8 +395,12 @@ class _KeptOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in _KEPT_OPS and torch._C._current_autograd_node() is None:
-            self.record(out)
+        if torch._C._current_autograd_node() is None:
+            if func in _KEPT_OPS:
+                self.record(out)
+            elif func in _RERUN_OPS:
+                a, b = (args[1], args[2]) if func is aten.baddbmm.default else (args[0], args[1])
+                self.record(out, 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2])
         return out
 
 

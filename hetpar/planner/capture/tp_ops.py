@@ -30,10 +30,13 @@ FEATURE_WISE_FUNCTIONS = {
     # Dimension-sensitive: valid unless they act along the split dimension (the dry run checks).
     torch.cat, torch.stack, torch.chunk, torch.split, torch.softmax, F.softmax, operator.matmul, torch.matmul,
     torch.repeat_interleave,  # grouped-query attention's key/value heads, repeated per head (never along features)
+    torch.bmm, torch.baddbmm, torch.masked_fill,  # attention written out over heads folded into the batch (Megatron's)
+    getattr,  # ``q.shape``: a split value's shape is its local one, and no tensor flows on from it
 }
 FEATURE_WISE_METHODS = {
     "view", "reshape", "transpose", "permute", "contiguous", "size", "relu", "mul", "add", "neg", "float", "to",
     "type_as", "chunk", "split", "split_with_sizes", "softmax", "matmul", "repeat_interleave",
+    "masked_fill", "new_empty", "bmm", "baddbmm",
 }
 FEATURE_WISE_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Dropout, nn.Tanh, nn.Sigmoid, nn.Identity)
 # The same in an exported graph's ATen ops (dimension-sensitive ones included: the dry
@@ -47,7 +50,7 @@ FEATURE_WISE_ATEN = {
     _aten.div.Tensor, _aten.neg.default, _aten.pow.Tensor_Scalar, _aten.silu.default, _aten.gelu.default,
     _aten.relu.default, _aten.tanh.default, _aten.sigmoid.default, _aten.dropout.default, _aten.to.dtype,
     _aten._to_copy.default, _aten.type_as.default, _aten.alias.default, _aten.scaled_dot_product_attention.default,
-    _aten.softmax.int, _aten.matmul.default,
+    _aten.softmax.int, _aten.matmul.default, _aten.bmm.default, _aten.baddbmm.default, _aten.masked_fill.Scalar,
 }
 
 

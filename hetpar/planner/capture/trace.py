@@ -328,6 +328,7 @@ class _Measured:
             expert_flops_fraction=self.experts.flops_fraction,
             attention_kv_bytes=w.total("attention_kv_bytes"),
             selective_kept_bytes=w.total("kept_bytes"),
+            selective_rerun_flops=w.total("rerun_flops"),
         )
 
 

@@ -143,7 +143,7 @@ class LayerColumns:
     splits: np.ndarray  # bool: the layer splits this many ways (LayerProfile.splits_at)
     expert_params: np.ndarray  # parameters of the layer's modules of experts (not split by tp)
     kept: np.ndarray  # bytes per micro-batch selective recompute keeps: input and matmul outputs ([Note: selective recompute costs])
-    refwd: np.ndarray  # seconds selective recompute runs again in backward: the forward's memory-bound part
+    refwd: np.ndarray  # seconds selective recompute runs again in backward: the forward's memory-bound part and activation products
 
     def held(self, ep: int) -> np.ndarray:
         """Parameters a rank holds, steps and keeps state for: 1/ep of the experts' ([Note: expert parallelism costs])."""
@@ -189,7 +189,7 @@ def layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: in
             kept=np.minimum(np.array([l.saved_bytes_at(tp) for l in model.layers]) * scale,
                             np.concatenate([[model.input_bytes * scale], boundary[:-1]])
                             + np.array([l.kept_bytes_at(tp) for l in model.layers]) * scale),
-            refwd=np.array([t.fwd_memory_s if t else inf for t in times]),
+            refwd=np.array([t.selective_rerun_s if t else inf for t in times]),
         )
     return cache[key]
 

@@ -91,7 +91,7 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     fwd = sum(t.fwd_s for t in times)
     full = config.recompute_of(chunk) == Recompute.FULL
     replay = config.recompute_of(chunk) != Recompute.NONE  # the forward's collectives run again in backward
-    refwd = sum(t.fwd_memory_s for t in times) if config.recompute_of(chunk) == Recompute.SELECTIVE else 0.0
+    refwd = sum(t.selective_rerun_s for t in times) if config.recompute_of(chunk) == Recompute.SELECTIVE else 0.0
     gather_fwd, gather_bwd = zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp))
     ep_fwd, ep_bwd = expert_exchange_s(layers, cluster, config, layout, memo)
     cp_fwd, cp_bwd = context_exchange_total_s(layers, cluster, config, layout, memo)
