@@ -172,8 +172,8 @@ def test_a_plain_data_parallel_program_holds_nothing_else(tmp_path):
     plan = build_plan(ROOT / "examples" / "mlp.py", MLP_ARGS, splits=[[0, 1, 2, 3]], data_parallel=2,
                       num_microbatches=2)
     text = program_text(plan, tmp_path)
-    assert runtime_modules(text) == {"checkpoint", "cli", "data_parallel", "devices", "distributed", "materialize",
-                                     "shard", "timing", "training"}
+    assert runtime_modules(text) == {"checkpoint", "cli", "data", "data_parallel", "devices", "distributed",
+                                     "materialize", "shard", "timing", "training"}
     assert FEATURE_WORDS.findall(text) == []
     for call in ("optimizer.zero_grad(set_to_none=True)", "output = stage.module(", "loss = model_file.loss(",
                  "loss.backward()", "optimizer.step()", "grad_sync.reduce()"):

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=4 train.py --steps 100 --optimizer adamw --lr 3e-4 \
         --init-from init.pt --save-final final.pt --metrics metrics.jsonl \
-        --checkpoint-dir ckpt --checkpoint-every 20 --allow-device-mismatch
+        --checkpoint-dir ckpt --checkpoint-every 20 --allow-device-mismatch --data train.bin
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import argparse
 import os
 import socket
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from hetpar.vocabulary import Optimizer, Switch
 
@@ -36,6 +38,8 @@ class TrainArgs:
     powersgd_start_step: int = 2  # ... and plain all-reduce steps before it compresses
     allow_device_mismatch: bool = False  # warn, not stop, when a rank's device is not the plan's (runtime.devices)
     compile: str = Switch.AUTO  # torch.compile each stage: "on", "off", or "auto" (as planned: plan.compiled)
+    data: Path | None = None  # a flat token file: the batches instead of the model file's (runtime.data)
+    data_dtype: str = "uint16"  # its token width: a name of runtime.data.TOKEN_DTYPES
 
 
 def parse_args(description: str | None = None, argv: list[str] | None = None, *, powersgd: bool = False) -> TrainArgs:
@@ -78,6 +82,13 @@ def parse_args(description: str | None = None, argv: list[str] | None = None, *,
     parser.add_argument("--compile", choices=[s.value for s in Switch], default=Switch.AUTO.value,
                         help="torch.compile each stage (auto: as the plan says, plan.compiled, which its costs "
                              "assume); a stage that does not compile runs eagerly")
+    from hetpar.runtime.data import TOKEN_DTYPES  # numpy and torch: imported once the program has torch
+
+    parser.add_argument("--data", type=Path, metavar="FILE",
+                        help="train on this flat file of token ids (nanoGPT's train.bin) instead of the model file's "
+                             "batches: sequences of the model's length + 1 in an order of --seed alone; each replica "
+                             "reads only its rows")
+    parser.add_argument("--data-dtype", choices=list(TOKEN_DTYPES), default="uint16", help="the token width of --data")
     ns = parser.parse_args(argv)
     if ns.steps < 0:
         parser.error(f"--steps {ns.steps} must be >= 0")
@@ -106,7 +117,29 @@ def parse_args(description: str | None = None, argv: list[str] | None = None, *,
         powersgd_start_step=ns.powersgd_start_step,
         allow_device_mismatch=ns.allow_device_mismatch,
         compile=ns.compile,
+        data=ns.data,
+        data_dtype=ns.data_dtype,
     )
+
+
+@contextmanager
+def one_line_errors(*errors: type[BaseException]) -> Iterator[None]:
+    """Stop the program on ``errors`` raised inside: the first rank prints the message as
+    one line, every rank leaves the process group and exits with code 2.
+
+    For checks of input every rank reads alike (``--data``, ``--init-from``), which fail
+    on every rank at the same point, before any collective that one of them would miss.
+    """
+    try:
+        yield
+    except errors as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"hetpar: {exc}", file=sys.stderr, flush=True)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise SystemExit(2) from None
 
 
 def world_size_from_env() -> int | None:
@@ -219,5 +252,5 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-__all__ = ["Replan", "TrainArgs", "check_launch", "check_world_size", "free_port", "parse_args", "replan_message",
-           "world_size_from_env"]
+__all__ = ["Replan", "TrainArgs", "check_launch", "check_world_size", "free_port", "one_line_errors", "parse_args",
+           "replan_message", "world_size_from_env"]

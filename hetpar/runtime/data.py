@@ -1,0 +1,241 @@
+"""Training data from a flat token file (``--data``), behind the model file's ``batches``.
+
+[Note: token data]
+A token file is what nanoGPT's ``prepare.py`` writes as ``train.bin``: token ids one
+after another, uint16 (``--data-dtype uint16``, the default) or uint32, no header. The
+program maps it with ``np.memmap`` and reads only the tokens of the rows it trains on.
+
+- **Sequences.** With T the model's sequence length (the second dimension of the model
+  file's ``example_inputs(1)``), sequence j is the T + 1 tokens ``[jT, jT + T + 1)``:
+  its inputs are the first T, its targets the last T (``inputs = tokens[:-1]``,
+  ``targets = tokens[1:]``, as nanoGPT's ``get_batch``). Consecutive sequences share
+  one token, so a file of N tokens holds ``(N - 1) // T`` of them and every token but a
+  tail shorter than T + 1 is a target once per epoch.
+- **Order.** Row r of the global batch of step k (1-based) is sample
+  ``i = (k - 1) B + r`` of an endless stream, B the global batch size. Sample i is
+  sequence ``perm_e[i mod n]`` of epoch ``e = i // n``, where ``perm_e`` is
+  ``torch.randperm(n)`` under a generator seeded with a hash of (seed, e): the order is
+  a function of ``--seed`` and the file alone, epochs wrap with a fresh permutation,
+  and no sequence repeats within an epoch. It is not nanoGPT's order (random offsets,
+  drawn with replacement); a seeded permutation is what makes the next two points
+  cheap.
+- **Rows.** Any rows of any step are computed directly, so a data-parallel replica
+  reads only its own rows (``rows=``, the contract of ``ModelFile.batches``; [Note:
+  data order and sharding] in runtime/shard.py), and a run resumed after step k starts
+  at sample kB without reading or replaying what came before.
+- **Checks before training** (``DataError``, one line): the file exists; its size is
+  a whole number of tokens; it holds at least one global batch of sequences; the model
+  takes one integer input of shape ``[batch, T]``; no token id reaches the model's
+  vocabulary (the rows of its input embedding): the maximum over the whole file when
+  it is at most ``_FULL_CHECK_TOKENS`` tokens, else over ``_CHECK_BLOCKS`` blocks spread
+  through it. Each batch's ids are checked again as they are read (a max over its own
+  rows), so an id that a sampled check missed stops the run at that step, never as an
+  out-of-range index deep in an embedding.
+
+``token_model_file`` wraps the program's model file so that its ``batches`` reads the
+token file: every consumer of ``batches`` (``shard.replica_batches``,
+``rebalance.ReplicaShares``, ``context.split_batches`` after them) works unchanged, and
+so do pipelines, tensor, context and expert parallelism.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from hetpar.runtime.model_file import ModelFile
+
+# The token widths a file may hold (--data-dtype): nanoGPT writes uint16 for vocabularies
+# below 65536 (GPT-2's 50257), uint32 fits any other.
+TOKEN_DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
+
+# A file of up to this many tokens has its maximum id checked in full (one pass over
+# the page cache, ~1 GiB of uint16); a larger one in _CHECK_BLOCKS blocks of
+# _CHECK_BLOCK_TOKENS, spread evenly ([Note: token data]).
+_FULL_CHECK_TOKENS = 1 << 29
+_CHECK_BLOCKS = 256
+_CHECK_BLOCK_TOKENS = 1 << 16
+
+
+class DataError(Exception):
+    """A token file that does not fit the model or the plan; the message says how."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenFile:
+    """A flat token file cut into sequences of ``seq_len + 1`` tokens; see [Note: token data]."""
+
+    path: Path
+    tokens: np.ndarray  # the whole file, memory-mapped, one token id per element
+    seq_len: int  # T: the model's sequence length; a sequence holds T + 1 tokens
+    vocab_size: int  # ids must be below it
+    _orders: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def open(cls, path: str | Path, *, dtype: str = "uint16", seq_len: int, vocab_size: int,
+             global_batch_size: int) -> TokenFile:
+        """Map ``path`` and check it before training ([Note: token data]).
+
+        Args:
+            path: the token file.
+            dtype: ``uint16`` or ``uint32`` (``TOKEN_DTYPES``).
+            seq_len: the model's sequence length T.
+            vocab_size: the model's vocabulary; every id must be below it.
+            global_batch_size: sequences per step; the file must hold at least that many.
+
+        Raises:
+            DataError: the file is missing, not a whole number of tokens, too short for
+                one global batch, or holds an id of ``vocab_size`` or more.
+        """
+        path = Path(path)
+        if dtype not in TOKEN_DTYPES:
+            raise DataError(f"--data-dtype {dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
+        width = TOKEN_DTYPES[dtype].itemsize
+        if not path.is_file():
+            raise DataError(f"--data {path}: no such file (a flat file of {dtype} token ids, as nanoGPT's train.bin)")
+        size_bytes = path.stat().st_size
+        if size_bytes % width:
+            raise DataError(f"--data {path} is {size_bytes} bytes, not a whole number of {dtype} tokens ({width} bytes "
+                            f"each); is --data-dtype right?")
+        tokens = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r") if size_bytes else np.zeros(0, TOKEN_DTYPES[dtype])
+        found = cls(path=path, tokens=tokens, seq_len=seq_len, vocab_size=vocab_size)
+        if found.num_sequences < global_batch_size:
+            raise DataError(f"--data {path} holds {len(tokens)} {dtype} tokens, {found.num_sequences} sequences of "
+                            f"{seq_len} + 1, fewer than one global batch of {global_batch_size}")
+        top = found._max_id()
+        if top >= vocab_size:
+            raise DataError(f"--data {path} holds token id {top}, but the model's vocabulary has {vocab_size} ids "
+                            f"(0-{vocab_size - 1}); is --data-dtype right, and was the file made with this model's "
+                            f"tokenizer?")
+        return found
+
+    @property
+    def num_sequences(self) -> int:
+        """n: the sequences of T + 1 tokens, one token shared between neighbours."""
+        return max(len(self.tokens) - 1, 0) // self.seq_len
+
+    def _max_id(self) -> int:
+        """The largest id of the file, or of ``_CHECK_BLOCKS`` blocks spread through a large one."""
+        n = len(self.tokens)
+        if n <= _FULL_CHECK_TOKENS:
+            return int(self.tokens.max())
+        starts = np.linspace(0, n - _CHECK_BLOCK_TOKENS, _CHECK_BLOCKS).astype(np.int64)
+        return max(int(self.tokens[s:s + _CHECK_BLOCK_TOKENS].max()) for s in starts)
+
+    def order(self, seed: int, epoch: int) -> torch.Tensor:
+        """``perm_e``: the sequences of epoch ``epoch`` in the order they are trained."""
+        key = (seed, epoch)
+        if key not in self._orders:
+            if len(self._orders) >= 2:  # a step spans at most two epochs (B <= n)
+                self._orders.pop(min(self._orders, key=lambda k: k[1]))
+            gen = torch.Generator().manual_seed(_epoch_seed(seed, epoch))
+            self._orders[key] = torch.randperm(self.num_sequences, generator=gen)
+        return self._orders[key]
+
+    def sequences(self, seed: int, samples: range) -> torch.Tensor:
+        """The sequences of samples ``samples`` of the stream, ``[len(samples), T + 1]`` int64."""
+        n, width = self.num_sequences, self.seq_len + 1
+        chosen = [int(self.order(seed, i // n)[i % n]) for i in samples]
+        out = np.empty((len(chosen), width), dtype=np.int64)
+        for row, j in enumerate(chosen):
+            out[row] = self.tokens[j * self.seq_len:j * self.seq_len + width]
+        if out.size and int(out.max()) >= self.vocab_size:
+            raise DataError(f"--data {self.path} holds token id {int(out.max())} in sequence(s) "
+                            f"{sorted(set(chosen))[:4]}, but the model's vocabulary has {self.vocab_size} ids")
+        return torch.from_numpy(out)
+
+    def batches(self, batch_size: int, seed: int, *, rows: range | None = None, start_step: int = 0
+                ) -> Iterator[tuple[tuple[torch.Tensor], torch.Tensor]]:
+        """``(inputs, targets)`` of the ``rows`` of global batches ``start_step + 1, ...``;
+        the contract of ``ModelFile.batches`` ([Note: token data])."""
+        rows = range(batch_size) if rows is None else rows
+        if rows.step != 1 or rows.start < 0 or rows.stop > batch_size:
+            raise ValueError(f"rows {rows} are not consecutive rows of a batch of {batch_size}")
+        for step in itertools.count(start_step):
+            first = step * batch_size
+            seqs = self.sequences(seed, range(first + rows.start, first + rows.stop))
+            yield (seqs[:, :-1],), seqs[:, 1:]
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    digest = hashlib.blake2b(struct.pack("<qq", seed, epoch), digest_size=8, person=b"hetpar-tokens").digest()
+    return int.from_bytes(digest, "little") >> 1  # manual_seed takes up to 2**63 - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenModelFile(ModelFile):
+    """The program's model file with its ``batches`` read from a token file."""
+
+    data: TokenFile
+
+    def batches(self, batch_size: int, seed: int, *, rows: range | None = None, start_step: int = 0
+                ) -> Iterator[tuple[tuple, torch.Tensor]]:
+        """The token file's rows of global batches ``start_step + 1, ...`` ([Note: token data])."""
+        return self.data.batches(batch_size, seed, rows=rows, start_step=start_step)
+
+
+def sequence_length(model_file: ModelFile) -> int:
+    """T: the model's sequence length, from ``example_inputs(1)``.
+
+    Raises:
+        DataError: the model does not take one integer input of shape ``[batch, T]``.
+    """
+    example = model_file.example_inputs(1)
+    shapes = [list(t.shape) for t in example]
+    if len(example) != 1 or example[0].dim() != 2 or example[0].is_floating_point():
+        raise DataError(f"--data feeds a model one input of token ids shaped [batch, T]; "
+                        f"{model_file.path.name}'s example_inputs(1) gives {len(example)} input(s) of shapes {shapes}"
+                        f"{'' if len(example) != 1 else f' and dtype {example[0].dtype}'}")
+    return int(example[0].shape[1])
+
+
+def vocabulary_size(model: nn.Module) -> int:
+    """The rows of the model's input embedding (a Hugging Face model's
+    ``get_input_embeddings()``, else its first ``nn.Embedding``); works on the meta device.
+
+    Raises:
+        DataError: the model has no embedding to read token ids.
+    """
+    embedding = None
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            embedding = get()
+        except (NotImplementedError, AttributeError):
+            embedding = None
+    if not isinstance(embedding, nn.Embedding):
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        raise DataError(f"--data holds token ids, but {type(model).__name__} has no nn.Embedding to look them up")
+    return embedding.num_embeddings
+
+
+def token_model_file(model_file: ModelFile, model: nn.Module, path: str | Path, *, dtype: str = "uint16",
+                     global_batch_size: int) -> TokenModelFile:
+    """``model_file`` with its ``batches`` read from the token file ``path`` ([Note: token data]).
+
+    Args:
+        model_file: the program's model file.
+        model: its model (on the meta device will do): gives the vocabulary.
+        path: the token file (``--data``).
+        dtype: ``--data-dtype``.
+        global_batch_size: sequences per step.
+
+    Raises:
+        DataError: the file or the model does not fit (the checks of the note).
+    """
+    tokens = TokenFile.open(path, dtype=dtype, seq_len=sequence_length(model_file), vocab_size=vocabulary_size(model),
+                            global_batch_size=global_batch_size)
+    return TokenModelFile(path=model_file.path, model_args=model_file.model_args, module=model_file.module, data=tokens)
+
+
+__all__ = ["DataError", "TOKEN_DTYPES", "TokenFile", "TokenModelFile", "sequence_length", "token_model_file",
+           "vocabulary_size"]
