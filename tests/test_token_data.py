@@ -224,18 +224,17 @@ def reference_losses(plan, init_state: dict, data_path: Path, steps: int = STEPS
 
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory):
-    """A tiny Llama checkpoint (its state also as init.pt), a token file, the dp 2 plan
-    compiled, and that program trained STEPS steps from the weights on the file."""
+    """A tiny Llama checkpoint directory (``save_pretrained``), a token file, the dp 2 plan
+    compiled, and that program trained STEPS steps from the checkpoint on the file."""
     root = tmp_path_factory.mktemp("llama")
     model = save_tiny_llama(root / "hf")
-    torch.save(model.state_dict(), root / "init.pt")
     write_tokens(root / "train.bin", 4000, vocab=VOCAB)
     plan = llama_plan(root / "hf", dp=2)
     from hetpar.rewriters import compile_plan
 
     compile_plan(plan, root / "build")
     result = run_torchrun(root / "build" / "train.py", 2, [
-        "--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR), "--init-from", str(root / "init.pt"),
+        "--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR), "--init-from", str(root / "hf"),
         "--data", str(root / "train.bin"), "--save-final", "final.pt", "--metrics", "m.jsonl"])
     assert result.returncode == 0, result.stderr[-4000:]
     return root, plan, model.state_dict()

@@ -369,8 +369,9 @@ def _model_shard(plan: ParallelPlan, f: Features) -> str:
         ]
     lines += [
         "# this rank's tensors alone are made, as build_model() under --seed makes them, or read from --init-from",
-        "materialize.materialize_stages(model, model_shard, construction, device, init_from=args.init_from, "
-        "keep_unused=me.rank == 0)",
+        "with cli.one_line_errors(materialize.InitFromError):  # an --init-from that does not fit: one line, exit 2",
+        "    materialize.materialize_stages(model, model_shard, construction, device, init_from=args.init_from,",
+        "                                   keep_unused=me.rank == 0)",
         f"shard.compile_stages({modules}, device, args.compile, planned={plan.compiled!r}, "
         "announce=me.rank == 0)",
     ]

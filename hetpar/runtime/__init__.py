@@ -14,6 +14,7 @@ Modules, in the order a program uses them:
 - ``experts``: modules of experts (the contract hetpar recognises) and expert parallelism: experts split over
   replicas, rows exchanged by all-to-all.
 - ``materialize``: the model built on the meta device, and only this rank's tensors computed (or read from --init-from).
+- ``hf_checkpoint``: Hugging Face checkpoint directories (safetensors) read by --init-from, each rank its slices.
 - ``recompute``: each layer of a stage under torch.utils.checkpoint.
 - ``data_parallel``: gradients of a stage's replicas: all-reduce, DDP comm hooks, ZeRO through FSDP2, or one of:
   ``compression`` (top-k and sign with error feedback), ``robust`` (trimmed mean, median, Multi-Krum),

@@ -75,12 +75,17 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hetpar.runtime.hf_checkpoint import HFCheckpoint, HFCheckpointError, is_hf_checkpoint
 from hetpar.runtime.parts import PartLayout, layouts_of
 from hetpar.runtime.shard import chunk_modules
 
 
 class MaterializeError(Exception):
     """Tensors of the model cannot be computed this way; the message says why."""
+
+
+class InitFromError(MaterializeError):
+    """``--init-from`` does not fit the model (every rank finds it alike, before reading a tensor)."""
 
 
 @dataclass(frozen=True)
@@ -482,8 +487,10 @@ def materialize_stages(model: nn.Module, module: nn.Module, log: Construction, d
         log: ``build_on_meta``'s log of ``model``.
         device: where the stage's tensors go (default: the CPU).
         init_from: a whole state_dict saved by ``torch.save`` (read through mmap: only
-            this rank's tensors are read) or a ``torch.distributed.checkpoint``
-            directory of one (only this rank's shards are read); tensors the state_dict
+            this rank's tensors are read), a ``torch.distributed.checkpoint``
+            directory of one (only this rank's shards are read), or a Hugging Face
+            checkpoint directory (safetensors: only this rank's slices are read, [Note:
+            Hugging Face checkpoints] in runtime/hf_checkpoint.py); tensors the state_dict
             lacks (non-persistent buffers) come from the build.
         keep_unused: also materialise, in ``model``, the state_dict entries no rank's
             stage holds (a parameter no layer uses), as the rank that writes
@@ -491,7 +498,8 @@ def materialize_stages(model: nn.Module, module: nn.Module, log: Construction, d
 
     Raises:
         MaterializeError: a stage holds a meta tensor the model does not name (a
-            constant of an exported graph), or ``init_from`` does not fit the model.
+            constant of an exported graph); ``InitFromError``: ``init_from`` does not
+            fit the model.
     """
     slots = [slot for chunk in chunk_modules(module) for slot in _meta_slots(chunk)]
     anonymous = sorted({slot.name for slot in slots} - set(log.tensors))
@@ -556,10 +564,19 @@ def _place(slots: list[_Slot], values: dict[str, torch.Tensor], device: torch.de
 
 
 class _Source:
-    """A whole state_dict to start from: a ``torch.save`` file or a DCP directory."""
+    """A whole state_dict to start from: a ``torch.save`` file, a DCP directory or a
+    Hugging Face checkpoint directory."""
 
     def __init__(self, path: Path, keys: list[str], model: nn.Module):
         self.path = Path(path)
+        self.names = set(keys)
+        self.hf = None
+        if is_hf_checkpoint(self.path):
+            try:
+                self.hf = HFCheckpoint(self.path, model)
+            except HFCheckpointError as exc:
+                raise InitFromError(str(exc)) from None
+            return
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         if self.path.is_dir():
             metadata = dcp.FileSystemReader(str(self.path)).read_metadata().state_dict_metadata
@@ -574,14 +591,15 @@ class _Source:
         if missing or unexpected or wrong:
             what = (f"lacks {missing[0]}" if missing else f"has {unexpected[0]}, which the model lacks" if unexpected
                     else f"has {wrong[0]} of shape {list(found[wrong[0]])}, the model's is {list(shapes[wrong[0]])}")
-            raise MaterializeError(f"--init-from {self.path} is not a state_dict of this model: it {what}")
-        self.names = set(keys)
+            raise InitFromError(f"--init-from {self.path} is not a state_dict of this model: it {what}")
 
     def read(self, names: set[str], local: dict[str, Callable], like: dict[str, torch.Tensor], *,
              whole: set[str] = frozenset()) -> dict[str, torch.Tensor]:
         """The tensors ``names`` (shards where ``local`` says), reading only those; the
         names of one tensor of the model (``like``: its meta tensor) get one object.
         From a DCP directory, the ``whole`` names (part-laid) are read whole, then cut."""
+        if self.hf is not None:
+            return self.hf.read(names, local, like, whole=whole)
         first: dict[int, str] = {}
         for n in sorted(names):
             first.setdefault(id(like[n]), n)
@@ -598,4 +616,4 @@ class _Source:
         return {n: got[first[id(like[n])]] for n in names}
 
 
-__all__ = ["Construction", "MaterializeError", "TensorRef", "build_on_meta", "materialize", "materialize_stages", "named_tensors"]
+__all__ = ["Construction", "InitFromError", "MaterializeError", "TensorRef", "build_on_meta", "materialize", "materialize_stages", "named_tensors"]
