@@ -173,7 +173,7 @@ def test_a_plain_data_parallel_program_holds_nothing_else(tmp_path):
                       num_microbatches=2)
     text = program_text(plan, tmp_path)
     assert runtime_modules(text) == {"checkpoint", "cli", "data", "data_parallel", "devices", "distributed",
-                                     "materialize", "shard", "timing", "training"}
+                                     "hf_checkpoint", "materialize", "shard", "timing", "training"}
     assert FEATURE_WORDS.findall(text) == []
     for call in ("optimizer.zero_grad(set_to_none=True)", "output = stage.module(", "loss = model_file.loss(",
                  "loss.backward()", "optimizer.step()", "grad_sync.reduce()"):

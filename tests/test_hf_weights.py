@@ -2,11 +2,15 @@
 [Note: Hugging Face checkpoints]): ``--init-from DIR`` reads ``save_pretrained``'s
 safetensors (one file or shards with an index, tied weights written once), each rank
 only its tensors and of a tensor-parallel weight only its slice; a directory that does
-not fit is one line naming what is missing, extra or of another shape.
+not fit is one line naming what is missing, extra or of another shape. ``--save-hf DIR``
+writes a directory that ``from_pretrained`` loads, atomically, and is refused for a
+model without a Hugging Face config.
 
 The fast tests run in one process (a rank of two under the ``fake`` process group for
-the slices). The slow one trains a tiny Llama at tp 2 from a checkpoint directory on a
-token file.
+the slices). The slow ones run compiled programs: a tiny tied Llama trained at tp 2 from
+a checkpoint directory on a token file, saved with ``--save-hf``, loads with
+``from_pretrained`` and gives the logits of the trained state; a directory of another
+model stops the program in one line.
 """
 
 from __future__ import annotations
@@ -19,14 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TORCHRUN_TIMEOUT_S, subprocess_env
+from conftest import TORCHRUN_TIMEOUT_S, run_torchrun, subprocess_env
 from safetensors.torch import load_file, save_file
-from test_token_data import HF_MODEL, SEQ, llama_plan, save_tiny_llama
+from test_token_data import HF_MODEL, LR, SEQ, VOCAB, llama_plan, save_tiny_llama, write_tokens
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from hetpar.runtime.graph import trace_layers
-from hetpar.runtime.hf_checkpoint import HFCheckpoint, HFCheckpointError, tied_names
+from hetpar.runtime.hf_checkpoint import HFCheckpoint, HFCheckpointError, check_savable, save_pretrained, tied_names
 from hetpar.runtime.materialize import InitFromError, build_on_meta, materialize_stages
 from hetpar.runtime.model_file import load_model_file
 from hetpar.runtime.shard import cut_stage
@@ -181,3 +185,68 @@ def test_the_program_refuses_a_checkpoint_of_another_model_in_one_line(tmp_path)
     assert ours == [f"hetpar: --init-from {tmp_path / 'other'} does not fit LlamaForCausalLM: it has "
                     "model.embed_tokens.weight of shape [100, 64] (the model's: [128, 64])"], result.stderr
     assert "step 1/1" not in result.stderr
+
+
+# ----------------------------------------------------------------------------- --save-hf
+
+
+def test_save_hf_is_refused_for_a_model_without_a_hugging_face_config():
+    with pytest.raises(HFCheckpointError, match=r"^--save-hf writes a Hugging Face checkpoint, but Linear has no Hugging "
+                                                r"Face config \(model.config\) to write as config.json; use --save-final$"):
+        check_savable(torch.nn.Linear(2, 2))
+
+
+def test_save_hf_writes_a_directory_from_pretrained_loads_or_nothing(tmp_path):
+    """Tied weights once, contiguous; use_cache back on; an existing directory replaced;
+    a write that fails leaves neither a directory nor a temporary one."""
+    import transformers as tf
+
+    model = save_tiny_llama(tmp_path / "hf", tie=True)
+    model.config.use_cache = False  # as training leaves it
+    state = {k: (v.t().contiguous().t() if v.dim() == 2 else v) for k, v in model.state_dict().items()}  # not contiguous
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "stale.txt").write_text("from before")
+    save_pretrained(tmp_path / "out", state, model)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "generation_config.json",
+                                                                    "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
+    assert "lm_head.weight" not in load_file(tmp_path / "out" / "model.safetensors")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["use_cache"] is True
+    loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+    class Broken(torch.nn.Module):  # a config whose save_pretrained fails halfway
+        config = type("Config", (), {"save_pretrained": lambda self, directory: 1 / 0})()
+    with pytest.raises(ZeroDivisionError):
+        save_pretrained(tmp_path / "failed", {"w": torch.zeros(2)}, Broken())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_run_saves_what_from_pretrained_loads_with_the_trained_logits(tmp_path):
+    """A tied Llama at tp 2 from its checkpoint directory (each rank its slices) on a
+    token file; ``--save-hf`` loads with ``from_pretrained`` and gives the logits of the
+    trained state (``--save-final``), which moved from the start."""
+    import transformers as tf
+
+    from hetpar.rewriters import compile_plan
+
+    initial = save_tiny_llama(tmp_path / "hf", tie=True)
+    write_tokens(tmp_path / "train.bin", 2000, vocab=VOCAB)
+    compile_plan(llama_plan(tmp_path / "hf", tp=2), tmp_path / "build")
+    result = run_torchrun(tmp_path / "build" / "train.py", 2, [
+        "--steps", "2", "--optimizer", "sgd", "--lr", str(LR), "--init-from", str(tmp_path / "hf"),
+        "--data", str(tmp_path / "train.bin"), "--save-final", "final.pt", "--save-hf", str(tmp_path / "trained")])
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "tp 2" in result.stderr  # the stage's Linears split over the two ranks
+    loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "trained")
+    final = torch.load(tmp_path / "build" / "final.pt", weights_only=True)
+    trained = load_model_file(HF_MODEL, {"config": str(tmp_path / "hf"), "seq": SEQ}).build_model()
+    trained.load_state_dict(final)
+    assert not torch.equal(final["model.embed_tokens.weight"], initial.state_dict()["model.embed_tokens.weight"])
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, trained(tokens).logits, rtol=0, atol=0)

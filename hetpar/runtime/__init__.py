@@ -14,7 +14,8 @@ Modules, in the order a program uses them:
 - ``experts``: modules of experts (the contract hetpar recognises) and expert parallelism: experts split over
   replicas, rows exchanged by all-to-all.
 - ``materialize``: the model built on the meta device, and only this rank's tensors computed (or read from --init-from).
-- ``hf_checkpoint``: Hugging Face checkpoint directories (safetensors) read by --init-from, each rank its slices.
+- ``hf_checkpoint``: Hugging Face checkpoint directories (safetensors): read by --init-from, each rank its slices;
+  written by --save-hf.
 - ``recompute``: each layer of a stage under torch.utils.checkpoint.
 - ``data_parallel``: gradients of a stage's replicas: all-reduce, DDP comm hooks, ZeRO through FSDP2, or one of:
   ``compression`` (top-k and sign with error feedback), ``robust`` (trimmed mean, median, Multi-Krum),
@@ -27,7 +28,7 @@ Modules, in the order a program uses them:
 - ``timing``: step and action times true on every device (a synchronize per step, CUDA events per action).
 - ``tied``: parameters shared by stages on different ranks kept equal (their gradients summed).
 - ``checkpoint``: atomic torch.distributed.checkpoint checkpoints and resume.
-- ``training``: optimizer, reported loss, metrics, final state_dict.
+- ``training``: optimizer, reported loss, metrics, the final state_dict gathered.
 
 ``hetpar profile``'s microbenchmarks and reference workload live in the ``profiler``
 package, which imports runtime.

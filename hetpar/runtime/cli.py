@@ -1,7 +1,7 @@
 """The command line every generated program shares, and its world-size check.
 
     torchrun --nproc_per_node=4 train.py --steps 100 --optimizer adamw --lr 3e-4 \
-        --init-from init.pt --save-final final.pt --metrics metrics.jsonl \
+        --init-from init.pt --save-final final.pt --save-hf trained --metrics metrics.jsonl \
         --checkpoint-dir ckpt --checkpoint-every 20 --allow-device-mismatch --data train.bin
 """
 
@@ -40,6 +40,7 @@ class TrainArgs:
     compile: str = Switch.AUTO  # torch.compile each stage: "on", "off", or "auto" (as planned: plan.compiled)
     data: Path | None = None  # a flat token file: the batches instead of the model file's (runtime.data)
     data_dtype: str = "uint16"  # its token width: a name of runtime.data.TOKEN_DTYPES
+    save_hf: Path | None = None  # where rank 0 writes a Hugging Face checkpoint directory (runtime.hf_checkpoint)
 
 
 def parse_args(description: str | None = None, argv: list[str] | None = None, *, powersgd: bool = False) -> TrainArgs:
@@ -65,6 +66,9 @@ def parse_args(description: str | None = None, argv: list[str] | None = None, *,
                         help="full state_dict to start from: a torch.save file or a torch.distributed.checkpoint directory; "
                              "each rank reads only its own tensors")
     parser.add_argument("--save-final", type=Path, metavar="FILE", help="write the trained full state_dict here (rank 0)")
+    parser.add_argument("--save-hf", type=Path, metavar="DIR",
+                        help="write the trained model as a Hugging Face checkpoint directory (model.safetensors and "
+                             "config.json, which from_pretrained loads; rank 0, atomically); a Hugging Face model only")
     parser.add_argument("--metrics", type=Path, metavar="FILE", help="write one JSON line per step (rank 0); the file is truncated at start")
     parser.add_argument("--dist-timeout-s", type=float, default=300.0, help="timeout of collectives and rendezvous")
     parser.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
@@ -119,6 +123,7 @@ def parse_args(description: str | None = None, argv: list[str] | None = None, *,
         compile=ns.compile,
         data=ns.data,
         data_dtype=ns.data_dtype,
+        save_hf=ns.save_hf,
     )
 
 
@@ -127,7 +132,7 @@ def one_line_errors(*errors: type[BaseException]) -> Iterator[None]:
     """Stop the program on ``errors`` raised inside: the first rank prints the message as
     one line, every rank leaves the process group and exits with code 2.
 
-    For checks of input every rank reads alike (``--data``, ``--init-from``), which fail
+    For checks of input every rank reads alike (``--data``, ``--init-from``, ``--save-hf``), which fail
     on every rank at the same point, before any collective that one of them would miss.
     """
     try:

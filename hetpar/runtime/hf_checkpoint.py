@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint directories: read by ``--init-from DIR``.
+"""Hugging Face checkpoint directories: read by ``--init-from DIR``, written by ``--save-hf DIR``.
 
 [Note: Hugging Face checkpoints]
 A directory that ``save_pretrained`` writes holds ``config.json`` and the weights as
@@ -19,12 +19,27 @@ split over tensor-parallel ranks (a DTensor sharded along a dimension) reads onl
 slice (``safe_open(...).get_slice``, which reads those bytes); a part-laid tensor
 ([Note: part-laid Linears] in runtime/parts.py) is read whole and cut. Values are cast
 to the model's dtype (a bfloat16 checkpoint into a float32 model).
+
+Writing (``--save-hf DIR``, rank 0, from the full state_dict gathered as for
+``--save-final``): ``model.safetensors`` holds every tensor once (a tied one under its
+first name), contiguous, with ``{"format": "pt"}`` metadata as transformers writes;
+``config.json`` is the model's own config (``model.config.save_pretrained``) with
+``architectures`` set to the model's class and ``use_cache`` back at the config class's
+default (training turned it off: [Note: no KV cache in training] in
+runtime/model_file.py); ``generation_config.json`` where the model has one. The
+directory is written under a temporary name beside ``DIR`` and renamed into place, so a
+run that fails leaves no half directory (an existing ``DIR`` is replaced only once the
+new one is complete). A model without a Hugging Face config is refused before training.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import shutil
 import struct
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable
@@ -175,5 +190,79 @@ class HFCheckpoint:
         return local[name](full) if name in local else full
 
 
-__all__ = ["CONFIG_FILE", "HFCheckpoint", "HFCheckpointError", "INDEX_FILE", "SINGLE_FILE", "is_hf_checkpoint",
-           "tied_names"]
+def check_savable(model: nn.Module) -> None:
+    """Refuse ``--save-hf`` for a model without a Hugging Face config, before training.
+
+    Raises:
+        HFCheckpointError: ``model.config`` has no ``save_pretrained``.
+    """
+    if not callable(getattr(getattr(model, "config", None), "save_pretrained", None)):
+        raise HFCheckpointError(f"--save-hf writes a Hugging Face checkpoint, but {type(model).__name__} has no Hugging "
+                                f"Face config (model.config) to write as config.json; use --save-final")
+
+
+def save_pretrained(directory: Path, state: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """Write ``state`` (the whole trained state_dict) and ``model``'s config as a directory
+    that ``AutoModelForCausalLM.from_pretrained`` loads, atomically ([Note: Hugging Face
+    checkpoints]).
+
+    Args:
+        directory: where the checkpoint goes.
+        state: every state_dict key of the model, whole tensors on the CPU.
+        model: the model (meta will do): its config and which keys are tied.
+    """
+    from safetensors.torch import save_file  # with transformers, which a Hugging Face model needs anyway
+
+    check_savable(model)
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".tmp"))
+    try:
+        tied = tied_names(model)
+        tensors, storages = {}, set()
+        for key, value in state.items():
+            if key in tied:
+                continue
+            value = value.detach().contiguous()
+            if value.untyped_storage().data_ptr() in storages:  # safetensors refuses two names on one storage
+                value = value.clone()
+            storages.add(value.untyped_storage().data_ptr())
+            tensors[key] = value
+        save_file(tensors, tmp / SINGLE_FILE, metadata={"format": "pt"})
+        _config_for_inference(model).save_pretrained(tmp)
+        generation = getattr(model, "generation_config", None)
+        if callable(getattr(generation, "save_pretrained", None)):
+            generation.save_pretrained(tmp)
+        _replace_directory(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _config_for_inference(model: nn.Module):
+    """A copy of the model's config as ``save_pretrained`` would write it: ``architectures``
+    named, ``use_cache`` at its class's default (training set it False)."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    if getattr(config, "use_cache", None) is False:
+        try:
+            config.use_cache = type(config)().use_cache
+        except Exception:  # noqa: BLE001 - a config class that needs arguments keeps False
+            pass
+    return config
+
+
+def _replace_directory(new: Path, directory: Path) -> None:
+    """Rename ``new`` to ``directory``; an existing ``directory`` is moved aside first and
+    removed once the rename has happened."""
+    old = None
+    if directory.exists():
+        old = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".old"))
+        os.replace(directory, old / directory.name)
+    os.replace(new, directory)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+__all__ = ["CONFIG_FILE", "HFCheckpoint", "HFCheckpointError", "INDEX_FILE", "SINGLE_FILE", "check_savable",
+           "is_hf_checkpoint", "save_pretrained", "tied_names"]

@@ -1,5 +1,5 @@
 """The parts of a training step around the pipeline: optimizer, the reported loss,
-progress and metrics, and the final state_dict. (Data-parallel gradients:
+progress and metrics, and the final state_dict gathered to rank 0. (Data-parallel gradients:
 runtime.data_parallel; loss scaling: runtime.precision; checkpoints: runtime.checkpoint.)"""
 
 from __future__ import annotations
@@ -213,8 +213,9 @@ def _records_up_to(metrics: Path, step: int) -> list[str]:
     return kept
 
 
-def save_full_state(path: Path, model: nn.Module, stage_module: nn.Module, me: Placement) -> None:
-    """Gather the trained full state_dict to rank 0 and write it atomically (collective).
+def gather_full_state(model: nn.Module, stage_module: nn.Module, me: Placement) -> dict[str, torch.Tensor] | None:
+    """The trained full state_dict, gathered to rank 0 (collective): whole tensors on the
+    CPU, keyed and ordered as ``model.state_dict()``; None on every other rank.
 
     Every rank turns its stage's DTensors into full tensors (collective within its
     tensor-parallel group); replica 0, tensor-parallel index 0 of each stage sends its
@@ -232,12 +233,11 @@ def save_full_state(path: Path, model: nn.Module, stage_module: nn.Module, me: P
     gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] if me.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if me.rank != 0:
-        return
+        return None
     merged: dict[str, torch.Tensor] = {}
     for part in gathered:
         merged.update(part)
-    full = {k: merged[k] if k in merged else _local(v).detach().cpu() for k, v in model.state_dict().items()}
-    save_atomic(full, path)
+    return {k: merged[k] if k in merged else _local(v).detach().cpu() for k, v in model.state_dict().items()}
 
 
 def save_atomic(obj: object, path: Path) -> None:
@@ -254,4 +254,5 @@ def save_atomic(obj: object, path: Path) -> None:
         raise
 
 
-__all__ = ["LossReport", "StepLogger", "announce", "make_optimizer", "read_metrics", "report_stage_times", "save_atomic", "save_full_state"]
+__all__ = ["LossReport", "StepLogger", "announce", "gather_full_state", "make_optimizer", "read_metrics", "report_stage_times",
+           "save_atomic"]
