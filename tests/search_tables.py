@@ -71,6 +71,7 @@ def random_tables(rng, num_layers, pp, num_microbatches, *, modes=PLAIN, schedul
     cut = np.array([[base_cut * (1 / a if a == b else -(-b // a)) for b in degrees] for a in degrees])
     workspace = np.array([2**30 if i % 3 == 0 else 2**29 for i in range(L)], dtype=float)
     zero3 = 3 * params.max() * np.array([1.0 if i == 0 else 0.5 for i in range(L)])
+    gradient = saved * np.array([0.2 if i % 2 else 0.1 for i in range(L)])  # the widest activation gradient, every mode
     return CostTables(
         candidate=Candidate(dp=dp, pp=pp, micro_batch_size=1, num_microbatches=num_microbatches, schedule=schedule,
                             virtual_stages=virtual_stages, modes=modes, tp_sum=() if devices is None else (("cpu", devices),)),
@@ -82,6 +83,7 @@ def random_tables(rng, num_layers, pp, num_microbatches, *, modes=PLAIN, schedul
         epilogue_latency_s=np.array([[rng.uniform(0, 1e-4) if c < pp else 0.0 for c in range(C)] for _ in modes]),
         workspace_bytes=np.array([workspace / tp for tp in degrees]),
         zero3_buffer_bytes=np.array([zero3 / tp for tp in degrees]),
+        gradient_bytes=np.array([gradient / tp for tp in degrees]),
         capacity_bytes=np.full(pp, capacity),
         device_types=["cpu"] * pp,
     )

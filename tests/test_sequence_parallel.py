@@ -257,7 +257,7 @@ def test_gpt_tp2_trains_like_one_process(tmp_path, optimizer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recompute", ["selective", "full"])
+@pytest.mark.parametrize("recompute", ["full"])  # selective: the Llama's test below
 def test_gpt_tp2_with_recompute_trains_like_one_process(tmp_path, recompute):
     plan = _with_sequence_parallel(_planned(GPT, GPT_ARGS), recompute=recompute)
     assert_trains_like_one_process(plan, tmp_path, "adamw")
@@ -279,7 +279,7 @@ def test_gpt_tp2_by_dp2_trains_like_one_process(tmp_path, zero):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["gqa_fused", "megatron_fused", "mingpt_fused"])
+@pytest.mark.parametrize("model", ["gqa_fused", "mingpt_fused"])  # megatron_fused's per-head layout: test_fused_projections.py
 def test_fused_qkv_gpt_tp2_trains_like_one_process(tmp_path, model):
     """GPTs whose one Linear makes q, k and v: split part by part ([Note: part-laid
     Linears] in runtime/parts.py) or per head (Megatron's layout), reading one gathered input."""
@@ -308,7 +308,7 @@ def test_gpt2_tp2_trains_like_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recompute", ["selective", "full"])
+@pytest.mark.parametrize("recompute", ["selective"])  # full: the GPT's test above
 def test_llama_tp2_with_recompute_trains_like_one_process(tmp_path, recompute):
     pytest.importorskip("transformers")
     plan = _with_sequence_parallel(_planned(_llama(tmp_path), {}), recompute=recompute)

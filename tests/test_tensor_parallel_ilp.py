@@ -134,6 +134,36 @@ class WrittenOutAttention(nn.Module):
         return x + self.o((probs @ v).transpose(1, 2).reshape(B, T, -1))
 
 
+class BatchMergedAttention(nn.Module):
+    """Megatron-LM's 2022 ``CoreAttention`` as written: heads folded into the batch
+    ([B, H, T, D] -> [B*H, T, D]) for ``baddbmm`` and ``bmm``. A rank's heads are a
+    contiguous slice of B*H only at B = 1, so q, k and v must not stay split by heads."""
+
+    def __init__(self, hidden: int = 128, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        b, h, t, d = q.shape
+        scores = torch.baddbmm(q.new_empty(b * h, t, t), q.reshape(b * h, t, d), k.reshape(b * h, t, d).transpose(1, 2),
+                               beta=0.0, alpha=d ** -0.5)
+        y = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(b * h, t, d)).view(b, h, t, d)
+        return x + self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def test_heads_merged_with_the_batch_are_not_left_split():
+    """[Note: dry runs of two samples]: at one sample the merge looks harmless; the dry run
+    at two refuses it, as the program would at its micro-batch."""
+    gm = fx.symbolic_trace(BatchMergedAttention().to("meta"))
+    sharding = find_sharding(gm, [torch.empty(1, 8, 128, device="meta", requires_grad=True)])
+    assert not all(sharding.get(p) is Sharding.COLWISE for p in "qkv")
+    assert dry_run(gm, [torch.empty(1, 8, 128, device="meta", requires_grad=True)],
+                   {"q": Sharding.COLWISE, "k": Sharding.COLWISE, "v": Sharding.COLWISE, "o": Sharding.ROWWISE}, 2) is not None
+
+
 class FusedQKV(nn.Module):
     """One Linear for q, k and v, chunked: a chunk over split features mixes q, k and v."""
 

@@ -94,6 +94,11 @@ class LayerProfile:
     # Of the forward FLOPs, per sample, the products of two activations (a written-out
     # attention's), which selective recompute runs again in backward. Not part of ``cost_key``.
     selective_rerun_flops: float = 0.0
+    # The largest single activation whose gradient backward materialises, per sample
+    # (the MLP's hidden one in a transformer block): held beside the saved tensors while
+    # the layer's backward runs ([Note: activations kept per micro-batch] in
+    # cost_models/memory.py). Not part of ``cost_key``.
+    widest_gradient_bytes: float = 0.0
 
     def with_expert_load(self, factor: float) -> "LayerProfile":
         """The layer as the busiest expert-parallel rank runs it when its experts receive
@@ -130,6 +135,7 @@ class LayerProfile:
             routed_bytes=self.routed_bytes * share,
             selective_kept_bytes=self.selective_kept_bytes * share,
             selective_rerun_flops=self.selective_rerun_flops * share,
+            widest_gradient_bytes=self.widest_gradient_bytes * share,
         )
 
     def flops_at(self, tp: int) -> tuple[float, float]:
@@ -157,6 +163,14 @@ class LayerProfile:
         if self.saved_activation_bytes <= 0:
             return 0.0
         return min(saved, self.selective_kept_bytes * saved / self.saved_activation_bytes)
+
+    def widest_gradient_at(self, tp: int) -> float:
+        """Bytes of the widest activation gradient one tensor-parallel rank holds in the
+        layer's backward, per sample: ``widest_gradient_bytes`` split over tp as the
+        layer's saved activations are."""
+        if self.saved_activation_bytes <= 0:
+            return self.widest_gradient_bytes
+        return self.widest_gradient_bytes * self.saved_bytes_at(tp) / self.saved_activation_bytes
 
     def with_sequence_parallel(self, regather: bool = True) -> "LayerProfile":
         """The layer as a tensor-parallel rank runs it under sequence parallelism ([Note:
@@ -197,7 +211,7 @@ class LayerProfile:
 
 
 _EXPERT_FIELDS = ("expert_params", "num_experts", "routed_bytes", "expert_flops_fraction")  # before _LATER_FIELDS
-_LATER_FIELDS = ("attention_kv_bytes", "selective_kept_bytes", "selective_rerun_flops")  # the last fields, none of them in ``cost_key``
+_LATER_FIELDS = ("attention_kv_bytes", "selective_kept_bytes", "selective_rerun_flops", "widest_gradient_bytes")  # the last fields, none of them in ``cost_key``
 
 
 def tp_misfit(layers, tp: int) -> LayerProfile | None:

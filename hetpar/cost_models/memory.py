@@ -25,6 +25,10 @@ meta device, planner.capture):
   none keeps; while a layer is rebuilt in backward, what it did not keep (the workspace);
 - full recompute: only each layer's input, plus, while a layer is rebuilt in backward,
   that one layer's saved tensors for one micro-batch (the workspace).
+Whatever the mode, a layer's backward also holds the gradient of an activation beside
+the saved tensors, the widest at most (``LayerProfile.widest_gradient_bytes``: in a
+transformer block the MLP's hidden activation, [b, s, 4h/tp]); its largest over the
+stage's layers is added once, for one micro-batch, like the workspace.
 A schedule keeps several micro-batches in flight on a rank; the peak comes from its
 action list (runtime/schedule.py); with zero-bubble schedules a W still needs the
 inputs of the layer's matmuls after B is done ([Note: zero-bubble split]).
@@ -202,6 +206,12 @@ def recompute_workspace_bytes(layers: Sequence[LayerProfile], *, tp: int, micro_
     return max(l.saved_bytes_at(tp) for l in layers) * dtype_bytes(dtype) / 4 * micro_batch_size
 
 
+def backward_gradient_bytes(layers: Sequence[LayerProfile], *, tp: int, micro_batch_size: int, dtype: str) -> float:
+    """Bytes of the widest activation gradient a rank holds while one of ``layers`` runs its
+    backward; see [Note: activations kept per micro-batch]."""
+    return max((l.widest_gradient_at(tp) for l in layers), default=0.0) * dtype_bytes(dtype) / 4 * micro_batch_size
+
+
 def stage_memory(
     layers: list[LayerProfile],
     *,
@@ -236,6 +246,7 @@ def stage_memory(
         layers, tp=tp, micro_batch_size=micro_batch_size, dtype=dtype, recompute=recompute, input_bytes=input_bytes
     )
     workspace = recompute_workspace_bytes(layers, tp=tp, micro_batch_size=micro_batch_size, dtype=dtype, recompute=recompute)
+    workspace += backward_gradient_bytes(layers, tp=tp, micro_batch_size=micro_batch_size, dtype=dtype)
     return MemoryBreakdown(
         weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=opt, activations_bytes=per_mb * in_flight + workspace
     )

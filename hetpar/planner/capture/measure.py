@@ -78,6 +78,7 @@ class NodeCounts:
     bwd_bytes: float = 0.0
     saved_bytes: float = 0.0
     output_bytes: float = 0.0
+    widest_bytes: float = 0.0  # its largest output that needs a gradient: what backward holds the gradient of
     param_bytes: float = 0.0
     # Forward matmul FLOPs by (rows, rows grow with the batch, width); see [Note: matmul rows].
     matmul_rows: dict[tuple[int, bool, int], float] = field(default_factory=dict)
@@ -96,6 +97,9 @@ class Measurement:
 
     def total(self, what: str) -> float:
         return float(sum(getattr(c, what) for c in self.nodes.values()))
+
+    def largest(self, what: str) -> float:
+        return float(max((getattr(c, what) for c in self.nodes.values()), default=0.0))
 
 
 def measure(module: fx.GraphModule, inputs: list[torch.Tensor], *, masks: bool = True) -> Measurement:
@@ -321,6 +325,7 @@ def _count_kernels(module: fx.GraphModule, inputs: list[torch.Tensor], result: M
             counter.claim(n, out)
         if n.name in result.nodes and n.op != "get_attr":
             result.nodes[n.name].output_bytes = float(sum(_nbytes(t) for t in _tensors(out)))
+            result.nodes[n.name].widest_bytes = float(max((_nbytes(t) for t in _tensors(out) if t.requires_grad), default=0))
 
     args = _grad_inputs(inputs)
     with counter:

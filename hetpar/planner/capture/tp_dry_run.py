@@ -91,11 +91,13 @@ def solve_checked(stage_module: fx.GraphModule, inputs: list[torch.Tensor], prob
 
 def dry_run(stage_module: fx.GraphModule, inputs: list[torch.Tensor], sharding: dict[str, Sharding],
             tp: int) -> DryRunFailure | None:
-    """Run the layer as one rank holds it, next to the unsplit layer, on the meta device.
+    """Run the layer as one rank holds it, next to the unsplit layer, on the meta device,
+    on two samples ([Note: dry runs of two samples]).
 
     Returns:
         None if every op ran on shapes it can handle, else where and why it failed.
     """
+    inputs = [_two_samples(t) for t in inputs]
     reference = run_graph(stage_module, inputs)
     try:
         sharded_module = shard_on_meta(stage_module, sharding, tp, inputs)
@@ -118,6 +120,20 @@ def dry_run(stage_module: fx.GraphModule, inputs: list[torch.Tensor], sharding: 
     if not check_sharded_shapes(reference[output.name], sharded[output.name]):
         return _failure(output, reference, sharded, "a split value reaches the layer's output")
     return None
+
+
+# [Note: dry runs of two samples]
+# The tracer measures a layer on one sample, but a split that only holds for one does
+# not hold: a view merging the batch with split heads ([B, H/tp, T, D] -> [B*H/tp, T, D],
+# attention written out as Megatron-LM's baddbmm over the batch) keeps each rank's
+# slice contiguous at B = 1 and interleaves it at B > 1, and the program, which checks
+# its stages at the real micro-batch, would refuse the plan. So the dry run runs the
+# layer on two samples: every input whose leading dimension is one sample's becomes
+# two (same shape otherwise), for the unsplit and the split layer alike.
+def _two_samples(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != 1:
+        return t
+    return torch.empty((2, *t.shape[1:]), dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
 
 
 def _failure(node: fx.Node, reference: dict, sharded: dict, reason: str) -> DryRunFailure:

@@ -329,6 +329,7 @@ class _Measured:
             attention_kv_bytes=w.total("attention_kv_bytes"),
             selective_kept_bytes=w.total("kept_bytes"),
             selective_rerun_flops=w.total("rerun_flops"),
+            widest_gradient_bytes=w.largest("widest_bytes"),
         )
 
 

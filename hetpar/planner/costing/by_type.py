@@ -66,6 +66,7 @@ def compose_tables(tables_by_type: dict[str, "CostTables"], types: list[str]) ->
         **{name: pick(name, 1) for name in ("gather_fwd_latency_s", "gather_bwd_latency_s", "epilogue_latency_s")},
         cut_s=pick("cut_s", 3),
         workspace_bytes=first.workspace_bytes,
+        gradient_bytes=first.gradient_bytes,
         zero3_buffer_bytes=first.zero3_buffer_bytes,
         capacity_bytes=np.array([tables_by_type[t].capacity_bytes[r] for r, t in enumerate(types)], dtype=float),
         device_types=list(types),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from hetpar.cost_models.memory import (
     MemoryBreakdown,
     activation_bytes_per_microbatch,
+    backward_gradient_bytes,
     recompute_workspace_bytes,
     training_state_bytes,
 )
@@ -49,6 +50,7 @@ def chunk_terms(tables: CostTables, c: int, first: int, last: int, k: int, next_
     mode = tables.candidate.modes[k]
     if mode.recompute != Recompute.NONE:  # selective's rebuilt layer is at most its whole saved activations
         memory += tables.workspace_bytes[a, rows].max()
+    memory += tables.gradient_bytes[a, rows].max()
     if mode.zero_stage == 3 and tables.candidate.dp > 1:
         memory += tables.zero3_buffer_bytes[a, rows].max()
     return float(t), float(tables.weight_s[k, rows, c].sum()), float(epilogue), float(memory)
@@ -85,5 +87,5 @@ def stage_memory_breakdown(model: ModelGraph, tables: CostTables, s: int, first:
                                                extra_params=-experts)
     inputs = model.layers[first - 1].boundary_bytes if first > 0 else model.input_bytes
     per_mb = activation_bytes_per_microbatch(layers, recompute=mode.recompute, input_bytes=inputs, **c)
-    workspace = recompute_workspace_bytes(layers, recompute=mode.recompute, **c)
+    workspace = recompute_workspace_bytes(layers, recompute=mode.recompute, **c) + backward_gradient_bytes(layers, **c)
     return MemoryBreakdown(weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=opt, activations_bytes=per_mb * in_flight + workspace)

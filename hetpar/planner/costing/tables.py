@@ -30,13 +30,15 @@ Collective times are read off the collective model as latency + bytes * per-byte
 
 Memory of rank r, which must fit its devices:
 
-    sum over its chunks of (sum memory[l] + [recompute] max workspace[a, l] + [ZeRO-3] max zero3_buffer[a, l])
+    sum over its chunks of (sum memory[l] + [recompute] max workspace[a, l] + max gradient[a, l]
+                            + [ZeRO-3] max zero3_buffer[a, l])
 
 ``memory`` is the layer's training state under the mode's ZeRO stage plus its
 activations times the micro-batches the schedule keeps in flight on the chunk
-(``activation_multipliers``); the two maxima are the one-layer buffers of
+(``activation_multipliers``); the three maxima are the one-layer buffers of
 [Note: activations kept per micro-batch] (a layer's whole saved activations, for full and, as an upper
-bound of what it rebuilds, for selective recompute) and [Note: ZeRO stages] (cost_models/memory.py),
+bound of what it rebuilds, for selective recompute; the widest activation gradient, in every mode) and
+[Note: ZeRO stages] (cost_models/memory.py),
 with at most ``_RANGE_MAX_LEVELS`` distinct values (larger sets are rounded up). For
 the interleaved schedule each chunk counts its own peak of in-flight micro-batches and
 its own buffers, an upper bound of the rank's joint peak that planner.estimate plays out.
@@ -98,6 +100,7 @@ class CostTables:
     epilogue_latency_s: np.ndarray  # [K, C] once per rank: nonzero on its first chunk only
     memory_bytes: np.ndarray  # [K, L, C]
     workspace_bytes: np.ndarray  # [T, L] one layer rebuilt under full recompute
+    gradient_bytes: np.ndarray  # [T, L] the widest activation gradient of a layer's backward, every mode
     zero3_buffer_bytes: np.ndarray  # [T, L] gathered weights and gradient under ZeRO-3
     capacity_bytes: np.ndarray  # [P]
     tp_time_s: np.ndarray  # [K, L, C] the tensor-parallel part of time_s, for reporting
@@ -143,6 +146,7 @@ class LayerColumns:
     splits: np.ndarray  # bool: the layer splits this many ways (LayerProfile.splits_at)
     expert_params: np.ndarray  # parameters of the layer's modules of experts (not split by tp)
     kept: np.ndarray  # bytes per micro-batch selective recompute keeps: input and matmul outputs ([Note: selective recompute costs])
+    widest: np.ndarray  # bytes per micro-batch of the widest activation gradient of the layer's backward
     refwd: np.ndarray  # seconds selective recompute runs again in backward: the forward's memory-bound part and activation products
 
     def held(self, ep: int) -> np.ndarray:
@@ -189,6 +193,7 @@ def layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: in
             kept=np.minimum(np.array([l.saved_bytes_at(tp) for l in model.layers]) * scale,
                             np.concatenate([[model.input_bytes * scale], boundary[:-1]])
                             + np.array([l.kept_bytes_at(tp) for l in model.layers]) * scale),
+            widest=np.array([l.widest_gradient_at(tp) for l in model.layers]) * scale,
             refwd=np.array([t.selective_rerun_s if t else inf for t in times]),
         )
     return cache[key]
@@ -238,11 +243,12 @@ def build_tables(
                 tables["time_s"][k, :, c] = tables["memory_bytes"][k, :, c] = np.inf
                 continue
             _fill_mode(model, cluster, cand, dtype, optimizer, slots[r][mode.tp], c, k, in_flight[c], tables, lat, cache, per_slot)
-    workspace, zero3 = [], []
+    workspace, gradient, zero3 = [], [], []
     w, g, _ = state_bytes_per_param(dtype, optimizer)
     for tp in degrees:
         any_cols = layer_columns(model, cluster, next(iter(slots[0].values())).device_type, tp, cand.micro_batch_size, dtype, cache)
         workspace.append(_levels(FRAGMENTATION_MARGIN * any_cols.saved))
+        gradient.append(_levels(FRAGMENTATION_MARGIN * any_cols.widest))
         zero3.append(_levels(FRAGMENTATION_MARGIN * any_cols.params * (2 * w + g)))
     return CostTables(
         candidate=cand,
@@ -251,6 +257,7 @@ def build_tables(
         **lat,
         cut_s=cut,
         workspace_bytes=np.array(workspace),
+        gradient_bytes=np.array(gradient),
         zero3_buffer_bytes=np.array(zero3),
         capacity_bytes=np.array([float(next(iter(s.values())).memory_bytes) if s else 0.0 for s in slots]),
         device_types=[next(iter(s.values())).device_type if s else "" for s in slots],

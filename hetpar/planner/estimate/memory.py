@@ -7,6 +7,7 @@ from hetpar.cost_models.memory import (
     WEIGHT_GRAD_ACTIVATION_SHARE,
     MemoryBreakdown,
     activation_bytes_per_microbatch,
+    backward_gradient_bytes,
     recompute_workspace_bytes,
     training_state_bytes,
 )
@@ -51,5 +52,6 @@ def rank_memory(model: ModelGraph, config: EstimateConfig, bounds, chunks: list[
                                                     dtype=c.dtype, recompute=c.recompute_of(k), input_bytes=inputs)
         workspace = max(workspace, recompute_workspace_bytes(mine, tp=tp, micro_batch_size=c.micro_batch_size, dtype=c.dtype,
                                                              recompute=c.recompute_of(k)))
+    workspace += backward_gradient_bytes(layers, tp=tp, micro_batch_size=c.micro_batch_size, dtype=c.dtype)
     activations = _peak_activations(actions, per_mb, c.schedule == Schedule.ZERO_BUBBLE) + workspace
     return MemoryBreakdown(weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=opt, activations_bytes=activations)

@@ -109,14 +109,14 @@ def _span(tables: CostTables, allowed: np.ndarray, time: np.ndarray, memory: np.
 
 
 def _buffers(tables: CostTables, span: int) -> np.ndarray:
-    """[K, L, span]: the one-layer buffers (full recompute's workspace, ZeRO-3's gathered weights) of a chunk
+    """[K, L, span]: the one-layer buffers (recompute's workspace, the widest gradient, ZeRO-3's gathered weights) of a chunk
     from layer i holding d + 1 layers in mode k; see [Note: split objective] in planner.costing.tables."""
     cand = tables.candidate
     K, L = len(cand.modes), tables.num_layers
     out = np.zeros((K, L, span))
     for k, mode in enumerate(cand.modes):
         a = tables.tp_index(k)
-        rows = []
+        rows = [tables.gradient_bytes[a]]
         if mode.recompute != Recompute.NONE:
             rows.append(tables.workspace_bytes[a])
         if mode.zero_stage == 3 and cand.dp > 1:

@@ -378,6 +378,7 @@ class SplitModel:
             for a, tp in enumerate(cand.tp_degrees)
             for family in (
                 (f"workspace_tp{tp}", t.workspace_bytes[a], [k for k, m in enumerate(cand.modes) if m.recompute != Recompute.NONE and m.tp == tp]),
+                (f"gradient_tp{tp}", t.gradient_bytes[a], [k for k, m in enumerate(cand.modes) if m.tp == tp]),
                 (f"zero3_tp{tp}", t.zero3_buffer_bytes[a], [k for k, m in enumerate(cand.modes) if m.zero_stage == 3 and cand.dp > 1 and m.tp == tp]),
             )
         ]
