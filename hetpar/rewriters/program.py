@@ -457,8 +457,11 @@ def _loop(f: Features) -> str:
     last_stage = "PIPELINE_RANKS - 1" if f.pipelined else "0"
     lines = [
         RULE,
-        "checkpoints = checkpoint.Checkpointer.for_run(args, model, GLOBAL_BATCH_SIZE)  # --checkpoint-dir, of any "
+        "learning_rate = training.LearningRate.of(args)  # --lr, --warmup-steps, --lr-decay, --decay-steps, --min-lr",
+        "checkpoints = checkpoint.Checkpointer.for_run(args, model, GLOBAL_BATCH_SIZE,  # --checkpoint-dir, of any "
         "plan of this model",
+        "                                              loop=training.loop_record(args))  # a resume continues this "
+        "loop",
         f"start_step = checkpoints.resume(model_shard, optimizer{scaler})  # the newest intact checkpoint's step, or 0",
         "",
         RULE,
@@ -497,6 +500,7 @@ def _loop(f: Features) -> str:
         "    inputs, targets = next(data)  # this replica's rows of global batch `step`",
         "    microbatches = shard.microbatches(inputs, targets, num_microbatches=NUM_MICROBATCHES, device=device)",
         "    optimizer.zero_grad(set_to_none=True)",
+        "    learning_rate.apply(optimizer, step)  # --warmup-steps, then --lr-decay: a function of the step alone",
     ]
     lines += _step(f)
     if f.data_parallel:

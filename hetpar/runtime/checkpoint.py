@@ -52,7 +52,11 @@ loss scale, and so the data position; the run continues as the uninterrupted one
 would. Before loading, the checkpoint must fit (``_check_fits``): the model signature
 in its marker (every state_dict key, shape and dtype of the whole model) must be this
 model's, it must have been written with the same optimizer, and it must hold every
-tensor this rank's shards need; otherwise the program stops with one line. A seed or
+tensor this rank's shards need; otherwise the program stops with one line. So it does
+when the loop options its marker records (the learning-rate schedule, ``--clip-grad-norm``,
+``--weight-decay``: ``training.loop_record``) are not this run's: its line names each one
+that differs, rather than the recorded ones silently winning ([Note: learning-rate
+schedule] in runtime/training.py). A seed or
 global batch size unlike the checkpoint's run is allowed (a re-plan may change the
 batch) and reported: the data from the next step on then differs from an uninterrupted
 run's. Not exact across layouts: the RNG streams (restored only at an unchanged world
@@ -315,11 +319,15 @@ class Checkpointer:
         self.run = dict(run or {})
 
     @classmethod
-    def for_run(cls, args: Any, model: nn.Module, global_batch_size: int) -> Checkpointer:
+    def for_run(cls, args: Any, model: nn.Module, global_batch_size: int, *, loop: dict[str, Any] | None = None
+                ) -> Checkpointer:
         """The checkpointer of a program's run: ``args`` (runtime.cli.TrainArgs) gives the
-        directory, ``every`` and ``keep``, and the optimizer and seed its markers record."""
+        directory, ``every`` and ``keep``, and the optimizer and seed its markers record;
+        with them, ``loop``: the loop options a resume must share (``training.loop_record``:
+        learning-rate schedule, clipping, weight decay)."""
+        run = {"optimizer": args.optimizer, "seed": args.seed, "global_batch_size": global_batch_size}
         return cls(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep, model=model,
-                   run={"optimizer": args.optimizer, "seed": args.seed, "global_batch_size": global_batch_size})
+                   run=run | ({"loop": loop} if loop is not None else {}))
 
     # ------------------------------------------------------------------ resume
 
@@ -379,6 +387,8 @@ class Checkpointer:
         if problem is None and "optimizer" in theirs and "optimizer" in self.run and theirs["optimizer"] != self.run["optimizer"]:
             problem = f"checkpoint {found.path} was written with --optimizer {theirs['optimizer']}, whose state " \
                       f"--optimizer {self.run['optimizer']} cannot take; resume with --optimizer {theirs['optimizer']}"
+        if problem is None:
+            problem = _other_loop(found, theirs.get("loop"), self.run.get("loop"))
         problem = _broadcast(problem)
         if problem is None:
             problem = self._missing(found, module, optimizer)
@@ -511,6 +521,21 @@ class Checkpointer:
         _fsync_dir(self.directory)
         for old in list_complete(self.directory)[self.keep:]:
             _discard(old.path)
+
+
+def _other_loop(found: Found, theirs: dict[str, Any] | None, mine: dict[str, Any] | None) -> str | None:
+    """Why this run cannot continue ``found``'s loop (one line), or None: its learning-rate
+    schedule, clipping or weight decay differ ([Note: learning-rate schedule] in
+    runtime/training.py). A checkpoint that records none (written before they were options)
+    fits any."""
+    if theirs is None or mine is None or theirs == mine:
+        return None
+    differ = [k for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+    options = ", ".join(f"--{k.replace('_', '-')} {theirs.get(k, 'unset')} (this run: {mine.get(k, 'unset')})"
+                        for k in differ)
+    return f"checkpoint {found.path} was written with {options}; a resumed run continues the loop it began (the " \
+           f"schedule is a function of the step): resume with the checkpoint's options, or give --checkpoint-dir " \
+           f"an empty directory to start from step 0"
 
 
 # [Note: part-laid checkpoints]

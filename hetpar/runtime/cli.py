@@ -1,6 +1,7 @@
 """The command line every generated program shares, and its world-size check.
 
     torchrun --nproc_per_node=4 train.py --steps 100 --optimizer adamw --lr 3e-4 \
+        --warmup-steps 10 --lr-decay cosine --clip-grad-norm 1.0 --weight-decay 0.1 \
         --init-from init.pt --save-final final.pt --save-hf trained --metrics metrics.jsonl \
         --checkpoint-dir ckpt --checkpoint-every 20 --allow-device-mismatch --data train.bin
 """
@@ -14,9 +15,18 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from enum import StrEnum
 from typing import Iterator
 
 from hetpar.vocabulary import Optimizer, Switch
+
+
+class LrDecay(StrEnum):
+    """How the learning rate falls after warm-up (``--lr-decay``; runtime.training.LearningRate)."""
+
+    CONSTANT = "constant"  # stays at --lr: the programs' behaviour before schedules existed
+    COSINE = "cosine"  # half a cosine from --lr down to --min-lr at --decay-steps
+    LINEAR = "linear"  # a straight line from --lr down to --min-lr at --decay-steps
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +51,12 @@ class TrainArgs:
     data: Path | None = None  # a flat token file: the batches instead of the model file's (runtime.data)
     data_dtype: str = "uint16"  # its token width: a name of runtime.data.TOKEN_DTYPES
     save_hf: Path | None = None  # where rank 0 writes a Hugging Face checkpoint directory (runtime.hf_checkpoint)
+    warmup_steps: int = 0  # the learning rate rises linearly from 0 to lr over these steps (runtime.training.LearningRate)
+    lr_decay: str = LrDecay.CONSTANT  # ... then falls so, to min_lr at decay_steps
+    decay_steps: int | None = None  # the step at which the decay reaches min_lr (None: steps)
+    min_lr: float | None = None  # where the decay ends (None: 0.1 * lr)
+    clip_grad_norm: float | None = None  # clip gradients to this global L2 norm (runtime.training.GradClipper); None: off
+    weight_decay: float | None = None  # AdamW's decay of >= 2-D parameters only; None: torch's default on all of them
 
 
 def parse_args(description: str | None = None, argv: list[str] | None = None, *, powersgd: bool = False) -> TrainArgs:
@@ -61,6 +77,18 @@ def parse_args(description: str | None = None, argv: list[str] | None = None, *,
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     parser.add_argument("--optimizer", choices=[Optimizer.SGD.value, Optimizer.ADAMW.value], default=Optimizer.ADAMW.value,
                         help="plain SGD or AdamW (torch defaults)")
+    parser.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                        help="raise the learning rate linearly from 0 to --lr over the first N steps")
+    parser.add_argument("--lr-decay", choices=[d.value for d in LrDecay], default=LrDecay.CONSTANT.value,
+                        help="after warm-up, keep --lr (constant) or lower it to --min-lr at --decay-steps")
+    parser.add_argument("--decay-steps", type=int, metavar="N", help="the step the decay reaches --min-lr (default --steps)")
+    parser.add_argument("--min-lr", type=float, metavar="LR", help="the learning rate the decay ends at (default 0.1 x --lr)")
+    parser.add_argument("--clip-grad-norm", type=float, metavar="X",
+                        help="scale the gradients so that their global L2 norm over the whole model is at most X "
+                             "(default: no clipping)")
+    parser.add_argument("--weight-decay", type=float, metavar="W",
+                        help="AdamW's weight decay, on >= 2-D parameters (matmul and embedding weights) only, not on "
+                             "norms' weights or biases (default: torch's 0.01 on every parameter)")
     parser.add_argument("--seed", type=int, default=0, help="seeds model init (torch.manual_seed) and the data")
     parser.add_argument("--init-from", type=Path, metavar="PATH",
                         help="full state_dict to start from: a torch.save file or a torch.distributed.checkpoint directory; "
@@ -103,6 +131,7 @@ def parse_args(description: str | None = None, argv: list[str] | None = None, *,
             parser.error(f"--{name.replace('_', '-')} {getattr(ns, name)} must be >= 1")
     if ns.powersgd_start_step < 2:
         parser.error(f"--powersgd-start-step {ns.powersgd_start_step} must be >= 2 (PowerSGD needs warm-up steps)")
+    _check_loop(parser, ns)
     if ns.init_from is not None and not ns.init_from.exists():
         parser.error(f"--init-from {str(ns.init_from)!r}: no such file or directory")
     return TrainArgs(
@@ -124,7 +153,30 @@ def parse_args(description: str | None = None, argv: list[str] | None = None, *,
         data=ns.data,
         data_dtype=ns.data_dtype,
         save_hf=ns.save_hf,
+        warmup_steps=ns.warmup_steps,
+        lr_decay=ns.lr_decay,
+        decay_steps=ns.decay_steps if ns.decay_steps is not None else ns.steps,
+        min_lr=ns.min_lr if ns.min_lr is not None else 0.1 * ns.lr,
+        clip_grad_norm=ns.clip_grad_norm,
+        weight_decay=ns.weight_decay,
     )
+
+
+def _check_loop(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Refuse schedule, clipping and weight-decay options that do not make sense, in one line."""
+    if ns.warmup_steps < 0:
+        parser.error(f"--warmup-steps {ns.warmup_steps} must be >= 0")
+    decay_steps = ns.decay_steps if ns.decay_steps is not None else ns.steps
+    if ns.lr_decay != LrDecay.CONSTANT and decay_steps <= ns.warmup_steps:
+        parser.error(f"--lr-decay {ns.lr_decay} needs --decay-steps ({decay_steps}) > --warmup-steps "
+                     f"({ns.warmup_steps})")
+    for name in ("min_lr", "weight_decay"):
+        if getattr(ns, name) is not None and getattr(ns, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} {getattr(ns, name)} must be >= 0")
+    if ns.clip_grad_norm is not None and not ns.clip_grad_norm > 0:
+        parser.error(f"--clip-grad-norm {ns.clip_grad_norm} must be > 0")
+    if ns.weight_decay is not None and ns.optimizer != Optimizer.ADAMW:
+        parser.error(f"--weight-decay is AdamW's; --optimizer {ns.optimizer} takes none")
 
 
 @contextmanager
@@ -257,5 +309,5 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-__all__ = ["Replan", "TrainArgs", "check_launch", "check_world_size", "free_port", "one_line_errors", "parse_args",
+__all__ = ["LrDecay", "Replan", "TrainArgs", "check_launch", "check_world_size", "free_port", "one_line_errors", "parse_args",
            "replan_message", "world_size_from_env"]

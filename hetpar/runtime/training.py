@@ -1,22 +1,26 @@
-"""The parts of a training step around the pipeline: optimizer, the reported loss,
-progress and metrics, and the final state_dict gathered to rank 0. (Data-parallel gradients:
-runtime.data_parallel; loss scaling: runtime.precision; checkpoints: runtime.checkpoint.)"""
+"""The parts of a training step around the pipeline: optimizer, learning-rate schedule,
+the reported loss, progress and metrics, and the final state_dict gathered to rank 0.
+(Data-parallel gradients: runtime.data_parallel; loss scaling: runtime.precision;
+checkpoints: runtime.checkpoint.)"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from hetpar.runtime.cli import LrDecay
 from hetpar.runtime.distributed import Placement, StageSpec
 from hetpar.runtime.experts import ROUTING_LOAD
 from hetpar.runtime.parts import layouts_of
@@ -38,6 +42,82 @@ def make_optimizer(name: str, params: Iterable[nn.Parameter], lr: float) -> torc
         fused = bool(params) and all(p.device.type == "cuda" for p in params)
         return torch.optim.AdamW(params, lr=lr, fused=fused or None)
     raise ValueError(f"unknown optimizer {name!r}; choose sgd or adamw")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearningRate:
+    """The learning rate of each step: a function of the step number alone.
+
+    [Note: learning-rate schedule]
+    With peak ``lr``, W ``warmup_steps``, D ``decay_steps`` and ``min_lr``, step s
+    (1-based, the s-th optimizer step) trains at
+
+    - ``lr * s / W`` for s <= W (a linear warm-up from 0; step W reaches ``lr``);
+    - then ``lr`` under ``constant`` decay, the programs' behaviour before schedules;
+    - under ``cosine``: ``min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2``, under
+      ``linear``: ``min_lr + (lr - min_lr) * (1 - p)``, with ``p = (s - W) / (D - W)``,
+      so step D and every later step train at ``min_lr``.
+
+    As torchtitan's and nanoGPT's schedules, by the step and nothing else: the program
+    sets every parameter group's ``lr`` before each optimizer step, so a run resumed from
+    a checkpoint after step k continues the schedule exactly. The options are recorded in
+    every checkpoint and a resume with other ones is refused (runtime.checkpoint,
+    [Note: resume]).
+    """
+
+    lr: float
+    warmup_steps: int = 0
+    decay: str = LrDecay.CONSTANT
+    decay_steps: int = 0  # D; not read under constant decay
+    min_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps({self.warmup_steps}) must be >= 0")
+        if self.decay not in tuple(LrDecay):
+            raise ValueError(f"lr decay {self.decay!r} must be one of {', '.join(LrDecay)}")
+        if self.decay != LrDecay.CONSTANT and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"decay_steps({self.decay_steps}) must exceed warmup_steps({self.warmup_steps})")
+
+    @classmethod
+    def of(cls, args: Any) -> LearningRate:
+        """The schedule of a program's options (runtime.cli.TrainArgs), its defaults filled in:
+        ``decay_steps`` = ``steps``, ``min_lr`` = 0.1 ``lr``."""
+        return cls(lr=args.lr, warmup_steps=args.warmup_steps, decay=args.lr_decay,
+                   decay_steps=args.decay_steps if args.decay_steps is not None else args.steps,
+                   min_lr=args.min_lr if args.min_lr is not None else 0.1 * args.lr)
+
+    def at(self, step: int) -> float:
+        """The learning rate of step ``step`` (1-based); see [Note: learning-rate schedule]."""
+        if step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.decay == LrDecay.CONSTANT:
+            return self.lr
+        if step >= self.decay_steps:
+            return self.min_lr
+        progress = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+        factor = (1 + math.cos(math.pi * progress)) / 2 if self.decay == LrDecay.COSINE else 1 - progress
+        return self.min_lr + (self.lr - self.min_lr) * factor
+
+    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        """Set every parameter group of ``optimizer`` to step ``step``'s rate; returns it."""
+        lr = self.at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint records of the schedule: the options that decide its rates
+        (``decay_steps`` and ``min_lr`` only where the rate decays)."""
+        decays = self.decay != LrDecay.CONSTANT
+        return {"lr": self.lr, "warmup_steps": self.warmup_steps, "lr_decay": str(self.decay),
+                **({"decay_steps": self.decay_steps, "min_lr": self.min_lr} if decays else {})}
+
+
+def loop_record(args: Any) -> dict[str, Any]:
+    """The options of a run's loop (runtime.cli.TrainArgs) that a resumed run must share
+    with the run it continues: what a checkpoint records (runtime.checkpoint)."""
+    return LearningRate.of(args).record()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -254,5 +334,5 @@ def save_atomic(obj: object, path: Path) -> None:
         raise
 
 
-__all__ = ["LossReport", "StepLogger", "announce", "gather_full_state", "make_optimizer", "read_metrics", "report_stage_times",
+__all__ = ["LossReport", "LearningRate", "StepLogger", "announce", "gather_full_state", "loop_record", "make_optimizer", "read_metrics", "report_stage_times",
            "save_atomic"]

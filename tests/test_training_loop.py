@@ -1,0 +1,118 @@
+"""The loop users expect: a learning-rate schedule (warm-up, then cosine or linear decay),
+gradient-norm clipping over the whole model, weight decay on matrices only, and step
+lines with tokens/s and time left. Unit tests on runtime.training and runtime.cli; the
+slow ones run compiled programs (one process, or torchrun) and compare with one process."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TORCHRUN_TIMEOUT_S, build_plan, run_torchrun, subprocess_env
+from hetpar.rewriters import compile_plan
+from hetpar.runtime.cli import LrDecay, parse_args
+from hetpar.runtime.model_file import load_model_file
+from hetpar.runtime.training import LearningRate, read_metrics
+from test_distributed import GPT_ARGS, MLP_ARGS
+
+
+# ----------------------------------------------------------------------------- the schedule
+
+
+def closed_form(step: int, *, lr: float, warmup: int, decay: str, decay_steps: int, min_lr: float) -> float:
+    """[Note: learning-rate schedule], written out again."""
+    if step <= warmup:
+        return lr * step / warmup
+    if decay == "constant":
+        return lr
+    p = min((step - warmup) / (decay_steps - warmup), 1.0)
+    shape = 0.5 * (1 + math.cos(math.pi * p)) if decay == "cosine" else 1 - p
+    return min_lr + (lr - min_lr) * shape
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
+def test_the_schedule_at_chosen_steps_is_the_closed_form(decay):
+    schedule = LearningRate(lr=3e-4, warmup_steps=4, decay=decay, decay_steps=20, min_lr=3e-5)
+    for step in (1, 2, 4, 5, 12, 19, 20, 25):
+        want = closed_form(step, lr=3e-4, warmup=4, decay=decay, decay_steps=20, min_lr=3e-5)
+        assert schedule.at(step) == pytest.approx(want, rel=1e-12), step
+    assert schedule.at(2) == pytest.approx(1.5e-4)  # half-way up the warm-up
+    assert schedule.at(4) == pytest.approx(3e-4)  # the warm-up ends at the peak
+    if decay != "constant":
+        assert schedule.at(12) == pytest.approx((3e-4 + 3e-5) / 2)  # half-way down, for cosine and linear alike
+        assert schedule.at(20) == schedule.at(25) == pytest.approx(3e-5)
+
+
+def test_without_schedule_options_every_step_trains_at_lr_as_before():
+    args = parse_args([], argv=["--steps", "7", "--lr", "0.5"])
+    schedule = LearningRate.of(args)
+    assert args.lr_decay == LrDecay.CONSTANT and args.warmup_steps == 0
+    assert args.decay_steps == 7 and args.min_lr == pytest.approx(0.05)  # the defaults: --steps, 0.1 x --lr
+    assert [schedule.at(s) for s in range(1, 8)] == [0.5] * 7
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.5)
+    assert schedule.apply(optimizer, 3) == 0.5 and optimizer.param_groups[0]["lr"] == 0.5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--warmup-steps", "-1"], "--warmup-steps -1 must be >= 0"),
+    (["--lr-decay", "cosine", "--warmup-steps", "10"], "--lr-decay cosine needs --decay-steps (10) > --warmup-steps (10)"),
+    (["--clip-grad-norm", "0"], "--clip-grad-norm 0.0 must be > 0"),
+    (["--weight-decay", "0.1", "--optimizer", "sgd"], "--weight-decay is AdamW's; --optimizer sgd takes none"),
+])
+def test_options_that_make_no_sense_are_refused_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(None, argv=["--steps", "10", *argv])
+    assert message in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- compiled runs
+
+
+def compiled(tmp_path: Path, plan) -> Path:
+    """``plan`` compiled into tmp_path/build, with init.pt: the model as seed 1234 builds it."""
+    out = tmp_path / "build"
+    compile_plan(plan, out)
+    torch.manual_seed(1234)
+    torch.save(load_model_file(plan.model.file, plan.model.args).build_model().state_dict(), out / "init.pt")
+    return out
+
+
+def run_plain(out: Path, args: list[str]) -> subprocess.CompletedProcess:
+    """A plan of one process run as ``python train.py``."""
+    return subprocess.run([sys.executable, "train.py", *args], cwd=out, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=TORCHRUN_TIMEOUT_S)
+
+
+SCHEDULE = ["--optimizer", "adamw", "--lr", "1e-2", "--warmup-steps", "2", "--lr-decay", "cosine", "--decay-steps", "6"]
+
+
+@pytest.mark.slow
+def test_a_run_resumed_at_step_3_of_6_continues_its_schedule_exactly(tmp_path, mlp_path):
+    out = compiled(tmp_path, build_plan(mlp_path, MLP_ARGS, splits=[[0, 1, 2, 3]], num_microbatches=2))
+    whole = run_plain(out, ["--steps", "6", *SCHEDULE, "--init-from", "init.pt", "--save-final", "whole.pt",
+                            "--metrics", "whole.jsonl"])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = run_plain(out, ["--steps", "3", *SCHEDULE, "--init-from", "init.pt", "--checkpoint-dir", "ckpt",
+                            "--metrics", "resumed.jsonl"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = run_plain(out, ["--steps", "6", *SCHEDULE[:-1], "5", "--checkpoint-dir", "ckpt"])
+    assert other.returncode == 2
+    assert other.stderr.strip().splitlines()[-1] == (
+        "hetpar: checkpoint ckpt/step-00000003 was written with --decay-steps 6 (this run: 5); a resumed run "
+        "continues the loop it began (the schedule is a function of the step): resume with the checkpoint's "
+        "options, or give --checkpoint-dir an empty directory to start from step 0")
+    second = run_plain(out, ["--steps", "6", *SCHEDULE, "--checkpoint-dir", "ckpt", "--save-final", "resumed.pt",
+                             "--metrics", "resumed.jsonl"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming from ckpt/step-00000003 (step 3)" in second.stderr
+    assert [r["loss"] for r in read_metrics(out / "resumed.jsonl")] == [r["loss"] for r in read_metrics(out / "whole.jsonl")]
+    resumed, want = torch.load(out / "resumed.pt", weights_only=True), torch.load(out / "whole.pt", weights_only=True)
+    assert all(torch.equal(resumed[k], want[k]) for k in want)
+    init = torch.load(out / "init.pt", weights_only=True)
+    assert not torch.equal(want["0.weight"], init["0.weight"])  # it trained
