@@ -5,18 +5,20 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from hetpar.models import HF_CAUSAL_LM, HF_CONFIG_COPY
 from hetpar.cost_models.cluster import ClusterSpecError
 from hetpar.cost_models.devices import ProfileError, UnknownDeviceError, get_device
 from hetpar.planner import ParallelPlan, PlanFileError, PlanningError
 from hetpar.rewriters import CompileError, checked_model_file
 from hetpar.runtime.graph import TraceError
-from hetpar.runtime.model_file import ModelFileError, load_model_file
+from hetpar.runtime.model_file import ModelFileError, load_model_file, parse_model_args
 from hetpar.vocabulary import DType, Precision
 
 console = Console(stderr=True, highlight=False)
@@ -121,3 +123,78 @@ def tied_across_stages(plan: ParallelPlan) -> bool:
                                  micro_batch_size=plan.replica_micro_batch_sizes[0]))
     except ShardError as exc:
         raise CompileError(str(exc)) from None
+
+
+# [Note: planning from a config]
+# A Hugging Face model needs no model file: ``--hf PATH`` stands for hetpar's own
+# hetpar/models/hf_causal_lm.py with the model arguments ``config`` (the config.json
+# found from PATH, absolute) and ``seq`` (``--seq-len``). PATH is a config.json, a
+# directory holding one (a checkpoint saved by ``save_pretrained``), or a model name
+# (``org/name``) already in the local Hugging Face cache; nothing is downloaded. The
+# plan records that file and those arguments like any other, and ``hetpar compile``
+# copies the config next to the program (``hf_config.json``), where the model file
+# reads it, so the program runs where PATH does not exist.
+DEFAULT_SEQ_LEN = 2048
+
+
+def model_source(model_file: Path | None, hf: str | None, seq_len: int | None,
+                 model_arg: list[str] | None) -> tuple[Path, dict[str, Any]]:
+    """The model file and model arguments a command works on: MODEL_FILE and its
+    ``--model-arg``s, or ``--hf PATH``; see [Note: planning from a config].
+
+    Raises:
+        ModelFileError: neither or both given, ``--seq-len`` without ``--hf``, or no config at PATH.
+    """
+    args = parse_model_args(model_arg or [])
+    if hf is None:
+        if model_file is None:
+            raise ModelFileError("no model: pass a MODEL_FILE, or --hf PATH for a Hugging Face config or checkpoint directory")
+        if seq_len is not None:
+            raise ModelFileError("--seq-len goes with --hf; a model file takes its sequence length as a --model-arg")
+        return model_file, args
+    if model_file is not None:
+        raise ModelFileError(f"pass MODEL_FILE ({model_file}) or --hf {hf}, not both")
+    if seq_len is not None and seq_len < 1:
+        raise ModelFileError(f"--seq-len {seq_len} must be >= 1")
+    clash = sorted(set(args) & {"config", "seq"})
+    if clash:
+        raise ModelFileError(f"--model-arg {clash[0]} is set by --hf and --seq-len; drop it")
+    return HF_CAUSAL_LM, {**args, "config": str(hf_config_path(hf)), "seq": seq_len or DEFAULT_SEQ_LEN}
+
+
+def hf_config_path(hf: str) -> Path:
+    """The config.json ``--hf`` names: a file, a directory with one, or a cached model name."""
+    path = Path(hf).expanduser()
+    if path.is_file():
+        return path.resolve()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return (path / "config.json").resolve()
+        raise ModelFileError(f"--hf {hf}: the directory has no config.json; pass a Hugging Face checkpoint or config directory")
+    if hf.count("/") == 1 and not hf.startswith((".", "/")):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+        except ImportError:
+            raise ModelFileError("--hf needs transformers (and huggingface_hub): pip install transformers") from None
+        cached = try_to_load_from_cache(hf, "config.json")
+        if isinstance(cached, str) and Path(cached).is_file():
+            return Path(cached).resolve()
+        raise ModelFileError(f"--hf {hf}: no such file or directory, and no config.json of {hf} in the local Hugging Face "
+                             f"cache (hetpar downloads nothing; run huggingface-cli download {hf} config.json, or pass a path)")
+    raise ModelFileError(f"--hf {hf}: no such file or directory; pass a config.json, a checkpoint directory or a cached org/name")
+
+
+def model_extra_files(plan: ParallelPlan) -> dict[str, Path]:
+    """Files ``hetpar compile`` copies next to the model file: the config of a plan made
+    with ``--hf`` ([Note: planning from a config]).
+
+    Raises:
+        CompileError: that config is gone.
+    """
+    if Path(plan.model.file).resolve() != HF_CAUSAL_LM:
+        return {}
+    path = Path(str(plan.model.args.get("config", "")))
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise CompileError(f"the plan's Hugging Face config {str(path)!r} is not there; restore it or re-run hetpar plan --hf")
+    return {HF_CONFIG_COPY: path}

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from hetpar.commands.common import console, domain_errors, fail, print_json, tied_across_stages
+from hetpar.commands.common import console, domain_errors, fail, model_extra_files, print_json, tied_across_stages
 from hetpar.planner.plan import ParallelPlan
 from hetpar.rewriters import compile_plan
 
@@ -21,7 +21,8 @@ def compile_(
 ) -> None:
     """Write OUTPUT/train.py, launch.sh, slurm.sbatch and pytorchjob.yaml for PLAN_FILE."""
     plan = ParallelPlan.load(plan_file)
-    paths = compile_plan(plan, output, elastic=_node_range(elastic) if elastic else None, tied=tied_across_stages(plan))
+    paths = compile_plan(plan, output, elastic=_node_range(elastic) if elastic else None, tied=tied_across_stages(plan),
+                         extra_files=model_extra_files(plan))
     if as_json:
         print_json({"files": [str(p) for p in paths]})
     else:

@@ -11,7 +11,7 @@ from rich.table import Table
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.cost_models.compute import TRAINING_KERNEL_EFFICIENCY
 from hetpar.commands.profile import profiles_option
-from hetpar.commands.common import console, domain_errors, gib, print_json, rank_ranges, seconds
+from hetpar.commands.common import console, model_source, domain_errors, gib, print_json, rank_ranges, seconds
 from hetpar.commands.common import default_compiled, default_dtype
 from hetpar.planner import Estimate, EstimateConfig, EstimateError, compiled_graph, trace_model
 from hetpar.planner.estimate import estimate as estimate_plan
@@ -21,13 +21,13 @@ from hetpar.runtime.model_file import load_model_file, parse_model_args
 
 @domain_errors
 def estimate(
-    model_file: Annotated[Path, typer.Argument(help="Python file defining build_model() and example_inputs().", show_default=False)],
     cluster: Annotated[str, typer.Option("--cluster", "-c", help="Cluster shorthand like 4x8xA100-80GB@200gx8, or a TOML file.")],
     global_batch: Annotated[int, typer.Option("--global-batch", "-b", help="Samples per optimizer step, over the whole cluster.")],
     dp: Annotated[int, typer.Option(help="Data-parallel degree.")],
     tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")],
     pp: Annotated[int, typer.Option(help="Pipeline-parallel degree (pipeline ranks).")],
     micro_batch_size: Annotated[int, typer.Option(help="Samples per micro-batch.")],
+    model_file: Annotated[Optional[Path], typer.Argument(help="Python file defining build_model() and example_inputs() (or --hf instead).", show_default=False)] = None,
     cp: Annotated[int, typer.Option(help="Context parallelism: every sequence split over this many ranks (the cluster holds dp * cp * tp * pp devices).")] = 1,
     sp: Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism on every stage with tp > 1.")] = False,
     ep: Annotated[int, typer.Option(help="Expert parallelism: the experts split over this many data-parallel replicas (divides dp).")] = 1,
@@ -46,10 +46,13 @@ def estimate(
     kernel_efficiency: Annotated[Optional[float], typer.Option(help=f"Fraction of microbenchmark rates training kernels reach (docs/cost-model.md); default: a measured --profile's own, else {TRAINING_KERNEL_EFFICIENCY}.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON to stdout.")] = False,
     model_arg: Annotated[Optional[list[str]], typer.Option("--model-arg", "-a", help="key=value passed to build_model(); repeatable.")] = None,
+    hf: Annotated[Optional[str], typer.Option("--hf", help="Instead of MODEL_FILE: a Hugging Face config.json, a checkpoint directory holding one, or an org/name in the local Hugging Face cache; the model is built from its config (nothing is downloaded).", show_default=False)] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="With --hf: tokens per sequence \\[default: 2048].", show_default=False)] = None,
     profile: Annotated[Optional[list[Path]], typer.Option("--profile", help="Device profile from hetpar profile; replaces the built-in profile of that device type. Repeatable.")] = None,
     leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
 ) -> None:
     """Predict step time, memory per stage and throughput of one configuration of MODEL_FILE."""
+    model_file, model_args = model_source(model_file, hf, seq_len, model_arg)
     the_cluster = parse_cluster(cluster, profiles=profiles_option(profile))
     config = EstimateConfig(
         global_batch_size=global_batch, dp=dp, tp=tp, pp=pp, micro_batch_size=micro_batch_size, ep=ep, expert_imbalance=expert_imbalance,
@@ -59,7 +62,7 @@ def estimate(
         scatter_gather=scatter_gather, overlap_grad_reduce=overlap_grad_reduce, kernel_efficiency=kernel_efficiency,
     )
     with console.status("tracing the model on the meta device"):
-        graph = trace_model(load_model_file(model_file, parse_model_args(model_arg or [])), tuple(leaf_module or ()))
+        graph = trace_model(load_model_file(model_file, model_args), tuple(leaf_module or ()))
     if default_compiled(the_cluster.device_types()) if compiled is None else compiled:
         graph = compiled_graph(graph)
     result = estimate_plan(graph, the_cluster, config)

@@ -12,7 +12,7 @@ from rich.table import Table
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.cost_models.devices import get_device
 from hetpar.commands.profile import profiles_option
-from hetpar.commands.common import console, default_compiled, default_dtype, domain_errors, fail, gib, print_json, rank_ranges, seconds
+from hetpar.commands.common import console, model_source, default_compiled, default_dtype, domain_errors, fail, gib, print_json, rank_ranges, seconds
 from hetpar.planner import (
     DataParallelSync, Objective, ParallelPlan, SearchOptions, default_split, plan_model, resolve_prices, usd_per_step,
 )
@@ -22,12 +22,14 @@ from hetpar.runtime.model_file import parse_model_args
 
 @domain_errors
 def plan(
-    model_file: Annotated[Path, typer.Argument(help="Python file defining build_model() and example_inputs().", show_default=False)],
     cluster: Annotated[str, typer.Option("--cluster", "-c", help="Cluster shorthand like 2x8xA100-80GB+1x8xV100-32GB, or a TOML file.")],
     global_batch: Annotated[int, typer.Option("--global-batch", "-b", help="Samples per optimizer step, over the whole cluster.")],
+    model_file: Annotated[Optional[Path], typer.Argument(help="Python file defining build_model() and example_inputs() (or --hf instead).", show_default=False)] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Where to write the plan \\[default: plan.json, or nowhere with --json].")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON to stdout.")] = False,
     model_arg: Annotated[Optional[list[str]], typer.Option("--model-arg", "-a", help="key=value passed to build_model(); repeatable.")] = None,
+    hf: Annotated[Optional[str], typer.Option("--hf", help="Instead of MODEL_FILE: a Hugging Face config.json, a checkpoint directory holding one, or an org/name in the local Hugging Face cache; the model is built from its config (nothing is downloaded).", show_default=False)] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="With --hf: tokens per sequence \\[default: 2048].", show_default=False)] = None,
     profile: Annotated[Optional[list[Path]], typer.Option("--profile", help="Device profile from hetpar profile; replaces the built-in profile of that device type. Repeatable.")] = None,
     dp: Annotated[Optional[int], typer.Option(help="Pin the data-parallel degree.")] = None,
     tp: Annotated[Optional[int], typer.Option(help="Pin the tensor-parallel degree.")] = None,
@@ -62,7 +64,8 @@ def plan(
     rebalance_every: Annotated[int, typer.Option(help="Move samples between replicas every N steps by their measured speed (one pipeline stage; 0: never).")] = 0,
     resume_from: Annotated[Optional[Path], typer.Option(help="Checkpoint directory of a run to continue on this cluster (a program's --checkpoint-dir, any plan of this model): checks it holds this model's checkpoints and says which step the new plan's program continues from.")] = None,
 ) -> None:
-    """Find the fastest parallel plan for MODEL_FILE on a cluster (or the cheapest, on part of it) and write it as JSON."""
+    """Find the fastest parallel plan for MODEL_FILE (or --hf) on a cluster (or the cheapest, on part of it) and write it as JSON."""
+    model_file, model_args = model_source(model_file, hf, seq_len, model_arg)
     the_cluster = parse_cluster(cluster, profiles=profiles_option(profile))
     options = SearchOptions(
         global_batch_size=global_batch,
@@ -84,7 +87,7 @@ def plan(
     if resume_from:
         from hetpar.planner.resume import find_resume_point  # here: torch.distributed.checkpoint takes a second to import
 
-        resume = find_resume_point(model_file, parse_model_args(model_arg or []), resume_from)
+        resume = find_resume_point(model_file, model_args, resume_from)
     notes: list[str] = []
     traced: list = []
     status = console.status("tracing the model on the meta device")
@@ -94,7 +97,7 @@ def plan(
         task = bar.add_task("", total=None, visible=False)
         result = plan_model(
             model_file, the_cluster, options,
-            model_args=parse_model_args(model_arg or []),
+            model_args=model_args,
             leaf_modules=tuple(leaf_module or ()),
             objective=Objective(kind=objective.value, usd_per_device_hour=_prices(price or []),
                                 min_throughput_samples_per_s=min_throughput),

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from hetpar.commands.common import console, domain_errors, fail, gib, print_json, print_parts
+from hetpar.commands.common import console, model_source, domain_errors, fail, gib, print_json, print_parts
 from hetpar.planner import ModelGraph, trace_model
 from hetpar.runtime.model_file import load_model_file, parse_model_args
 
@@ -23,17 +23,20 @@ _TOTAL_KEYS = ("params", "fwd_flops", "bwd_flops", "saved_activation_bytes", "fw
 
 @domain_errors
 def trace(
-    model_file: Annotated[Path, typer.Argument(help="Python file defining build_model() and example_inputs().", show_default=False)],
+    model_file: Annotated[Optional[Path], typer.Argument(help="Python file defining build_model() and example_inputs() (or --hf instead).", show_default=False)] = None,
     model_arg: Annotated[Optional[list[str]], typer.Option("--model-arg", "-a", help="key=value passed to build_model(); repeatable.")] = None,
+    hf: Annotated[Optional[str], typer.Option("--hf", help="Instead of MODEL_FILE: a Hugging Face config.json, a checkpoint directory holding one, or an org/name in the local Hugging Face cache; the model is built from its config (nothing is downloaded).", show_default=False)] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="With --hf: tokens per sequence \\[default: 2048].", show_default=False)] = None,
     batch_size: Annotated[int, typer.Option(help="Samples the per-layer numbers are for.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the layer table as JSON.")] = False,
     nodes: Annotated[bool, typer.Option("--nodes", help="Also list every graph node with its measurements.")] = False,
     leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
 ) -> None:
-    """Trace MODEL_FILE on the meta device and print its layers."""
+    """Trace MODEL_FILE (or --hf) on the meta device and print its layers."""
+    model_file, model_args = model_source(model_file, hf, seq_len, model_arg)
     if batch_size < 1:
         fail(f"--batch-size must be positive, got {batch_size}")
-    graph = trace_model(load_model_file(model_file, parse_model_args(model_arg or [])), tuple(leaf_module or ()))
+    graph = trace_model(load_model_file(model_file, model_args), tuple(leaf_module or ()))
     report = trace_report(graph, batch_size, with_nodes=nodes)
     if as_json:
         print_json(report)

@@ -15,7 +15,7 @@ import torch
 import typer
 from rich.table import Table
 
-from hetpar.commands.common import RunError, console, domain_errors, print_json, seconds, tied_across_stages
+from hetpar.commands.common import RunError, console, domain_errors, model_extra_files, print_json, seconds, tied_across_stages
 from hetpar.planner import ParallelPlan
 from hetpar.rewriters import PROGRAM, compile_plan
 from hetpar.runtime import devices
@@ -67,7 +67,7 @@ def validate_plan(plan_path: Path, *, steps: int, timeout_s: float, workdir: Pat
     _check_this_host(plan)
     with tempfile.TemporaryDirectory(prefix="hetpar-validate-") as tmp:
         build = Path(workdir or tmp) / "build"
-        compile_plan(plan, build, tied=tied_across_stages(plan))  # the program hetpar compile writes
+        compile_plan(plan, build, tied=tied_across_stages(plan), extra_files=model_extra_files(plan))  # the program hetpar compile writes
         times, stage_times = _run(build, plan.cluster.world_size, steps + WARMUP_STEPS, timeout_s, compile)
     measured = times[WARMUP_STEPS:] or times
     median = statistics.median(measured)

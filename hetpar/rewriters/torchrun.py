@@ -27,7 +27,7 @@ from hetpar.rewriters.program import program_source, stage_table, torchrun_line
 
 
 def compile_plan(plan: ParallelPlan, out_dir: Path, *, elastic: tuple[int, int] | None = None,
-                 tied: bool | None = None) -> list[Path]:
+                 tied: bool | None = None, extra_files: dict[str, Path] | None = None) -> list[Path]:
     """Write the program for ``plan`` into ``out_dir``.
 
     All files are written to a temporary directory first and then renamed into place,
@@ -37,6 +37,8 @@ def compile_plan(plan: ParallelPlan, out_dir: Path, *, elastic: tuple[int, int] 
         plan: the plan to compile.
         out_dir: where the program, its launch files and the model file go; created
             if missing; other files in it are left alone.
+        extra_files: more files the model file reads, by the name they take next to it
+            (a planned Hugging Face config: hetpar/commands/common.py ``model_extra_files``).
         elastic: ``(min_nodes, max_nodes)``: launch files for an elastic job (torchrun
             ``--nnodes=MIN:MAX``, c10d rendezvous), whose program stops with the command
             that re-plans and resumes when its nodes change (see rewriters.launchers).
@@ -73,6 +75,9 @@ def compile_plan(plan: ParallelPlan, out_dir: Path, *, elastic: tuple[int, int] 
             (tmp / script).chmod((tmp / script).stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
         shutil.copyfile(model_path, tmp / model_path.name)
         names = [*texts, model_path.name]
+        for extra, source in (extra_files or {}).items():
+            shutil.copyfile(source, tmp / extra)
+            names.append(extra)
         if not out_dir.exists():
             os.replace(tmp, out_dir)
         else:
