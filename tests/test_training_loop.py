@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TORCHRUN_TIMEOUT_S, build_plan, run_torchrun, subprocess_env
+from conftest import ROOT, TORCHRUN_TIMEOUT_S, build_plan, run_torchrun, subprocess_env
 from hetpar.rewriters import compile_plan
 from hetpar.runtime.cli import LrDecay, parse_args
 from hetpar.runtime.model_file import load_model_file
@@ -116,3 +116,79 @@ def test_a_run_resumed_at_step_3_of_6_continues_its_schedule_exactly(tmp_path, m
     assert all(torch.equal(resumed[k], want[k]) for k in want)
     init = torch.load(out / "init.pt", weights_only=True)
     assert not torch.equal(want["0.weight"], init["0.weight"])  # it trained
+
+
+# ----------------------------------------------------------------------------- clipping
+
+
+def reference(plan, init_state: dict, *, steps: int, lr: float, clip: float | None = None,
+              dtype: torch.dtype = torch.float32) -> tuple[list[float], list[float], dict]:
+    """One process, SGD on the whole global batch, ``torch.nn.utils.clip_grad_norm_`` when
+    ``clip``: the losses, the norms it returned (before clipping) and the final state."""
+    model_file = load_model_file(plan.model.file, plan.model.args)
+    model = model_file.build_model().to(dtype)
+    model.load_state_dict({k: v.to(dtype) for k, v in init_state.items()})
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    data = model_file.batches(plan.global_batch_size, 0)
+    losses, norms = [], []
+    for _ in range(steps):
+        inputs, targets = next(data)
+        inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+        targets = targets.to(dtype) if targets.is_floating_point() else targets
+        opt.zero_grad()
+        loss = model_file.loss(model(*inputs), targets)
+        loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms, model.state_dict()
+
+
+def assert_clips_like_one_process(plan, tmp_path: Path, steps: int = 3, lr: float = 0.1) -> str:
+    """Run ``plan`` with ``--clip-grad-norm`` half the first step's norm and check its logged
+    pre-clip norms and final weights against one process's ([Note: float tolerance]); its stderr."""
+    from test_distributed import assert_within_rounding
+
+    out = compiled(tmp_path, plan)
+    init = torch.load(out / "init.pt", weights_only=True)
+    _, unclipped, _ = reference(plan, init, steps=1, lr=lr, clip=float("inf"))
+    clip = unclipped[0] / 2  # below every step's norm: clipping really happens
+    result = run_torchrun(out / "train.py", plan.cluster.world_size, [
+        "--steps", str(steps), "--optimizer", "sgd", "--lr", str(lr), "--clip-grad-norm", str(clip),
+        "--init-from", "init.pt", "--save-final", "final.pt", "--metrics", "m.jsonl"])
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = read_metrics(out / "m.jsonl")
+    _, _, ref_state = reference(plan, init, steps=steps, lr=lr, clip=clip)
+    exact_losses, exact_norms, exact_state = reference(plan, init, steps=steps, lr=lr, clip=clip, dtype=torch.float64)
+    assert all(n > clip for n in exact_norms)
+    torch.testing.assert_close([r["grad_norm"] for r in records], exact_norms, rtol=1e-4, atol=0)
+    final = torch.load(out / "final.pt", weights_only=True)
+    assert_within_rounding("sgd", steps, [r["loss"] for r in records], final, ref_state, exact_losses, exact_state)
+    return result.stderr
+
+
+@pytest.mark.slow
+def test_clipping_under_tp_2_by_pp_2_clips_by_the_one_process_norm(tmp_path, gpt_path):
+    """The tp shards' squares summed, the blocks' replicated norms and biases counted once,
+    both stages added ([Note: global gradient norm])."""
+    plan = build_plan(gpt_path, GPT_ARGS, splits=[[0, 1], [2, 3]], tensor_parallel=2, tp_blocks=True,
+                      num_microbatches=2)
+    stderr = assert_clips_like_one_process(plan, tmp_path)
+    assert " | grad norm " in stderr
+
+
+@pytest.mark.slow
+def test_clipping_counts_a_tied_weight_and_the_replicas_once(tmp_path):
+    """dp 2 x pp 2 of a GPT whose head is tied to its embedding: the two stages' copies and
+    the two replicas' equal gradients count once each."""
+    no_dropout = {**GPT_ARGS, "dropout": 0.0}  # whose masks one process and a pipeline draw differently
+    plan = build_plan(ROOT / "benchmarks" / "published" / "gpt.py", no_dropout, splits=[[0, 1], [2, 3]],
+                      data_parallel=2, num_microbatches=2, schedule="gpipe")
+    assert "weights tied across stages" in assert_clips_like_one_process(plan, tmp_path)
+
+
+@pytest.mark.slow
+def test_clipping_sums_the_shards_of_zero_3(tmp_path, mlp_path):
+    plan = build_plan(mlp_path, MLP_ARGS, splits=[[0, 1, 2, 3]], data_parallel=2, num_microbatches=2, zero_stage=3)
+    assert_clips_like_one_process(plan, tmp_path)

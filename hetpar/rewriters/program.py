@@ -455,9 +455,13 @@ def _schedule(f: Features) -> str:
 def _loop(f: Features) -> str:
     scaler = ", scaler" if f.fp16 else ""
     last_stage = "PIPELINE_RANKS - 1" if f.pipelined else "0"
+    clip_options = (", tied=tied_grads" if f.tied else "") + (", per_replica=True" if f.local_sgd else "")
     lines = [
         RULE,
         "learning_rate = training.LearningRate.of(args)  # --lr, --warmup-steps, --lr-decay, --decay-steps, --min-lr",
+        "clipper = None  # --clip-grad-norm: gradients clipped to their global norm over every rank",
+        "if args.clip_grad_norm:",
+        f"    clipper = training.GradClipper(args.clip_grad_norm, model_shard, me, PLAN_STAGES{clip_options})",
         "checkpoints = checkpoint.Checkpointer.for_run(args, model, GLOBAL_BATCH_SIZE,  # --checkpoint-dir, of any "
         "plan of this model",
         "                                              loop=training.loop_record(args))  # a resume continues this "
@@ -508,16 +512,20 @@ def _loop(f: Features) -> str:
     if f.tied:
         lines.append("    tied_grads.reduce()  # sum the gradients of a weight two stages hold, so its copies stay "
                      "equal")
+    clip = "grad_norm = clipper.clip() if clipper else None  # --clip-grad-norm: the whole model's norm, then clip"
     if f.fp16:
-        lines += ["    if scaler.unscale_and_check(model_shard.parameters()):  # False only when fp16 overflowed on "
+        lines += ["    grad_norm = None",
+                  "    if scaler.unscale_and_check(model_shard.parameters()):  # False only when fp16 overflowed on "
                   "some rank",
+                  f"        {clip}",
                   "        optimizer.step()"]
     else:
-        lines.append("    optimizer.step()")
+        lines += [f"    {clip}", "    optimizer.step()"]
     if f.local_sgd:
         lines.append("    grad_sync.after_step(step, optimizer, last=step == args.steps)  # local SGD: average every "
                      "SYNC_EVERY steps")
-    lines.append("    losses.submit(step, local_loss, timer.stop())  # logs the step before; see [Note: loss report]")
+    lines.append("    losses.submit(step, local_loss, timer.stop(), grad_norm=grad_norm)  # logs the step before: "
+                 "[Note: loss report]")
     if f.rebalance:
         lines.append("    shares.observe(step, timer)  # every REBALANCE_EVERY steps: shares by measured speed "
                      "(collective)")

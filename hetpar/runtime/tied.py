@@ -192,6 +192,8 @@ class TiedGradients:
         self._aliases = aliases
         local = {names[id(p)]: name for name, p in module.named_parameters() if id(p) in names}
         self.module = module
+        # copies of weights whose first stage another rank runs: counted there once (training.GradClipper)
+        self._later = [local[w.name] for w in self.tied if w.name in local and w.stages[0] not in stage_ids]
         self._mine: list[tuple[dist.ProcessGroup, list[str]]] = []  # (group, names in ``module``)
         for ranks, weights in sync_groups(self.tied, stages, aliases).items():
             group = dist.new_group(list(ranks))
@@ -204,6 +206,13 @@ class TiedGradients:
         tied = "; ".join(f"{' = '.join(self._aliases.get(w.name, [w.name]))} in stages {', '.join(map(str, w.stages))}"
                          for w in self.tied)
         return f"weights tied across stages, gradients summed over their copies: {tied}" if tied else "no tied weights"
+
+    def later_copies(self) -> list[nn.Parameter]:
+        """This rank's copies of tied weights whose first stage is another rank's: the
+        parameters a sum over every stage must not count again (they equal the first
+        stage's copy after ``reduce``). Looked up now, so they are the DTensor or FSDP2
+        parameters that replaced the cut ones."""
+        return [self.module.get_parameter(name) for name in self._later]
 
     def reduce(self) -> None:
         """Sum each tied weight's gradient over the ranks of its group (after the

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from hetpar.runtime.cli import LrDecay
 from hetpar.runtime.distributed import Placement, StageSpec
@@ -117,7 +117,92 @@ class LearningRate:
 def loop_record(args: Any) -> dict[str, Any]:
     """The options of a run's loop (runtime.cli.TrainArgs) that a resumed run must share
     with the run it continues: what a checkpoint records (runtime.checkpoint)."""
-    return LearningRate.of(args).record()
+    clip = {"clip_grad_norm": args.clip_grad_norm} if args.clip_grad_norm is not None else {}
+    return {**LearningRate.of(args).record(), **clip}
+
+
+class GradClipper:
+    """Clips the gradients of the whole model to a global L2 norm (``--clip-grad-norm``),
+    as ``torch.nn.utils.clip_grad_norm_`` does in one process.
+
+    [Note: global gradient norm]
+    The norm is over every parameter of the whole model once. Each rank adds the squares
+    of the gradient elements it is the first holder of, and one all-reduce over the
+    world sums them (collective: every rank clips every step), after the data-parallel
+    and tied-weight reductions and, under fp16, after unscaling:
+
+    - pipeline stages hold disjoint parameters, so every stage adds its own;
+    - a DTensor gradient (tensor-parallel, FSDP2 or expert shards) adds its local shard
+      on the ranks whose coordinate is 0 along every mesh axis it is replicated over
+      (a partial one is made whole first), so shards count once each and a replicated
+      parameter once, not tp times;
+    - copies on other data-parallel rows (replicas, and context-parallel rows, whose
+      gradients the sync made equal) count once: a plain tensor on row 0 and tp index 0
+      only, a DTensor only where its mesh covers row 0 (an FSDP2 mesh covers every row,
+      whose shards all add; an expert-parallel mesh the first ep rows);
+    - a weight tied across stages counts on its first stage only
+      (``tied.TiedGradients.later_copies``).
+
+    Every rank then scales its gradients by ``min(1, max_norm / (norm + 1e-6))``, torch's
+    factor, so all copies stay equal. Under local SGD (``per_replica``) replicas step on
+    their own gradients: each clips by its own replica's norm, every rank adding into its
+    row's slot of one all-reduced vector.
+    """
+
+    def __init__(self, max_norm: float, module: nn.Module, me: Placement, stages: list[StageSpec], *,
+                 tied: Any = None, per_replica: bool = False):
+        """Args:
+            max_norm: the norm the gradients are clipped to.
+            module: this rank's stage module (or chunks), after tensor and data parallelism.
+            me: this rank's place; stages: the program's stages (their ranks).
+            tied: the program's ``tied.TiedGradients``, where a weight is tied across stages.
+            per_replica: each data-parallel row clips by its own norm (local SGD).
+        """
+        if not max_norm > 0:
+            raise ValueError(f"max_norm({max_norm}) must be > 0")
+        self.max_norm, self.me, self.per_replica = max_norm, me, per_replica
+        self.params = list(module.parameters())
+        self.rows = [set(row) for row in stages[me.stage].ranks]
+        later = {id(p) for p in tied.later_copies()} if tied is not None else set()
+        self._counted = [id(p) not in later for p in self.params]
+
+    def clip(self) -> torch.Tensor:
+        """Clip this rank's gradients (collective).
+
+        Returns:
+            The global norm before clipping, a 0-d float32 tensor on the gradients' device.
+        """
+        grads = [(p.grad, counted) for p, counted in zip(self.params, self._counted) if p.grad is not None]
+        device = grads[0][0].device if grads else torch.device("cpu")
+        squares = torch.zeros(len(self.rows), dtype=torch.float32, device=device)
+        for grad, counted in grads:
+            whole = _whole(grad)  # collective over a partial gradient's mesh: on every rank of it
+            if counted and self._first_holder(whole):
+                squares[self.me.replica] += _local(whole).float().square().sum()
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM)
+        norm = (squares[self.me.replica] if self.per_replica else squares.sum()).sqrt()
+        factor = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+        for grad, _ in grads:
+            _local(grad).mul_(factor.to(grad.dtype))
+        return norm
+
+    def _first_holder(self, grad: torch.Tensor) -> bool:
+        """Whether this rank adds ``grad``'s local elements ([Note: global gradient norm])."""
+        if not isinstance(grad, DTensor):
+            return self.me.tp_index == 0 and (self.per_replica or self.me.replica == 0)
+        mesh = grad.device_mesh
+        coordinate = mesh.get_coordinate()
+        if any(c != 0 for c, p in zip(coordinate, grad.placements) if isinstance(p, Replicate)):
+            return False
+        covered = set(mesh.mesh.flatten().tolist())
+        return self.per_replica or bool(self.rows[0] & covered)
+
+
+def _whole(grad: torch.Tensor) -> torch.Tensor:
+    """``grad``, a partial DTensor summed over its mesh (replicated) first."""
+    if isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements):
+        return grad.redistribute(grad.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in grad.placements])
+    return grad
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -159,24 +244,27 @@ class LossReport:
                  context_parallel: int = 1):
         self.me, self.logger = me, logger
         self.last_stage, self.data_parallel = last_stage, data_parallel * context_parallel  # the reporting rows
-        self._pending: tuple[int, float, torch.Tensor, dist.Work, float | None] | None = None
+        self._pending: tuple | None = None
 
-    def submit(self, step: int, local_loss: torch.Tensor, step_time_s: float) -> None:
-        """Start step ``step``'s all-reduce (collective) and log the step before it."""
+    def submit(self, step: int, local_loss: torch.Tensor, step_time_s: float, *,
+               grad_norm: torch.Tensor | None = None) -> None:
+        """Start step ``step``'s all-reduce (collective) and log the step before it;
+        ``grad_norm``: the step's global gradient norm before clipping (``GradClipper``)."""
         reports = self.me.stage == self.last_stage and self.me.tp_index == 0
         value = (local_loss.detach().float() / self.data_parallel) if reports else torch.zeros((), device=local_loss.device)
         value = value.reshape(1).clone()
         work = dist.all_reduce(value, op=dist.ReduceOp.SUM, async_op=True)
         self.flush()
-        self._pending = (step, step_time_s, value, work, ROUTING_LOAD.take())
+        self._pending = (step, step_time_s, value, work, ROUTING_LOAD.take(), grad_norm)
 
     def flush(self) -> None:
         """Wait for the pending report, if any, and log it."""
         if self._pending is not None:
-            step, step_time_s, value, work, load = self._pending
+            step, step_time_s, value, work, load, grad_norm = self._pending
             self._pending = None
             work.wait()
-            self.logger.log(step, float(value.item()), step_time_s, expert_imbalance=load)
+            self.logger.log(step, float(value.item()), step_time_s, expert_imbalance=load,
+                            grad_norm=float(grad_norm) if grad_norm is not None else None)
 
 
 class StepLogger:
@@ -208,16 +296,19 @@ class StepLogger:
             self._file.writelines(kept)
             self._file.flush()
 
-    def log(self, step: int, loss: float, step_time_s: float, *, expert_imbalance: float | None = None) -> None:
+    def log(self, step: int, loss: float, step_time_s: float, *, expert_imbalance: float | None = None,
+            grad_norm: float | None = None) -> None:
         """Record step ``step`` (1-based); ``expert_imbalance``: its routing's (runtime.experts.RoutingLoad),
-        where this rank dispatched to experts split over ranks."""
+        where this rank dispatched to experts split over ranks; ``grad_norm``: the global
+        gradient norm before clipping, under ``--clip-grad-norm``."""
         if not self.enabled:
             return
         samples_per_s = self.global_batch_size / step_time_s if step_time_s > 0 else float("inf")
         width = len(str(self.total_steps))
         print(
             f"step {step:>{width}}/{self.total_steps} | loss {loss:.6f} | "
-            f"{step_time_s * 1e3:8.1f} ms | {samples_per_s:9.1f} samples/s",
+            f"{step_time_s * 1e3:8.1f} ms | {samples_per_s:9.1f} samples/s"
+            + (f" | grad norm {grad_norm:.4g}" if grad_norm is not None else ""),
             file=sys.stderr,
             flush=True,
         )
@@ -225,6 +316,8 @@ class StepLogger:
             record = {"kind": "step", "step": step, "loss": loss, "step_time_s": step_time_s, "samples_per_s": samples_per_s}
             if expert_imbalance is not None:
                 record["expert_imbalance"] = expert_imbalance
+            if grad_norm is not None:
+                record["grad_norm"] = grad_norm
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
 
@@ -334,5 +427,5 @@ def save_atomic(obj: object, path: Path) -> None:
         raise
 
 
-__all__ = ["LossReport", "LearningRate", "StepLogger", "announce", "gather_full_state", "loop_record", "make_optimizer", "read_metrics", "report_stage_times",
+__all__ = ["GradClipper", "LossReport", "LearningRate", "StepLogger", "announce", "gather_full_state", "loop_record", "make_optimizer", "read_metrics", "report_stage_times",
            "save_atomic"]
