@@ -8,6 +8,7 @@ import typer
 
 from hetpar import __version__
 from hetpar.commands import compile as compile_cmd
+from hetpar.commands import data as data_cmd
 from hetpar.commands import devices as devices_cmd
 from hetpar.commands import explain as explain_cmd
 from hetpar.commands import estimate as estimate_cmd
@@ -31,6 +32,7 @@ app.command("estimate")(estimate_cmd.estimate)
 app.command("profile")(profile_cmd.profile)
 app.command("validate")(validate_cmd.validate)
 app.command("explain")(explain_cmd.explain)
+app.command("data")(data_cmd.data)
 
 
 def _version(value: bool) -> None:

@@ -17,6 +17,7 @@ from hetpar.cost_models.cluster import ClusterSpecError
 from hetpar.cost_models.devices import ProfileError, UnknownDeviceError, get_device
 from hetpar.planner import ParallelPlan, PlanFileError, PlanningError
 from hetpar.rewriters import CompileError, checked_model_file
+from hetpar.runtime.data import DataError
 from hetpar.runtime.graph import TraceError
 from hetpar.runtime.model_file import ModelFileError, load_model_file, parse_model_args
 from hetpar.vocabulary import DType, Precision
@@ -27,7 +28,8 @@ class RunError(Exception):
     """A plan's program could not be run or measured here (``hetpar validate``); the message says what happened."""
 
 
-DOMAIN_ERRORS = (ProfileError, ModelFileError, TraceError, ClusterSpecError, UnknownDeviceError, PlanningError, PlanFileError, CompileError, RunError)
+DOMAIN_ERRORS = (ProfileError, ModelFileError, TraceError, ClusterSpecError, UnknownDeviceError, PlanningError, PlanFileError, CompileError, RunError,
+                 DataError)
 
 
 def fail(message: str, code: int = 1) -> None:

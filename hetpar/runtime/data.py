@@ -4,6 +4,8 @@
 A token file is what nanoGPT's ``prepare.py`` writes as ``train.bin``: token ids one
 after another, uint16 (``--data-dtype uint16``, the default) or uint32, no header. The
 program maps it with ``np.memmap`` and reads only the tokens of the rows it trains on.
+``hetpar data`` makes one from text with a local tokenizer (runtime/prepare.py, [Note:
+making a token file]) through ``TokenFileWriter``, which renames a complete file into place.
 
 - **Sequences.** With T the model's sequence length (the second dimension of the model
   file's ``example_inputs(1)``), sequence j is the T + 1 tokens ``[jT, jT + T + 1)``:
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -237,5 +240,58 @@ def token_model_file(model_file: ModelFile, model: nn.Module, path: str | Path, 
     return TokenModelFile(path=model_file.path, model_args=model_file.model_args, module=model_file.module, data=tokens)
 
 
-__all__ = ["DataError", "TOKEN_DTYPES", "TokenFile", "TokenModelFile", "sequence_length", "token_model_file",
-           "vocabulary_size"]
+def token_dtype_for(vocab_size: int) -> str:
+    """The narrowest name of ``TOKEN_DTYPES`` that holds ids ``0 .. vocab_size - 1``: uint16
+    for GPT-2's 50257 ids as nanoGPT writes them, uint32 above 65536."""
+    return next((name for name, width in TOKEN_DTYPES.items() if vocab_size <= np.iinfo(width).max + 1), "uint32")
+
+
+class TokenFileWriter:
+    """Writes a token file ([Note: token data]) under a temporary name beside it; ``commit``
+    renames it into place, and leaving the ``with`` block without a commit removes it, so a
+    failure leaves no file and an earlier one as it was.
+
+    Raises:
+        DataError: the file's directory does not exist (on construction), or an id does
+            not fit the width (``write``).
+    """
+
+    def __init__(self, path: str | Path, dtype: str) -> None:
+        self.path = Path(path)
+        self.dtype = dtype
+        self.tokens = 0
+        if not self.path.parent.is_dir():
+            raise DataError(f"{self.path}: no such directory {self.path.parent}")
+        self._temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self._file = open(self._temp, "wb")
+        self._committed = False
+
+    def write(self, ids: np.ndarray | list[int]) -> None:
+        """Append token ids; each must fit the file's width."""
+        found = np.asarray(ids, dtype=np.int64)
+        top = np.iinfo(TOKEN_DTYPES[self.dtype]).max
+        if found.size and (int(found.min()) < 0 or int(found.max()) > top):
+            bad = int(found.max()) if int(found.max()) > top else int(found.min())
+            raise DataError(f"{self.path}: token id {bad} does not fit {self.dtype} (0-{top}); write uint32")
+        found.astype(TOKEN_DTYPES[self.dtype]).tofile(self._file)
+        self.tokens += found.size
+
+    def commit(self) -> None:
+        """Flush the file to disk and rename it into place."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._temp, self.path)
+        self._committed = True
+
+    def __enter__(self) -> TokenFileWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._committed:
+            self._file.close()
+            self._temp.unlink(missing_ok=True)
+
+
+__all__ = ["DataError", "TOKEN_DTYPES", "TokenFile", "TokenFileWriter", "TokenModelFile", "sequence_length",
+           "token_dtype_for", "token_model_file", "vocabulary_size"]
