@@ -89,7 +89,9 @@ def run_plain(out: Path, args: list[str]) -> subprocess.CompletedProcess:
                           text=True, timeout=TORCHRUN_TIMEOUT_S)
 
 
-SCHEDULE = ["--optimizer", "adamw", "--lr", "1e-2", "--warmup-steps", "2", "--lr-decay", "cosine", "--decay-steps", "6"]
+# warm-up and cosine decay, and AdamW's two parameter groups through a checkpoint; --decay-steps last
+SCHEDULE = ["--optimizer", "adamw", "--lr", "1e-2", "--weight-decay", "0.1", "--warmup-steps", "2", "--lr-decay",
+            "cosine", "--decay-steps", "6"]
 
 
 @pytest.mark.slow
@@ -192,3 +194,23 @@ def test_clipping_counts_a_tied_weight_and_the_replicas_once(tmp_path):
 def test_clipping_sums_the_shards_of_zero_3(tmp_path, mlp_path):
     plan = build_plan(mlp_path, MLP_ARGS, splits=[[0, 1, 2, 3]], data_parallel=2, num_microbatches=2, zero_stage=3)
     assert_clips_like_one_process(plan, tmp_path)
+
+
+# ----------------------------------------------------------------------------- weight decay
+
+
+def test_weight_decay_skips_norms_and_biases():
+    from hetpar.runtime.training import make_optimizer
+
+    model = load_model_file(Path(__file__).resolve().parent.parent / "examples" / "gpt.py", GPT_ARGS).build_model()
+    names = {id(p): n for n, p in model.named_parameters()}
+    optimizer = make_optimizer("adamw", model.parameters(), 1e-3, weight_decay=0.1)
+    decayed, kept = ({names[id(p)] for p in g["params"]} for g in optimizer.param_groups)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert decayed == {n for n, p in model.named_parameters() if p.dim() >= 2}
+    assert "tok_emb.weight" in decayed and "blocks.0.attn.q.weight" in decayed
+    assert kept and all(n.endswith(".bias") or n.split(".")[-2].startswith("ln") for n in kept), kept  # the LayerNorms
+    plain = make_optimizer("adamw", model.parameters(), 1e-3)  # without the option: torch's default, every parameter
+    assert len(plain.param_groups) == 1 and plain.param_groups[0]["weight_decay"] == 0.01
+    with pytest.raises(ValueError, match="weight decay is AdamW's"):
+        make_optimizer("sgd", model.parameters(), 1e-3, weight_decay=0.1)

@@ -380,7 +380,9 @@ def _model_shard(plan: ParallelPlan, f: Features) -> str:
         "announce=me.rank == 0)",
     ]
     lines += _data_parallel(plan, f)
-    lines.append("optimizer = training.make_optimizer(args.optimizer, model_shard.parameters(), args.lr)")
+    lines += ["optimizer = training.make_optimizer(args.optimizer, model_shard.parameters(), args.lr,",
+              "                                    weight_decay=args.weight_decay)  # --weight-decay: on >= 2-D "
+              "parameters only"]
     if f.fp16:
         lines.append("scaler = precision.LossScaler(enabled=True)  # fp16: dynamic loss scaling")
     return "\n".join(lines)

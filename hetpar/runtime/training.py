@@ -28,20 +28,42 @@ from hetpar.runtime.shard import chunk_modules
 from hetpar.vocabulary import Optimizer
 
 
-def make_optimizer(name: str, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: Iterable[nn.Parameter], lr: float, *, weight_decay: float | None = None
+                   ) -> torch.optim.Optimizer:
     """Plain SGD (no momentum) or AdamW with torch's defaults, at learning rate ``lr``.
+
+    With ``weight_decay`` (AdamW's), two parameter groups as nanoGPT and torchtitan make
+    them: parameters of two or more dimensions (matmul and embedding weights) decay by it,
+    the others (norms' weights, biases) do not; a sharded parameter counts by its global
+    shape. Without it, torch's default (0.01) applies to every parameter, as before the
+    option existed.
 
     AdamW on GPU parameters is torch's fused kernel (one launch for all tensors, as
     torchtitan does); on a CPU the default implementation, whose arithmetic the
     distributed tests compare with one process.
+
+    Raises:
+        ValueError: an unknown optimizer, or ``weight_decay`` for SGD.
     """
     params = list(params)
     if name == Optimizer.SGD:
+        if weight_decay is not None:
+            raise ValueError("weight decay is AdamW's; sgd takes none")
         return torch.optim.SGD(params, lr=lr)
     if name == Optimizer.ADAMW:
         fused = bool(params) and all(p.device.type == "cuda" for p in params)
-        return torch.optim.AdamW(params, lr=lr, fused=fused or None)
+        return torch.optim.AdamW(decay_groups(params, weight_decay) if weight_decay is not None else params, lr=lr,
+                                 fused=fused or None)
     raise ValueError(f"unknown optimizer {name!r}; choose sgd or adamw")
+
+
+def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's parameter groups: ``weight_decay`` for parameters of >= 2 dimensions, 0 for
+    the rest (``make_optimizer``); an empty group is left out."""
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    return [group for group in ({"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0})
+            if group["params"]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,8 +139,8 @@ class LearningRate:
 def loop_record(args: Any) -> dict[str, Any]:
     """The options of a run's loop (runtime.cli.TrainArgs) that a resumed run must share
     with the run it continues: what a checkpoint records (runtime.checkpoint)."""
-    clip = {"clip_grad_norm": args.clip_grad_norm} if args.clip_grad_norm is not None else {}
-    return {**LearningRate.of(args).record(), **clip}
+    given = {k: getattr(args, k) for k in ("clip_grad_norm", "weight_decay") if getattr(args, k) is not None}
+    return {**LearningRate.of(args).record(), **given}
 
 
 class GradClipper:
@@ -427,5 +449,5 @@ def save_atomic(obj: object, path: Path) -> None:
         raise
 
 
-__all__ = ["GradClipper", "LossReport", "LearningRate", "StepLogger", "announce", "gather_full_state", "loop_record", "make_optimizer", "read_metrics", "report_stage_times",
+__all__ = ["GradClipper", "LossReport", "LearningRate", "StepLogger", "announce", "decay_groups", "gather_full_state", "loop_record", "make_optimizer", "read_metrics", "report_stage_times",
            "save_atomic"]
