@@ -292,3 +292,15 @@ def test_the_program_refuses_a_short_token_file_in_one_line(tmp_path, llama_run)
     assert ours == [f"hetpar: --data {tmp_path / 'short.bin'} holds 80 uint16 tokens, 4 sequences of 16 + 1, fewer "
                     f"than one global batch of {GLOBAL_BATCH}"], result.stderr
     assert "step 1/1" not in result.stderr
+
+
+def test_a_dataset_directory_is_refused_in_one_line_naming_pyarrow_and_hetpar_data(tmp_path, token_model):
+    """A directory that datasets' save_to_disk writes (Arrow files, dataset_info.json, state.json):
+    reading it needs pyarrow, which hetpar does not depend on ([Note: token data])."""
+    saved = tmp_path / "dataset"
+    saved.mkdir()
+    for name in ("data-00000-of-00001.arrow", "dataset_info.json", "state.json"):
+        (saved / name).write_bytes(b"")
+    with pytest.raises(DataError, match=r"--data .*dataset is a directory; .*needs pyarrow.* hetpar data") as raised:
+        token_model_file(*token_model, saved, global_batch_size=4)
+    assert "\n" not in str(raised.value)

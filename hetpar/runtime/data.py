@@ -25,7 +25,9 @@ making a token file]) through ``TokenFileWriter``, which renames a complete file
   reads only its own rows (``rows=``, the contract of ``ModelFile.batches``; [Note:
   data order and sharding] in runtime/shard.py), and a run resumed after step k starts
   at sample kB without reading or replaying what came before.
-- **Checks before training** (``DataError``, one line): the file exists; its size is
+- **Checks before training** (``DataError``, one line): the file exists (a directory,
+  such as a dataset ``save_to_disk`` wrote, is refused: its Arrow or Parquet files need
+  pyarrow, not a dependency of hetpar; ``hetpar data`` writes a token file); its size is
   a whole number of tokens; it holds at least one global batch of sequences; the model
   takes one integer input of shape ``[batch, T]``; no token id reaches the model's
   vocabulary (the rows of its input embedding): the maximum over the whole file when
@@ -102,6 +104,10 @@ class TokenFile:
         if dtype not in TOKEN_DTYPES:
             raise DataError(f"--data-dtype {dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
         width = TOKEN_DTYPES[dtype].itemsize
+        if path.is_dir():
+            raise DataError(f"--data {path} is a directory; a dataset saved to disk (Arrow or Parquet files) is not "
+                            f"read: that needs pyarrow, which hetpar does not depend on. Make a token file with hetpar "
+                            f"data (docs/running.md, Making a token file)")
         if not path.is_file():
             raise DataError(f"--data {path}: no such file (a flat file of {dtype} token ids, as nanoGPT's train.bin)")
         size_bytes = path.stat().st_size
