@@ -121,3 +121,11 @@ def test_each_bad_input_is_one_line_and_writes_nothing(tmp_path, tokenizer_dir, 
                     "-o", str(tmp_path / "train.bin"))
     assert_one_line_error(result, *fragments)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("content", ['{"model": 3}', "not json"])
+def test_a_tokenizer_that_does_not_load_is_one_line(tmp_path, content):
+    (tmp_path / "tokenizer.json").write_text(content)
+    with pytest.raises(DataError, match=f"--tokenizer {tmp_path} does not load: ") as raised:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(raised.value)

@@ -99,9 +99,9 @@ def load_tokenizer(path: Path) -> Any:
         raise DataError("--tokenizer needs transformers: pip install transformers") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"--tokenizer {path} does not load: {first}") from None
+    except Exception as exc:  # transformers and the Rust tokenizers raise many kinds; each is this directory's fault
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise DataError(f"--tokenizer {path} does not load: {type(exc).__name__} {first}".rstrip()) from None
     if tokenizer.eos_token_id is None:
         raise DataError(f"--tokenizer {path} has no EOS token (eos_token in tokenizer_config.json), which hetpar "
                         f"data puts after each document")
