@@ -18,7 +18,7 @@ import pytest
 from cli_helpers import assert_one_line_error, hetpar
 
 from hetpar.commands.data import TokenWidthChoice
-from hetpar.runtime.data import TOKEN_DTYPES, DataError, TokenFileWriter, token_dtype_for
+from hetpar.runtime.data import TOKEN_DTYPES, DataError, TokenFile, TokenFileWriter, token_dtype_for
 from hetpar.runtime.prepare import held_out, load_tokenizer
 
 SENTENCES = ["the cat sat on the mat", "a dog ran far away", "hello world"]
@@ -58,6 +58,11 @@ def test_txt_and_jsonl_become_the_tokenizers_ids_each_followed_by_eos(tmp_path, 
     assert summary["dtype"] == "uint16" and summary["eval"] is None
     assert summary["train"] == {"file": str(tmp_path / "train.bin"), "documents": 3, "tokens": len(want)}
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # the temporary file was renamed
+    # the program reads it as written: sequence j is tokens [2j, 2j + 3) at T = 2
+    tokens = TokenFile.open(tmp_path / "train.bin", dtype=summary["dtype"], seq_len=2, vocab_size=summary["vocab_size"],
+                            global_batch_size=1)
+    windows = tokens.sequences(0, range(tokens.num_sequences)).tolist()
+    assert sorted(windows) == sorted(want[2 * j:2 * j + 3] for j in range((len(want) - 1) // 2))
 
 
 def test_split_lines_and_an_eval_split_spread_through_the_documents(tmp_path, tokenizer_dir):
