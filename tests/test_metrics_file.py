@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT
 from hetpar.runtime.training import StepLogger, read_metrics
 
-STEP_FIELDS = {"kind", "step", "loss", "step_time_s", "samples_per_s"}
+STEP_FIELDS = {"kind", "step", "loss", "step_time_s", "samples_per_s", "time_left_s"}
 
 
 def write_run(path: Path, steps: int, *, start_step: int = 0) -> None:

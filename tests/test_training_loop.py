@@ -214,3 +214,38 @@ def test_weight_decay_skips_norms_and_biases():
     assert len(plain.param_groups) == 1 and plain.param_groups[0]["weight_decay"] == 0.01
     with pytest.raises(ValueError, match="weight decay is AdamW's"):
         make_optimizer("sgd", model.parameters(), 1e-3, weight_decay=0.1)
+
+
+# ----------------------------------------------------------------------------- step lines
+
+
+def test_step_lines_carry_tokens_per_s_lr_grad_norm_and_time_left(tmp_path, capsys, gpt_path):
+    from hetpar.runtime.training import StepLogger, tokens_per_sample
+
+    assert tokens_per_sample(load_model_file(gpt_path, GPT_ARGS)) == GPT_ARGS["seq_len"]
+    assert tokens_per_sample(load_model_file(gpt_path.with_name("mlp.py"), MLP_ARGS)) is None  # not token ids
+    logger = StepLogger(enabled=True, total_steps=10, global_batch_size=8, metrics=tmp_path / "m.jsonl",
+                        tokens_per_sample=16)
+    logger.log(1, 2.5, 0.5, lr=3e-4, grad_norm=1.25)
+    logger.log(2, 2.4, 1.5, lr=3e-4)
+    logger.close()
+    first, second = read_metrics(tmp_path / "m.jsonl")
+    assert first == {"kind": "step", "step": 1, "loss": 2.5, "step_time_s": 0.5, "samples_per_s": 16.0,
+                     "tokens_per_s": 256.0, "time_left_s": 4.5, "lr": 3e-4, "grad_norm": 1.25}
+    assert second["tokens_per_s"] == second["samples_per_s"] * 16 and second["time_left_s"] == 8.0  # mean 1 s x 8
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "step  1/10 | loss 2.500000 |    500.0 ms |      16.0 samples/s | 256 tokens/s | lr 0.0003 | " \
+                       "grad norm 1.25 | 0:00:04 left"
+    assert lines[1].endswith("| 0:00:08 left")
+
+
+@pytest.mark.slow
+def test_a_program_logs_tokens_per_s_as_samples_per_s_times_t(tmp_path, gpt_path):
+    out = compiled(tmp_path, build_plan(gpt_path, GPT_ARGS, splits=[[0, 1, 2, 3]], num_microbatches=2))
+    done = run_plain(out, ["--steps", "3", "--warmup-steps", "2", "--lr", "0.01", "--metrics", "m.jsonl"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_metrics(out / "m.jsonl")
+    assert [r["lr"] for r in records] == [0.005, 0.01, 0.01]
+    assert all(r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * GPT_ARGS["seq_len"]) for r in records)
+    assert records[-1]["time_left_s"] == 0 and records[0]["time_left_s"] > 0
+    assert " tokens/s | lr 0.005 | " in done.stderr and " left" in done.stderr

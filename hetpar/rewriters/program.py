@@ -474,7 +474,8 @@ def _loop(f: Features) -> str:
         "# training loop: one optimizer step per global batch",
         "logger = training.StepLogger(enabled=me.rank == 0, total_steps=args.steps, "
         "global_batch_size=GLOBAL_BATCH_SIZE,",
-        "                             metrics=args.metrics, start_step=start_step)",
+        "                             metrics=args.metrics, start_step=start_step,",
+        "                             tokens_per_sample=training.tokens_per_sample(model_file))  # T, for tokens/s",
         f"losses = training.LossReport(me, logger, last_stage={last_stage}, data_parallel=DATA_PARALLEL"
         f"{', context_parallel=CONTEXT_PARALLEL' if f.context_parallel else ''})  # the global mean loss",
     ]
@@ -506,7 +507,7 @@ def _loop(f: Features) -> str:
         "    inputs, targets = next(data)  # this replica's rows of global batch `step`",
         "    microbatches = shard.microbatches(inputs, targets, num_microbatches=NUM_MICROBATCHES, device=device)",
         "    optimizer.zero_grad(set_to_none=True)",
-        "    learning_rate.apply(optimizer, step)  # --warmup-steps, then --lr-decay: a function of the step alone",
+        "    lr = learning_rate.apply(optimizer, step)  # --warmup-steps, then --lr-decay: a function of the step alone",
     ]
     lines += _step(f)
     if f.data_parallel:
@@ -526,8 +527,8 @@ def _loop(f: Features) -> str:
     if f.local_sgd:
         lines.append("    grad_sync.after_step(step, optimizer, last=step == args.steps)  # local SGD: average every "
                      "SYNC_EVERY steps")
-    lines.append("    losses.submit(step, local_loss, timer.stop(), grad_norm=grad_norm)  # logs the step before: "
-                 "[Note: loss report]")
+    lines.append("    losses.submit(step, local_loss, timer.stop(), lr=lr, grad_norm=grad_norm)  # logs the step "
+                 "before: [Note: loss report]")
     if f.rebalance:
         lines.append("    shares.observe(step, timer)  # every REBALANCE_EVERY steps: shares by measured speed "
                      "(collective)")

@@ -268,24 +268,25 @@ class LossReport:
         self.last_stage, self.data_parallel = last_stage, data_parallel * context_parallel  # the reporting rows
         self._pending: tuple | None = None
 
-    def submit(self, step: int, local_loss: torch.Tensor, step_time_s: float, *,
+    def submit(self, step: int, local_loss: torch.Tensor, step_time_s: float, *, lr: float | None = None,
                grad_norm: torch.Tensor | None = None) -> None:
-        """Start step ``step``'s all-reduce (collective) and log the step before it;
-        ``grad_norm``: the step's global gradient norm before clipping (``GradClipper``)."""
+        """Start step ``step``'s all-reduce (collective) and log the step before it; ``lr``:
+        the step's learning rate, ``grad_norm``: its global gradient norm before clipping
+        (``GradClipper``)."""
         reports = self.me.stage == self.last_stage and self.me.tp_index == 0
         value = (local_loss.detach().float() / self.data_parallel) if reports else torch.zeros((), device=local_loss.device)
         value = value.reshape(1).clone()
         work = dist.all_reduce(value, op=dist.ReduceOp.SUM, async_op=True)
         self.flush()
-        self._pending = (step, step_time_s, value, work, ROUTING_LOAD.take(), grad_norm)
+        self._pending = (step, step_time_s, value, work, ROUTING_LOAD.take(), lr, grad_norm)
 
     def flush(self) -> None:
         """Wait for the pending report, if any, and log it."""
         if self._pending is not None:
-            step, step_time_s, value, work, load, grad_norm = self._pending
+            step, step_time_s, value, work, load, lr, grad_norm = self._pending
             self._pending = None
             work.wait()
-            self.logger.log(step, float(value.item()), step_time_s, expert_imbalance=load,
+            self.logger.log(step, float(value.item()), step_time_s, expert_imbalance=load, lr=lr,
                             grad_norm=float(grad_norm) if grad_norm is not None else None)
 
 
@@ -294,7 +295,11 @@ class StepLogger:
 
     [Note: metrics file]
     The metrics file holds one JSON object per line. A step's line is
-    ``{"kind": "step", "step", "loss", "step_time_s", "samples_per_s"}``; every other
+    ``{"kind": "step", "step", "loss", "step_time_s", "samples_per_s", "time_left_s"}``,
+    with ``"tokens_per_s"`` (samples/s x the model's sequence length T) for a model of
+    token sequences, ``"lr"`` where the program reports it, and ``"grad_norm"`` under
+    ``--clip-grad-norm``. ``time_left_s`` is the mean step time of this run so far times
+    the steps left. Every other
     record names another ``kind`` (``"stages"``: each pipeline rank's seconds per
     micro-batch, which ``hetpar validate`` reads), and a reader of steps skips it
     (``step_records``). docs/running.md documents the contract.
@@ -306,10 +311,14 @@ class StepLogger:
     """
 
     def __init__(self, *, enabled: bool, total_steps: int, global_batch_size: int, metrics: Path | None,
-                 start_step: int = 0):
+                 start_step: int = 0, tokens_per_sample: int | None = None):
+        """``tokens_per_sample``: the model's sequence length T (``tokens_per_sample``), or
+        None for a model of other inputs (no tokens/s then)."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.global_batch_size = global_batch_size
+        self.tokens_per_sample = tokens_per_sample
+        self._step_times_s: list[float] = []
         self._file = None
         if enabled and metrics is not None:
             metrics.parent.mkdir(parents=True, exist_ok=True)
@@ -319,27 +328,25 @@ class StepLogger:
             self._file.flush()
 
     def log(self, step: int, loss: float, step_time_s: float, *, expert_imbalance: float | None = None,
-            grad_norm: float | None = None) -> None:
+            lr: float | None = None, grad_norm: float | None = None) -> None:
         """Record step ``step`` (1-based); ``expert_imbalance``: its routing's (runtime.experts.RoutingLoad),
-        where this rank dispatched to experts split over ranks; ``grad_norm``: the global
-        gradient norm before clipping, under ``--clip-grad-norm``."""
+        where this rank dispatched to experts split over ranks; ``lr``: its learning rate;
+        ``grad_norm``: the global gradient norm before clipping, under ``--clip-grad-norm``."""
         if not self.enabled:
             return
         samples_per_s = self.global_batch_size / step_time_s if step_time_s > 0 else float("inf")
-        width = len(str(self.total_steps))
-        print(
-            f"step {step:>{width}}/{self.total_steps} | loss {loss:.6f} | "
-            f"{step_time_s * 1e3:8.1f} ms | {samples_per_s:9.1f} samples/s"
-            + (f" | grad norm {grad_norm:.4g}" if grad_norm is not None else ""),
-            file=sys.stderr,
-            flush=True,
-        )
+        self._step_times_s.append(step_time_s)
+        time_left_s = statistics.fmean(self._step_times_s) * (self.total_steps - step)
+        record: dict[str, Any] = {"kind": "step", "step": step, "loss": loss, "step_time_s": step_time_s,
+                                  "samples_per_s": samples_per_s}
+        if self.tokens_per_sample is not None:
+            record["tokens_per_s"] = samples_per_s * self.tokens_per_sample
+        record["time_left_s"] = time_left_s
+        for key, value in (("lr", lr), ("grad_norm", grad_norm), ("expert_imbalance", expert_imbalance)):
+            if value is not None:
+                record[key] = value
+        print(_step_line(record, self.total_steps), file=sys.stderr, flush=True)
         if self._file is not None:
-            record = {"kind": "step", "step": step, "loss": loss, "step_time_s": step_time_s, "samples_per_s": samples_per_s}
-            if expert_imbalance is not None:
-                record["expert_imbalance"] = expert_imbalance
-            if grad_norm is not None:
-                record["grad_norm"] = grad_norm
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
 
@@ -357,6 +364,32 @@ class StepLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _step_line(record: dict[str, Any], total_steps: int) -> str:
+    """``step  3/10 | loss 5.123456 |   15.2 ms |    526.3 samples/s | 8420 tokens/s | lr 3e-04 | ... | 0:00:01 left``."""
+    width = len(str(total_steps))
+    parts = [f"step {record['step']:>{width}}/{total_steps}", f"loss {record['loss']:.6f}",
+             f"{record['step_time_s'] * 1e3:8.1f} ms", f"{record['samples_per_s']:9.1f} samples/s"]
+    if "tokens_per_s" in record:
+        parts.append(f"{record['tokens_per_s']:.0f} tokens/s")
+    if "lr" in record:
+        parts.append(f"lr {record['lr']:.3g}")
+    if "grad_norm" in record:
+        parts.append(f"grad norm {record['grad_norm']:.4g}")
+    left = round(record["time_left_s"])
+    parts.append(f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d} left")
+    return " | ".join(parts)
+
+
+def tokens_per_sample(model_file: Any) -> int | None:
+    """T, the tokens of one sample: the second dimension of the model file's
+    ``example_inputs(1)`` where its first input is integer token ids ``[1, T]``; None for
+    a model of other inputs."""
+    first = model_file.example_inputs(1)[0]
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+        return int(first.shape[1])
+    return None
 
 
 def report_stage_times(me: Placement, times: list[tuple[float, float]], num_microbatches: int, logger: StepLogger) -> None:
@@ -449,5 +482,5 @@ def save_atomic(obj: object, path: Path) -> None:
         raise
 
 
-__all__ = ["GradClipper", "LossReport", "LearningRate", "StepLogger", "announce", "decay_groups", "gather_full_state", "loop_record", "make_optimizer", "read_metrics", "report_stage_times",
-           "save_atomic"]
+__all__ = ["GradClipper", "LearningRate", "LossReport", "StepLogger", "announce", "decay_groups", "gather_full_state",
+           "loop_record", "make_optimizer", "read_metrics", "report_stage_times", "save_atomic", "tokens_per_sample"]
