@@ -207,7 +207,7 @@ def run_compiled(plan, tmp_path: Path, optimizer: str, *, plain_python: bool = F
     records = read_metrics(out / "m.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     split_experts = any(s.expert_parallel > 1 for s in plan.stages)  # rank 0 reports its routing's load ([Note: expert load])
-    optional = {"tokens_per_s", *(["expert_imbalance"] if split_experts else [])}  # tokens/s: a model of token ids
+    optional = {"tokens_per_s", "mfu", *(["expert_imbalance"] if split_experts else [])}  # tokens/s: a model of token ids
     assert all(set(r) - optional == {"kind", "step", "loss", "step_time_s", "samples_per_s", "time_left_s", "lr"}
                for r in records)
     stages = [r["stages"] for r in read_metrics(out / "m.jsonl", "stages")]  # each pipeline rank's times

@@ -239,6 +239,42 @@ def test_step_lines_carry_tokens_per_s_lr_grad_norm_and_time_left(tmp_path, caps
     assert lines[1].endswith("| 0:00:08 left")
 
 
+def test_step_lines_carry_mfu_from_the_plans_flops_and_peak(tmp_path, capsys):
+    """MFU = the plan's model FLOPs per step / step time / the devices' summed peak; none
+    where the plan gives either as 0."""
+    from hetpar.runtime.training import StepLogger
+
+    logger = StepLogger(enabled=True, total_steps=2, global_batch_size=8, metrics=tmp_path / "m.jsonl",
+                        model_flops_per_step=3e12, peak_flops_per_s=20e12)
+    logger.log(1, 2.5, 0.5)
+    logger.close()
+    (record,) = read_metrics(tmp_path / "m.jsonl")
+    assert record["mfu"] == 3e12 / 0.5 / 20e12  # 30%
+    assert "| MFU 30.0% |" in capsys.readouterr().err
+    logger = StepLogger(enabled=True, total_steps=2, global_batch_size=8, metrics=tmp_path / "n.jsonl",
+                        model_flops_per_step=3e12)
+    logger.log(1, 2.5, 0.5)
+    logger.close()
+    assert "mfu" not in read_metrics(tmp_path / "n.jsonl")[0]
+
+
+def test_a_searched_plan_carries_the_models_flops_and_its_devices_peak(gpt_path):
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.api import plan_model
+    from hetpar.planner.capture import trace_model
+    from hetpar.planner.options import SearchOptions
+    from hetpar.rewriters.program import program_source
+
+    cluster = parse_cluster("1x2xA100-80GB")
+    plan = plan_model(gpt_path, cluster, SearchOptions(global_batch_size=8, dtype="bf16"), model_args=GPT_ARGS)
+    graph = trace_model(load_model_file(gpt_path, GPT_ARGS))
+    assert plan.predicted.model_flops_per_step == sum(l.fwd_flops + l.bwd_flops for l in graph.layers) * 8 > 0
+    assert plan.predicted.peak_flops_per_s == 2 * 312e12  # two A100s' bf16 dense peak
+    source = program_source(plan)
+    assert f"MODEL_FLOPS_PER_STEP = {plan.predicted.model_flops_per_step!r}" in source
+    assert "PEAK_FLOPS_PER_S = 624000000000000.0" in source
+
+
 @pytest.mark.slow
 def test_a_program_logs_tokens_per_s_as_samples_per_s_times_t(tmp_path, gpt_path):
     out = compiled(tmp_path, build_plan(gpt_path, GPT_ARGS, splits=[[0, 1, 2, 3]], num_microbatches=2))

@@ -98,7 +98,7 @@ def plan_graph(
         raise PlanningError(f"unknown --hetero-dp {hetero_dp!r}; use one of {', '.join(Switch)}")
     sync = sync or DataParallelSync()
     if sync == DataParallelSync():
-        return _plan_graph(graph, cluster, options, objective, hetero_dp, progress)
+        return _with_work(_plan_graph(graph, cluster, options, objective, hetero_dp, progress), graph, cluster, options)
     options, hetero_dp = _sync_pins(options, hetero_dp, sync)
     plans = []
     for compression in sync.compressions:  # [Note: lossy sync choice] in planner.strategies.sync_methods
@@ -108,7 +108,18 @@ def plan_graph(
         plan = _plan_graph(graph, cluster, replace(pinned, sync=method), objective, hetero_dp, progress)
         plans.append(replace(plan, grad_compression=compression, aggregation=sync.aggregation, sync_every=sync.sync_every,
                              sync_scope=sync.sync_scope, rebalance_every=sync.rebalance_every))
-    return _with_sync_alternatives(plans)
+    return _with_work(_with_sync_alternatives(plans), graph, cluster, options)
+
+
+def _with_work(plan: ParallelPlan, graph: ModelGraph, cluster: Cluster, options: SearchOptions) -> ParallelPlan:
+    """``plan`` with the model's FLOPs per step and its devices' summed peak, from which a
+    program reports MFU (``Predicted.model_flops_per_step``, ``peak_flops_per_s``)."""
+    flops = sum(l.fwd_flops + l.bwd_flops for l in graph.layers) * options.global_batch_size
+    try:
+        peak = sum(cluster.profile(t).peak_flops(options.dtype) for t in plan.cluster.device_types)
+    except (KeyError, ValueError):
+        peak = 0.0
+    return replace(plan, predicted=replace(plan.predicted, model_flops_per_step=float(flops), peak_flops_per_s=float(peak)))
 
 
 def _sync_pins(options: SearchOptions, hetero_dp: str, sync: DataParallelSync) -> tuple[SearchOptions, str]:

@@ -131,6 +131,11 @@ class Predicted:
     # grid intensity ([Note: energy model] in cost_models/energy.py); None unless --objective energy.
     energy_j_per_step: float | None = None
     co2_g_per_step: float | None = None
+    # The model's FLOPs of one step (forward and backward of the whole global batch, no
+    # recompute) and the sum of the plan's devices' peak FLOP/s in its dtype: a program's
+    # step lines report MFU from them (the estimate's own MFU: planner.estimate). 0: unknown.
+    model_flops_per_step: float = 0.0
+    peak_flops_per_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

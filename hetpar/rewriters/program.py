@@ -34,6 +34,8 @@ summed in the same order, so training is unchanged.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,6 +228,11 @@ def _stage_spec_source(plan: ParallelPlan, stage: StagePlan) -> str:
     return "\n".join(lines)
 
 
+def _positive(value: object) -> float:
+    """A plan's number as a finite float literal: itself when finite and positive, else 0.0."""
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else 0.0
+
+
 def _constants(plan: ParallelPlan, model_name: str, f: Features) -> str:
     lines = [
         RULE,
@@ -245,6 +252,10 @@ def _constants(plan: ParallelPlan, model_name: str, f: Features) -> str:
         f"NUM_MICROBATCHES = {plan.num_microbatches!r}  # plan.num_microbatches",
         f"GLOBAL_BATCH_SIZE = {plan.global_batch_size!r}  # plan.global_batch_size = NUM_MICROBATCHES * "
         f"sum(REPLICA_MICRO_BATCH_SIZES)",
+        f"MODEL_FLOPS_PER_STEP = {_positive(plan.predicted.model_flops_per_step)!r}  # plan.predicted: "
+        f"the model's FLOPs of one step, for MFU (0: unknown)",
+        f"PEAK_FLOPS_PER_S = {_positive(plan.predicted.peak_flops_per_s)!r}  # plan.predicted: the devices' summed "
+        f"peak FLOP/s in the plan's dtype",
     ]
     if f.pipelined:
         lines += [f"SCHEDULE = {plan.schedule.value!r}  # plan.schedule",
@@ -475,7 +486,8 @@ def _loop(f: Features) -> str:
         "logger = training.StepLogger(enabled=me.rank == 0, total_steps=args.steps, "
         "global_batch_size=GLOBAL_BATCH_SIZE,",
         "                             metrics=args.metrics, start_step=start_step,",
-        "                             tokens_per_sample=training.tokens_per_sample(model_file))  # T, for tokens/s",
+        "                             tokens_per_sample=training.tokens_per_sample(model_file),  # T, for tokens/s",
+        "                             model_flops_per_step=MODEL_FLOPS_PER_STEP, peak_flops_per_s=PEAK_FLOPS_PER_S)",
         f"losses = training.LossReport(me, logger, last_stage={last_stage}, data_parallel=DATA_PARALLEL"
         f"{', context_parallel=CONTEXT_PARALLEL' if f.context_parallel else ''})  # the global mean loss",
     ]

@@ -297,7 +297,8 @@ class StepLogger:
     The metrics file holds one JSON object per line. A step's line is
     ``{"kind": "step", "step", "loss", "step_time_s", "samples_per_s", "time_left_s"}``,
     with ``"tokens_per_s"`` (samples/s x the model's sequence length T) for a model of
-    token sequences, ``"lr"`` where the program reports it, and ``"grad_norm"`` under
+    token sequences, ``"mfu"`` (the plan's model FLOPs per step over the step time and
+    the devices' summed peak) where the plan gives both, ``"lr"`` where the program reports it, and ``"grad_norm"`` under
     ``--clip-grad-norm``. ``time_left_s`` is the mean step time of this run so far times
     the steps left. Every other
     record names another ``kind`` (``"stages"``: each pipeline rank's seconds per
@@ -311,13 +312,16 @@ class StepLogger:
     """
 
     def __init__(self, *, enabled: bool, total_steps: int, global_batch_size: int, metrics: Path | None,
-                 start_step: int = 0, tokens_per_sample: int | None = None):
+                 start_step: int = 0, tokens_per_sample: int | None = None, model_flops_per_step: float = 0.0,
+                 peak_flops_per_s: float = 0.0):
         """``tokens_per_sample``: the model's sequence length T (``tokens_per_sample``), or
-        None for a model of other inputs (no tokens/s then)."""
+        None for a model of other inputs (no tokens/s then); ``model_flops_per_step`` and
+        ``peak_flops_per_s``: the plan's, for MFU (none where either is 0)."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.global_batch_size = global_batch_size
         self.tokens_per_sample = tokens_per_sample
+        self.model_flops_per_step, self.peak_flops_per_s = model_flops_per_step, peak_flops_per_s
         self._step_times_s: list[float] = []
         self._file = None
         if enabled and metrics is not None:
@@ -341,6 +345,8 @@ class StepLogger:
                                   "samples_per_s": samples_per_s}
         if self.tokens_per_sample is not None:
             record["tokens_per_s"] = samples_per_s * self.tokens_per_sample
+        if self.model_flops_per_step > 0 and self.peak_flops_per_s > 0 and step_time_s > 0:
+            record["mfu"] = self.model_flops_per_step / step_time_s / self.peak_flops_per_s
         record["time_left_s"] = time_left_s
         for key, value in (("lr", lr), ("grad_norm", grad_norm), ("expert_imbalance", expert_imbalance)):
             if value is not None:
@@ -373,6 +379,8 @@ def _step_line(record: dict[str, Any], total_steps: int) -> str:
              f"{record['step_time_s'] * 1e3:8.1f} ms", f"{record['samples_per_s']:9.1f} samples/s"]
     if "tokens_per_s" in record:
         parts.append(f"{record['tokens_per_s']:.0f} tokens/s")
+    if "mfu" in record:
+        parts.append(f"MFU {record['mfu']:.1%}")
     if "lr" in record:
         parts.append(f"lr {record['lr']:.3g}")
     if "grad_norm" in record:
