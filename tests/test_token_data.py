@@ -12,6 +12,7 @@ an uninterrupted one does.
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -294,13 +295,146 @@ def test_the_program_refuses_a_short_token_file_in_one_line(tmp_path, llama_run)
     assert "step 1/1" not in result.stderr
 
 
-def test_a_dataset_directory_is_refused_in_one_line_naming_pyarrow_and_hetpar_data(tmp_path, token_model):
-    """A directory that datasets' save_to_disk writes (Arrow files, dataset_info.json, state.json):
-    reading it needs pyarrow, which hetpar does not depend on ([Note: token data])."""
+# ----------------------------------------------------------------------------- dataset directories
+
+
+def documents(tokens: np.ndarray, *, seed: int = 0) -> list[list[int]]:
+    """``tokens`` cut at random places into documents of 0-12 ids (empty ones too)."""
+    rng, out, at = np.random.default_rng(seed), [], 0
+    while at < len(tokens):
+        size = int(rng.integers(0, 13))
+        out.append(tokens[at:at + size].tolist())
+        at += size
+    return out
+
+
+def write_dataset(directory: Path, docs: list, *, layout: str, column: str = "input_ids", value_type=None,
+                  files: int = 2) -> Path:
+    """``docs`` as a dataset directory: ``arrow`` as datasets' save_to_disk writes it (Arrow
+    IPC stream files of small record batches, state.json listing them, dataset_info.json),
+    or ``parquet`` files; an ``attention_mask`` column beside ``column``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory.mkdir()
+    kind = pa.list_(value_type or pa.int32())
+    cuts = np.linspace(0, len(docs), files + 1).astype(int)
+    names = []
+    for f in range(files):
+        part = docs[cuts[f]:cuts[f + 1]]
+        table = pa.table({column: pa.array(part, type=kind),
+                          "attention_mask": pa.array([[1] * len(d) for d in part], type=pa.list_(pa.int8()))})
+        if layout == "parquet":
+            pq.write_table(table, directory / f"part-{f:02d}.parquet", row_group_size=7)
+            continue
+        names.append(f"data-{f:05d}-of-{files:05d}.arrow")
+        with pa.ipc.new_stream(directory / names[-1], table.schema) as writer:
+            for batch in table.to_batches(max_chunksize=5):
+                writer.write_batch(batch)
+    if layout == "arrow":
+        (directory / "state.json").write_text(json.dumps({
+            "_data_files": [{"filename": n} for n in names], "_fingerprint": "0", "_format_columns": None,
+            "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None}))
+        (directory / "dataset_info.json").write_text("{}")
+    return directory
+
+
+@pytest.mark.parametrize("layout", ["arrow", "parquet"])
+def test_a_dataset_directory_reads_as_the_token_file_of_its_concatenated_column(tmp_path, token_model, layout):
+    """Documents of a list column concatenated in row order (run_clm's group_texts, no EOS
+    added) are the token file of those ids: the same batches for every step, replica rows
+    and resumed steps ([Note: token data])."""
+    tokens = write_tokens(tmp_path / "train.bin", 5 * 20 + 3)
+    saved = write_dataset(tmp_path / "dataset", documents(tokens), layout=layout)
+    from_file = token_model_file(*token_model, tmp_path / "train.bin", global_batch_size=8)
+    from_dir = token_model_file(*token_model, saved, global_batch_size=8)
+    assert from_dir.data.tokens.tolist() == tokens.tolist() and from_dir.data.num_sequences == 20
+    for rows, start in ((None, 0), (range(0, 3), 0), (range(3, 8), 0), (range(2, 6), 4)):
+        got = take(from_dir.batches(8, 5, rows=rows, start_step=start), 4)  # 32 samples: into a second epoch
+        for ((inputs,), targets), ((want_inputs,), want_targets) in zip(got, take(
+                from_file.batches(8, 5, rows=rows, start_step=start), 4), strict=True):
+            assert inputs.dtype == targets.dtype == torch.int64
+            torch.testing.assert_close(inputs, want_inputs, rtol=0, atol=0)
+            torch.testing.assert_close(targets, want_targets, rtol=0, atol=0)
+
+
+def test_a_dataset_column_is_chosen_by_name_and_read_at_any_integer_width(tmp_path, token_model):
+    import pyarrow as pa
+
+    tokens = write_tokens(tmp_path / "train.bin", 5 * 4 + 1)
+    saved = write_dataset(tmp_path / "dataset", documents(tokens), layout="arrow", column="ids",
+                          value_type=pa.uint16(), files=1)
+    data = token_model_file(*token_model, saved, column="ids", global_batch_size=4).data
+    assert data.tokens.dtype == np.uint16 and data.tokens.tolist() == tokens.tolist()
+
+
+@pytest.mark.parametrize("case,message", [
+    ("no files", r"^--data .*dataset holds no Arrow \(data-\*\.arrow\) or Parquet \(\*\.parquet\) files$"),
+    ("splits", r"holds no Arrow .* files; it holds the splits test, train: pass one, as --data .*dataset/test$"),
+    ("no column", r"^--data .*dataset has no column 'input_ids' \(--data-column\); its columns: text, "
+                  r"attention_mask$"),
+    ("not a list", r"column 'input_ids' is string, not a list of integer token ids per row"),
+    ("float lists", r"column 'input_ids' is list<item: double>, not a list of integer token ids per row"),
+    ("null id", r"column 'input_ids' holds a null token id in data-00000-of-00001\.arrow$"),
+    ("negative id", r"holds token id -3 in column 'input_ids'; ids are >= 0$"),
+    ("short", r"holds 20 int32 tokens, 3 sequences of 5 \+ 1, fewer than one global batch of 4$"),
+    ("vocab", r"holds token id 20, but the model's vocabulary has 20 ids \(0-19\); was the column made with this "
+              r"model's tokenizer\?$"),
+    ("not arrow", r"data-00000-of-00001\.arrow: not a readable Arrow or Parquet file"),
+])
+def test_a_dataset_directory_that_does_not_fit_is_one_clear_error(tmp_path, token_model, case, message):
+    import pyarrow as pa
+
     saved = tmp_path / "dataset"
-    saved.mkdir()
-    for name in ("data-00000-of-00001.arrow", "dataset_info.json", "state.json"):
-        (saved / name).write_bytes(b"")
-    with pytest.raises(DataError, match=r"--data .*dataset is a directory; .*needs pyarrow.* hetpar data") as raised:
+    good = [[1, 2, 3]] * 8
+    if case == "no files":
+        saved.mkdir()
+    elif case == "splits":
+        for split in ("train", "test"):
+            (saved / split).mkdir(parents=True)
+            (saved / split / "state.json").write_text("{}")
+        (saved / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    elif case == "no column":
+        write_dataset(saved, good, layout="parquet", column="text", value_type=pa.int32(), files=1)
+        import pyarrow.parquet as pq
+
+        path = saved / "part-00.parquet"
+        pq.write_table(pq.read_table(path).set_column(0, "text", pa.array(["a"] * 8)), path)
+    elif case == "not a list":
+        saved.mkdir()
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"input_ids": ["a b"] * 8}), saved / "x.parquet")
+    elif case == "float lists":
+        write_dataset(saved, [[1.0, 2.0]] * 8, layout="arrow", value_type=pa.float64(), files=1)
+    elif case == "null id":
+        write_dataset(saved, [[1, None, 3]] * 8, layout="arrow", files=1)
+    elif case == "negative id":
+        write_dataset(saved, [[1, -3, 3]] * 8, layout="arrow", files=1)
+    elif case == "short":
+        write_dataset(saved, [[1] * 5] * 4, layout="arrow", files=1)
+    elif case == "vocab":
+        write_dataset(saved, [[1, 20, 3]] * 8, layout="parquet", files=1)
+    elif case == "not arrow":
+        write_dataset(saved, good, layout="arrow", files=1)
+        (saved / "data-00000-of-00001.arrow").write_bytes(b"not arrow")
+    with pytest.raises(DataError, match=message) as raised:
         token_model_file(*token_model, saved, global_batch_size=4)
     assert "\n" not in str(raised.value)
+
+
+def test_without_pyarrow_a_dataset_directory_is_one_line_and_the_runtime_imports(tmp_path):
+    """pyarrow is imported only for a directory: the runtime imports without it, and a
+    directory then stops with one line that says how to get it."""
+    saved = tmp_path / "dataset"
+    saved.mkdir()
+    script = (f"import sys; sys.modules['pyarrow'] = None\n"
+              f"import hetpar.runtime.data as data\n"
+              f"try:\n"
+              f"    data._dataset_tokens(__import__('pathlib').Path({str(saved)!r}), 'input_ids')\n"
+              f"except data.DataError as exc:\n"
+              f"    print(exc)\n")
+    result = subprocess.run([sys.executable, "-c", script], env=subprocess_env(), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "reading a dataset directory needs pyarrow: pip install pyarrow\n"

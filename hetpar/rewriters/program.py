@@ -328,7 +328,7 @@ def _model_shard(plan: ParallelPlan, f: Features) -> str:
         "hetpar/runtime/data.py",
         "    with cli.one_line_errors(data.DataError):  # a file that does not fit: one line, exit 2",
         "        model_file = data.token_model_file(model_file, model, args.data, dtype=args.data_dtype,",
-        "                                           global_batch_size=GLOBAL_BATCH_SIZE)",
+        "                                           column=args.data_column, global_batch_size=GLOBAL_BATCH_SIZE)",
         "if args.save_hf:  # refused now, not after training, for a model without a Hugging Face config",
         "    with cli.one_line_errors(hf_checkpoint.HFCheckpointError):",
         "        hf_checkpoint.check_savable(model)",

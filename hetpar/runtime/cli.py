@@ -50,6 +50,7 @@ class TrainArgs:
     compile: str = Switch.AUTO  # torch.compile each stage: "on", "off", or "auto" (as planned: plan.compiled)
     data: Path | None = None  # a flat token file: the batches instead of the model file's (runtime.data)
     data_dtype: str = "uint16"  # its token width: a name of runtime.data.TOKEN_DTYPES
+    data_column: str = "input_ids"  # a dataset directory's column of token-id lists
     save_hf: Path | None = None  # where rank 0 writes a Hugging Face checkpoint directory (runtime.hf_checkpoint)
     warmup_steps: int = 0  # the learning rate rises linearly from 0 to lr over these steps (runtime.training.LearningRate)
     lr_decay: str = LrDecay.CONSTANT  # ... then falls so, to min_lr at decay_steps
@@ -116,11 +117,14 @@ def parse_args(description: str | None = None, argv: list[str] | None = None, *,
                              "assume); a stage that does not compile runs eagerly")
     from hetpar.runtime.data import TOKEN_DTYPES  # numpy and torch: imported once the program has torch
 
-    parser.add_argument("--data", type=Path, metavar="FILE",
-                        help="train on this flat file of token ids (nanoGPT's train.bin) instead of the model file's "
+    parser.add_argument("--data", type=Path, metavar="FILE|DIR",
+                        help="train on this flat file of token ids (nanoGPT's train.bin), or a dataset directory "
+                             "(datasets' save_to_disk, or Parquet files; needs pyarrow), instead of the model file's "
                              "batches: sequences of the model's length + 1 in an order of --seed alone; each replica "
                              "reads only its rows")
     parser.add_argument("--data-dtype", choices=list(TOKEN_DTYPES), default="uint16", help="the token width of --data")
+    parser.add_argument("--data-column", default="input_ids",
+                        help="a dataset directory's column of token ids, a list per row, concatenated in row order")
     ns = parser.parse_args(argv)
     if ns.steps < 0:
         parser.error(f"--steps {ns.steps} must be >= 0")
@@ -152,6 +156,7 @@ def parse_args(description: str | None = None, argv: list[str] | None = None, *,
         compile=ns.compile,
         data=ns.data,
         data_dtype=ns.data_dtype,
+        data_column=ns.data_column,
         save_hf=ns.save_hf,
         warmup_steps=ns.warmup_steps,
         lr_decay=ns.lr_decay,

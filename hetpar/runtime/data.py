@@ -1,4 +1,5 @@
-"""Training data from a flat token file (``--data``), behind the model file's ``batches``.
+"""Training data from a flat token file or a dataset directory (``--data``), behind the
+model file's ``batches``.
 
 [Note: token data]
 A token file is what nanoGPT's ``prepare.py`` writes as ``train.bin``: token ids one
@@ -6,6 +7,20 @@ after another, uint16 (``--data-dtype uint16``, the default) or uint32, no heade
 program maps it with ``np.memmap`` and reads only the tokens of the rows it trains on.
 ``hetpar data`` makes one from text with a local tokenizer (runtime/prepare.py, [Note:
 making a token file]) through ``TokenFileWriter``, which renames a complete file into place.
+
+A **dataset directory** is read as one token stream too: a directory that Hugging Face
+``datasets``' ``save_to_disk`` wrote (Arrow IPC stream files ``data-*.arrow``, in the order
+of its ``state.json``), or one of ``*.parquet`` files (in name order), with a column
+(``--data-column``, default ``input_ids``) holding one tokenised document per row as a list
+of integers. The rows' lists, concatenated in row order, are the stream, as ``run_clm``'s
+``group_texts`` concatenates them: no EOS is added (a tokenizer that ends documents with
+one has put it in the column). From there the stream is cut, ordered, sharded and checked
+exactly as a token file's, so everything below holds for both. The cost: at open the
+column's ids are copied into one numpy array of the column's integer type (int32 or
+int64 as tokenizers write them: 4-8 bytes a token, so in memory on every rank, where a
+token file's uint16 pages are shared); Parquet files are decoded first, so while opening
+they take about twice that. Reading Arrow and Parquet needs pyarrow (the ``hf`` extra),
+imported only for a directory.
 
 - **Sequences.** With T the model's sequence length (the second dimension of the model
   file's ``example_inputs(1)``), sequence j is the T + 1 tokens ``[jT, jT + T + 1)``:
@@ -25,10 +40,11 @@ making a token file]) through ``TokenFileWriter``, which renames a complete file
   reads only its own rows (``rows=``, the contract of ``ModelFile.batches``; [Note:
   data order and sharding] in runtime/shard.py), and a run resumed after step k starts
   at sample kB without reading or replaying what came before.
-- **Checks before training** (``DataError``, one line): the file exists (a directory,
-  such as a dataset ``save_to_disk`` wrote, is refused: its Arrow or Parquet files need
-  pyarrow, not a dependency of hetpar; ``hetpar data`` writes a token file); its size is
-  a whole number of tokens; it holds at least one global batch of sequences; the model
+- **Checks before training** (``DataError``, one line): the file exists; its size is a
+  whole number of tokens. A directory holds Arrow or Parquet files, pyarrow is installed,
+  the column exists (the message names the columns there) and is a list of integers with
+  no null ids, and no id is negative. Then, for both: at least one global batch of
+  sequences; the model
   takes one integer input of shape ``[batch, T]``; no token id reaches the model's
   vocabulary (the rows of its input embedding): the maximum over the whole file when
   it is at most ``_FULL_CHECK_TOKENS`` tokens, else over ``_CHECK_BLOCKS`` blocks spread
@@ -46,6 +62,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import struct
 from dataclasses import dataclass, field
@@ -79,51 +96,47 @@ class TokenFile:
     """A flat token file cut into sequences of ``seq_len + 1`` tokens; see [Note: token data]."""
 
     path: Path
-    tokens: np.ndarray  # the whole file, memory-mapped, one token id per element
+    tokens: np.ndarray  # the token stream: the file memory-mapped, or a dataset's column copied into memory
     seq_len: int  # T: the model's sequence length; a sequence holds T + 1 tokens
     vocab_size: int  # ids must be below it
     _orders: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
-    def open(cls, path: str | Path, *, dtype: str = "uint16", seq_len: int, vocab_size: int,
-             global_batch_size: int) -> TokenFile:
-        """Map ``path`` and check it before training ([Note: token data]).
+    def open(cls, path: str | Path, *, dtype: str = "uint16", column: str = "input_ids", seq_len: int,
+             vocab_size: int, global_batch_size: int) -> TokenFile:
+        """Map ``path``, or read a dataset directory's column, and check it before training
+        ([Note: token data]).
 
         Args:
-            path: the token file.
-            dtype: ``uint16`` or ``uint32`` (``TOKEN_DTYPES``).
+            path: the token file, or a dataset directory (Arrow files of ``save_to_disk``, or Parquet).
+            dtype: ``uint16`` or ``uint32`` (``TOKEN_DTYPES``); a directory's column gives its own.
+            column: a directory's column of token-id lists.
             seq_len: the model's sequence length T.
             vocab_size: the model's vocabulary; every id must be below it.
             global_batch_size: sequences per step; the file must hold at least that many.
 
         Raises:
             DataError: the file is missing, not a whole number of tokens, too short for
-                one global batch, or holds an id of ``vocab_size`` or more.
+                one global batch, or holds an id of ``vocab_size`` or more; a directory
+                has no such column of integer lists, or no Arrow or Parquet files.
         """
         path = Path(path)
         if dtype not in TOKEN_DTYPES:
             raise DataError(f"--data-dtype {dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
-        width = TOKEN_DTYPES[dtype].itemsize
         if path.is_dir():
-            raise DataError(f"--data {path} is a directory; a dataset saved to disk (Arrow or Parquet files) is not "
-                            f"read: that needs pyarrow, which hetpar does not depend on. Make a token file with hetpar "
-                            f"data (docs/running.md, Making a token file)")
-        if not path.is_file():
-            raise DataError(f"--data {path}: no such file (a flat file of {dtype} token ids, as nanoGPT's train.bin)")
-        size_bytes = path.stat().st_size
-        if size_bytes % width:
-            raise DataError(f"--data {path} is {size_bytes} bytes, not a whole number of {dtype} tokens ({width} bytes "
-                            f"each); is --data-dtype right?")
-        tokens = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r") if size_bytes else np.zeros(0, TOKEN_DTYPES[dtype])
+            tokens = _dataset_tokens(path, column)
+            dtype = tokens.dtype.name
+        else:
+            tokens = _file_tokens(path, dtype)
         found = cls(path=path, tokens=tokens, seq_len=seq_len, vocab_size=vocab_size)
         if found.num_sequences < global_batch_size:
             raise DataError(f"--data {path} holds {len(tokens)} {dtype} tokens, {found.num_sequences} sequences of "
                             f"{seq_len} + 1, fewer than one global batch of {global_batch_size}")
         top = found._max_id()
         if top >= vocab_size:
+            hint = "was the column" if path.is_dir() else "is --data-dtype right, and was the file"
             raise DataError(f"--data {path} holds token id {top}, but the model's vocabulary has {vocab_size} ids "
-                            f"(0-{vocab_size - 1}); is --data-dtype right, and was the file made with this model's "
-                            f"tokenizer?")
+                            f"(0-{vocab_size - 1}); {hint} made with this model's tokenizer?")
         return found
 
     @property
@@ -172,6 +185,93 @@ class TokenFile:
             first = step * batch_size
             seqs = self.sequences(seed, range(first + rows.start, first + rows.stop))
             yield (seqs[:, :-1],), seqs[:, 1:]
+
+
+def _file_tokens(path: Path, dtype: str) -> np.ndarray:
+    """The token file ``path``, memory-mapped as ``dtype``."""
+    width = TOKEN_DTYPES[dtype].itemsize
+    if not path.is_file():
+        raise DataError(f"--data {path}: no such file (a flat file of {dtype} token ids, as nanoGPT's train.bin, or a "
+                        f"dataset directory)")
+    size_bytes = path.stat().st_size
+    if size_bytes % width:
+        raise DataError(f"--data {path} is {size_bytes} bytes, not a whole number of {dtype} tokens ({width} bytes "
+                        f"each); is --data-dtype right?")
+    return np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r") if size_bytes else np.zeros(0, TOKEN_DTYPES[dtype])
+
+
+def _dataset_tokens(directory: Path, column: str) -> np.ndarray:
+    """The lists of ``column`` of a dataset directory, concatenated in row order into one
+    array of the column's integer type ([Note: token data]: one copy in memory)."""
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise DataError("reading a dataset directory needs pyarrow: pip install pyarrow") from None
+    pieces = []
+    for file in _dataset_files(directory):
+        table = _read_column(file, column)
+        kind = table.type
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)) \
+                or not pa.types.is_integer(kind.value_type):
+            raise DataError(f"--data {directory}: column {column!r} is {kind}, not a list of integer token ids per "
+                            f"row (--data-column names the tokenised column)")
+        for chunk in table.chunks:
+            ids = chunk.flatten()  # the rows' ids back to back; a null row holds none
+            if ids.null_count:
+                raise DataError(f"--data {directory}: column {column!r} holds a null token id in {file.name}")
+            pieces.append(ids.to_numpy(zero_copy_only=True))
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+    if tokens.size and np.issubdtype(tokens.dtype, np.signedinteger) and int(tokens.min()) < 0:
+        raise DataError(f"--data {directory} holds token id {int(tokens.min())} in column {column!r}; ids are >= 0")
+    return tokens
+
+
+def _dataset_files(directory: Path) -> list[Path]:
+    """A dataset directory's data files in row order: ``save_to_disk``'s Arrow files as its
+    ``state.json`` lists them (else by name), or its Parquet files by name."""
+    state = directory / "state.json"
+    if state.is_file():
+        try:
+            listed = [directory / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+        except (ValueError, KeyError, TypeError):
+            raise DataError(f"--data {state} is not a state.json of datasets' save_to_disk (no _data_files list)") \
+                from None
+        if listed:
+            return listed
+    files = sorted(directory.glob("*.arrow")) or sorted(directory.glob("*.parquet"))
+    if not files:
+        splits = sorted(p.name for p in directory.iterdir() if p.is_dir() and (p / "state.json").is_file())
+        hint = f"; it holds the splits {', '.join(splits)}: pass one, as --data {directory / splits[0]}" if splits else ""
+        raise DataError(f"--data {directory} holds no Arrow (data-*.arrow) or Parquet (*.parquet) files{hint}")
+    return files
+
+
+def _read_column(file: Path, column: str):
+    """Column ``column`` of one Arrow IPC (stream or file format) or Parquet file, a
+    ``pyarrow.ChunkedArray``; Arrow files are memory-mapped, so their chunks are not copied."""
+    import pyarrow as pa
+
+    if not file.is_file():
+        raise DataError(f"--data {file.parent}: no such data file {file.name} (listed in its state.json)")
+    try:
+        if file.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            names = pq.read_schema(file).names
+            table = pq.read_table(file, columns=[column]) if column in names else None
+        else:
+            source = pa.memory_map(str(file))
+            try:
+                table = pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:
+                table = pa.ipc.open_file(source).read_all()
+            names = table.column_names
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"--data {file}: not a readable Arrow or Parquet file ({' '.join(str(exc).split())})") from None
+    if column not in names:
+        raise DataError(f"--data {file.parent} has no column {column!r} (--data-column); its columns: "
+                        f"{', '.join(names)}")
+    return table.column(column)
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -228,21 +328,23 @@ def vocabulary_size(model: nn.Module) -> int:
 
 
 def token_model_file(model_file: ModelFile, model: nn.Module, path: str | Path, *, dtype: str = "uint16",
-                     global_batch_size: int) -> TokenModelFile:
-    """``model_file`` with its ``batches`` read from the token file ``path`` ([Note: token data]).
+                     column: str = "input_ids", global_batch_size: int) -> TokenModelFile:
+    """``model_file`` with its ``batches`` read from the token file or dataset directory
+    ``path`` ([Note: token data]).
 
     Args:
         model_file: the program's model file.
         model: its model (on the meta device will do): gives the vocabulary.
-        path: the token file (``--data``).
-        dtype: ``--data-dtype``.
+        path: the token file or dataset directory (``--data``).
+        dtype: ``--data-dtype`` (a token file's width).
+        column: ``--data-column`` (a dataset directory's column of token-id lists).
         global_batch_size: sequences per step.
 
     Raises:
         DataError: the file or the model does not fit (the checks of the note).
     """
-    tokens = TokenFile.open(path, dtype=dtype, seq_len=sequence_length(model_file), vocab_size=vocabulary_size(model),
-                            global_batch_size=global_batch_size)
+    tokens = TokenFile.open(path, dtype=dtype, column=column, seq_len=sequence_length(model_file),
+                            vocab_size=vocabulary_size(model), global_batch_size=global_batch_size)
     return TokenModelFile(path=model_file.path, model_args=model_file.model_args, module=model_file.module, data=tokens)
 
 
