@@ -1,9 +1,11 @@
-"""Training on a flat token file (``--data``, runtime.data, [Note: token data]).
+"""Training on a flat token file or a dataset directory (``--data``, runtime.data, [Note: token data]).
 
 The fast tests run in one process: sequences cut as nanoGPT's ``get_batch`` cuts them,
 an order of the seed alone with epochs wrapping, a replica's rows equal to those rows of
 the global batch, a resume that starts at its step, and each bad input refused in one
-line. The slow ones run compiled programs of a tiny Hugging Face Llama on a token file:
+line; a dataset directory (save_to_disk's Arrow files, or Parquet) gives the batches of
+the token file of its concatenated column, and each bad directory is one line. The slow
+ones run compiled programs of a tiny Hugging Face Llama on a token file:
 at dp 2 the loss sequence equals one process on the same rows ([Note: float tolerance]
 in tests/test_distributed.py), and a run resumed from a checkpoint of step 3 ends where
 an uninterrupted one does.
