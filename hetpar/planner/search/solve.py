@@ -91,15 +91,10 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
     if not math.isfinite(scale_s):  # the hint holds a layer its degree cannot split: the least micro-batch time, m times
         scale_s = float(np.where(np.isfinite(tables.time_s), tables.time_s, np.inf).min(axis=(0, 2)).sum()) * tables.candidate.num_microbatches
     tick_s = (scale_s or 1.0) / _TICKS_PER_OBJECTIVE
-    split = SplitModel(tables, tick_s, cutoff_s)
-    if fixed_sizes:
-        for c, (first, _) in enumerate(hint_bounds):
-            split.model.add(split.start[c] == first)
-    split.hint(hint_bounds, hint_modes)
-    solver = cp_solver(work_limit_s=options.work_limit_s, workers=options.workers, seed=options.seed, time_limit_s=options.time_limit_s)
-    solver.parameters.relative_gap_limit = options.gap_limit
-    solver.parameters.linearization_level = 2  # the envelopes of [Note: cut formulation] give the LP its bound
-    status = solver.solve(split.model)
+    split, solver, status = _solve_model(tables, options, tick_s, cutoff_s, fixed_sizes, hint_bounds, hint_modes)
+    if status == cp_model.UNKNOWN and cutoff_s is not None and scale_s >= cutoff_s:
+        # [Note: a hint above the cutoff]: solve again from the hint, without the cutoff
+        split, solver, status = _solve_model(tables, options, tick_s, None, fixed_sizes, hint_bounds, hint_modes)
     if status != cp_model.OPTIMAL and floor_s is None and not fixed_sizes:
         floor_s = objective_floor(tables)  # [Note: objective floor]: often far above CP-SAT's bound
     if status == cp_model.UNKNOWN:
@@ -235,6 +230,27 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
         for s in solved[1 : 1 + options.top_k]
     ]
     return assemble_plan(model, cluster, options, best.tables, best.split.bounds, info, alternatives, modes=best.split.modes)
+
+
+# [Note: a hint above the cutoff]
+# Under a cutoff (the best plan so far) the split model only admits faster splits, so a
+# hint slower than the cutoff (the equal split with greedy modes) gives CP-SAT no
+# feasible start; on a large candidate it can then spend its whole work limit without a
+# split, and the candidate stays unresolved even where a split far below the cutoff
+# exists (Korthikanti's 530B on 280 A100s: the paper's shape, 40.5 s against a cutoff of
+# 48.7 s, found in 2 s without the cutoff). Such a solve runs once more from the hint
+# with no cutoff: it costs one more work limit only for the candidates that stopped.
+def _solve_model(tables: CostTables, options: SearchOptions, tick_s: float, cutoff_s: float | None,
+                 fixed_sizes, hint_bounds, hint_modes):
+    split = SplitModel(tables, tick_s, cutoff_s)
+    if fixed_sizes:
+        for c, (first, _) in enumerate(hint_bounds):
+            split.model.add(split.start[c] == first)
+    split.hint(hint_bounds, hint_modes)
+    solver = cp_solver(work_limit_s=options.work_limit_s, workers=options.workers, seed=options.seed, time_limit_s=options.time_limit_s)
+    solver.parameters.relative_gap_limit = options.gap_limit
+    solver.parameters.linearization_level = 2  # the envelopes of [Note: cut formulation] give the LP its bound
+    return split, solver, solver.solve(split.model)
 
 
 def solve_candidate(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, cache: dict | None = None,
