@@ -109,44 +109,41 @@ class FixedHeads(nn.Module):
         self.heads = heads
         self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
 
+    def qkv(self, x):
+        B, T, _ = x.shape
+        return (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+
     def forward(self, x):
         B, T, _ = x.shape
-        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        q, k, v = self.qkv(x)
         return x + self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
 
 
-class WrittenOutAttention(nn.Module):
+class WrittenOutAttention(FixedHeads):
     """Attention written out (Megatron-LM's 2022 ``CoreAttention``, nanoGPT's slow path):
     ``q.shape`` read on the split value, Q K^T, a causal mask buffer filled, softmax,
     times V; every op acts on whole heads, so q, k and v split by heads."""
 
     def __init__(self, hidden: int = 128, heads: int = 4, seq: int = 8):
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+        super().__init__(hidden, heads)
         self.register_buffer("causal", torch.ones(seq, seq, dtype=torch.bool).triu(1), persistent=False)
 
     def forward(self, x):
         B, T, _ = x.shape
-        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        q, k, v = self.qkv(x)
         scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
         probs = torch.softmax(scores.masked_fill(self.causal, float("-inf")), dim=-1)
         return x + self.o((probs @ v).transpose(1, 2).reshape(B, T, -1))
 
 
-class BatchMergedAttention(nn.Module):
+class BatchMergedAttention(FixedHeads):
     """Megatron-LM's 2022 ``CoreAttention`` as written: heads folded into the batch
     ([B, H, T, D] -> [B*H, T, D]) for ``baddbmm`` and ``bmm``. A rank's heads are a
     contiguous slice of B*H only at B = 1, so q, k and v must not stay split by heads."""
 
-    def __init__(self, hidden: int = 128, heads: int = 4):
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
-
     def forward(self, x):
         B, T, _ = x.shape
-        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        q, k, v = self.qkv(x)
         b, h, t, d = q.shape
         scores = torch.baddbmm(q.new_empty(b * h, t, t), q.reshape(b * h, t, d), k.reshape(b * h, t, d).transpose(1, 2),
                                beta=0.0, alpha=d ** -0.5)

@@ -287,13 +287,19 @@ def test_the_program_refuses_a_short_token_file_in_one_line(tmp_path, llama_run)
 
     compile_plan(llama_plan(root / "hf"), tmp_path / "build")
     write_tokens(tmp_path / "short.bin", 5 * SEQ, vocab=VOCAB)
-    result = subprocess.run([sys.executable, "train.py", "--steps", "1", "--data", str(tmp_path / "short.bin")],
-                            cwd=tmp_path / "build", env=subprocess_env(), capture_output=True, text=True,
-                            timeout=TORCHRUN_TIMEOUT_S)
+    assert_program_refuses(tmp_path / "build", ["--data", str(tmp_path / "short.bin")],
+                           f"hetpar: --data {tmp_path / 'short.bin'} holds 80 uint16 tokens, 4 sequences of 16 + 1, fewer "
+                           f"than one global batch of {GLOBAL_BATCH}")
+
+
+def assert_program_refuses(build: Path, args: list[str], line: str) -> None:
+    """The compiled one-rank program in ``build``, run with plain python and ``args``, stops
+    before step 1 with exit 2, exactly ``line`` of its own on stderr and no traceback."""
+    result = subprocess.run([sys.executable, "train.py", "--steps", "1", *args], cwd=build, env=subprocess_env(),
+                            capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    ours = [line for line in result.stderr.splitlines() if line.startswith("hetpar:") and "use_cache" not in line]
-    assert ours == [f"hetpar: --data {tmp_path / 'short.bin'} holds 80 uint16 tokens, 4 sequences of 16 + 1, fewer "
-                    f"than one global batch of {GLOBAL_BATCH}"], result.stderr
+    ours = [l for l in result.stderr.splitlines() if l.startswith("hetpar:") and "use_cache" not in l]
+    assert ours == [line], result.stderr
     assert "step 1/1" not in result.stderr
 
 
