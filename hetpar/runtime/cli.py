@@ -37,7 +37,7 @@ class TrainArgs:
     lr: float
     optimizer: str  # "sgd" or "adamw"
     seed: int
-    init_from: Path | None  # a full state_dict (torch.save file or DCP directory): each rank reads its tensors
+    init_from: Path | None  # a full state_dict (torch.save file, DCP or Hugging Face directory): each rank reads its tensors
     save_final: Path | None  # where rank 0 writes the trained full state_dict
     metrics: Path | None  # one JSON line per step
     dist_timeout_s: float  # bound on every collective and on rendezvous
@@ -92,8 +92,8 @@ def parse_args(description: str | None = None, argv: list[str] | None = None, *,
                              "norms' weights or biases (default: torch's 0.01 on every parameter)")
     parser.add_argument("--seed", type=int, default=0, help="seeds model init (torch.manual_seed) and the data")
     parser.add_argument("--init-from", type=Path, metavar="PATH",
-                        help="full state_dict to start from: a torch.save file or a torch.distributed.checkpoint directory; "
-                             "each rank reads only its own tensors")
+                        help="full state_dict to start from: a torch.save file, a torch.distributed.checkpoint directory, "
+                             "or a Hugging Face checkpoint directory (safetensors); each rank reads only its own tensors")
     parser.add_argument("--save-final", type=Path, metavar="FILE", help="write the trained full state_dict here (rank 0)")
     parser.add_argument("--save-hf", type=Path, metavar="DIR",
                         help="write the trained model as a Hugging Face checkpoint directory (model.safetensors and "
