@@ -8,6 +8,13 @@
 #   loops     the 1.3B plan at micro-batch 8 against hand-written loops (eager AdamW,
 #             fused AdamW, torch.compile with fused AdamW; benchmarks/gpu_loop_bench.py)
 #             and the same plan for compiled stages (--compile), validated;
+#             Also two plans of benchmarks/published/gpt.py with attention written out
+#             (Megatron's 2022 CoreAttention), without and with selective recompute
+#             (Korthikanti's: scores recomputed in backward), validated the same way;
+#   hfflow    the Hugging Face path on this GPU: a Llama checkpoint written with
+#             save_pretrained and a token file, `hetpar plan --hf`, compile, 5 steps from
+#             the checkpoint on the file with --save-hf, and from_pretrained of the result
+#             (not among the default parts: GPU_CHECK_PARTS=hfflow);
 #   profile   `hetpar profile` of this GPU;
 #   repredict the plans predicted again with the measured profile;
 # then one table of predicted against measured step times. GPU_CHECK_PARTS=a,b runs
@@ -27,6 +34,7 @@ set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT_DIR=${1:-out/gpu_check}
 PY=${PY:-python3}
+case $PY in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac  # a path stays valid after cd
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -40,11 +48,17 @@ want() { [[ $PARTS == *,$1,* ]]; }
 M350=(-a n_layers=24 -a hidden=1024 -a heads=16 -a seq_len=1024 -a vocab=50304)
 M1300=(-a n_layers=24 -a hidden=2048 -a heads=16 -a seq_len=1024 -a vocab=50304)
 MOE=(-a n_layers=8 -a hidden=1024 -a heads=16 -a experts=8 -a top_k=2 -a ffn=2048 -a seq_len=1024 -a vocab=50304)
+UNF=(-a n_layers=24 -a hidden=1024 -a heads=16 -a seq_len=2048 -a vocab=50304 -a attention=unfused -a dropout=0)
+HF_LLAMA="hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, vocab_size=32000"
+HF_SEQ=1024
 PROFILE_OPTS=()
 if [ "$SMOKE" = 1 ]; then
     M350=(-a n_layers=2 -a hidden=32 -a heads=4 -a seq_len=16 -a vocab=64)
     M1300=(-a n_layers=2 -a hidden=64 -a heads=4 -a seq_len=16 -a vocab=64)
     MOE=(-a n_layers=2 -a hidden=32 -a heads=4 -a experts=4 -a ffn=32 -a seq_len=16 -a vocab=64)
+    UNF=(-a n_layers=2 -a hidden=32 -a heads=4 -a seq_len=16 -a vocab=64 -a attention=unfused -a dropout=0)
+    HF_LLAMA="hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64"
+    HF_SEQ=16
     PROFILE_OPTS=(--quick --nproc 1)
     CLUSTER=${CLUSTER:-1x1xcpu}
 elif ! { want tests || want validate || want loops || want profile; }; then
@@ -65,7 +79,9 @@ CONFIGS="350m_mb4_none M350 4 none
 1p3b_mb8_none M1300 8 none
 1p3b_mb8_full M1300 8 full
 moe_mb4_none MOE 4 none examples/moe_gpt.py
-moe_mb8_none MOE 8 none examples/moe_gpt.py"
+moe_mb8_none MOE 8 none examples/moe_gpt.py
+unfused_mb4_none UNF 4 none benchmarks/published/gpt.py
+unfused_mb4_sel UNF 4 selective benchmarks/published/gpt.py"
 
 # GPU_CHECK_CONFIGS=a,b keeps only those configurations (e.g. 350m_mb4_none for a quick check)
 if [ -n "${GPU_CHECK_CONFIGS:-}" ]; then
@@ -111,6 +127,29 @@ if want loops; then
         && timeout 200 "$PY" -m hetpar validate "$OUT_DIR/plan_1p3b_mb8_compiled.json" --steps 6 --json \
             >"$OUT_DIR/validate_1p3b_mb8_compiled.json" 2>"$OUT_DIR/validate_1p3b_mb8_compiled.log" \
         || tail -n 3 "$OUT_DIR/validate_1p3b_mb8_compiled.log"
+fi
+if want hfflow; then
+    part "Hugging Face checkpoint and token file: plan --hf, compile, train, --save-hf, from_pretrained"
+    hf="$OUT_DIR/hfflow"
+    rm -rf "$hf" && mkdir -p "$hf"
+    "$PY" - "$hf" "$HF_LLAMA" "$HF_SEQ" <<'EOF' || echo "hfflow: could not write the checkpoint"
+import sys
+import numpy as np
+import torch
+import transformers as tf
+out, fields, seq = sys.argv[1], sys.argv[2], int(sys.argv[3])
+kwargs = {k.strip(): int(v) for k, v in (f.split("=") for f in fields.split(","))}
+config = tf.LlamaConfig(**kwargs, max_position_embeddings=max(seq, 64))
+torch.manual_seed(0)
+tf.LlamaForCausalLM(config).save_pretrained(f"{out}/ckpt")
+np.random.default_rng(0).integers(0, config.vocab_size, size=64 * (seq + 1) * 8, dtype=np.uint16).tofile(f"{out}/train.bin")
+EOF
+    { hetpar plan --hf "$hf/ckpt" --seq-len "$HF_SEQ" -c "$CLUSTER" -b 8 -o "$hf/plan.json" >/dev/null \
+        && hetpar compile "$hf/plan.json" -o "$hf/build" >/dev/null \
+        && (cd "$hf/build" && timeout 300 "$PY" train.py --steps 5 --init-from ../ckpt --data ../train.bin \
+                --save-hf ../trained --metrics ../metrics.jsonl 2>&1 | tail -n 3) \
+        && "$PY" -c "import sys, transformers as tf; m = tf.AutoModelForCausalLM.from_pretrained(sys.argv[1]); print('hfflow: from_pretrained loads', type(m).__name__)" "$hf/trained"; } \
+        2>&1 | tee "$OUT_DIR/hfflow.log"
 fi
 if want profile; then
     part "hetpar profile -o $OUT_DIR/profile.json"
