@@ -200,3 +200,12 @@ def model_extra_files(plan: ParallelPlan) -> dict[str, Path]:
     if not path.is_file():
         raise CompileError(f"the plan's Hugging Face config {str(path)!r} is not there; restore it or re-run hetpar plan --hf")
     return {HF_CONFIG_COPY: path}
+
+
+def model_label(plan: ParallelPlan) -> str:
+    """How a plan's model is named to the user: its model file, or for ``--hf`` the
+    directory of its config ([Note: planning from a config])."""
+    path = Path(plan.model.file)
+    if path.resolve() == HF_CAUSAL_LM and "config" in plan.model.args:
+        return f"{Path(str(plan.model.args['config'])).parent.name} (--hf)"
+    return path.name

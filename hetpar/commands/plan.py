@@ -12,7 +12,7 @@ from rich.table import Table
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.cost_models.devices import get_device
 from hetpar.commands.profile import profiles_option
-from hetpar.commands.common import console, model_source, default_compiled, default_dtype, domain_errors, fail, gib, print_json, rank_ranges, seconds
+from hetpar.commands.common import console, model_label, model_source, default_compiled, default_dtype, domain_errors, fail, gib, print_json, rank_ranges, seconds
 from hetpar.planner import (
     DataParallelSync, Objective, ParallelPlan, SearchOptions, default_split, plan_model, resolve_prices, usd_per_step,
 )
@@ -198,7 +198,7 @@ def _int_list(flag: str, text: Optional[str]) -> Optional[tuple[int, ...]]:
 def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[dict[str, float]] = None) -> None:
     """The plan as a rich table on stderr."""
     names = plan.model.layer_names
-    table = Table(title=f"hetpar plan: {Path(plan.model.file).name} on {plan.cluster.spec}", title_justify="left")
+    table = Table(title=f"hetpar plan: {model_label(plan)} on {plan.cluster.spec}", title_justify="left")
     for column in ("stage", "layers", "device", "tp", "ranks", "recompute", "zero", "memory/device"):
         table.add_column(column)
     for s in plan.stages:
