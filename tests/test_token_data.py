@@ -26,6 +26,7 @@ import torch.nn as nn
 from conftest import ROOT, TORCHRUN_TIMEOUT_S, run_torchrun, subprocess_env
 from test_distributed import assert_within_rounding
 
+from hetpar.models import HF_CAUSAL_LM
 from hetpar.runtime.checkpoint import Checkpointer
 from hetpar.runtime.data import DataError, TokenFile, token_model_file
 from hetpar.runtime.model_file import load_model_file
@@ -33,7 +34,7 @@ from hetpar.runtime.precision import LossScaler
 from hetpar.runtime.shard import replica_batches, replica_rows
 from hetpar.runtime.training import read_metrics
 
-HF_MODEL = ROOT / "tests" / "models" / "hf_pretrained.py"
+HF_MODEL = HF_CAUSAL_LM  # the model file behind hetpar plan --hf
 SEQ, VOCAB, GLOBAL_BATCH, STEPS, LR = 16, 128, 8, 6, 0.05
 
 # A token model: one input of ids [batch, 5], a vocabulary of 20.
