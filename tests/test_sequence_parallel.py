@@ -406,6 +406,7 @@ for tp, sp in ((1, False), (mesh.size(), False), (mesh.size(), True)):
     result["tp1" if tp == 1 else "tp" if not sp else "sp"] = nbytes
 if dist.get_rank() == 0:
     print("SAVED " + json.dumps(result))
+dist.barrier()  # ranks leave together: see torch-cpu.md's teardown row
 dist.destroy_process_group()
 '''
 
@@ -493,6 +494,7 @@ y, g, gx = run(lambda x: reduce_grad(x, seq), whole)
 assert torch.equal(y, whole)
 torch.testing.assert_close(gx, sum(every(g)))  # backward: all-reduce
 print("FUNCTIONS OK")
+dist.barrier()  # ranks leave together: see torch-cpu.md's teardown row
 dist.destroy_process_group()
 '''
 

@@ -144,6 +144,7 @@ def _rank_steps(rank: int, shardings: dict[str, dict[str, str]], out_dir: Path) 
                 "backward": issued_collectives(backward, out_dir / f"{name}-backward{rank}.json"),
                 "loss": loss.detach(), "input_grad": x.grad, "grads": grads,
             }, out_dir / f"{name}-rank{rank}.pt")
+        dist.barrier()  # ranks leave together: see torch-cpu.md's teardown row
     finally:
         dist.destroy_process_group()
 
