@@ -214,3 +214,14 @@ def test_every_zero_bubble_schedule_validates_and_finishes_with_one_w_per_backwa
     assert all(sum(a.kind is schedule.Kind.WEIGHT for a in actions) == m for actions in plan)
     timeline = schedule.simulate(plan)
     assert sum(a is not None for row in timeline for a in row) == 3 * m * stages
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 1, 3, 1), ("1f1b", 4, 6, 1), ("gpipe", 3, 5, 1), ("zb", 4, 8, 1),
+                                        ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 3)])
+def test_an_evaluation_runs_each_forward_once_without_deadlock(name, p, m, v):
+    """The forwards of a training schedule, in its order, are an evaluation's schedule."""
+    whole = schedule.make_schedule(name, p, m, v)
+    forwards = [schedule.forwards_only(actions) for actions in whole]
+    timeline = schedule.simulate(forwards)  # raises on a deadlock
+    ran = [a for row in timeline for a in row if a is not None]
+    assert sorted(ran) == sorted(Action(s, Kind.FORWARD, i) for s in range(p * v) for i in range(m))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -203,10 +204,13 @@ def llama_plan(checkpoint: Path, *, dp: int = 1, tp: int = 1, pp: int = 1, micro
 
 
 def reference_losses(plan, init_state: dict, data_path: Path, steps: int = STEPS, *, dtype=torch.float32,
-                     checkpoint_at: tuple[int, Path] | None = None) -> tuple[list[float], dict]:
+                     checkpoint_at: tuple[int, Path] | None = None,
+                     held_out: tuple[Path, int, int, dict] | None = None) -> tuple[list[float], dict]:
     """One process: the whole model and the whole global batch of the token file, SGD;
     with ``checkpoint_at`` (step, directory), a checkpoint after that step as a
-    program's (its seed, optimizer and batch recorded)."""
+    program's (its seed, optimizer and batch recorded); with ``held_out`` (file, every,
+    batches, out), the mean loss over the file's first ``batches`` global batches in
+    file order after every ``every`` steps, into ``out[step]``."""
     model_file = load_model_file(plan.model.file, plan.model.args)
     model = model_file.build_model().to(dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in init_state.items()})
@@ -219,6 +223,12 @@ def reference_losses(plan, init_state: dict, data_path: Path, steps: int = STEPS
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        if held_out is not None and step % held_out[1] == 0:
+            tokens = TokenFile.open(held_out[0], seq_len=SEQ, vocab_size=VOCAB, global_batch_size=plan.global_batch_size)
+            batches = tokens.in_order(plan.global_batch_size, rows=range(plan.global_batch_size),
+                                      num_batches=held_out[2])
+            with torch.no_grad():
+                held_out[3][step] = statistics.fmean(model_file.loss(model(x), y).item() for (x,), y in batches)
         if checkpoint_at is not None and step == checkpoint_at[0]:
             run = {"optimizer": "sgd", "seed": 0, "global_batch_size": plan.global_batch_size}
             Checkpointer(checkpoint_at[1], every=step, keep=1, model=model, run=run).maybe_save(

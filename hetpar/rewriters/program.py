@@ -332,6 +332,12 @@ def _model_shard(plan: ParallelPlan, f: Features) -> str:
         "if args.save_hf:  # refused now, not after training, for a model without a Hugging Face config",
         "    with cli.one_line_errors(hf_checkpoint.HFCheckpointError):",
         "        hf_checkpoint.check_savable(model)",
+        "with cli.one_line_errors(data.DataError):  # --eval-data: a held-out loss ([Note: held-out loss] in "
+        "hetpar/runtime/training.py)",
+        f"    held_out = training.HeldOut.of(args, model_file, model, global_batch_size=GLOBAL_BATCH_SIZE, me=me, "
+        f"last_stage={_last_stage(f)},",
+        f"                                  data_parallel=DATA_PARALLEL"
+        f"{', context_parallel=CONTEXT_PARALLEL' if f.context_parallel else ''})  # None without --eval-data",
     ]
     recompute = "  # recompute: each layer under torch.utils.checkpoint"
     # tensor parallel: the stage's shape constants made local ([Note: local shape constants] in hetpar/runtime/parts.py)
@@ -465,9 +471,46 @@ def _schedule(f: Features) -> str:
 # ----------------------------------------------------------------------------- training loop
 
 
+def _last_stage(f: Features) -> str:
+    return "PIPELINE_RANKS - 1" if f.pipelined else "0"
+
+
+def _held_out_loss(f: Features) -> list[str]:
+    """The program's ``held_out_loss``: one held-out global batch's forwards, without gradients."""
+    lines = [
+        "",
+        "def held_out_loss(inputs, targets):",
+        "    \"\"\"This replica's rows of a held-out global batch -> this rank's share of its loss, as a step's "
+        "local_loss:",
+        "    forwards only, without gradients ([Note: held-out loss] in hetpar/runtime/training.py).\"\"\"",
+    ]
+    if f.context_parallel:
+        lines.append("    inputs, targets = next(context.split_batches([(inputs, targets)], CONTEXT_PARALLEL, "
+                     "me.context_index))")
+    lines.append("    microbatches = shard.microbatches(inputs, targets, num_microbatches=NUM_MICROBATCHES, "
+                 "device=device)")
+    if f.pipelined:
+        lines.append("    return executor.evaluate_actions(pipeline, schedule.forwards_only(actions), microbatches, "
+                     "device)")
+        return lines
+    weight = " * shares.loss_weight" if f.rebalance else " * loss_weight" if f.weighted else ""
+    lines += ["    local_loss = torch.zeros((), device=device)",
+              "    for mb_inputs, mb_targets in microbatches:",
+              "        with torch.no_grad()" + (", torch.autocast(device.type, dtype=DTYPE):" if f.autocast else ":"),
+              "            output = stage.module(*[mb_inputs[k] for k in stage.model_inputs])"]
+    loss = f"loss = model_file.loss(output, mb_targets) / NUM_MICROBATCHES{weight}"
+    if f.vocab_loss:
+        lines += ["            with loss_parallel():", f"                {loss}",
+                  "        local_loss += loss.to_local()"]
+    else:
+        lines += [f"            {loss}", "        local_loss += loss"]
+    lines.append("    return local_loss")
+    return lines
+
+
 def _loop(f: Features) -> str:
     scaler = ", scaler" if f.fp16 else ""
-    last_stage = "PIPELINE_RANKS - 1" if f.pipelined else "0"
+    last_stage = _last_stage(f)
     clip_options = (", tied=tied_grads" if f.tied else "") + (", per_replica=True" if f.local_sgd else "")
     lines = [
         RULE,
@@ -511,6 +554,7 @@ def _loop(f: Features) -> str:
     if f.weighted and not f.pipelined:
         lines.append(f"loss_weight = shard.loss_weight(REPLICA_MICRO_BATCH_SIZES, {_replica(f)})  # replicas' shares "
                      "differ: weigh this one's loss")
+    lines += _held_out_loss(f) + [""]
     lines += [
         "timer = timing.StepTimer(device)  # steps end in a device synchronize; forwards and backwards timed on the "
         "device",
@@ -545,6 +589,10 @@ def _loop(f: Features) -> str:
         lines.append("    shares.observe(step, timer)  # every REBALANCE_EVERY steps: shares by measured speed "
                      "(collective)")
     lines += [
+        "    if held_out is not None and held_out.due(step, last=step == args.steps):  # --eval-data, --eval-every",
+        "        losses.flush()  # the step's line comes first",
+        f"        held_out.run(step, logger, held_out_loss, model_shard, rows={'shares.rows' if f.rebalance else 'rows'})"
+        "  # collective",
         "    if checkpoints.due(step, last=step == args.steps):",
         "        losses.flush()  # the metrics reach this step before its checkpoint does",
         f"    checkpoints.maybe_save(step, model_shard, optimizer{scaler}, last=step == args.steps)",

@@ -58,6 +58,9 @@ class TrainArgs:
     min_lr: float | None = None  # where the decay ends (None: 0.1 * lr)
     clip_grad_norm: float | None = None  # clip gradients to this global L2 norm (runtime.training.GradClipper); None: off
     weight_decay: float | None = None  # AdamW's decay of >= 2-D parameters only; None: torch's default on all of them
+    eval_data: Path | None = None  # held-out token file or dataset directory (runtime.training.HeldOut)
+    eval_every: int = 0  # steps between held-out losses; 0: after the last step only
+    eval_batches: int | None = None  # global batches per evaluation; None: every whole one eval_data holds
 
 
 def parse_args(description: str | None = None, argv: list[str] | None = None, *, powersgd: bool = False) -> TrainArgs:
@@ -125,6 +128,14 @@ def parse_args(description: str | None = None, argv: list[str] | None = None, *,
     parser.add_argument("--data-dtype", choices=list(TOKEN_DTYPES), default="uint16", help="the token width of --data")
     parser.add_argument("--data-column", default="input_ids",
                         help="a dataset directory's column of token ids, a list per row, concatenated in row order")
+    parser.add_argument("--eval-data", type=Path, metavar="FILE|DIR",
+                        help="report the mean loss over held-out sequences of this token file or dataset directory "
+                             "(read as --data is, in file order), without gradients, every --eval-every steps and "
+                             "after the last")
+    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+                        help="steps between held-out losses (default 0: after the last step only)")
+    parser.add_argument("--eval-batches", type=int, metavar="N",
+                        help="global batches of --eval-data per evaluation (default: every whole batch it holds)")
     ns = parser.parse_args(argv)
     if ns.steps < 0:
         parser.error(f"--steps {ns.steps} must be >= 0")
@@ -164,6 +175,9 @@ def parse_args(description: str | None = None, argv: list[str] | None = None, *,
         min_lr=ns.min_lr if ns.min_lr is not None else 0.1 * ns.lr,
         clip_grad_norm=ns.clip_grad_norm,
         weight_decay=ns.weight_decay,
+        eval_data=ns.eval_data,
+        eval_every=ns.eval_every,
+        eval_batches=ns.eval_batches,
     )
 
 
@@ -182,6 +196,14 @@ def _check_loop(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None
         parser.error(f"--clip-grad-norm {ns.clip_grad_norm} must be > 0")
     if ns.weight_decay is not None and ns.optimizer != Optimizer.ADAMW:
         parser.error(f"--weight-decay is AdamW's; --optimizer {ns.optimizer} takes none")
+    for name in ("eval_every", "eval_batches"):
+        value = getattr(ns, name)
+        if ns.eval_data is None and value not in (None, 0):
+            parser.error(f"--{name.replace('_', '-')} needs --eval-data (the held-out token file)")
+    if ns.eval_every < 0:
+        parser.error(f"--eval-every {ns.eval_every} must be >= 0")
+    if ns.eval_batches is not None and ns.eval_batches < 1:
+        parser.error(f"--eval-batches {ns.eval_batches} must be >= 1")
 
 
 @contextmanager

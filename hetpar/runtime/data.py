@@ -52,6 +52,12 @@ imported only for a directory.
   rows), so an id that a sampled check missed stops the run at that step, never as an
   out-of-range index deep in an embedding.
 
+**Held-out data** (``--eval-data``, a token file or directory of the same kind, read with
+the same ``--data-dtype`` and ``--data-column``) is cut into sequences alike, but read in
+file order, not permuted: held-out global batch b holds sequences ``[bB, bB + B)``, each
+replica its own rows of it, so every evaluation of a run (and of another run, under any
+plan) averages the same sequences ([Note: held-out loss] in runtime/training.py).
+
 ``token_model_file`` wraps the program's model file so that its ``batches`` reads the
 token file: every consumer of ``batches`` (``shard.replica_batches``,
 ``rebalance.ReplicaShares``, ``context.split_batches`` after them) works unchanged, and
@@ -185,6 +191,46 @@ class TokenFile:
             first = step * batch_size
             seqs = self.sequences(seed, range(first + rows.start, first + rows.stop))
             yield (seqs[:, :-1],), seqs[:, 1:]
+
+
+    def in_order(self, batch_size: int, *, rows: range, num_batches: int
+                 ) -> Iterator[tuple[tuple[torch.Tensor], torch.Tensor]]:
+        """``(inputs, targets)`` of the ``rows`` of held-out global batches ``0 .. num_batches - 1``:
+        sequences in file order, unpermuted ([Note: token data]).
+
+        Raises:
+            ValueError: fewer than ``num_batches`` whole batches, or rows outside a batch.
+        """
+        if rows.step != 1 or rows.start < 0 or rows.stop > batch_size:
+            raise ValueError(f"rows {rows} are not consecutive rows of a batch of {batch_size}")
+        if num_batches * batch_size > self.num_sequences:
+            raise ValueError(f"{num_batches} batches of {batch_size} need {num_batches * batch_size} sequences; "
+                             f"{self.path} holds {self.num_sequences}")
+        width = self.seq_len + 1
+        for b in range(num_batches):
+            out = np.empty((len(rows), width), dtype=np.int64)
+            for row, j in enumerate(range(b * batch_size + rows.start, b * batch_size + rows.stop)):
+                out[row] = self.tokens[j * self.seq_len:j * self.seq_len + width]
+            if out.size and int(out.max()) >= self.vocab_size:
+                raise DataError(f"--eval-data {self.path} holds token id {int(out.max())} in held-out batch {b}, but "
+                                f"the model's vocabulary has {self.vocab_size} ids")
+            seqs = torch.from_numpy(out)
+            yield (seqs[:, :-1],), seqs[:, 1:]
+
+
+def held_out_tokens(model_file: ModelFile, model: nn.Module, path: str | Path, *, dtype: str = "uint16",
+                    column: str = "input_ids", global_batch_size: int) -> TokenFile:
+    """The held-out token file or dataset directory ``path`` (``--eval-data``), checked as
+    ``--data`` is ([Note: token data]); messages name ``--eval-data``.
+
+    Raises:
+        DataError: the file or the model does not fit.
+    """
+    try:
+        return TokenFile.open(path, dtype=dtype, column=column, seq_len=sequence_length(model_file),
+                              vocab_size=vocabulary_size(model), global_batch_size=global_batch_size)
+    except DataError as exc:
+        raise DataError(str(exc).replace("--data ", "--eval-data ", 1)) from None
 
 
 def _file_tokens(path: Path, dtype: str) -> np.ndarray:
@@ -401,5 +447,5 @@ class TokenFileWriter:
             self._temp.unlink(missing_ok=True)
 
 
-__all__ = ["DataError", "TOKEN_DTYPES", "TokenFile", "TokenFileWriter", "TokenModelFile", "sequence_length",
-           "token_dtype_for", "token_model_file", "vocabulary_size"]
+__all__ = ["DataError", "TOKEN_DTYPES", "TokenFile", "TokenFileWriter", "TokenModelFile", "held_out_tokens",
+           "sequence_length", "token_dtype_for", "token_model_file", "vocabulary_size"]

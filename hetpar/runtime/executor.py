@@ -108,11 +108,13 @@ class StageExecutor:
         """
         return run_actions({self.index: self}, actions, data, self.device)
 
-    def forward(self, microbatch: int, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor | None:
-        """``F``: returns the scaled loss on the last stage, None elsewhere."""
+    def forward(self, microbatch: int, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, *,
+                keep: bool = True) -> torch.Tensor | None:
+        """``F``: returns the scaled loss on the last stage, None elsewhere; without ``keep``
+        (an evaluation, under ``torch.no_grad``) nothing is kept for a backward."""
         received = self._recv(self.stage.recv, self.peers.recv_activations_from, _tag(self.index - 1, False, microbatch))
         for t in received:
-            if t.is_floating_point():
+            if t.is_floating_point() and keep:
                 t.requires_grad_(True)  # a leaf: backward leaves its gradient in t.grad
         model_inputs = [inputs[i] for i in self.stage.model_inputs]
         autocast = self.compute_dtype != torch.float32
@@ -124,12 +126,14 @@ class StageExecutor:
                 if self.loss_weight != 1.0:
                     loss = loss * self.loss_weight
         if self.stage.is_last:
-            self._in_flight[microbatch] = _InFlight(received=received, outputs=(loss,))
+            if keep:
+                self._in_flight[microbatch] = _InFlight(received=received, outputs=(loss,))
             return loss
         outputs = tuple(out)
         for t, spec in zip(outputs, self.stage.send, strict=True):
             self._send(t.detach().to(spec.dtype), self.peers.send_activations_to, _tag(self.index, False, microbatch))
-        self._in_flight[microbatch] = _InFlight(received=received, outputs=outputs)
+        if keep:
+            self._in_flight[microbatch] = _InFlight(received=received, outputs=outputs)
         return None
 
     def backward(self, microbatch: int, *, weights_later: bool = False) -> None:
@@ -218,6 +222,31 @@ def _loss_context(out: Any) -> contextlib.AbstractContextManager:
     return loss_parallel() if any(isinstance(v, DTensor) for v in values) else contextlib.nullcontext()
 
 
+def evaluate_actions(stages: dict[int, StageExecutor], actions: list[Action], data: list[Microbatch],
+                     device: torch.device) -> torch.Tensor:
+    """Run forward ``actions`` only (``schedule.forwards_only``) without gradients: the
+    last stage's summed scaled micro-batch losses, as ``run_actions`` returns them, with
+    nothing kept for a backward ([Note: held-out loss] in runtime/training.py).
+
+    Raises:
+        ValueError: an action is not a forward.
+    """
+    if any(a.kind is not Kind.FORWARD for a in actions):
+        raise ValueError("an evaluation runs forwards only (schedule.forwards_only)")
+    loss_sum = torch.zeros((), device=device)
+    for stage in stages.values():
+        stage.timer = None  # an evaluation is no step's time
+    with torch.no_grad():
+        for action in actions:
+            inputs, targets = data[action.microbatch]
+            loss = stages[action.stage].forward(action.microbatch, inputs, targets, keep=False)
+            if loss is not None:
+                loss_sum += loss.to_local() if isinstance(loss, DTensor) else loss
+        for stage in stages.values():
+            stage.finish()
+    return loss_sum
+
+
 def run_actions(stages: dict[int, StageExecutor], actions: list[Action], data: list[Microbatch],
                 device: torch.device, times: StepTimer | None = None) -> torch.Tensor:
     """Run one step's actions of this rank, each on the stage it names (a rank holds
@@ -267,4 +296,4 @@ def run_actions(stages: dict[int, StageExecutor], actions: list[Action], data: l
     return loss_sum
 
 
-__all__ = ["LossFn", "StageExecutor", "run_actions"]
+__all__ = ["LossFn", "StageExecutor", "evaluate_actions", "run_actions"]

@@ -274,6 +274,17 @@ def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stag
     return generators[name](num_ranks, num_microbatches)
 
 
+def forwards_only(actions: list[Action]) -> list[Action]:
+    """A rank's forward actions in its schedule's order: the schedule of an evaluation
+    (forwards without gradients; [Note: held-out loss] in runtime/training.py).
+
+    Free of deadlocks wherever the whole schedule is: a forward waits only for the
+    previous stage's forward of its micro-batch, so some run of the whole schedule,
+    restricted to its forwards, runs these lists, sends never blocking.
+    """
+    return [a for a in actions if a.kind is Kind.FORWARD]
+
+
 def build_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
     """``make_schedule`` under the name the simulators' callers know."""
     return make_schedule(name, num_ranks, num_microbatches, virtual_stages)
@@ -596,6 +607,7 @@ def max_in_flight(actions: list[Action]) -> int:
 
 __all__ = [
     "Action",
+    "forwards_only",
     "Kind",
     "ScheduleError",
     "tuple(Schedule)",

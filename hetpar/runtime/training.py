@@ -11,9 +11,10 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from hetpar.runtime.cli import LrDecay
+from hetpar.runtime.data import DataError, TokenFile, held_out_tokens
 from hetpar.runtime.distributed import Placement, StageSpec
 from hetpar.runtime.experts import ROUTING_LOAD
 from hetpar.runtime.parts import layouts_of
@@ -290,6 +292,97 @@ class LossReport:
                             grad_norm=float(grad_norm) if grad_norm is not None else None)
 
 
+class HeldOut:
+    """The loss of held-out data, every ``--eval-every`` steps and after the last.
+
+    [Note: held-out loss]
+    ``--eval-data`` names a token file or dataset directory read as ``--data`` is, its
+    sequences in file order ([Note: token data] in runtime/data.py): held-out global
+    batch b holds sequences ``[bB, bB + B)`` for the plan's global batch size B (the
+    shapes every stage was cut for), and ``--eval-batches`` of them (default: every
+    whole batch the file holds) make one evaluation. Each replica takes its own rows of
+    each batch, cut into the plan's micro-batches (and, under cp, into its chunks of
+    every sequence), and runs forwards only, without gradients: a pipeline runs its
+    schedule's forwards (``schedule.forwards_only``, ``executor.evaluate_actions``), one
+    stage its micro-batches. The modules are in ``eval()`` mode meanwhile (dropout off);
+    a graph that fx captured with ``training`` as a constant keeps it. Routing counted
+    by expert layers during an evaluation is dropped, not charged to the next step.
+
+    A batch's loss is what the training step would report for it ([Note: loss report]):
+    the last stage's tensor-parallel index 0 of each replica (of each cp row) holds its
+    weighted mean over its micro-batches and contributes it / (dp x cp). The evaluation
+    sums over batches, all-reduces once over the world (collective: every rank calls
+    ``run``) and logs the mean over batches: one line on stderr and a record
+    ``{"kind": "eval", "step", "loss", "batches", "sequences", "time_s"}`` in the metrics
+    file. The model and the data are those of the step just taken, so the figure is the
+    same under any plan, up to float rounding, as one process's mean loss over those
+    sequences.
+    """
+
+    def __init__(self, tokens: TokenFile, *, every: int, num_batches: int | None, global_batch_size: int,
+                 me: Placement, last_stage: int, data_parallel: int, context_parallel: int = 1):
+        """Raises ``DataError`` when the file holds fewer than ``num_batches`` global batches."""
+        available = tokens.num_sequences // global_batch_size
+        if num_batches is not None and num_batches > available:
+            raise DataError(f"--eval-batches {num_batches} needs {num_batches * global_batch_size} sequences of "
+                            f"{tokens.seq_len} + 1 tokens; --eval-data {tokens.path} holds {tokens.num_sequences} "
+                            f"({available} global batches of {global_batch_size})")
+        self.tokens, self.every = tokens, every
+        self.num_batches = available if num_batches is None else num_batches
+        self.global_batch_size, self.me, self.last_stage = global_batch_size, me, last_stage
+        self.reporting_rows = data_parallel * context_parallel
+
+    @classmethod
+    def of(cls, args: Any, model_file: Any, model: nn.Module, *, global_batch_size: int, me: Placement,
+           last_stage: int, data_parallel: int, context_parallel: int = 1) -> HeldOut | None:
+        """The run's evaluation under ``--eval-data``, checked before training; None without it.
+
+        Raises:
+            DataError: the held-out data does not fit the model or the batch.
+        """
+        if args.eval_data is None:
+            return None
+        tokens = held_out_tokens(model_file, model, args.eval_data, dtype=args.data_dtype, column=args.data_column,
+                                 global_batch_size=global_batch_size)
+        return cls(tokens, every=args.eval_every, num_batches=args.eval_batches, global_batch_size=global_batch_size,
+                   me=me, last_stage=last_stage, data_parallel=data_parallel, context_parallel=context_parallel)
+
+    def due(self, step: int, *, last: bool) -> bool:
+        """Whether step ``step`` is followed by an evaluation."""
+        return last or (self.every > 0 and step % self.every == 0)
+
+    def run(self, step: int, logger: StepLogger, loss_of: Callable[[tuple, torch.Tensor], torch.Tensor],
+            module: nn.Module, *, rows: range) -> float:
+        """Evaluate after step ``step`` (collective) and log it; returns the held-out loss.
+
+        Args:
+            loss_of: a held-out batch's rows ``(inputs, targets)`` -> this rank's share of
+                its loss, as a training step's ``local_loss`` (zero off the last stage).
+            module: the rank's stage modules, put in ``eval()`` mode meanwhile.
+            rows: this replica's rows of every global batch.
+        """
+        started = time.perf_counter()
+        was_training = module.training
+        module.eval()
+        total: torch.Tensor | None = None
+        try:
+            for inputs, targets in self.tokens.in_order(self.global_batch_size, rows=rows,
+                                                        num_batches=self.num_batches):
+                local = loss_of(inputs, targets).detach().float()
+                total = local if total is None else total + local
+        finally:
+            module.train(was_training)
+            ROUTING_LOAD.take()
+        assert total is not None  # at least one batch: TokenFile.open checked the file holds one
+        reports = self.me.stage == self.last_stage and self.me.tp_index == 0
+        value = (total / self.reporting_rows if reports else torch.zeros_like(total)).reshape(1).clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        loss = float(value.item()) / self.num_batches
+        logger.log_eval(step, loss, batches=self.num_batches, sequences=self.num_batches * self.global_batch_size,
+                        time_s=time.perf_counter() - started)
+        return loss
+
+
 class StepLogger:
     """A progress line per step on stderr, and one JSON line per step in ``metrics``.
 
@@ -302,11 +395,11 @@ class StepLogger:
     ``--clip-grad-norm``. ``time_left_s`` is the mean step time of this run so far times
     the steps left. Every other
     record names another ``kind`` (``"stages"``: each pipeline rank's seconds per
-    micro-batch, which ``hetpar validate`` reads), and a reader of steps skips it
-    (``step_records``). docs/running.md documents the contract.
+    micro-batch, which ``hetpar validate`` reads; ``"eval"``: a held-out loss, [Note:
+    held-out loss]), and a reader of steps skips it (``step_records``). docs/running.md documents the contract.
 
     Only the rank that logs (rank 0) writes. The metrics file is truncated at start; a
-    run resumed after step ``start_step`` keeps the records of steps up to it and drops
+    run resumed after step ``start_step`` keeps the step and eval records up to it and drops
     later ones (steps the interrupted run did after its last checkpoint), so the file
     ends up with every step once.
     """
@@ -352,6 +445,19 @@ class StepLogger:
             if value is not None:
                 record[key] = value
         print(_step_line(record, self.total_steps), file=sys.stderr, flush=True)
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def log_eval(self, step: int, loss: float, *, batches: int, sequences: int, time_s: float) -> None:
+        """Record the held-out loss after step ``step`` ([Note: held-out loss])."""
+        if not self.enabled:
+            return
+        record = {"kind": "eval", "step": step, "loss": loss, "batches": batches, "sequences": sequences,
+                  "time_s": time_s}
+        width = len(str(self.total_steps))
+        print(f"eval {step:>{width}}/{self.total_steps} | held-out loss {loss:.6f} | {sequences} sequences in "
+              f"{batches} batches | {time_s:.1f} s", file=sys.stderr, flush=True)
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
@@ -443,7 +549,7 @@ def _records_up_to(metrics: Path, step: int) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by the crash
-        if isinstance(record, dict) and record.get("kind") == "step" and isinstance(record.get("step"), int) \
+        if isinstance(record, dict) and record.get("kind") in ("step", "eval") and isinstance(record.get("step"), int) \
                 and record["step"] <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
     return kept
@@ -490,5 +596,5 @@ def save_atomic(obj: object, path: Path) -> None:
         raise
 
 
-__all__ = ["GradClipper", "LearningRate", "LossReport", "StepLogger", "announce", "decay_groups", "gather_full_state",
+__all__ = ["GradClipper", "HeldOut", "LearningRate", "LossReport", "StepLogger", "announce", "decay_groups", "gather_full_state",
            "loop_record", "make_optimizer", "read_metrics", "report_stage_times", "save_atomic", "tokens_per_sample"]
