@@ -324,20 +324,17 @@ def _model_shard(plan: ParallelPlan, f: Features) -> str:
         "model_file = load_model_file(Path(__file__).with_name(MODEL_FILE), MODEL_ARGS)",
         "torch.manual_seed(args.seed)",
         "model, construction = materialize.build_on_meta(model_file.build_model)  # with the log of how it is built",
-        "if args.data:  # batches from a token file instead of the model file's: [Note: token data] in "
+        "with cli.one_line_errors(data.DataError):  # --data or --eval-data that does not fit: one line, exit 2",
+        "    if args.data:  # batches from a token file instead of the model file's: [Note: token data] in "
         "hetpar/runtime/data.py",
-        "    with cli.one_line_errors(data.DataError):  # a file that does not fit: one line, exit 2",
         "        model_file = data.token_model_file(model_file, model, args.data, dtype=args.data_dtype,",
         "                                           column=args.data_column, global_batch_size=GLOBAL_BATCH_SIZE)",
+        "    held_out = training.HeldOut.of(args, model_file, model, GLOBAL_BATCH_SIZE, NUM_MICROBATCHES, device"
+        f"{', (CONTEXT_PARALLEL, me.context_index)' if f.context_parallel else ''})  # --eval-data: [Note: held-out "
+        "loss]",
         "if args.save_hf:  # refused now, not after training, for a model without a Hugging Face config",
         "    with cli.one_line_errors(hf_checkpoint.HFCheckpointError):",
         "        hf_checkpoint.check_savable(model)",
-        "with cli.one_line_errors(data.DataError):  # --eval-data: a held-out loss ([Note: held-out loss] in "
-        "hetpar/runtime/training.py)",
-        f"    held_out = training.HeldOut.of(args, model_file, model, global_batch_size=GLOBAL_BATCH_SIZE, me=me, "
-        f"last_stage={_last_stage(f)},",
-        f"                                  data_parallel=DATA_PARALLEL"
-        f"{', context_parallel=CONTEXT_PARALLEL' if f.context_parallel else ''})  # None without --eval-data",
     ]
     recompute = "  # recompute: each layer under torch.utils.checkpoint"
     # tensor parallel: the stage's shape constants made local ([Note: local shape constants] in hetpar/runtime/parts.py)
@@ -471,46 +468,17 @@ def _schedule(f: Features) -> str:
 # ----------------------------------------------------------------------------- training loop
 
 
-def _last_stage(f: Features) -> str:
-    return "PIPELINE_RANKS - 1" if f.pipelined else "0"
-
-
-def _held_out_loss(f: Features) -> list[str]:
-    """The program's ``held_out_loss``: one held-out global batch's forwards, without gradients."""
-    lines = [
-        "",
-        "def held_out_loss(inputs, targets):",
-        "    \"\"\"This replica's rows of a held-out global batch -> this rank's share of its loss, as a step's "
-        "local_loss:",
-        "    forwards only, without gradients ([Note: held-out loss] in hetpar/runtime/training.py).\"\"\"",
-    ]
-    if f.context_parallel:
-        lines.append("    inputs, targets = next(context.split_batches([(inputs, targets)], CONTEXT_PARALLEL, "
-                     "me.context_index))")
-    lines.append("    microbatches = shard.microbatches(inputs, targets, num_microbatches=NUM_MICROBATCHES, "
-                 "device=device)")
+def _held_out_forward(f: Features) -> str:
+    """The program's forwards of a held-out batch: ``executor.evaluate_actions`` or ``training.evaluate_stage``."""
     if f.pipelined:
-        lines.append("    return executor.evaluate_actions(pipeline, schedule.forwards_only(actions), microbatches, "
-                     "device)")
-        return lines
-    weight = " * shares.loss_weight" if f.rebalance else " * loss_weight" if f.weighted else ""
-    lines += ["    local_loss = torch.zeros((), device=device)",
-              "    for mb_inputs, mb_targets in microbatches:",
-              "        with torch.no_grad()" + (", torch.autocast(device.type, dtype=DTYPE):" if f.autocast else ":"),
-              "            output = stage.module(*[mb_inputs[k] for k in stage.model_inputs])"]
-    loss = f"loss = model_file.loss(output, mb_targets) / NUM_MICROBATCHES{weight}"
-    if f.vocab_loss:
-        lines += ["            with loss_parallel():", f"                {loss}",
-                  "        local_loss += loss.to_local()"]
-    else:
-        lines += [f"            {loss}", "        local_loss += loss"]
-    lines.append("    return local_loss")
-    return lines
+        return "lambda batch: executor.evaluate_actions(pipeline, actions, batch, device)"
+    weight = ", shares.loss_weight" if f.rebalance else ", loss_weight" if f.weighted else ""
+    return f"lambda batch: training.evaluate_stage(stage, batch, model_file.loss, device, DTYPE{weight})"
 
 
 def _loop(f: Features) -> str:
     scaler = ", scaler" if f.fp16 else ""
-    last_stage = _last_stage(f)
+    last_stage = "PIPELINE_RANKS - 1" if f.pipelined else "0"
     clip_options = (", tied=tied_grads" if f.tied else "") + (", per_replica=True" if f.local_sgd else "")
     lines = [
         RULE,
@@ -554,7 +522,6 @@ def _loop(f: Features) -> str:
     if f.weighted and not f.pipelined:
         lines.append(f"loss_weight = shard.loss_weight(REPLICA_MICRO_BATCH_SIZES, {_replica(f)})  # replicas' shares "
                      "differ: weigh this one's loss")
-    lines += _held_out_loss(f) + [""]
     lines += [
         "timer = timing.StepTimer(device)  # steps end in a device synchronize; forwards and backwards timed on the "
         "device",
@@ -589,10 +556,10 @@ def _loop(f: Features) -> str:
         lines.append("    shares.observe(step, timer)  # every REBALANCE_EVERY steps: shares by measured speed "
                      "(collective)")
     lines += [
-        "    if held_out is not None and held_out.due(step, last=step == args.steps):  # --eval-data, --eval-every",
-        "        losses.flush()  # the step's line comes first",
-        f"        held_out.run(step, logger, held_out_loss, model_shard, rows={'shares.rows' if f.rebalance else 'rows'})"
-        "  # collective",
+        "    if held_out and held_out.due(step, last=step == args.steps):  # --eval-data: a held-out loss "
+        "(collective)",
+        f"        held_out.run(step, losses, model_shard, {'shares.rows' if f.rebalance else 'rows'}, "
+        f"{_held_out_forward(f)})",
         "    if checkpoints.due(step, last=step == args.steps):",
         "        losses.flush()  # the metrics reach this step before its checkpoint does",
         f"    checkpoints.maybe_save(step, model_shard, optimizer{scaler}, last=step == args.steps)",

@@ -53,7 +53,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from hetpar.runtime.distributed import Peers
 from hetpar.runtime.graph import Stage, TensorSpec
 from hetpar.runtime.precision import LossScaler
-from hetpar.runtime.schedule import Action, Kind
+from hetpar.runtime.schedule import Action, Kind, forwards_only
 from hetpar.runtime.shard import Microbatch
 from hetpar.runtime.timing import StepTimer
 
@@ -224,20 +224,15 @@ def _loss_context(out: Any) -> contextlib.AbstractContextManager:
 
 def evaluate_actions(stages: dict[int, StageExecutor], actions: list[Action], data: list[Microbatch],
                      device: torch.device) -> torch.Tensor:
-    """Run forward ``actions`` only (``schedule.forwards_only``) without gradients: the
-    last stage's summed scaled micro-batch losses, as ``run_actions`` returns them, with
-    nothing kept for a backward ([Note: held-out loss] in runtime/training.py).
-
-    Raises:
-        ValueError: an action is not a forward.
-    """
-    if any(a.kind is not Kind.FORWARD for a in actions):
-        raise ValueError("an evaluation runs forwards only (schedule.forwards_only)")
+    """Run the forward actions of ``actions`` (``schedule.forwards_only``) without
+    gradients: the last stage's summed scaled micro-batch losses, as ``run_actions``
+    returns them, with nothing kept for a backward ([Note: held-out loss] in
+    runtime/training.py)."""
     loss_sum = torch.zeros((), device=device)
     for stage in stages.values():
         stage.timer = None  # an evaluation is no step's time
     with torch.no_grad():
-        for action in actions:
+        for action in forwards_only(actions):
             inputs, targets = data[action.microbatch]
             loss = stages[action.stage].forward(action.microbatch, inputs, targets, keep=False)
             if loss is not None:

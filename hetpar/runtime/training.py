@@ -22,11 +22,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from hetpar.runtime.cli import LrDecay
+from hetpar.runtime.context import split_sequence
 from hetpar.runtime.data import DataError, TokenFile, held_out_tokens
-from hetpar.runtime.distributed import Placement, StageSpec
+from hetpar.runtime.distributed import Peers, Placement, StageSpec
+from hetpar.runtime.executor import LossFn, StageExecutor, evaluate_actions
 from hetpar.runtime.experts import ROUTING_LOAD
+from hetpar.runtime.graph import Stage
 from hetpar.runtime.parts import layouts_of
-from hetpar.runtime.shard import chunk_modules
+from hetpar.runtime.schedule import Action, Kind
+from hetpar.runtime.shard import Microbatch, chunk_modules, microbatches
 from hetpar.vocabulary import Optimizer
 
 
@@ -303,25 +307,26 @@ class HeldOut:
     whole batch the file holds) make one evaluation. Each replica takes its own rows of
     each batch, cut into the plan's micro-batches (and, under cp, into its chunks of
     every sequence), and runs forwards only, without gradients: a pipeline runs its
-    schedule's forwards (``schedule.forwards_only``, ``executor.evaluate_actions``), one
-    stage its micro-batches. The modules are in ``eval()`` mode meanwhile (dropout off);
-    a graph that fx captured with ``training`` as a constant keeps it. Routing counted
-    by expert layers during an evaluation is dropped, not charged to the next step.
+    schedule's forwards (``executor.evaluate_actions``), one stage its micro-batches
+    (``evaluate_stage``). The modules are in ``eval()`` mode meanwhile (dropout
+    off; a graph that fx captured with ``training`` as a constant keeps it). Routing
+    counted by expert layers during an evaluation is dropped, not charged to the next
+    step.
 
-    A batch's loss is what the training step would report for it ([Note: loss report]):
+    A batch's loss is what a training step would report for it ([Note: loss report]):
     the last stage's tensor-parallel index 0 of each replica (of each cp row) holds its
     weighted mean over its micro-batches and contributes it / (dp x cp). The evaluation
     sums over batches, all-reduces once over the world (collective: every rank calls
-    ``run``) and logs the mean over batches: one line on stderr and a record
-    ``{"kind": "eval", "step", "loss", "batches", "sequences", "time_s"}`` in the metrics
-    file. The model and the data are those of the step just taken, so the figure is the
-    same under any plan, up to float rounding, as one process's mean loss over those
-    sequences.
+    ``run``) and logs the mean over batches after the step's own line: a line on stderr
+    and a record ``{"kind": "eval", "step", "loss", "batches", "sequences", "time_s"}``
+    in the metrics file. Under any plan the figure is one process's mean loss over those
+    sequences with the step's weights, up to float rounding.
     """
 
     def __init__(self, tokens: TokenFile, *, every: int, num_batches: int | None, global_batch_size: int,
-                 me: Placement, last_stage: int, data_parallel: int, context_parallel: int = 1):
-        """Raises ``DataError`` when the file holds fewer than ``num_batches`` global batches."""
+                 num_microbatches: int, device: torch.device, context: tuple[int, int] = (1, 0)):
+        """``context``: (cp, this rank's cp index). Raises ``DataError`` when the file holds
+        fewer than ``num_batches`` global batches."""
         available = tokens.num_sequences // global_batch_size
         if num_batches is not None and num_batches > available:
             raise DataError(f"--eval-batches {num_batches} needs {num_batches * global_batch_size} sequences of "
@@ -329,12 +334,12 @@ class HeldOut:
                             f"({available} global batches of {global_batch_size})")
         self.tokens, self.every = tokens, every
         self.num_batches = available if num_batches is None else num_batches
-        self.global_batch_size, self.me, self.last_stage = global_batch_size, me, last_stage
-        self.reporting_rows = data_parallel * context_parallel
+        self.global_batch_size, self.num_microbatches, self.device = global_batch_size, num_microbatches, device
+        self.context = context
 
     @classmethod
-    def of(cls, args: Any, model_file: Any, model: nn.Module, *, global_batch_size: int, me: Placement,
-           last_stage: int, data_parallel: int, context_parallel: int = 1) -> HeldOut | None:
+    def of(cls, args: Any, model_file: Any, model: nn.Module, global_batch_size: int, num_microbatches: int,
+           device: torch.device, context: tuple[int, int] = (1, 0)) -> HeldOut | None:
         """The run's evaluation under ``--eval-data``, checked before training; None without it.
 
         Raises:
@@ -345,42 +350,60 @@ class HeldOut:
         tokens = held_out_tokens(model_file, model, args.eval_data, dtype=args.data_dtype, column=args.data_column,
                                  global_batch_size=global_batch_size)
         return cls(tokens, every=args.eval_every, num_batches=args.eval_batches, global_batch_size=global_batch_size,
-                   me=me, last_stage=last_stage, data_parallel=data_parallel, context_parallel=context_parallel)
+                   num_microbatches=num_microbatches, device=device, context=context)
 
     def due(self, step: int, *, last: bool) -> bool:
         """Whether step ``step`` is followed by an evaluation."""
         return last or (self.every > 0 and step % self.every == 0)
 
-    def run(self, step: int, logger: StepLogger, loss_of: Callable[[tuple, torch.Tensor], torch.Tensor],
-            module: nn.Module, *, rows: range) -> float:
-        """Evaluate after step ``step`` (collective) and log it; returns the held-out loss.
+    def run(self, step: int, losses: LossReport, module: nn.Module, rows: range,
+            forward: Callable[[list], torch.Tensor]) -> float:
+        """Evaluate after step ``step`` (collective) and log it after the step's line;
+        returns the held-out loss.
 
         Args:
-            loss_of: a held-out batch's rows ``(inputs, targets)`` -> this rank's share of
-                its loss, as a training step's ``local_loss`` (zero off the last stage).
+            losses: the run's loss report: its placement, reporting rows and logger.
             module: the rank's stage modules, put in ``eval()`` mode meanwhile.
             rows: this replica's rows of every global batch.
+            forward: a held-out batch's micro-batches -> this rank's share of its loss,
+                as a training step's ``local_loss`` (zero off the last stage).
         """
+        losses.flush()
         started = time.perf_counter()
         was_training = module.training
         module.eval()
-        total: torch.Tensor | None = None
+        total = torch.zeros((), device=self.device)
         try:
             for inputs, targets in self.tokens.in_order(self.global_batch_size, rows=rows,
                                                         num_batches=self.num_batches):
-                local = loss_of(inputs, targets).detach().float()
-                total = local if total is None else total + local
+                if self.context[0] > 1:
+                    inputs = tuple(split_sequence(t, *self.context) for t in inputs)
+                    targets = split_sequence(targets, *self.context)
+                batch = microbatches(inputs, targets, num_microbatches=self.num_microbatches, device=self.device)
+                total += forward(batch).detach().float()
         finally:
             module.train(was_training)
             ROUTING_LOAD.take()
-        assert total is not None  # at least one batch: TokenFile.open checked the file holds one
-        reports = self.me.stage == self.last_stage and self.me.tp_index == 0
-        value = (total / self.reporting_rows if reports else torch.zeros_like(total)).reshape(1).clone()
+        me = losses.me
+        reports = me.stage == losses.last_stage and me.tp_index == 0
+        value = (total / losses.data_parallel if reports else torch.zeros_like(total)).reshape(1).clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         loss = float(value.item()) / self.num_batches
-        logger.log_eval(step, loss, batches=self.num_batches, sequences=self.num_batches * self.global_batch_size,
-                        time_s=time.perf_counter() - started)
+        losses.logger.log_eval(step, loss, batches=self.num_batches,
+                               sequences=self.num_batches * self.global_batch_size,
+                               time_s=time.perf_counter() - started)
         return loss
+
+
+def evaluate_stage(stage: Stage, data: list[Microbatch], loss_fn: LossFn, device: torch.device,
+                   compute_dtype: torch.dtype = torch.float32, loss_weight: float = 1.0) -> torch.Tensor:
+    """``executor.evaluate_actions`` for a stage holding the whole model (no pipeline): its
+    micro-batches' forwards in order, without gradients; the loss as a training step's
+    ``local_loss`` ([Note: held-out loss])."""
+    alone = Peers(recv_activations_from=None, send_activations_to=(), recv_grads_from=None, send_grads_to=())
+    only = StageExecutor(stage=stage, peers=alone, loss_fn=loss_fn, num_microbatches=len(data), device=device,
+                         compute_dtype=compute_dtype, loss_weight=loss_weight)
+    return evaluate_actions({0: only}, [Action(0, Kind.FORWARD, i) for i in range(len(data))], data, device)
 
 
 class StepLogger:
@@ -596,5 +619,5 @@ def save_atomic(obj: object, path: Path) -> None:
         raise
 
 
-__all__ = ["GradClipper", "HeldOut", "LearningRate", "LossReport", "StepLogger", "announce", "decay_groups", "gather_full_state",
+__all__ = ["GradClipper", "HeldOut", "evaluate_stage", "LearningRate", "LossReport", "StepLogger", "announce", "decay_groups", "gather_full_state",
            "loop_record", "make_optimizer", "read_metrics", "report_stage_times", "save_atomic", "tokens_per_sample"]
