@@ -377,6 +377,30 @@ def test_a_dataset_directory_reads_as_the_token_file_of_its_concatenated_column(
             torch.testing.assert_close(targets, want_targets, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("layout", ["save_to_disk", "to_parquet"])
+def test_a_directory_the_datasets_library_wrote_reads_as_its_concatenated_column(tmp_path, token_model, layout):
+    """What ``datasets`` itself writes (several shards of a DatasetDict's split, or
+    ``to_parquet`` files), not a layout built here, streams as the token file of its
+    column's documents in row order."""
+    datasets = pytest.importorskip("datasets")
+    tokens = write_tokens(tmp_path / "train.bin", 5 * 40 + 3)
+    docs = documents(tokens)
+    split = datasets.Dataset.from_dict({"input_ids": docs, "text": [f"doc {i}" for i in range(len(docs))]})
+    directory = tmp_path / "dataset"
+    if layout == "save_to_disk":
+        datasets.DatasetDict({"train": split, "validation": split.select(range(2))}).save_to_disk(
+            directory, num_shards={"train": 3, "validation": 1})
+        directory = directory / "train"
+        assert len(list(directory.glob("data-*.arrow"))) == 3
+    else:
+        directory.mkdir()
+        half = len(docs) // 2
+        split.select(range(half)).to_parquet(directory / "part-0.parquet")
+        split.select(range(half, len(docs))).to_parquet(directory / "part-1.parquet")
+    from_dir = token_model_file(*token_model, directory, global_batch_size=8)
+    assert from_dir.data.tokens.tolist() == tokens.tolist()
+
+
 def test_a_dataset_column_is_chosen_by_name_and_read_at_any_integer_width(tmp_path, token_model):
     import pyarrow as pa
 
