@@ -35,25 +35,34 @@ def _load(path: Path):
 
 # ----------------------------------------------------------------------------- closed forms
 # Forward FLOPs of one sample, from the config alone: 2 per multiply-add of every matmul;
-# attention's scores and weighted sum as torch counts scaled_dot_product_attention (every
-# query against every key: 2 T^2 per head and dimension of q and of v); norms, rotary
-# embeddings, softmax and routing arithmetic are elementwise, counted apart.
+# attention's scores and weighted sum: every query against every key (2 T^2 per head and
+# dimension of q and of v) where the program hands the kernel the model's mask, only the
+# keys up to each query (T (T + 1)) where it runs the kernel causal: the Llama-like
+# decoders it runs as module stages ([Note: causal masks], [Note: causal attention
+# FLOPs]); norms, rotary embeddings, softmax and routing arithmetic are elementwise,
+# counted apart.
+CAUSAL_KERNEL = {"mixtral"}  # of FAMILIES: runtime/module_stage.py's _LLAMA_LIKE
+
+
+def pairs(tokens, causal):
+    """(query, key) pairs attention computes."""
+    return tokens * (tokens + 1) // 2 if causal else tokens**2
 
 
 def linear(tokens, fan_in, fan_out):
     return 2 * tokens * fan_in * fan_out
 
 
-def attention(cfg, tokens):
+def attention(cfg, tokens, causal=False):
     """Projections and scores of a Llama-style attention (grouped-query heads)."""
     hidden, heads = cfg.hidden_size, cfg.num_attention_heads
     head = getattr(cfg, "head_dim", None) or hidden // heads
     kv = cfg.num_key_value_heads * head
     projections = linear(tokens, hidden, heads * head) + 2 * linear(tokens, hidden, kv) + linear(tokens, heads * head, hidden)
-    return projections + 2 * tokens**2 * heads * (head + head)
+    return projections + 2 * pairs(tokens, causal) * heads * (head + head)
 
 
-def deepseek_attention(cfg, tokens):
+def deepseek_attention(cfg, tokens, causal=False):
     """Multi-head latent attention: low-rank q and kv, a rotary part shared by the heads."""
     hidden, heads = cfg.hidden_size, cfg.num_attention_heads
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -61,7 +70,7 @@ def deepseek_attention(cfg, tokens):
                    + linear(tokens, hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
                    + linear(tokens, cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
                    + linear(tokens, heads * cfg.v_head_dim, hidden))
-    return projections + 2 * tokens**2 * heads * (qk + cfg.v_head_dim)
+    return projections + 2 * pairs(tokens, causal) * heads * (qk + cfg.v_head_dim)
 
 
 def gated_mlp(tokens, hidden, ffn):
@@ -90,7 +99,7 @@ def moe_layer(family, cfg, tokens):
     shared = 0
     if family == "qwen2_moe":  # a shared expert, gated per token by a Linear to one logit
         shared = gated_mlp(tokens, hidden, cfg.shared_expert_intermediate_size) + linear(tokens, hidden, 1)
-    return attention(cfg, tokens) + router + routed + shared, routed
+    return attention(cfg, tokens, family in CAUSAL_KERNEL) + router + routed + shared, routed
 
 
 def dense_layer(family, cfg, tokens):
@@ -203,7 +212,7 @@ def test_moe_gpt_example_matches_the_closed_form_and_its_experts_save_what_a_cpu
     tokens, hidden, count, top_k, ffn = d["seq_len"], d["hidden"], d["experts"], d["top_k"], d["ffn"]
     graph = traced(MOE_GPT)
     routed = experts(tokens, top_k, hidden, ffn)
-    whole = 4 * linear(tokens, hidden, hidden) + 4 * tokens**2 * hidden + linear(tokens, hidden, count) + routed
+    whole = 4 * linear(tokens, hidden, hidden) + 2 * tokens * (tokens + 1) * hidden + linear(tokens, hidden, count) + routed
     for layer in graph.layers[1:-1]:
         assert layer.fwd_flops == pytest.approx(whole, rel=0.01)
         assert layer.bwd_flops == pytest.approx(2 * whole, rel=0.01)

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from hetpar.planner.capture import trace_model
-from hetpar.planner.capture.measure import measure
+from hetpar.planner.capture.measure import causal_fraction, measure
 from hetpar.planner.capture.trace import differentiable_values
 from hetpar.runtime.graph import boundary_values, build_stage, record_values, trace_layers
 from hetpar.runtime.model_file import load_model_file
@@ -32,7 +33,19 @@ def test_node_counts_add_up_to_layer_counts():
         assert sum(n.param_bytes for n in nodes) == 4 * (layer.params + layer.tied_params)
 
 
-def test_totals_equal_torch_flop_counter_and_linear_backward_is_twice_forward():
+def _sdpa_flops(shape, *, causal: bool) -> tuple[int, int]:
+    """(forward, backward) FLOPs torch's counter gives one attention call of q, k, v ``shape``."""
+    q, k, v = (torch.empty(shape, device="meta", requires_grad=True) for _ in range(3))
+    with FlopCounterMode(display=False) as forward:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    with FlopCounterMode(display=False) as backward:
+        out.backward(torch.ones_like(out))
+    return forward.get_total_flops(), backward.get_total_flops()
+
+
+def test_totals_are_torch_flop_counters_with_causal_attention_on_its_unmasked_pairs():
+    """torch's counter charges a causal attention every (query, key) pair; a causal kernel
+    computes those of j <= i, (T + 1) / 2T of them ([Note: causal attention FLOPs])."""
     mf = load_model_file(GPT, {"n_layers": 1, "hidden": 64, "seq_len": 16})
     with torch.device("meta"):
         model = mf.build_model()
@@ -44,11 +57,22 @@ def test_totals_equal_torch_flop_counter_and_linear_backward_is_twice_forward():
     with FlopCounterMode(display=False) as counter:
         out = stage.module(x)[0]
         out.backward(torch.ones_like(out))
-    assert m.total("fwd_flops") + m.total("bwd_flops") == counter.get_total_flops()
+    fwd, bwd = _sdpa_flops((1, 4, 16, 16), causal=True)  # examples/gpt.py's 4 heads of 16
+    assert fwd == 4 * 16 * 16 * 64 and bwd == 2 * fwd  # every pair: Q K^T and P V, twice that backward
+    masked = (fwd + bwd) * (1 - 17 / 32)
+    assert m.total("fwd_flops") + m.total("bwd_flops") == counter.get_total_flops() - masked
+    attention = next(c for name, c in m.nodes.items() if "scaled_dot_product" in name)
+    assert (attention.fwd_flops, attention.bwd_flops) == (fwd * 17 / 32, bwd * 17 / 32)
     linear = m.nodes["blocks_0_attn_q"]
     assert linear.fwd_flops == 2 * 16 * 64 * 64
     assert linear.bwd_flops == 2 * linear.fwd_flops  # input and weight gradients
     assert linear.fwd_bytes == 4 * (16 * 64 + 64 * 64 + 16 * 64)  # reads input and weight, writes output
+
+
+def test_causal_fraction_counts_the_pairs_a_top_left_causal_mask_lets_through():
+    for queries, keys in ((1, 1), (16, 16), (5, 9), (9, 5), (4096, 4096)):
+        mask = torch.ones(queries, keys, dtype=torch.bool).tril()  # torch's is_causal: query i sees keys 0..i
+        assert causal_fraction(queries, keys) == mask.sum().item() / mask.numel()
 
 
 def test_repeated_blocks_are_measured_once_and_match_a_fresh_measurement():
@@ -138,9 +162,10 @@ def test_rotary_tables_and_masks_do_not_require_gradients():
 
 
 def transformer_fwd_flops(n_layers, hidden, seq, vocab, ffn, kv_hidden=None, gated=False):
-    """Matmul and attention FLOPs of one sample's forward (Narayanan et al. 2021, Eq. 3 shape)."""
+    """Matmul and attention FLOPs of one sample's forward (Narayanan et al. 2021, Eq. 3
+    shape), causal attention on the (query, key) pairs it computes: 4 s^2 h x (s + 1) / 2s."""
     kv = hidden if kv_hidden is None else kv_hidden
-    attn = 2 * seq * hidden * (2 * hidden + 2 * kv) + 4 * seq**2 * hidden
+    attn = 2 * seq * hidden * (2 * hidden + 2 * kv) + 2 * seq * (seq + 1) * hidden
     mlp = 2 * seq * hidden * ffn * (3 if gated else 2)
     return n_layers * (attn + mlp) + 2 * seq * hidden * vocab
 
@@ -159,7 +184,8 @@ def test_transformers_flops_match_closed_form(kind, expected):
 def test_matmul_rows_of_a_gpt_block_separate_linears_from_attention():
     # [Note: matmul rows]: Linears run T rows per sample (growing with the batch), the
     # attention matmuls T rows per head whatever the batch. Per block at batch 1 the
-    # Linears cost 24 T H^2 FLOPs (q, k, v, o and a 4H MLP) and attention 4 T^2 H.
+    # Linears cost 24 T H^2 FLOPs (q, k, v, o and a 4H MLP) and causal attention
+    # 4 T^2 H x (T + 1) / 2T = 2 T (T + 1) H.
     # Each records its width sqrt(K N): the Linears' inputs by outputs (H x H for q, k, v
     # and o; H x 4H and 4H x H for the MLP), attention's head size by key length.
     seq, hidden, heads = 16, 64, 4
@@ -169,7 +195,7 @@ def test_matmul_rows_of_a_gpt_block_separate_linears_from_attention():
     for r, grows, share, _ in block.matmul_rows:
         rows[(r, grows)] = rows.get((r, grows), 0.0) + share
     assert set(rows) == {(seq, True), (seq, False)}
-    assert rows[(seq, False)] == pytest.approx(seq / (6 * hidden + seq))
+    assert rows[(seq, False)] == pytest.approx((seq + 1) / (12 * hidden + seq + 1))
     assert sum(rows.values()) == pytest.approx(1.0)
     widths = {width for r, grows, _, width in block.matmul_rows if grows}
     assert widths == {hidden, round(math.sqrt(hidden * 4 * hidden))}

@@ -107,11 +107,13 @@ def measure(module: fx.GraphModule, inputs: list[torch.Tensor], *, masks: bool =
 
     Inputs that require gradients (activations received from an earlier layer) get
     them; the others (data, masks) do not, as in training. Without ``masks`` the masks
-    its attention calls receive are not counted as saved ([Note: causal masks]).
+    its attention calls receive are causal ones the program does not build: not counted
+    as saved ([Note: causal masks]), and their attention costs as causal ([Note: causal
+    attention FLOPs]).
     """
     result = Measurement(nodes={n.name: NodeCounts() for n in module.graph.nodes if n.op not in ("placeholder", "output")})
     result.nodes[UNATTRIBUTED] = NodeCounts()
-    _count_kernels(module, inputs, result)
+    _count_kernels(module, inputs, result, masks)
     _count_saved(module, inputs, result, masks)
     _count_params(module, result)
     return result
@@ -148,6 +150,8 @@ class _KernelCounter(TorchDispatchMode):
         self.backward = False
         self.owner: dict[int, str] = {}  # id(autograd node) -> fx node name
         self.keep: list[Any] = []  # the autograd nodes themselves, so their ids stay unique
+        self.scale = 1.0  # the share of the kernels now running that real kernels compute ([Note: causal attention FLOPs])
+        self.scales: dict[int, float] = {}  # id(autograd node) -> that share of its backward
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -180,6 +184,11 @@ class _KernelCounter(TorchDispatchMode):
             moved = written
         else:
             moved = float(sum(_nbytes(t) for t in _tensors((args, kwargs)))) + written
+        scale = self.scale
+        if self.backward:
+            autograd_node = torch._C._current_autograd_node()
+            scale = self.scales.get(id(autograd_node), 1.0) if autograd_node is not None else 1.0
+        flops, elementwise = flops * scale, elementwise * scale
         if self.backward:
             counts.bwd_flops += flops
             counts.bwd_elementwise_flops += elementwise
@@ -314,7 +323,7 @@ def _width(inner: int, columns: int) -> int:
     return max(1, round(math.sqrt(int(inner) * int(columns))))
 
 
-def _count_kernels(module: fx.GraphModule, inputs: list[torch.Tensor], result: Measurement) -> None:
+def _count_kernels(module: fx.GraphModule, inputs: list[torch.Tensor], result: Measurement, masks: bool = True) -> None:
     counter = _KernelCounter(result)
 
     def before(n: fx.Node) -> None:
@@ -328,7 +337,7 @@ def _count_kernels(module: fx.GraphModule, inputs: list[torch.Tensor], result: M
             result.nodes[n.name].widest_bytes = float(max((_nbytes(t) for t in _tensors(out) if t.requires_grad), default=0))
 
     args = _grad_inputs(inputs)
-    with counter:
+    with _CausalAttention(counter, masks), counter:
         out = _NodeRunner(module, before, after).run(*args)
     result.outputs = out
     grads = [t for t in _tensors(out) if t.requires_grad]
@@ -432,7 +441,7 @@ def _count_params(module: fx.GraphModule, result: Measurement) -> None:
 # CUDA and on CPU) that saves only q, k, v, the mask, the output and the row
 # log-sum-exp. The saved-bytes pass stands in that kernel's footprint, for the
 # function (torch.fx graphs, and modules that call it) and for the ATen op (exported
-# graphs); the FLOP pass keeps the math path, whose FLOPs equal the fused kernel's.
+# graphs); the FLOP pass keeps the math path, scaled for a causal call ([Note: causal attention FLOPs]).
 class _FusedSDPA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask):
@@ -516,6 +525,65 @@ def _fused_attention(seen: _AttentionSeen | None = None):
             _SEEN.pop()
 
 
+# [Note: causal attention FLOPs]
+# On meta, scaled_dot_product_attention takes the math path, whose matmuls and softmax
+# cover every (query, key) pair. A causal kernel (flash attention, torch's fused CPU
+# kernel) computes only the pairs the mask lets through and skips the blocks above
+# the diagonal: the FLOPs of pairs (i, j <= i), ``causal_fraction`` of the whole,
+# about half at any length worth planning (0.5 + 1 / 2T), forward and backward. So
+# the kernel pass charges an attention call's kernels that fraction of what they
+# count when the call is causal: ``is_causal=True``, or, in a block measured without
+# ``masks`` ([Note: causal masks]), a mask the program does not build. Every figure
+# made of FLOPs follows: layer times, the plan's model FLOPs per step and so MFU
+# (FlashAttention's convention; PaLM's and Megatron's formulas count the masked half
+# too). An attention written out as matmuls and a masked softmax computes every pair,
+# and costs so.
+def causal_fraction(queries: int, keys: int) -> float:
+    """The share of (query, key) pairs a causal mask lets through: query i (top-left
+    aligned, torch's ``is_causal``) sees keys ``0 .. i``."""
+    if queries <= 0 or keys <= 0:
+        return 1.0
+    shared = min(queries, keys)
+    seen = shared * (shared + 1) // 2 + max(0, queries - keys) * keys
+    return seen / (queries * keys)
+
+
+class _CausalAttention(TorchFunctionMode):
+    """Charges a causal attention call's kernels, forward and backward, the share of
+    them a causal kernel computes ([Note: causal attention FLOPs])."""
+
+    def __init__(self, counter: _KernelCounter, masks: bool):
+        super().__init__()
+        self.counter, self.masks = counter, masks
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _SDPA:
+            return func(*args, **kwargs)
+        query, key = args[0], args[1]
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        causal = bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False)) or (
+            isinstance(mask, torch.Tensor) and not self.masks)
+        if not causal:
+            return func(*args, **kwargs)
+        share = causal_fraction(int(query.shape[-2]), int(key.shape[-2]))
+        self.counter.scale = share
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.counter.scale = 1.0
+        stop = {id(t.grad_fn) for t in _tensors(args[:3]) if t.grad_fn is not None}
+        stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+        while stack:  # the autograd nodes the call made: from its output back to q, k and v
+            fn = stack.pop()
+            if fn is None or id(fn) in stop or id(fn) in self.counter.scales or type(fn).__name__ == "AccumulateGrad":
+                continue
+            self.counter.scales[id(fn)] = share
+            self.counter.keep.append(fn)
+            stack.extend(next_fn for next_fn, _ in fn.next_functions)
+        return out
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
@@ -540,4 +608,4 @@ def node_module(node: fx.Node) -> str:
     return module_path(node)
 
 
-__all__ = ["GROUPED_MATMULS", "Measurement", "NodeCounts", "UNATTRIBUTED", "grouped_mm_flops", "grouped_mm_rows", "matmul_rows", "measure", "node_label", "node_module"]
+__all__ = ["GROUPED_MATMULS", "Measurement", "NodeCounts", "UNATTRIBUTED", "causal_fraction", "grouped_mm_flops", "grouped_mm_rows", "matmul_rows", "measure", "node_label", "node_module"]
