@@ -8,7 +8,8 @@ import of torch, the build of the model on the meta device and the measurement a
 count), which reports its own peak resident memory (``ru_maxrss``). The table also
 checks the trace: parameters against the module's exact count, and forward FLOPs
 against the closed form for matmuls and attention (Narayanan et al. 2021, Eq. 3
-shape: ``24 s h^2 + 4 s^2 h`` per block plus ``2 s h V`` for the head).
+shape: ``24 s h^2 + 4 s^2 h`` per block plus ``2 s h V`` for the head, its causal
+attention on the pairs it computes: ``4 s^2 h x (s + 1) / 2s``).
 
 ``--hf`` adds transformers' Llama-2 7B, captured with torch.export on meta.
 """
@@ -88,7 +89,7 @@ def gpt_params(c: GPTConfig) -> int:
 
 def gpt_fwd_flops(c: GPTConfig) -> float:
     h, s = c.hidden, SEQ_LEN
-    return c.n_layers * (24 * s * h * h + 4 * s * s * h) + 2 * s * h * VOCAB
+    return c.n_layers * (24 * s * h * h + 2 * s * (s + 1) * h) + 2 * s * h * VOCAB  # causal attention
 
 
 def row(name: str, source: str, report: dict, wall: float, peak: int, params: int | None, flops: float | None) -> str:

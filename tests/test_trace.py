@@ -9,8 +9,9 @@ from hetpar.runtime.model_file import load_model_file
 
 
 def gpt_closed_form_fwd_flops(n_layers, hidden, seq_len, vocab):
-    """Matmul and attention FLOPs of one sample's forward (Narayanan et al. 2021, Eq. 3 shape)."""
-    per_block = 24 * seq_len * hidden**2 + 4 * seq_len**2 * hidden
+    """Matmul and attention FLOPs of one sample's forward (Narayanan et al. 2021, Eq. 3
+    shape), causal attention on the pairs it computes: 4 s^2 h x (s + 1) / 2s."""
+    per_block = 24 * seq_len * hidden**2 + 2 * seq_len * (seq_len + 1) * hidden
     return n_layers * per_block + 2 * seq_len * hidden * vocab
 
 

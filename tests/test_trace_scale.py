@@ -42,7 +42,7 @@ def gpt_params(n_layers, hidden, vocab, seq_len):
 
 
 def gpt_fwd_flops(n_layers, hidden, seq_len, vocab):
-    return n_layers * (24 * seq_len * hidden**2 + 4 * seq_len**2 * hidden) + 2 * seq_len * hidden * vocab
+    return n_layers * (24 * seq_len * hidden**2 + 2 * seq_len * (seq_len + 1) * hidden) + 2 * seq_len * hidden * vocab  # causal attention: [Note: causal attention FLOPs]
 
 
 def check_gpt(n_layers, hidden, heads, seq_len, vocab):
