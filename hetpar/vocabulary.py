@@ -73,7 +73,8 @@ class Sharding(_Name):
 class DType(_Name):
     """Training precision: the compute dtype under autocast (parameters stay float32)."""
 
-    FP32 = "fp32"
+    FP32 = "fp32"  # float32 throughout, matmuls in IEEE float32 (torch's default)
+    TF32 = "tf32"  # float32 tensors, matmuls and convolutions on TF32 tensor cores where the device has them
     BF16 = "bf16"
     FP16 = "fp16"  # with dynamic loss scaling
 

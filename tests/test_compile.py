@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import build_plan, run_torchrun, subprocess_env
 from hetpar.rewriters import CompileError, compile_plan
@@ -155,6 +156,30 @@ def test_unknown_dtype_is_refused(tmp_path, pp_tp_plan):
 def test_bf16_plan_autocasts(tmp_path, pp_tp_plan):
     compile_plan(dataclasses.replace(pp_tp_plan, dtype="bf16"), tmp_path / "out")
     assert constants(tmp_path / "out" / "train.py")["DTYPE"] == "torch.bfloat16"
+
+
+def test_tf32_plan_turns_tf32_matmuls_on_and_an_fp32_plan_leaves_torchs_defaults(tmp_path, pp_tp_plan):
+    """[Note: TF32]: float32 tensors without autocast either way; a tf32 plan's program
+    turns TF32 matmuls and convolutions on, for CUDA devices, before any layer runs."""
+    compile_plan(dataclasses.replace(pp_tp_plan, dtype="tf32"), tmp_path / "tf32")
+    compile_plan(dataclasses.replace(pp_tp_plan, dtype="fp32"), tmp_path / "fp32")
+    tf32, fp32 = ((tmp_path / d / "train.py").read_text() for d in ("tf32", "fp32"))
+    assert constants(tmp_path / "tf32" / "train.py")["DTYPE"] == "torch.float32"
+    assert "autocast" not in tf32 and "autocast" not in fp32
+    assert "precision.allow_tf32(device)" in tf32 and "allow_tf32" not in fp32
+    assert tf32.index("precision.allow_tf32(device)") < tf32.index("materialize.materialize_stages")
+
+    from hetpar.runtime.precision import allow_tf32
+
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        allow_tf32(torch.device("cpu"))  # no TF32 off CUDA: nothing changes
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, False)
+        allow_tf32(torch.device("cuda", 0))
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (True, True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def fake_torchrun(tmp_path: Path) -> dict[str, str]:

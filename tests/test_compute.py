@@ -144,3 +144,19 @@ def test_a_compiled_layer_launches_a_kernel_per_matmul_and_one_per_gap_between_t
     saved = 7 * A100.op_overhead_s  # per pass: forward, input gradient, weight gradient
     assert eager.fwd_s - compiled.fwd_s == pytest.approx(saved)
     assert eager.bwd_s - compiled.bwd_s == pytest.approx(2 * saved)
+
+
+def test_tf32_runs_matmuls_at_the_tf32_rate_on_float32_bytes():
+    """[Note: TF32]: a tf32 layer is an fp32 layer on a device whose fp32 rate is its TF32
+    tensor-core rate (A100: 156 against 19.5 TFLOP/s); without TF32 (V100) it is fp32."""
+    from dataclasses import replace
+
+    tf32 = layer_timing(block(), A100, tp=1, micro_batch_size=2, dtype="tf32", kernel_efficiency=0.5)
+    fp32 = layer_timing(block(), A100, tp=1, micro_batch_size=2, dtype="fp32", kernel_efficiency=0.5)
+    tensor_cores = replace(A100, peak_flops_per_s={**A100.peak_flops_per_s, "fp32": 156e12})
+    assert tf32 == layer_timing(block(), tensor_cores, tp=1, micro_batch_size=2, dtype="fp32", kernel_efficiency=0.5)
+    assert tf32.fwd_s < fp32.fwd_s / 4
+    v100 = get_device("V100-32GB")
+    assert "tf32" not in v100.peak_flops_per_s
+    assert layer_timing(block(), v100, tp=1, micro_batch_size=2, dtype="tf32") == \
+        layer_timing(block(), v100, tp=1, micro_batch_size=2, dtype="fp32")

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from hetpar.cost_models.layers import LayerProfile
 from hetpar.vocabulary import DType
 
-DTYPE_BYTES = {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2}
+DTYPE_BYTES = {DType.FP32: 4, DType.TF32: 4, DType.BF16: 2, DType.FP16: 2}
 
 # Per-op launch/dispatch cost when a profile does not state one (the built-in cpu
 # profile; a measured one and the GPU datasheet profiles state ``op_overhead_s``, charged
@@ -57,7 +57,7 @@ ROWS_CURVE_WIDTH = 512
 
 
 def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a training dtype name ("fp32", "bf16", "fp16").
+    """Bytes per element of a training dtype name ("fp32", "tf32", "bf16", "fp16").
 
     Raises:
         ValueError: unknown dtype name.

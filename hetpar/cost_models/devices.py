@@ -181,7 +181,9 @@ class DeviceProfile:
                 ("bfloat16", "torch.float16") are accepted too.
 
         Returns:
-            Peak FLOP/s (not derated by ``matmul_efficiency``).
+            Peak FLOP/s (not derated by ``matmul_efficiency``); for "tf32" on a device
+            without TF32 tensor cores, its fp32 peak (torch's TF32 switch changes
+            nothing there).
 
         Raises:
             ProfileError: the device has no such dtype, or the dtype is unknown.
@@ -189,6 +191,8 @@ class DeviceProfile:
         key = normalize_dtype(dtype)
         if key in self.peak_flops_per_s:
             return self.peak_flops_per_s[key]
+        if key == Precision.TF32 and Precision.FP32 in self.peak_flops_per_s:
+            return self.peak_flops_per_s[Precision.FP32]  # no TF32 tensor cores (V100, T4, CPUs): fp32 matmuls run as fp32
         if key not in tuple(Precision):
             raise ProfileError(f"unknown dtype '{dtype}'; known: {', '.join(Precision)}")
         alternatives = [d for d in (Precision.BF16, Precision.FP16, Precision.FP32) if d in self.peak_flops_per_s]

@@ -60,7 +60,8 @@ class SearchOptions:
 def misfit_fix(dtype: str) -> str:
     """What a plan that does not fit memory can change: more devices, a smaller batch,
     and 2-byte training where it trains in fp32."""
-    return "add devices, lower --global-batch or use --dtype bf16" if dtype == DType.FP32 else "add devices or lower --global-batch"
+    return "add devices, lower --global-batch or use --dtype bf16" if dtype in (DType.FP32, DType.TF32) else \
+        "add devices or lower --global-batch"
 
 
 def check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:

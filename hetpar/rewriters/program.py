@@ -18,6 +18,7 @@ Each feature's code appears only where the plan asks for it:
 | ``tied.TiedGradients`` | a weight held by two stages (``tied``, found by ``hetpar compile``) |
 | ``rebalance.ReplicaShares`` | ``rebalance_every`` > 0 |
 | ``precision.LossScaler`` | dtype fp16 |
+| ``precision.allow_tf32`` | dtype tf32 |
 | ``torch.autocast`` | dtype bf16 or fp16 |
 | ``shard.apply_tensor_parallel`` | a stage with ``tensor_parallel`` > 1 |
 | ``sequence_parallel=`` of a stage and of ``shard.cut_stage`` | a stage with ``sequence_parallel`` |
@@ -44,7 +45,8 @@ from hetpar.rewriters.launchers import PROGRAM, node_layout
 from hetpar.rewriters.plan_text import plan_dtype
 from hetpar.vocabulary import AggregationKind, CompressionKind, DType, Sharding, SyncScope
 
-_TORCH_DTYPES = {DType.FP32: "torch.float32", DType.BF16: "torch.bfloat16", DType.FP16: "torch.float16"}
+_TORCH_DTYPES = {DType.FP32: "torch.float32", DType.TF32: "torch.float32", DType.BF16: "torch.bfloat16",
+                 DType.FP16: "torch.float16"}
 RULE = "# " + "-" * 77
 
 
@@ -70,6 +72,7 @@ class Features:
     weighted: bool  # replicas' micro-batch sizes differ: each replica's loss is weighted
     autocast: bool
     fp16: bool
+    tf32: bool = False
 
     @classmethod
     def of(cls, plan: ParallelPlan, tied: bool) -> Features:
@@ -94,8 +97,9 @@ class Features:
             tied=tied,
             rebalance=plan.rebalance_every > 0,
             weighted=shares is not None and len(set(shares)) > 1,
-            autocast=dtype != DType.FP32,
+            autocast=dtype not in (DType.FP32, DType.TF32),
             fp16=dtype == DType.FP16,
+            tf32=dtype == DType.TF32,
         )
 
 
@@ -159,7 +163,7 @@ def _imports(f: Features) -> str:
     modules += [name for name, used in (("context", f.context_parallel),
                                         ("data_parallel", f.data_parallel), ("executor", f.pipelined),
                                         ("experts", f.expert_parallel),
-                                        ("precision", f.fp16), ("rebalance", f.rebalance),
+                                        ("precision", f.fp16 or f.tf32), ("rebalance", f.rebalance),
                                         ("schedule", f.pipelined), ("tied", f.tied)) if used]
     names = ", ".join(sorted(modules))
     lines = ["from dataclasses import replace"] if f.chunked else []
@@ -311,6 +315,9 @@ def _rank_setup(plan: ParallelPlan, f: Features, replan: str) -> str:
         f"groups = distributed.build_groups(PLAN_STAGES, me, device{node_ranks})  # collective: all build all groups",
         "stage_plan = PLAN_STAGES[me.stage]  # this rank's row of the table above",
     ]
+    if f.tf32:
+        lines.append("precision.allow_tf32(device)  # plan.dtype 'tf32': float32 matmuls and convolutions on TF32 tensor "
+                     "cores")
     if f.chunked:
         lines.append("chunk_ids = list(range(me.stage, len(PLAN_STAGES), PIPELINE_RANKS))  # the VIRTUAL_STAGES "
                      "stages (model chunks) this rank runs")

@@ -1,4 +1,4 @@
-"""Mixed precision: dynamic loss scaling for fp16, agreed by every rank.
+"""Mixed precision: dynamic loss scaling for fp16, agreed by every rank; TF32 matmuls.
 
 [Note: mixed precision]
 Forward passes run under ``torch.autocast`` in the plan's dtype; parameters, gradients
@@ -87,4 +87,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-__all__ = ["LossScaler"]
+def allow_tf32(device: torch.device) -> None:
+    """Run float32 matmuls and convolutions on TF32 tensor cores, as a plan of dtype "tf32"
+    is costed (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``).
+
+    [Note: TF32]
+    TF32 keeps float32 tensors and float32 accumulation but rounds matmul inputs to a
+    10-bit mantissa, at the tensor cores' TF32 rate (A100: 156 TFLOP/s against 19.5 for
+    float32). torch runs float32 matmuls in IEEE float32 by default and cuDNN
+    convolutions in TF32; a "tf32" plan turns both on, an "fp32" plan leaves torch's
+    defaults (so a convolution of an fp32 plan may run faster than costed). On a device
+    without TF32 tensor cores (before Ampere, CPUs) the switches change nothing and the
+    costs use the fp32 rate (``DeviceProfile.peak_flops``), so this is a no-op off CUDA.
+    """
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+__all__ = ["LossScaler", "allow_tf32"]

@@ -102,7 +102,7 @@ class EstimateConfig:
         if self.virtual_stages > 1 and self.schedule != Schedule.INTERLEAVED:
             raise EstimateError(f"virtual stages ({self.virtual_stages}) need --schedule interleaved, not {self.schedule}")
         if self.dtype not in tuple(DType):
-            raise EstimateError(f"unknown dtype {self.dtype!r}; use one of fp32, bf16, fp16")
+            raise EstimateError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DType)}")
         if self.kernel_efficiency is not None and not self.kernel_efficiency > 0:
             raise EstimateError(f"kernel efficiency must be positive, got {self.kernel_efficiency}")
 
