@@ -160,3 +160,22 @@ def test_a_name_outside_the_vocabulary_is_refused_in_one_line(tmp_path, field, v
     with pytest.raises(PlanError, match=message) as caught:
         ParallelPlan.load(path)
     assert "\n" not in str(caught.value)
+
+
+def test_the_output_says_what_the_proof_bounds_where_the_prediction_differs():
+    """[Note: what the proof bounds]: within 2% the numbers agree and nothing is said;
+    beyond, one line names the number the proof is about."""
+    from hetpar.planner.plan import proof_scope
+
+    def with_numbers(objective_s, step_s, status="optimal"):
+        plan = make_plan()
+        return dataclasses.replace(plan, solver=SolverInfo(status=status, search_time_s=1.0, objective_s=objective_s,
+                                                           objective_gap=0.03),
+                                   predicted=dataclasses.replace(plan.predicted, step_time_s=step_s))
+
+    assert proof_scope(with_numbers(0.1790, 0.1790 * 1.019)) is None
+    note = proof_scope(with_numbers(0.1790, 0.1541))
+    assert note.startswith("proof: optimal for the search's linear step time, 179.00 ms") and "14% lower" in note
+    assert "within 3.0%" in proof_scope(with_numbers(2.0, 2.5, status="feasible")) and "25% higher" in \
+        proof_scope(with_numbers(2.0, 2.5, status="feasible"))
+    assert proof_scope(with_numbers(0.1790, 0.1541, status="heuristic")) is None

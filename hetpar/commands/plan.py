@@ -14,7 +14,8 @@ from hetpar.cost_models.devices import get_device
 from hetpar.commands.profile import profiles_option
 from hetpar.commands.common import console, model_label, model_source, default_compiled, default_dtype, domain_errors, fail, gib, print_json, rank_ranges, seconds
 from hetpar.planner import (
-    DataParallelSync, Objective, ParallelPlan, SearchOptions, default_split, plan_model, resolve_prices, usd_per_step,
+    DataParallelSync, Objective, ParallelPlan, SearchOptions, default_split, plan_model, proof_scope, resolve_prices,
+    usd_per_step,
 )
 from hetpar.vocabulary import AggregationKind, CompressionKind, DType, ObjectiveKind, Recompute, Schedule, Switch, SyncScope
 from hetpar.runtime.model_file import parse_model_args
@@ -234,5 +235,8 @@ def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[d
     info = plan.solver
     status = f"{info.status}: {info.reason}" if info.reason else info.status
     console.print(f"solver: {status} over {info.candidates} candidates; trace {info.trace_time_s:.2f} s, search {info.search_time_s:.2f} s")
+    bound = proof_scope(plan)
+    if bound:
+        console.print(bound)
     if output is not None:
         console.print(f"wrote {output}")

@@ -35,6 +35,7 @@ _HOMES = {
     "SolverInfo": "hetpar.planner.plan",
     "StagePlan": "hetpar.planner.plan",
     "write_text_atomic": "hetpar.planner.plan",
+    "proof_scope": "hetpar.planner.plan",
     "PlanFileError": "hetpar.planner.errors",
     "PlanningError": "hetpar.planner.errors",
     "ModelGraph": "hetpar.planner.model_graph",

@@ -448,7 +448,37 @@ def _renamed(fields: dict, **old_to_new: str) -> dict:
     """``fields`` with keys of older plan files under their current names."""
     return {old_to_new.get(k, k): v for k, v in fields.items()}
 
+
+# [Note: what the proof bounds]
+# The search proves a plan optimal (or within its gap) for the linear step time of
+# [Note: split objective], which CP-SAT optimises exactly; the plan's prediction is
+# planner.estimate's simulation of the schedule ([Note: plan prediction]). Where the
+# two differ by more than PROOF_AGREEMENT, the proof says nothing about the printed
+# number: another candidate may simulate faster. ``proof_scope`` says so in one line.
+PROOF_AGREEMENT = 0.02
+
+
+def proof_scope(plan: ParallelPlan) -> str | None:
+    """One line on what the search's proof is about, where the plan's printed step time
+    and the objective the search minimised differ by more than PROOF_AGREEMENT; None
+    where they agree, or no search proved anything ([Note: what the proof bounds])."""
+    info, step = plan.solver, plan.predicted.step_time_s
+    if info.status not in ("optimal", "feasible") or info.objective_s <= 0 or step <= 0:
+        return None
+    apart = (step - info.objective_s) / info.objective_s
+    if abs(apart) <= PROOF_AGREEMENT:
+        return None
+    claim = "optimal" if info.status == "optimal" else f"within {info.objective_gap:.1%}"
+    return (f"proof: {claim} for the search's linear step time, {_seconds(info.objective_s)} for this plan; the "
+            f"predicted step above simulates the schedule and is {abs(apart):.0%} {'lower' if apart < 0 else 'higher'}, "
+            f"so it ranks no other candidate")
+
+
+def _seconds(t: float) -> str:
+    return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.3f} s"
+
 __all__ = [
+    "PROOF_AGREEMENT",
     "ParallelPlan",
     "StagePlan",
     "ModelRef",
@@ -457,5 +487,6 @@ __all__ = [
     "SolverInfo",
     "Schedule",
     "Sharding",
+    "proof_scope",
     "write_text_atomic",
 ]
