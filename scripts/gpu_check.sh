@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check anyone with one CUDA GPU can run (its runs: docs/benchmarks/gpu-validate_*.md):
 #   tests     the `gpu` tests (timing with CUDA events against a synchronised step);
-#   validate  six single-GPU plans of examples/gpt.py (350M and 1.3B parameters, several
-#             micro-batch sizes, with and without recompute) and two of
+#   validate  seven single-GPU plans of examples/gpt.py (350M and 1.3B parameters, several
+#             micro-batch sizes, with and without recompute, one in tf32) and two of
 #             examples/moe_gpt.py (8 experts, top 2: grouped_mm in bf16) planned with the
 #             datasheet profile for eager stages (--no-compile) and run by `hetpar validate`;
 #   loops     the 1.3B plan at micro-batch 8 against hand-written loops (eager AdamW,
@@ -13,7 +13,7 @@
 #             (Korthikanti's: scores recomputed in backward), validated the same way;
 #   hfflow    the Hugging Face path on this GPU: a Llama checkpoint written with
 #             save_pretrained and a token file, `hetpar plan --hf`, compile, 5 steps from
-#             the checkpoint on the file with --save-hf, and from_pretrained of the result
+#             the checkpoint on the file with --save-hf and a held-out loss, and from_pretrained of the result
 #             (not among the default parts: GPU_CHECK_PARTS=hfflow);
 #   profile   `hetpar profile` of this GPU;
 #   repredict the plans predicted again with the measured profile;
@@ -71,7 +71,8 @@ else
 fi
 CLUSTER=${CLUSTER:-1x1xH200-141GB}
 
-# name model micro-batch recompute [model file, default examples/gpt.py]; the global batch is two micro-batches
+# name model micro-batch recompute [model file, default examples/gpt.py] [dtype, default the plan's: bf16 on GPUs];
+# the global batch is two micro-batches
 CONFIGS="350m_mb4_none M350 4 none
 350m_mb16_none M350 16 none
 350m_mb16_full M350 16 full
@@ -81,7 +82,8 @@ CONFIGS="350m_mb4_none M350 4 none
 moe_mb4_none MOE 4 none examples/moe_gpt.py
 moe_mb8_none MOE 8 none examples/moe_gpt.py
 unfused_mb4_none UNF 4 none benchmarks/published/gpt.py
-unfused_mb4_sel UNF 4 selective benchmarks/published/gpt.py"
+unfused_mb4_sel UNF 4 selective benchmarks/published/gpt.py
+350m_mb8_tf32 M350 8 none examples/gpt.py tf32"
 
 # GPU_CHECK_CONFIGS=a,b keeps only those configurations (e.g. 350m_mb4_none for a quick check)
 if [ -n "${GPU_CHECK_CONFIGS:-}" ]; then
@@ -90,10 +92,10 @@ fi
 
 # each_config FUNCTION: calls FUNCTION name plan-arguments... for each configuration
 each_config() {
-    while read -r name model mb recompute file; do
+    while read -r name model mb recompute file dtype; do
         declare -n margs=$model
         "$1" "$name" "${file:-examples/gpt.py}" "${margs[@]}" -c "$CLUSTER" -b $((2 * mb)) --micro-batch-size "$mb" \
-            --recompute "$recompute" --no-compile
+            --recompute "$recompute" --no-compile ${dtype:+--dtype "$dtype"}
         unset -n margs
     done <<<"$CONFIGS"
 }
@@ -147,7 +149,7 @@ EOF
     { hetpar plan --hf "$hf/ckpt" --seq-len "$HF_SEQ" -c "$CLUSTER" -b 8 -o "$hf/plan.json" >/dev/null \
         && hetpar compile "$hf/plan.json" -o "$hf/build" >/dev/null \
         && (cd "$hf/build" && timeout 300 "$PY" train.py --steps 5 --init-from ../ckpt --data ../train.bin \
-                --save-hf ../trained --metrics ../metrics.jsonl 2>&1 | tail -n 3) \
+                --eval-data ../train.bin --eval-batches 2 --save-hf ../trained --metrics ../metrics.jsonl 2>&1 | tail -n 4) \
         && "$PY" -c "import sys, transformers as tf; m = tf.AutoModelForCausalLM.from_pretrained(sys.argv[1]); print('hfflow: from_pretrained loads', type(m).__name__)" "$hf/trained"; } \
         2>&1 | tee "$OUT_DIR/hfflow.log"
 fi
