@@ -84,6 +84,28 @@ def test_module_stages_pin_no_device(kind):
         torch.ones(2, SEQ, device="meta") + torch.arange(SEQ)  # what a pinned constant does
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_module_stage_recomputes_its_final_norm_and_head_as_a_traced_stage_does(kind):
+    """Under recompute the last layer (final norm and head) is checkpointed with the
+    blocks: the same logits and gradients, and under full recompute the norm's saved
+    tensors are gone (what the costs assume: a traced stage recomputes every layer)."""
+    model = _decoder(kind)
+    names = _layer_names(model)
+    tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for mode in ("none", "full"):
+        stage = cut_module_stage(model, (tokens,), (len(names) - 1, len(names) - 1), names, recompute=mode)
+        x = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            logits = stage.module(x).logits
+        logits.pow(2).mean().backward()
+        runs[mode] = (logits.detach(), x.grad, sum(saved))
+    torch.testing.assert_close(runs["full"][0], runs["none"][0], rtol=0, atol=0)
+    torch.testing.assert_close(runs["full"][1], runs["none"][1], rtol=0, atol=0)
+    assert runs["full"][2] < runs["none"][2] - 2 * SEQ * 64  # the final norm's [2, T, 64] tensors at least
+
+
 def _block_sharding(source: str, tmp_path, block: int = 0):
     """planner.module_tp.block_sharding of a model file's block, as the planner's trace calls it."""
     from hetpar.planner.capture import block_sharding

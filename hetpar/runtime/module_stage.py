@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from hetpar.runtime.graph import Stage, TensorSpec
 from hetpar.runtime.parts import PartError
@@ -168,11 +169,22 @@ class DecoderStage(nn.Module):
                 h = checkpoint_call(call, h, mode=self._recompute)
         if not self._heads:
             return (h if seq is None else gather_sequence(h, seq),)
+        head = self.get_submodule(layout.head)
+        if seq is None and not isinstance(head.weight, DTensor):  # recomputed as a traced stage's last layer is
+            return self._output_type(logits=checkpoint_call(self._final_layer, h, mode=self._recompute))
         for name in layout.norm:
             h = base.get_submodule(name)(h)
         if seq is not None:
             h = gather_sequence(h, seq, partial_grad=seq.head_partial_grad)
-        return self._output_type(logits=self.get_submodule(layout.head)(h))
+        return self._output_type(logits=head(h))
+
+    def _final_layer(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and the head: the stage's last layer, which the costs recompute
+        with the blocks (the cost model's layer of ``norm+lm_head``)."""
+        base = self.get_submodule(self._layout.base)
+        for name in self._layout.norm:
+            h = base.get_submodule(name)(h)
+        return self.get_submodule(self._layout.head)(h)
 
     def _positions_and_masks(self, h: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The position ids of ``h``'s tokens and the masks by attention kind: 0 .. T - 1
