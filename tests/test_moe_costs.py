@@ -41,7 +41,6 @@ def _load(path: Path):
 # decoders it runs as module stages ([Note: causal masks], [Note: causal attention
 # FLOPs]); norms, rotary embeddings, softmax and routing arithmetic are elementwise,
 # counted apart.
-CAUSAL_KERNEL = {"mixtral"}  # of FAMILIES: runtime/module_stage.py's _LLAMA_LIKE
 
 
 def pairs(tokens, causal):
@@ -87,6 +86,15 @@ def num_experts(cfg):
     return getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or cfg.n_routed_experts
 
 
+def runs_causal(family) -> bool:
+    """Whether the program runs the family as module stages, its attention causal without
+    a mask (runtime.module_stage.decoder_layout finds its layout)."""
+    from hetpar.runtime.module_stage import decoder_layout
+
+    with torch.device("meta"):
+        return decoder_layout(_load(HF_MOE).build_model(family)) is not None
+
+
 def moe_layer(family, cfg, tokens):
     """(forward FLOPs of a mixture-of-experts layer, of its experts alone)."""
     hidden, count, top_k = cfg.hidden_size, num_experts(cfg), cfg.num_experts_per_tok
@@ -99,7 +107,7 @@ def moe_layer(family, cfg, tokens):
     shared = 0
     if family == "qwen2_moe":  # a shared expert, gated per token by a Linear to one logit
         shared = gated_mlp(tokens, hidden, cfg.shared_expert_intermediate_size) + linear(tokens, hidden, 1)
-    return attention(cfg, tokens, family in CAUSAL_KERNEL) + router + routed + shared, routed
+    return attention(cfg, tokens, runs_causal(family)) + router + routed + shared, routed
 
 
 def dense_layer(family, cfg, tokens):

@@ -170,13 +170,18 @@ class TokenFile:
 
     def sequences(self, seed: int, samples: range) -> torch.Tensor:
         """The sequences of samples ``samples`` of the stream, ``[len(samples), T + 1]`` int64."""
-        n, width = self.num_sequences, self.seq_len + 1
-        chosen = [int(self.order(seed, i // n)[i % n]) for i in samples]
+        n = self.num_sequences
+        return self._windows([int(self.order(seed, i // n)[i % n]) for i in samples])
+
+    def _windows(self, chosen: list[int], flag: str = "--data") -> torch.Tensor:
+        """Sequences ``chosen`` (their T + 1 tokens each), ``[len(chosen), T + 1]`` int64,
+        their ids checked against the vocabulary ([Note: token data])."""
+        width = self.seq_len + 1
         out = np.empty((len(chosen), width), dtype=np.int64)
         for row, j in enumerate(chosen):
             out[row] = self.tokens[j * self.seq_len:j * self.seq_len + width]
         if out.size and int(out.max()) >= self.vocab_size:
-            raise DataError(f"--data {self.path} holds token id {int(out.max())} in sequence(s) "
+            raise DataError(f"{flag} {self.path} holds token id {int(out.max())} in sequence(s) "
                             f"{sorted(set(chosen))[:4]}, but the model's vocabulary has {self.vocab_size} ids")
         return torch.from_numpy(out)
 
@@ -206,15 +211,8 @@ class TokenFile:
         if num_batches * batch_size > self.num_sequences:
             raise ValueError(f"{num_batches} batches of {batch_size} need {num_batches * batch_size} sequences; "
                              f"{self.path} holds {self.num_sequences}")
-        width = self.seq_len + 1
         for b in range(num_batches):
-            out = np.empty((len(rows), width), dtype=np.int64)
-            for row, j in enumerate(range(b * batch_size + rows.start, b * batch_size + rows.stop)):
-                out[row] = self.tokens[j * self.seq_len:j * self.seq_len + width]
-            if out.size and int(out.max()) >= self.vocab_size:
-                raise DataError(f"--eval-data {self.path} holds token id {int(out.max())} in held-out batch {b}, but "
-                                f"the model's vocabulary has {self.vocab_size} ids")
-            seqs = torch.from_numpy(out)
+            seqs = self._windows(list(range(b * batch_size + rows.start, b * batch_size + rows.stop)), "--eval-data")
             yield (seqs[:, :-1],), seqs[:, 1:]
 
 
