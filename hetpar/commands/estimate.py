@@ -30,6 +30,7 @@ def estimate(
     model_file: Annotated[Optional[Path], typer.Argument(help="Python file defining build_model() and example_inputs() (or --hf instead).", show_default=False)] = None,
     cp: Annotated[int, typer.Option(help="Context parallelism: every sequence split over this many ranks (the cluster holds dp * cp * tp * pp devices).")] = 1,
     sp: Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism on every stage with tp > 1.")] = False,
+    offload: Annotated[bool, typer.Option("--offload/--no-offload", help="Keep every stage's ZeRO-3 shard in host memory and step it on the CPUs (needs --zero 3 and dp > 1; devices whose profile states their host).")] = False,
     ep: Annotated[int, typer.Option(help="Expert parallelism: the experts split over this many data-parallel replicas (divides dp).")] = 1,
     expert_imbalance: Annotated[float, typer.Option(help="Under expert parallelism, the busiest rank receives this many times the uniform share of routed tokens (1: uniform routing).")] = 1.0,
     stage_layers: Annotated[Optional[str], typer.Option(help="Layers per stage, e.g. 7,9,9,9 (pp * virtual-stages entries) \\[default: Megatron's, blocks evenly with the embedding first and the head last; else even].")] = None,
@@ -56,7 +57,7 @@ def estimate(
     the_cluster = parse_cluster(cluster, profiles=profiles_option(profile))
     config = EstimateConfig(
         global_batch_size=global_batch, dp=dp, tp=tp, pp=pp, micro_batch_size=micro_batch_size, ep=ep, expert_imbalance=expert_imbalance,
-        cp=cp, sequence_parallel=sp, dtype=dtype.value if dtype else default_dtype(the_cluster.device_types()),
+        cp=cp, sequence_parallel=sp, offload=offload, dtype=dtype.value if dtype else default_dtype(the_cluster.device_types()),
         schedule=schedule.value, virtual_stages=virtual_stages, recompute=recompute.value, zero_stage=zero,
         optimizer=optimizer.value, stage_layers=_layer_counts(stage_layers), stage_devices=_names(stage_devices),
         scatter_gather=scatter_gather, overlap_grad_reduce=overlap_grad_reduce, kernel_efficiency=kernel_efficiency,
@@ -104,7 +105,7 @@ def print_summary(result: Estimate, layer_names: list[str]) -> None:
     console.print(f"layout: {result.layout}")
     sched = c.schedule + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else "")
     console.print(f"dp={c.dp}{f' ep={c.ep}' if c.ep > 1 else ''} tp={c.tp} pp={c.pp}  micro-batch {c.micro_batch_size} x {c.num_microbatches}  schedule {sched}  "
-                  f"recompute {c.recompute}  zero {c.zero_stage}  dtype {c.dtype}")
+                  f"recompute {c.recompute}  zero {c.zero_stage}{' offload' if c.offload else ''}  dtype {c.dtype}")
     t, p = result.time, result.predicted
     console.print(
         f"predicted step {seconds(p.step_time_s)}  ({p.throughput_samples_per_s:.1f} samples/s, "

@@ -39,6 +39,7 @@ def plan(
     cp: Annotated[Optional[int], typer.Option(help="Pin context parallelism: every sequence split over this many ranks (an early and a late chunk each), keys and values all-gathered for attention \\[default: searched among powers of two up to --max-cp that divide the replicas and cut the sequence into 2 cp chunks; 1 for a model without token inputs and attention].", show_default=False)] = None,
     max_cp: Annotated[int, typer.Option(help="Largest context-parallel degree the search offers.")] = 16,
     sp: Annotated[Switch, typer.Option("--sp", help="Sequence parallelism inside each stage's tensor-parallel group (norms, dropout and residuals on 1/tp of the sequence): auto: on every stage with tp > 1 whose sequence divides by tp under recompute (it holds 1/tp of the activations and moves the same bytes), searched per stage without recompute (one more all-gather per colwise input in backward); on: on every such stage (a model it cannot split is refused); off: never.")] = Switch.AUTO,
+    offload: Annotated[Switch, typer.Option("--offload", help="Keep a ZeRO-3 stage's shard (weights, gradients, optimizer state) in host memory and step it on the CPUs (FSDP2's CPU offload): auto: searched per stage only when no plan fits without it; on: on every stage (needs dp > 1 and schedule 1f1b or gpipe); off: never. Only devices whose profile states their host link and host memory bandwidth offload (A100, H100, H200, GH200, V100); CPU workers never.")] = Switch.AUTO,
     ep: Annotated[Optional[int], typer.Option(help="Pin expert parallelism: each stage's experts split over this many data-parallel replicas, tokens exchanged by all-to-all \\[default: searched among the divisors of the experts per layer that divide dp; 1 for a model without experts].", show_default=False)] = None,
     micro_batch_size: Annotated[Optional[int], typer.Option(help="Pin the micro-batch size.")] = None,
     schedule: Annotated[Optional[Schedule], typer.Option(help="Pin the pipeline schedule (zb is ZB-H1) \\[default: 1f1b, zb and interleaved are searched; gpipe only when pinned].")] = None,
@@ -72,6 +73,7 @@ def plan(
         global_batch_size=global_batch,
         dtype=(dtype.value if dtype else default_dtype(the_cluster.device_types())),
         dp=dp, tp=tp, pp=pp, ep=ep, expert_imbalance=expert_imbalance, cp=cp, max_cp=max_cp, sequence_parallel=sp.value,
+        offload=offload.value,
         micro_batch_size=micro_batch_size,
         schedule=schedule.value if schedule else None,
         recompute=recompute.value if recompute else None,
@@ -206,7 +208,7 @@ def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[d
         layers = names[s.layers[0]] if len(s.layers) == 1 else f"{names[s.layers[0]]} .. {names[s.layers[-1]]} ({len(s.layers)})"
         ranks = rank_ranges(s.ranks)
         memory = plan.predicted.peak_memory_bytes[s.index % plan.pipeline_parallel]
-        table.add_row(str(s.index), layers, s.device_type, f"{s.tensor_parallel}{' sp' if s.sequence_parallel else ''}", ranks, s.recompute, str(s.zero_stage), gib(memory))
+        table.add_row(str(s.index), layers, s.device_type, f"{s.tensor_parallel}{' sp' if s.sequence_parallel else ''}", ranks, s.recompute, f"{s.zero_stage}{' offload' if s.offload else ''}", gib(memory))
     console.print(table)
     p = plan.predicted
     console.print(

@@ -55,7 +55,10 @@ _CALIBRATED_FIELDS = ("op_overhead_s", "step_overhead_s", "kernel_efficiency", "
                       "matmul_narrow_width", "late_receive_s")
 # Power draw: a datasheet's TDP, or measured (NVML); see [Note: energy model] in cost_models/energy.py.
 _POWER_FIELDS = ("power_w", "idle_power_w")
-_OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",) + _CALIBRATED_FIELDS + _POWER_FIELDS
+# The host a device's training state may be offloaded to ([Note: offload costs] in
+# cost_models/offload.py); None where the profile states no host.
+_HOST_FIELDS = ("host_link_bw_bytes_per_s", "host_mem_bw_bytes_per_s")
+_OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",) + _CALIBRATED_FIELDS + _POWER_FIELDS + _HOST_FIELDS
 _STRING_FIELDS = ("name", "vendor", "intra_node_link")
 _OPTIONAL_STRING_FIELDS = ("fingerprint",)
 _TABLE_FIELDS = ("peak_flops_per_s", "collectives", "sources", "matmul_rows_efficiency", "matmul_narrow_efficiency",
@@ -164,6 +167,13 @@ class DeviceProfile:
     # it waits (None: cost_models.energy's stated fraction of power_w); None where no source.
     power_w: float | None = None
     idle_power_w: float | None = None
+    # The link between one device and its host's memory, one direction (PCIe, NVLink-C2C),
+    # and the host memory bandwidth one device's share of the host CPUs reaches (the
+    # node's CPU memory bandwidth over its devices): what FSDP2's CPU offload moves over
+    # and steps the optimizer at ([Note: offload costs] in cost_models/offload.py). None
+    # where no source states the host; such a device is never offloaded.
+    host_link_bw_bytes_per_s: float | None = None
+    host_mem_bw_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         _check_profile(self)
@@ -278,6 +288,10 @@ def _check_profile(p: DeviceProfile) -> None:
         value = getattr(p, key)
         if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ProfileError(f"{who}: {key} must be a positive number of watts when given, got {value!r}")
+    for key in _HOST_FIELDS:
+        value = getattr(p, key)
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ProfileError(f"{who}: {key} must be a positive number of bytes per second when given, got {value!r}")
     if p.idle_power_w is not None and (p.power_w is None or p.idle_power_w > p.power_w):
         raise ProfileError(f"{who}: idle_power_w ({p.idle_power_w} W) needs a power_w at least as large")
     for key in ("kernel_efficiency", "backward_kernel_efficiency"):

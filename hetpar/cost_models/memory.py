@@ -124,9 +124,10 @@ def state_bytes_per_param(dtype: str, optimizer: str = Optimizer.ADAMW) -> tuple
 
 def training_state_bytes(
     layers: Sequence[LayerProfile], *, tp: int, dtype: str, optimizer: str = Optimizer.ADAMW, dp: int = 1, zero_stage: int = 0,
-    extra_params: float = 0.0,
+    extra_params: float = 0.0, offload: bool = False,
 ) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes one rank holds for ``layers``; see [Note: ZeRO stages].
+    """(weights, gradients, optimizer) bytes one rank holds in device memory for ``layers``; see
+    [Note: ZeRO stages] (and [Note: offload costs] for ``offload``: the gathered buffers only).
 
     Args:
         layers: the stage's layers.
@@ -143,7 +144,7 @@ def training_state_bytes(
     """
     check_choices(optimizer=optimizer, zero_stage=zero_stage)
     params = sum(l.params_at(tp) for l in layers) + extra_params
-    w, g, o = sharded_state_bytes_per_param(dtype, optimizer, dp=dp, zero_stage=zero_stage)
+    w, g, o = sharded_state_bytes_per_param(dtype, optimizer, dp=dp, zero_stage=zero_stage, offload=offload)
     weights, grads, opt = params * w, params * g, params * o
     if zero_stage == 3 and dp > 1 and layers:
         largest = max(l.params_at(tp) for l in layers)
@@ -153,12 +154,17 @@ def training_state_bytes(
     return weights, grads, opt
 
 
-def sharded_state_bytes_per_param(dtype: str, optimizer: str = Optimizer.ADAMW, *, dp: int = 1, zero_stage: int = 0) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes one rank keeps per parameter of its stage under
-    ZeRO ``zero_stage`` over ``dp`` replicas, between steps; see [Note: ZeRO stages].
+def sharded_state_bytes_per_param(dtype: str, optimizer: str = Optimizer.ADAMW, *, dp: int = 1, zero_stage: int = 0,
+                                  offload: bool = False) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes one rank keeps in device memory per parameter of
+    its stage under ZeRO ``zero_stage`` over ``dp`` replicas, between steps; see [Note: ZeRO
+    stages]. None with ``offload``: the shard lives in host memory ([Note: offload costs] in
+    cost_models/offload.py).
 
     ZeRO-3's gathered working buffers come on top (``zero3_buffer_bytes``).
     """
+    if offload:
+        return 0.0, 0.0, 0.0
     w, g, o = state_bytes_per_param(dtype, optimizer)
     shard = [1 / dp if zero_stage >= level else 1.0 for level in (3, 2, 1)]
     return w * shard[0], g * shard[1], o * shard[2]

@@ -77,6 +77,7 @@ def estimate_config(plan: ParallelPlan, graph) -> EstimateConfig:
         expert_imbalance=plan.expert_imbalance,
         cp=plan.context_parallel,
         stage_sp=tuple(s.sequence_parallel for s in ranks),
+        stage_offload=tuple(s.offload for s in ranks),
     )
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from hetpar.cost_models.devices import ProfileError
 from hetpar.cost_models.grad_sync import PLAIN, SyncMethod
 from hetpar.cost_models.layers import tp_misfit
+from hetpar.cost_models.offload import offload_refusal
 from hetpar.planner.errors import PlanningError
 from hetpar.planner.model_graph import ModelGraph
 from hetpar.vocabulary import DType, Optimizer, Recompute, Schedule, Switch, ZeroStage
@@ -55,6 +56,10 @@ class SearchOptions:
     cp: int | None = None  # context parallelism, pinned; searched among powers of two up to max_cp when None
     max_cp: int = 16
     sequence_parallel: str = Switch.AUTO  # auto: searched ([Note: sequence parallelism costs]); on: every stage with tp > 1; off: none
+    # the ZeRO-3 shard in host memory ([Note: offload costs] in cost_models.offload): on, every
+    # stage; off, none; auto, searched per stage where no plan fits without it ([Note: offload search])
+    offload: str = Switch.AUTO
+    offload_offered: bool = False  # set by the search's second pass under auto: offload modes offered beside the others
 
 
 def misfit_fix(dtype: str) -> str:
@@ -111,6 +116,23 @@ def check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
     check_stage_pins(model, cluster, options)
     check_expert_pins(model, options)
     check_sequence_pins(model, options)
+    check_offload_pins(cluster, options)
+
+
+def check_offload_pins(cluster, options: SearchOptions) -> None:
+    """Refuse an --offload the cluster or the other pins cannot take, in one line."""
+    if options.offload not in tuple(Switch):
+        raise PlanningError(f"unknown --offload {options.offload!r}; use auto, on or off")
+    if options.offload != Switch.ON:
+        return
+    if options.zero not in (None, 3):
+        raise PlanningError(f"--offload on keeps ZeRO-3 shards in host memory; drop --zero {options.zero} or pin --zero 3")
+    for device_type in cluster.count_by_type():
+        reason = offload_refusal(cluster.profile(device_type))
+        if reason:
+            raise PlanningError(f"--offload on: {reason}; drop --offload")
+    if options.dp == 1:
+        raise PlanningError("--offload on shards the training state over data-parallel replicas (ZeRO-3); drop --dp 1")
 
 
 def check_sequence_pins(model: ModelGraph, options: SearchOptions) -> None:

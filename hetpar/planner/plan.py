@@ -64,6 +64,10 @@ class StagePlan:
     # data_parallel * context_parallel rows, row d trains data replica d // cp on context
     # chunks d % cp ([Note: context parallelism] in runtime/context.py)
     context_parallel: int = 1
+    # the stage's ZeRO-3 shard (weights, gradients, optimizer state) kept in host memory,
+    # its optimizer step run on the host CPUs ([Note: offload through FSDP2] in
+    # runtime/data_parallel.py); zero_stage 3 only
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.zero_stage not in tuple(ZeroStage):
@@ -84,6 +88,11 @@ class StagePlan:
                                 f"integer dividing its {len(self.ranks)} rows of ranks")
         if type(self.sequence_parallel) is not bool:
             raise PlanFileError(f"stage {self.index}: sequence_parallel({self.sequence_parallel!r}) must be true or false")
+        if type(self.offload) is not bool:
+            raise PlanFileError(f"stage {self.index}: offload({self.offload!r}) must be true or false")
+        if self.offload and (self.zero_stage != 3 or len(self.ranks) < 2):
+            raise PlanFileError(f"stage {self.index}: offload keeps a ZeRO-3 shard in host memory; it needs zero_stage 3 "
+                                f"and two or more rows of ranks, the stage has zero_stage {self.zero_stage} and {len(self.ranks)}")
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise PlanFileError(f"stage {self.index}: sequence_parallel needs tensor_parallel > 1 (it shards the "
                                 f"sequence over the tp ranks)")

@@ -145,8 +145,9 @@ def _check_stage(s: int, stage: Any) -> None:
         _integer(f"{where}.{field}", getattr(stage, field), minimum=0)
     _integer(f"{where}.expert_parallel", stage.expert_parallel, minimum=1)
     _integer(f"{where}.context_parallel", stage.context_parallel, minimum=1)
-    if type(stage.sequence_parallel) is not bool:
-        raise CompileError(f"plan field {where}.sequence_parallel must be true or false; {REPLAN}")
+    for field in ("sequence_parallel", "offload"):
+        if type(getattr(stage, field)) is not bool:
+            raise CompileError(f"plan field {where}.{field} must be true or false; {REPLAN}")
     for layer in stage.layers:
         _integer(f"{where}.layers", layer, minimum=0)
     for replica in stage.ranks:

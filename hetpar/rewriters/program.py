@@ -217,6 +217,8 @@ def _stage_spec_source(plan: ParallelPlan, stage: StagePlan) -> str:
     if stage.sequence_parallel:  # [Note: sequence parallelism] in hetpar/runtime/sequence.py
         lines.append(f"        sequence_parallel={stage.sequence_parallel!r},  # norms and residuals on 1/tp of the "
                      f"sequence")
+    if stage.offload:  # [Note: offload through FSDP2] in hetpar/runtime/data_parallel.py
+        lines.append(f"        offload={stage.offload!r},  # the ZeRO-3 shard in host memory, stepped by the CPUs")
     if stage.context_parallel > 1:  # [Note: context parallelism] in hetpar/runtime/context.py
         lines.append(f"        context_parallel={stage.context_parallel!r},  # each sequence split over runs of this "
                      f"many replicas")
@@ -425,6 +427,8 @@ def _data_parallel(plan: ParallelPlan, f: Features) -> list[str]:
         if f.compression else "all-reduce"
     if any(s.zero_stage > 0 for s in plan.stages):
         how = f"ZeRO through FSDP2 where stage_plan.zero_stage > 0, else {how}"
+    if any(s.offload for s in plan.stages):
+        how = f"{how} (the shard in host memory where stage_plan.offload)"
 
     call = _wrapped(f"grad_sync = data_parallel.wrap({', '.join(['model_shard', 'stage_plan', 'groups', *options])})",
                     indent=" " * len("grad_sync = data_parallel.wrap("))

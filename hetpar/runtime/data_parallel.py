@@ -59,11 +59,27 @@ its knobs:
 Limits, honestly: FSDP2 frees gathered parameters after the step, so ZeRO-1 and -2
 keep parameters sharded between steps too (the parameter all-gather of the next step
 plus the gradient reduce-scatter move what one all-reduce moves); ZeRO-1 holds full
-gradients during the step, ZeRO-2 and -3 only their shards. The whole stage is one
-FSDP unit: a stage module is a flat fx graph, so its layers are never called as
-modules and cannot be units of their own; ZeRO-3 therefore gathers the whole stage's
-parameters at once (its peak holds one stage's full parameters, not one layer's).
+gradients during the step, ZeRO-2 and -3 only their shards. Under ZeRO-1 and -2 the
+whole stage is one FSDP unit. Under ZeRO-3 each module the stage calls as a module
+(``fsdp_units``: in a traced stage the fx graph's ``call_module`` targets that hold
+parameters, a Linear, a norm, an embedding; in a Hugging Face module stage each decoder
+block) is a unit of its own, gathered before its forward and its backward and resharded
+after each, its gradient reduce-scattered when its backward ends; the stage's other
+parameters (a tied weight, one read by ``get_attr``) form the stage's own unit. So a
+ZeRO-3 rank holds a few modules' full weights at a time, within the two layers' that
+cost_models/memory.py counts ([Note: ZeRO stages]), not the whole stage's.
 A stage with tensor parallelism is sharded over a 2-D (dp, tp) mesh.
+
+[Note: offload through FSDP2]
+A stage whose plan says ``offload`` (ZeRO-3 only) passes FSDP2 a ``CPUOffloadPolicy``:
+its shard of the parameters, their gradients and so the optimizer state live in host
+memory. Each all-gather first copies the shard to the device, each reduce-scattered
+gradient shard is copied back and accumulated on the host, and the optimizer steps the
+host tensors on the CPUs (torch's fused AdamW where the optimizer is AdamW: the
+for-each one is several times slower on CPU tensors). Pinned host memory (the copies
+then run asynchronously) where the stage computes on an accelerator; plain memory on
+CPU workers, which the planner never offloads ([Note: offload costs] in
+cost_models/offload.py) but which run such a plan as written.
 """
 
 from __future__ import annotations
@@ -73,8 +89,9 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch import fx
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hetpar.runtime.buckets import BUCKET_CAP_BYTES, GradientSync, grad_buckets, local, pack, unflatten
@@ -281,18 +298,56 @@ class CompressedAllReduce(GradientSync):
 class FullyShard(GradientSync):
     """ZeRO through FSDP2; see [Note: ZeRO through FSDP2]."""
 
-    def __init__(self, module: nn.Module, mesh: Any, zero_stage: int):
+    def __init__(self, module: nn.Module, mesh: Any, zero_stage: int, offload: bool = False):
         self.zero_stage = zero_stage
+        self.offload = offload
         self.replicas = mesh.size()
-        self.module: FSDPModule = fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage == 3)
+        # [Note: offload through FSDP2]: pinned host memory only beside an accelerator
+        policy = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if offload else OffloadPolicy()
+        self.units = fsdp_units(module) if zero_stage == 3 else []
+        for unit in self.units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
+        self.module: FSDPModule = fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage == 3,
+                                              offload_policy=policy)
 
     def __str__(self) -> str:
-        return f"ZeRO-{self.zero_stage} through FSDP2 over {self.replicas} replicas"
+        where = ", the shard in host memory" if self.offload else ""
+        return f"ZeRO-{self.zero_stage} through FSDP2 over {self.replicas} replicas{where}"
 
     def before_backward(self, last: bool) -> None:
         self.module.set_is_last_backward(last)
         self.module.set_requires_gradient_sync(last or self.zero_stage >= 2)
         self.module.set_reshard_after_backward(last or self.zero_stage == 3)
+
+
+def fsdp_units(module: nn.Module) -> list[nn.Module]:
+    """The sub-modules a ZeRO-3 stage gathers one at a time ([Note: ZeRO through FSDP2]): those
+    its fx graph calls as modules (``call_module``) that hold parameters, read by no
+    ``get_attr`` and share none with another (a unit inside another is left to it); a
+    Hugging Face module stage's decoder blocks (its ``fsdp_units()``). Empty otherwise."""
+    if callable(getattr(module, "fsdp_units", None)):
+        return module.fsdp_units()
+    graphs = [m for m in module.modules() if isinstance(m, fx.GraphModule)]
+    owners: dict[int, int] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    units: list[nn.Module] = []
+    for graph in graphs:
+        fetched = [n.target for n in graph.graph.nodes if n.op == "get_attr"]
+        for target in sorted({n.target for n in graph.graph.nodes if n.op == "call_module"}):
+            sub = graph.get_submodule(target)
+            params = list(sub.parameters())
+            if not params or any(f == target or f.startswith(target + ".") for f in fetched):
+                continue
+            if any(owners[id(p)] > 1 for p in params) or any(sub is u or _inside(sub, u) for u in units):
+                continue
+            units.append(sub)
+    return units
+
+
+def _inside(module: nn.Module, other: nn.Module) -> bool:
+    return any(module is m for m in other.modules())
 
 
 def _group_of(state: Any) -> dist.ProcessGroup:
@@ -352,7 +407,7 @@ def _sync_method(module: nn.Module, stage: StageSpec, groups: Groups, compressio
     if stage.expert_parallel > 1:
         return ExpertParallelSync(params, expert_parameters(module), groups, dp, stage.expert_parallel)
     if stage.zero_stage > 0:
-        return FullyShard(module, groups.dp_mesh, stage.zero_stage)
+        return FullyShard(module, groups.dp_mesh, stage.zero_stage, stage.offload)
     if sync_every > 1:
         node = groups.dp_node_group if sync_scope == SyncScope.NODE else None
         inside = AllReduce(params, node, node.size()) if node is not None else GradientSync()

@@ -61,6 +61,7 @@ class StageSpec:
     expert_parallel: int = 1  # experts split over runs of this many replicas (runtime.experts)
     sequence_parallel: bool = False  # the residual stream sharded over the tp ranks' sequence (runtime.sequence)
     context_parallel: int = 1  # every sequence split over runs of this many replicas (runtime.context)
+    offload: bool = False  # the ZeRO-3 shard in host memory (runtime.data_parallel, [Note: offload through FSDP2])
 
     def __post_init__(self) -> None:
         if any(len(replica) != self.tensor_parallel for replica in self.ranks):
@@ -73,6 +74,8 @@ class StageSpec:
                              f"its {len(self.ranks)} rows of ranks")
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError(f"stage with layers {self.layers}: sequence_parallel needs tensor_parallel > 1")
+        if self.offload and (self.zero_stage != 3 or len(self.ranks) < 2):
+            raise ValueError(f"stage with layers {self.layers}: offload needs zero_stage 3 and two or more rows of ranks")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -178,6 +178,14 @@ class DecoderStage(nn.Module):
             h = gather_sequence(h, seq, partial_grad=seq.head_partial_grad)
         return self._output_type(logits=head(h))
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """The decoder blocks, which ZeRO-3 gathers one at a time ([Note: ZeRO through FSDP2]
+        in runtime/data_parallel.py): each is called as a module."""
+        if not self._blocks:
+            return []
+        blocks = self.get_submodule(self._layout.base).get_submodule(self._layout.blocks)
+        return [blocks.get_submodule(str(i)) for i in self._blocks]
+
     def _final_layer(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm and the head: the stage's last layer, which the costs recompute
         with the blocks (the cost model's layer of ``norm+lm_head``)."""

@@ -45,8 +45,9 @@ def make_optimizer(name: str, params: Iterable[nn.Parameter], lr: float, *, weig
     option existed.
 
     AdamW on GPU parameters is torch's fused kernel (one launch for all tensors, as
-    torchtitan does); on a CPU the default implementation, whose arithmetic the
-    distributed tests compare with one process.
+    torchtitan does), and so on shards FSDP2 offloaded to host memory beside a GPU ([Note:
+    offload through FSDP2]); on a CPU worker the default implementation, whose arithmetic
+    the distributed tests compare with one process.
 
     Raises:
         ValueError: an unknown optimizer, or ``weight_decay`` for SGD.
@@ -57,10 +58,16 @@ def make_optimizer(name: str, params: Iterable[nn.Parameter], lr: float, *, weig
             raise ValueError("weight decay is AdamW's; sgd takes none")
         return torch.optim.SGD(params, lr=lr)
     if name == Optimizer.ADAMW:
-        fused = bool(params) and all(p.device.type == "cuda" for p in params)
+        fused = bool(params) and all(_fused_adamw_runs(p) for p in params)
         return torch.optim.AdamW(decay_groups(params, weight_decay) if weight_decay is not None else params, lr=lr,
                                  fused=fused or None)
     raise ValueError(f"unknown optimizer {name!r}; choose sgd or adamw")
+
+
+def _fused_adamw_runs(param: nn.Parameter) -> bool:
+    """Whether ``param`` sits on a GPU, or is a shard offloaded to host memory beside one."""
+    mesh = getattr(param, "device_mesh", None)  # a DTensor's
+    return param.device.type == "cuda" or (param.device.type == "cpu" and mesh is not None and mesh.device_type != "cpu")
 
 
 def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
@@ -201,17 +208,20 @@ class GradClipper:
             The global norm before clipping, a 0-d float32 tensor on the gradients' device.
         """
         grads = [(p.grad, counted) for p, counted in zip(self.params, self._counted) if p.grad is not None]
-        device = grads[0][0].device if grads else torch.device("cpu")
+        # the squares travel where the backend reduces: a GPU under nccl even when offloaded
+        # gradients sit in host memory ([Note: offload through FSDP2] in runtime/data_parallel.py)
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else \
+            grads[0][0].device if grads else torch.device("cpu")
         squares = torch.zeros(len(self.rows), dtype=torch.float32, device=device)
         for grad, counted in grads:
             whole = _whole(grad)  # collective over a partial gradient's mesh: on every rank of it
             if counted and self._first_holder(whole):
-                squares[self.me.replica] += _local(whole).float().square().sum()
+                squares[self.me.replica] += _local(whole).float().square().sum().to(device)
         dist.all_reduce(squares, op=dist.ReduceOp.SUM)
         norm = (squares[self.me.replica] if self.per_replica else squares.sum()).sqrt()
         factor = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
         for grad, _ in grads:
-            _local(grad).mul_(factor.to(grad.dtype))
+            _local(grad).mul_(factor.to(grad.device, grad.dtype))
         return norm
 
     def _first_holder(self, grad: torch.Tensor) -> bool:

@@ -16,10 +16,11 @@ class StageMode:
     zero_stage: int = 0
     tp: int = 1  # tensor-parallel degree of the stage
     sp: bool = False  # sequence parallelism inside the stage's tp group (tp > 1 only)
+    offload: bool = False  # the ZeRO-3 shard in host memory ([Note: offload costs] in cost_models.offload); zero 3 only
 
     def describe(self) -> str:
         parts = ([f"recompute {self.recompute}"] if self.recompute != Recompute.NONE else []) + ([f"zero {self.zero_stage}"] if self.zero_stage else []) \
-            + (["sp"] if self.sp else [])
+            + (["sp"] if self.sp else []) + (["offload"] if self.offload else [])
         return ", ".join(parts) or "plain"
 
 

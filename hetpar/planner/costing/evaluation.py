@@ -84,7 +84,7 @@ def stage_memory_breakdown(model: ModelGraph, tables: CostTables, s: int, first:
     c = dict(tp=mode.tp, micro_batch_size=cand.micro_batch_size, dtype=dtype)
     experts = sum(l.expert_params for l in layers) * (1.0 - 1.0 / cand.ep)  # held by other replicas ([Note: expert parallelism costs])
     weights, grads, opt = training_state_bytes(layers, tp=mode.tp, dtype=dtype, optimizer=optimizer, dp=cand.dp, zero_stage=mode.zero_stage,
-                                               extra_params=-experts)
+                                               extra_params=-experts, offload=mode.offload)
     inputs = model.layers[first - 1].boundary_bytes if first > 0 else model.input_bytes
     per_mb = activation_bytes_per_microbatch(layers, recompute=mode.recompute, input_bytes=inputs, **c)
     workspace = recompute_workspace_bytes(layers, recompute=mode.recompute, **c) + backward_gradient_bytes(layers, **c)

@@ -58,6 +58,7 @@ import numpy as np
 from hetpar.cost_models.collectives import (EXCHANGES_PER_DISPATCH, all_to_all_time_s, context_exchange_s, grad_sync_scale,
                                             tensor_parallel_pass_s)
 from hetpar.cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
+from hetpar.cost_models.offload import host_optimizer_s, offload_refusal, offload_transfer_s
 from hetpar.cost_models.memory import (
     FRAGMENTATION_MARGIN,
     OPTIMIZER_BYTES_PER_PARAM,
@@ -239,7 +240,7 @@ def build_tables(
                 if c + 1 < C and P > 1 and to_tp in cut_to[r]:  # chunks on one rank hand over in place
                     cut[i, j, :, c] = _cut_seconds(model, cluster, cand, dtype, slots[r][tp], cut_to[r][to_tp], cache)
         for k, mode in enumerate(cand.modes):
-            if mode.tp not in slots[r]:
+            if mode.tp not in slots[r] or (mode.offload and offload_refusal(cluster.profile(slots[r][mode.tp].device_type))):
                 tables["time_s"][k, :, c] = tables["memory_bytes"][k, :, c] = np.inf
                 continue
             _fill_mode(model, cluster, cand, dtype, optimizer, slots[r][mode.tp], c, k, in_flight[c], tables, lat, cache, per_slot)
@@ -308,14 +309,19 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
         tables["gather_bwd_s"][k, :, c] = (ag_pb + rs_pb) * cols.params * elem
         lat["gather_fwd_latency_s"][k, c] = ag_lat
         lat["gather_bwd_latency_s"][k, c] = ag_lat + rs_lat
+        if mode.offload:  # [Note: offload costs]: the shard crosses the host link around each gather
+            to_device, both_ways = offload_transfer_s(held / cand.dp, dtype, cluster.profile(slot.device_type))
+            tables["gather_fwd_s"][k, :, c] += to_device
+            tables["gather_bwd_s"][k, :, c] += both_ways
     sync_lat, sync_pb = sync_linear(comm, cand.dp, mode.zero_stage, cluster.profile(slot.device_type), cand.num_microbatches,
                                      cand.sync, elem)
     share = held / cand.dp if sharded else held
-    tables["epilogue_s"][k, :, c] = (sync_pb * synced * elem
-                                     + rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[optimizer], cols.tensors, cols.sharded_tensors))
+    step = host_optimizer_s(share, optimizer, cluster.profile(slot.device_type)) if mode.offload else \
+        rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[optimizer], cols.tensors, cols.sharded_tensors)
+    tables["epilogue_s"][k, :, c] = sync_pb * synced * elem + step
     if c < P:
         lat["epilogue_latency_s"][k, c] = sync_lat + rates.fixed_s
-    state = sum(sharded_state_bytes_per_param(dtype, optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
+    state = sum(sharded_state_bytes_per_param(dtype, optimizer, dp=cand.dp, zero_stage=mode.zero_stage, offload=mode.offload))
     activations = cols.inputs if full else cols.kept if selective else cols.saved
     tables["memory_bytes"][k, :, c] = FRAGMENTATION_MARGIN * (held * state + in_flight * activations) + unsplit
 

@@ -43,6 +43,8 @@ class EstimateConfig:
     cp: int = 1  # context parallelism: every sequence split over cp ranks ([Note: context parallelism costs])
     sequence_parallel: bool = False  # sequence parallelism on every stage with tp > 1 ([Note: sequence parallelism costs])
     stage_sp: tuple[bool, ...] | None = None  # sequence parallelism per pipeline rank, p entries; ``sequence_parallel`` when None
+    offload: bool = False  # ZeRO-3 shards in host memory on every rank ([Note: offload costs] in cost_models.offload)
+    stage_offload: tuple[bool, ...] | None = None  # offload per pipeline rank, p entries; ``offload`` when None
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep", "cp"):
@@ -66,6 +68,8 @@ class EstimateConfig:
     def _check_context(self) -> None:
         if self.stage_sp is not None and len(self.stage_sp) != self.pp:
             raise EstimateError(f"stage_sp has {len(self.stage_sp)} entries, pp({self.pp}) needed")
+        if self.stage_offload is not None and len(self.stage_offload) != self.pp:
+            raise EstimateError(f"stage_offload has {len(self.stage_offload)} entries, pp({self.pp}) needed")
         if self.cp == 1:
             return
         if self.ep > 1:
@@ -166,6 +170,10 @@ class EstimateConfig:
     def devices_per_replica(self) -> int:
         """The devices one data-parallel replica spans: the sum of the stages' degrees."""
         return sum(self.tp_of(r) for r in range(self.pp))
+
+    def offload_of(self, rank: int) -> bool:
+        """Whether pipeline rank ``rank`` keeps its ZeRO-3 shard in host memory."""
+        return bool(self.stage_offload[rank] if self.stage_offload is not None else self.offload)
 
     def zero_of(self, rank: int) -> int:
         """The ZeRO stage of pipeline rank ``rank``."""

@@ -105,7 +105,8 @@ def _assemble(model, cluster, config, layouts, split: StageSplit, played: Played
 
     tensors = [count(s, "param_tensors") for s in stages]
     sharded = [count(s, "tp_sharded_tensors") if c.tp_of(s.index) > 1 else 0 for s in stages]
-    optimizer = max(optimizer_s(params[r], tensors[r], sharded[r], cluster.profile(layouts[r].device_type), c, c.zero_of(r))
+    optimizer = max(optimizer_s(params[r], tensors[r], sharded[r], cluster.profile(layouts[r].device_type), c, c.zero_of(r),
+                                c.offload_of(r))
                     for r in range(c.pp))
     # The busiest rank's busy time never exceeds the makespan; max() drops a rounding error's -1e-21.
     time = TimeBreakdown(compute_s=compute, bubble_s=max(0.0, pipeline_end - compute - tp - ep - cp - zero3 - pp), tp_comm_s=tp,

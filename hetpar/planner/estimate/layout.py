@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from hetpar.cost_models.cluster import Cluster
 from hetpar.cost_models.layers import LayerProfile, tp_misfit
+from hetpar.cost_models.offload import offload_refusal
 from hetpar.planner.costing import pack_stage_ranks
 from hetpar.planner.estimate.config import EstimateConfig, EstimateError
 from hetpar.planner.estimate.layer_split import StageSplit, bounds_from_sizes, default_split
@@ -49,6 +50,14 @@ def check_against(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -
         raise EstimateError(f"{dp_text} * tp({c.tp}) * pp({c.pp}) = {rows * c.tp * c.pp} != world_size({world})")
     if c.cp > 1:
         _check_context(model, c)
+    offloading = [r for r in range(c.pp) if c.offload_of(r)]
+    if offloading and (rows == 1 or c.zero_of(offloading[0]) != 3):
+        raise EstimateError(f"--offload keeps ZeRO-3 shards in host memory: it needs --zero 3 and dp > 1 (pipeline rank "
+                            f"{offloading[0]} has ZeRO {c.zero_of(offloading[0])}, dp {c.dp})")
+    for device_type in sorted({t for r in offloading for t in (c.stage_devices[r:r + 1] if c.stage_devices else cluster.count_by_type())}):
+        reason = offload_refusal(cluster.profile(device_type))
+        if reason:
+            raise EstimateError(f"--offload: {reason}; drop --offload")
     num_layers, chunks = len(model.layers), c.pp * c.virtual_stages
     if c.stage_layers is not None and sum(c.stage_layers) != num_layers:
         raise EstimateError(

@@ -42,7 +42,8 @@ def rank_memory(model: ModelGraph, config: EstimateConfig, bounds, chunks: list[
         layers = [l.with_sequence_parallel() for l in layers]
     tied = stage_params(model, tp, [bounds[k] for k in chunks], c.ep) - sum(l.params_at(tp) for l in layers)  # and 1/ep experts
     weights, grads, opt = training_state_bytes(layers, tp=tp, dtype=c.dtype, optimizer=c.optimizer, dp=c.replica_rows,
-                                               zero_stage=c.zero_of(chunks[0] % c.pp), extra_params=tied)
+                                               zero_stage=c.zero_of(chunks[0] % c.pp), extra_params=tied,
+                                               offload=c.offload_of(chunks[0] % c.pp))
     per_mb, workspace = {}, 0.0
     for k in chunks:
         first, last = bounds[k]

@@ -16,6 +16,7 @@ from hetpar.cost_models.devices import DeviceProfile
 from hetpar.cost_models.grad_sync import collective_over, sync_seconds
 from hetpar.cost_models.layers import LayerProfile
 from hetpar.cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
+from hetpar.cost_models.offload import host_optimizer_s, offload_transfer_s
 from hetpar.planner.costing import boundary_seconds
 from hetpar.planner.estimate.config import EstimateConfig
 from hetpar.planner.estimate.layout import StageLayout
@@ -92,7 +93,8 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     full = config.recompute_of(chunk) == Recompute.FULL
     replay = config.recompute_of(chunk) != Recompute.NONE  # the forward's collectives run again in backward
     refwd = sum(t.selective_rerun_s for t in times) if config.recompute_of(chunk) == Recompute.SELECTIVE else 0.0
-    gather_fwd, gather_bwd = zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp))
+    gather_fwd, gather_bwd = zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp),
+                                          config.offload_of(chunk % config.pp))
     ep_fwd, ep_bwd = expert_exchange_s(layers, cluster, config, layout, memo)
     cp_fwd, cp_bwd = context_exchange_total_s(layers, cluster, config, layout, memo)
     return ChunkCost(
@@ -153,7 +155,8 @@ def context_exchange_total_s(layers, cluster: Cluster, config: EstimateConfig, l
     return fwd, bwd
 
 
-def zero3_comm_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout, zero_stage: int) -> tuple[float, float]:
+def zero3_comm_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout, zero_stage: int,
+                 offload: bool = False) -> tuple[float, float]:
     """ZeRO-3, per micro-batch: gather the weights for forward; gather again and reduce-scatter the gradients in
     backward; data-parallel synchronisation inside the step, so times the device's ``grad_sync_scale``."""
     if zero_stage < 3 or config.replica_rows == 1:
@@ -163,7 +166,12 @@ def zero3_comm_s(layers, cluster: Cluster, config: EstimateConfig, layout: Stage
     group = [replica[0] for replica in layout.ranks]
     scale = grad_sync_scale(cluster.profile(layout.device_type))
     gather = all_gather_time_s(nbytes, group, cluster, concurrent=tp) * scale
-    return gather, gather + reduce_scatter_time_s(nbytes, group, cluster, concurrent=tp) * scale
+    fwd, bwd = gather, gather + reduce_scatter_time_s(nbytes, group, cluster, concurrent=tp) * scale
+    if offload:  # [Note: offload costs]: the shard crosses the host link too
+        to_device, both_ways = offload_transfer_s(sum(l.params_at(tp) for l in layers) / config.replica_rows, config.dtype,
+                                                  cluster.profile(layout.device_type))
+        fwd, bwd = fwd + to_device, bwd + both_ways
+    return fwd, bwd
 
 
 def boundary_s(model: ModelGraph, cluster: Cluster, config: EstimateConfig, last_layer: int,
@@ -209,7 +217,7 @@ def dp_sync_s(params: float, cluster: Cluster, config: EstimateConfig, layout: S
 
 
 def optimizer_s(params: float, tensors: int, sharded_tensors: int, device: DeviceProfile, config: EstimateConfig,
-                 zero_stage: int) -> float:
+                 zero_stage: int, offload: bool = False) -> float:
     """One optimizer step over this rank's share of the parameters: bound by memory traffic.
 
     A measured profile has the traffic rate an optimizer step reaches and its cost per
@@ -218,5 +226,7 @@ def optimizer_s(params: float, tensors: int, sharded_tensors: int, device: Devic
     have none of these.
     """
     share = params / config.replica_rows if zero_stage >= 1 else params
+    if offload:  # stepped by the host CPUs ([Note: offload costs])
+        return host_optimizer_s(share, config.optimizer, device)
     rates = optimizer_rates(device, config.kernel_efficiency)
     return rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[config.optimizer], tensors, sharded_tensors) + rates.fixed_s

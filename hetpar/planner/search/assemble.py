@@ -84,6 +84,7 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
                 expert_parallel=cand.ep,
                 sequence_parallel=mode.sp,
                 context_parallel=cand.cp,
+                offload=mode.offload and cand.dp > 1,
             )
         )
     predicted = _simulated_prediction(model, cluster, options, cand, bounds, stages) or _linear_prediction(options, tables, bounds, cost)
@@ -122,6 +123,7 @@ def _simulated_prediction(model: ModelGraph, cluster, options: SearchOptions, ca
         stage_recompute=tuple(s.recompute for s in stages), stage_zero=tuple(s.zero_stage for s in ranks),
         stage_tp=degrees if len(set(degrees)) > 1 else None, sync=cand.sync, ep=cand.ep,
         expert_imbalance=options.expert_imbalance, cp=cand.cp, stage_sp=tuple(s.sequence_parallel for s in ranks),
+        stage_offload=tuple(s.offload for s in ranks),
     )
     try:
         result = estimate(model, cluster, config)

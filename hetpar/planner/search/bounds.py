@@ -146,7 +146,8 @@ def _reach(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, 
         full, selective = mode.recompute == Recompute.FULL, mode.recompute == Recompute.SELECTIVE
         time_s = np.minimum(time_s, (cols.fwd + tp_fwd) * (2 if full else 1) + cols.b_input + cols.weight + tp_bwd
                             + (cols.refwd if selective else 0.0))
-        state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
+        state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage,
+                                                    offload=mode.offload))
         memory = np.minimum(memory, FRAGMENTATION_MARGIN * (held.held(cand.ep) * state + in_flight * (held.inputs if full else held.kept if selective else held.saved)))
     ok = cols.splits & np.isfinite(time_s)
     time = np.concatenate([[0.0], np.cumsum(np.where(ok, time_s, 0.0))])
@@ -271,7 +272,8 @@ def memory_may_fit(model: ModelGraph, cluster, cand: Candidate, options: SearchO
     for mode in cand.modes:
         cols = layer_columns(model_variant(model, cache, sequence_parallel=mode.sp), cluster, device_type, mode.tp,
                              cand.micro_batch_size, options.dtype, cache)
-        state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage))
+        state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage,
+                                                    offload=mode.offload))
         activations = {Recompute.FULL: cols.inputs, Recompute.SELECTIVE: cols.kept}.get(mode.recompute, cols.saved)
         need = np.minimum(need, np.where(cols.splits, mode.tp * (cols.held(cand.ep) * state + activations), np.inf))
     return FRAGMENTATION_MARGIN * float(need.sum()) <= capacity

@@ -272,12 +272,17 @@ def stage_modes(options: SearchOptions, *, dp: int, schedule: str, degrees: tupl
             return (True,)
         return (False, True)
 
-    return tuple(StageMode(recompute=r, zero_stage=z, tp=tp, sp=sp) for tp in degrees for z in zeros for r in recomputes
-                 for sp in sps(tp, r))
+    offloads = {Switch.ON: (True,), Switch.OFF: (False,)}.get(options.offload, (False, True) if options.offload_offered else (False,))
+    return tuple(StageMode(recompute=r, zero_stage=z, tp=tp, sp=sp, offload=o) for tp in degrees for z in zeros for r in recomputes
+                 for sp in sps(tp, r) for o in offloads if z == 3 or not o  # [Note: offload search]
+                 if not (options.offload == Switch.ON and z != 3))
 
 
 def _no_candidate_reason(model: ModelGraph, cluster, options: SearchOptions, tp_ok: bool) -> str:
     world, gbs = cluster.world_size, options.global_batch_size
+    if options.offload == Switch.ON:
+        return (f"--offload on needs ZeRO-3, so data parallelism (dp > 1) and schedule 1f1b or gpipe; no such (dp, tp, pp) "
+                f"fits world_size({world}) with global batch {gbs} and the other pins")
     if options.zero:
         return (f"--zero {options.zero} needs data parallelism (dp > 1) and schedule 1f1b or gpipe; no such (dp, tp, pp) "
                 f"fits world_size({world}) with global batch {gbs} and the other pins")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.sat.python import cp_model
 
+from hetpar.cost_models.offload import offload_refusal
 from hetpar.planner.costing import (
     Candidate,
     CostTables,
@@ -50,6 +51,7 @@ from hetpar.planner.search.split_model import (
     objective_floor,
 )
 from hetpar.planner.solver import cp_solver, limit_hit
+from hetpar.vocabulary import Switch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,8 +161,23 @@ class Solved:
     split: SplitResult
 
 
+class MemoryMisfit(PlanningError):
+    """No candidate fits in memory (the message names the closest)."""
+
+
+# [Note: offload search]
+# Offloading a ZeRO-3 shard to host memory ([Note: offload costs] in cost_models/offload.py)
+# frees device memory and costs host-link transfers on every micro-batch and a CPU
+# optimizer step; it pays where memory binds. Under --offload auto the search first runs
+# without offload modes; only if nothing fits in memory does it run again with each
+# stage also offered ZeRO-3 with offload (on the device types whose profiles state a
+# host), and then the proof covers plans with and without offload. A plan found in the
+# first pass is optimal among plans without offload: one with offload could only win by
+# trading its transfers for a larger micro-batch or less recompute, and is not searched
+# (--offload on offers only offloading stages). This keeps every search that fits, the
+# common case, at the size it had.
 def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) -> ParallelPlan:
-    """Find the fastest plan; see the module docstring.
+    """Find the fastest plan; see the module docstring and [Note: offload search].
 
     Args:
         progress: optional callable(done, total, description) for a progress bar.
@@ -168,6 +185,16 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
     Raises:
         PlanningError: nothing fits or the pins are impossible.
     """
+    try:
+        return _search_pass(model, cluster, options, progress)
+    except MemoryMisfit:
+        if options.offload != Switch.AUTO or options.offload_offered or not any(
+                offload_refusal(cluster.profile(t)) is None for t in cluster.count_by_type()):
+            raise
+    return _search_pass(model, cluster, replace(options, offload_offered=True), progress)
+
+
+def _search_pass(model: ModelGraph, cluster, options: SearchOptions, progress=None) -> ParallelPlan:
     start = time.perf_counter()
     candidates = enumerate_candidates(model, cluster, options)
     cache: dict = {}
@@ -216,7 +243,7 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
         for cand in skipped[: max(0, 8 - len(misfits))]:
             tables = build_tables(model, cluster, cand, options.dtype, options.optimizer, cache=cache)
             misfits.append((overflow(tables), tables))
-        raise PlanningError(explain_misfit(model, options, min(misfits, key=lambda x: x[0])[1]))
+        raise MemoryMisfit(explain_misfit(model, options, min(misfits, key=lambda x: x[0])[1]))
     solved.sort(key=lambda s: s.split.cost.objective_s)
     best = solved[0]
     status = "optimal" if all(s.split.status == "optimal" for s in solved) and not unresolved else "feasible"
