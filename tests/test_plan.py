@@ -167,15 +167,23 @@ def test_the_output_says_what_the_proof_bounds_where_the_prediction_differs():
     beyond, one line names the number the proof is about."""
     from hetpar.planner.plan import proof_scope
 
-    def with_numbers(objective_s, step_s, status="optimal"):
+    def with_numbers(objective_s, step_s, status="optimal", best_s=0.0, finalists=1):
         plan = make_plan()
         return dataclasses.replace(plan, solver=SolverInfo(status=status, search_time_s=1.0, objective_s=objective_s,
-                                                           objective_gap=0.03),
+                                                           objective_gap=0.03, best_objective_s=best_s,
+                                                           finalists=finalists),
                                    predicted=dataclasses.replace(plan.predicted, step_time_s=step_s))
 
     assert proof_scope(with_numbers(0.1790, 0.1790 * 1.019)) is None
     note = proof_scope(with_numbers(0.1790, 0.1541))
     assert note.startswith("proof: optimal for the search's linear step time, 179.00 ms") and "14% lower" in note
+    assert note.endswith("it ranks no other candidate")
     assert "within 3.0%" in proof_scope(with_numbers(2.0, 2.5, status="feasible")) and "25% higher" in \
         proof_scope(with_numbers(2.0, 2.5, status="feasible"))
     assert proof_scope(with_numbers(0.1790, 0.1541, status="heuristic")) is None
+    # re-ranked ([Note: finalists re-ranked]): the linear optimum is the best, but another finalist simulates faster
+    assert proof_scope(with_numbers(0.1790, 0.1541, best_s=0.1790, finalists=4)).endswith(
+        "no other of the search's 4 finalists simulates faster")
+    chosen = proof_scope(with_numbers(0.1800, 0.1790, best_s=0.1790, finalists=4))
+    assert chosen.startswith("proof: optimal for the search's linear step time, 179.00 ms for another candidate; "
+                             "this plan's is 180.00 ms") and chosen.endswith("fastest of the search's 4 finalists")

@@ -291,3 +291,29 @@ def test_a_searched_plan_of_mixed_degrees_trains_like_one_process(tmp_path, gpt_
     plan = plan_model(gpt_path, parse_cluster("1x4xcpu"), options, model_args=GPT_ARGS)
     assert sorted(s.tensor_parallel for s in plan.stages) == [1, 1, 2]
     assert_trains_like_one_process(plan, tmp_path)
+
+
+def test_on_a_mixed_cluster_the_plan_is_the_finalist_that_simulates_fastest():
+    """[Note: finalists re-ranked]: an 8-block GPT on 4 V100 + 4 T4, batch 16. The linear
+    objective's optimum is not the plan the simulation prefers; the search returns the
+    latter, keeps the others with both numbers, and its proof line says which it bounds."""
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.api import plan_model
+    from hetpar.planner.plan import proof_scope
+
+    from pathlib import Path
+
+    gpt = Path(__file__).resolve().parent.parent / "benchmarks" / "published" / "gpt.py"
+    args = dict(n_layers=8, hidden=512, heads=8, seq_len=512, vocab=8192)
+    plan = plan_model(gpt, parse_cluster("1x4xV100-16GB+1x4xT4-16GB"),
+                      SearchOptions(global_batch_size=16, dtype="fp16"), model_args=args)
+    info = plan.solver
+    simulated = [a["simulated_step_s"] for a in plan.alternatives if "simulated_step_s" in a]
+    assert info.finalists == 1 + len(simulated) == 4
+    assert all(plan.predicted.step_time_s <= s for s in simulated)
+    linear = [a["step_time_s"] for a in plan.alternatives if "simulated_step_s" in a]
+    assert info.best_objective_s == min(linear + [info.objective_s]) < info.objective_s  # re-ranking moved the choice
+    assert proof_scope(plan).endswith("fastest of the search's 4 finalists")
+    one_type = plan_model(gpt, parse_cluster("1x8xV100-16GB"),
+                          SearchOptions(global_batch_size=16, dtype="fp16"), model_args=args)
+    assert one_type.solver.finalists == 1 and one_type.solver.objective_s == one_type.solver.best_objective_s

@@ -12,7 +12,7 @@ A stage that offloads keeps its ZeRO-3 shard (weights, gradients, optimizer stat
   cross the host link before the forward's gather and again before the backward's,
   and the reduce-scattered gradient shard crosses back after the backward:
   ``params / d * w / B_host`` in the forward, ``params / d * (w + g) / B_host`` in the
-  backward. They are exposed, as ZeRO-3's collectives are (the stage is one FSDP unit).
+  backward. They are counted exposed, as ZeRO-3's collectives are.
 - **Optimizer step:** on the host CPUs, over the shard: the bytes the device's step
   would move (``OPTIMIZER_BYTES_PER_PARAM``) at the host memory bandwidth one device's
   share of the CPUs reaches (``host_mem_bw_bytes_per_s``). torch's fused CPU AdamW is

@@ -22,8 +22,9 @@ to the next chunk's b ([Note: per-stage tensor parallelism]).
 ``time`` is one micro-batch's forward and backward with the tensor-parallel all-reduces
 and, under full recompute, the forward again; the ``gather`` terms are ZeRO-3's
 per-micro-batch parameter gathers (and gradient reduce-scatter), all exposed, as
-planner.estimate counts them (a stage is one FSDP unit in the generated program, so
-they run before and after its compute, not under it); ``epilogue`` is the end-of-step
+planner.estimate counts them (an upper bound: the program gathers module by module and
+FSDP2 prefetches the next module's under the current one's compute, [Note: ZeRO through
+FSDP2] in runtime/data_parallel.py); ``epilogue`` is the end-of-step
 gradient synchronisation (all-reduce, or ZeRO-1/2's reduce-scatter and all-gather, none
 under ZeRO-3) plus the optimizer step over the rank's share of the parameters.
 Collective times are read off the collective model as latency + bytes * per-byte cost.

@@ -44,10 +44,11 @@ class ChunkCost:
     def seconds(self, kind: Kind, split_weights: bool) -> tuple[float, float, float]:
         """(compute, tensor-parallel and expert-parallel, exposed ZeRO-3) seconds of one action.
 
-        ZeRO-3's collectives are all exposed: the generated program makes each stage one
-        FSDP unit ([Note: ZeRO through FSDP2] in runtime/data_parallel.py), so the stage's
-        parameters are gathered before its compute starts and its gradients
-        reduce-scattered after it ends; nothing is left to prefetch under.
+        ZeRO-3's collectives are all counted exposed, the stage's bytes with one
+        collective's latency per pass: the program gathers each module it calls on its own
+        ([Note: ZeRO through FSDP2] in runtime/data_parallel.py) and FSDP2 prefetches the
+        next under the current one's compute, so the bytes' time is an upper bound; the
+        latencies of the many small gathers are not counted one by one.
         """
         if kind is Kind.FORWARD:
             compute, tp, gather = self.fwd_compute_s, self.fwd_tp_s + self.fwd_ep_s + self.fwd_cp_s, self.zero3_fwd_s
