@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from hetpar import __version__
+from hetpar.commands import calibrate as calibrate_cmd
 from hetpar.commands import compile as compile_cmd
 from hetpar.commands import data as data_cmd
 from hetpar.commands import devices as devices_cmd
@@ -33,6 +34,7 @@ app.command("profile")(profile_cmd.profile)
 app.command("validate")(validate_cmd.validate)
 app.command("explain")(explain_cmd.explain)
 app.command("data")(data_cmd.data)
+app.command("calibrate")(calibrate_cmd.calibrate)
 
 
 def _version(value: bool) -> None:

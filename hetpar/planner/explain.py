@@ -37,6 +37,22 @@ def explain_plan(plan: ParallelPlan, profiles: dict | None = None) -> Explanatio
     Raises:
         PlanFileError: the plan's model file is gone or changed since planning.
     """
+    graph = plan_graph_of(plan)
+    cluster = parse_cluster(plan.cluster.spec, profiles=profiles)
+    config = estimate_config(plan, graph)
+    predict = estimate if plan.replica_batch_shares is None else estimate_shares  # replicas of different device types
+    result = predict(graph, cluster, config)
+    plain = result if config.sync.plain else predict(graph, cluster, replace(config, sync=replace(config.sync, kind=CompressionKind.NONE)))
+    return Explanation(plan=plan, estimate=result, plain_dp_comm_s=plain.time.dp_comm_s)
+
+
+def plan_graph_of(plan: ParallelPlan):
+    """The ModelGraph ``plan`` was costed on: its model file traced again (compiled stages'
+    layers where the plan compiles them).
+
+    Raises:
+        PlanFileError: the plan's model file is gone or changed since planning.
+    """
     path = Path(plan.model.file)
     if not path.is_file():
         raise PlanFileError(f"the plan's model file {str(path)!r} is gone; re-run hetpar plan")
@@ -45,12 +61,7 @@ def explain_plan(plan: ParallelPlan, profiles: dict | None = None) -> Explanatio
     graph = trace_model(load_model_file(path, plan.model.args), tuple(plan.model.leaf_modules))
     if plan.compiled:  # costed as the plan was: compiled stages' fused kernels ([Note: compiled stages])
         graph = replace(graph, layers=[compiled_layer(layer) for layer in graph.layers])
-    cluster = parse_cluster(plan.cluster.spec, profiles=profiles)
-    config = estimate_config(plan, graph)
-    predict = estimate if plan.replica_batch_shares is None else estimate_shares  # replicas of different device types
-    result = predict(graph, cluster, config)
-    plain = result if config.sync.plain else predict(graph, cluster, replace(config, sync=replace(config.sync, kind=CompressionKind.NONE)))
-    return Explanation(plan=plan, estimate=result, plain_dp_comm_s=plain.time.dp_comm_s)
+    return graph
 
 
 def estimate_config(plan: ParallelPlan, graph) -> EstimateConfig:

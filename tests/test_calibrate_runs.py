@@ -1,0 +1,127 @@
+"""``hetpar calibrate`` (issue 34, item 3): profiles fitted to a user's runs. Synthetic runs
+whose stages took a known factor of their prediction must give that factor back, per
+device type and pass; bad input is refused in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, subprocess_env
+from hetpar.cost_models.cluster import parse_cluster
+from hetpar.cost_models.compute import training_efficiency
+from hetpar.cost_models.devices import get_device, load_profile
+from hetpar.planner.api import plan_model
+from hetpar.planner.calibrate import CalibrationError, calibrate, describe, read_run
+from hetpar.planner.estimate import estimate
+from hetpar.planner.explain import estimate_config, plan_graph_of
+from hetpar.planner.options import SearchOptions
+
+GPT = ROOT / "benchmarks" / "published" / "gpt.py"
+ARGS = {"n_layers": 4, "hidden": 256, "heads": 4, "vocab": 1024, "seq_len": 256}
+
+
+def _run_files(tmp_path, cluster: str, slowdown: dict[str, tuple[float, float]], name: str = "run", *,
+               scale_times: bool = False, **pins):
+    """A plan of ``cluster`` and a metrics file as its program writes it (runtime.training.report_stage_times),
+    whose stages ran with each device type's training kernels ``slowdown[type]`` = (forward, backward) times
+    slower than its profile says: the stage times the estimate gives with ``kernel_efficiency`` and
+    ``backward_kernel_efficiency`` divided by them. ``scale_times``: the predicted stage times times the factors."""
+    the_cluster = parse_cluster(cluster)
+    plan = plan_model(GPT, the_cluster, SearchOptions(global_batch_size=8, dtype="fp16", **pins), model_args=ARGS)
+    plan_path = tmp_path / f"{name}.json"
+    plan.save(plan_path)
+    if scale_times:
+        p = plan.predicted
+        fwd = [p.stage_fwd_s[r] * slowdown[plan.stages[r].device_type][0] for r in range(plan.pipeline_parallel)]
+        bwd = [p.stage_bwd_s[r] * slowdown[plan.stages[r].device_type][1] for r in range(plan.pipeline_parallel)]
+    else:
+        slowed = {}
+        for t, (f, b) in slowdown.items():
+            device = the_cluster.profile(t) if t in the_cluster.count_by_type() else None
+            if device is not None:
+                e = training_efficiency(device)
+                sources = {**device.sources, "kernel_efficiency": "test", "backward_kernel_efficiency": "test"}
+                slowed[t] = dataclasses.replace(device, kernel_efficiency=e / f, backward_kernel_efficiency=e / b,
+                                                sources=sources)
+        fwd, bwd = _stage_times(plan, slowed)
+    stages = [{"stage": r, "fwd_s": fwd[r], "bwd_s": bwd[r]} for r in range(plan.pipeline_parallel)]
+    metrics = tmp_path / f"{name}.jsonl"
+    metrics.write_text(json.dumps({"kind": "step", "step": 1, "loss": 1.0, "step_time_s": 1.0}) + "\n"
+                       + json.dumps({"kind": "stages", "stages": stages}) + "\n")
+    return plan, plan_path, metrics, (fwd, bwd)
+
+
+def _stage_times(plan, profiles):
+    graph = plan_graph_of(plan)
+    result = estimate(graph, parse_cluster(plan.cluster.spec, profiles=profiles), estimate_config(plan, graph))
+    return [s.fwd_s for s in result.stages], [s.bwd_s for s in result.stages]
+
+
+def test_a_run_slowed_by_a_known_factor_gives_the_factor_back(tmp_path):
+    plan, plan_path, metrics, (fwd0, bwd0) = _run_files(tmp_path, "1x4xA100-80GB", {"A100-80GB": (1.3, 1.2)}, pp=2, dp=2, tp=1)
+    fitted, fits = calibrate([read_run(plan_path, metrics)])
+    assert set(fitted) == {"A100-80GB"} and [f.field for f in fits] == ["kernel_efficiency", "backward_kernel_efficiency"]
+    e = training_efficiency(get_device("A100-80GB"))
+    assert fitted["A100-80GB"].kernel_efficiency == pytest.approx(e / 1.3, rel=1e-6)
+    assert fitted["A100-80GB"].backward_kernel_efficiency == pytest.approx(e / 1.2, rel=1e-6)
+    fwd, bwd = _stage_times(plan, fitted)
+    assert fwd == pytest.approx(fwd0, rel=1e-6) and bwd == pytest.approx(bwd0, rel=1e-6)
+    assert all(f.after < f.before for f in fits)  # slower stages: a lower efficiency
+    assert "from 1 run" in describe(fits[0]) and "A100-80GB kernel_efficiency" in describe(fits[0])
+
+
+def test_each_device_type_of_a_mixed_cluster_gets_its_own_factor(tmp_path):
+    factors = {"A100-80GB": (1.25, 1.4), "V100-32GB": (0.9, 1.1)}
+    plan, plan_path, metrics, _ = _run_files(tmp_path, "1x2xA100-80GB+1x2xV100-32GB", factors, pp=2, dp=2, tp=1,
+                                             stage_devices=("A100-80GB", "V100-32GB"))
+    _, other_path, other_metrics, _ = _run_files(tmp_path, "1x4xV100-32GB", factors, name="other", pp=2, dp=2, tp=1)
+    fitted, fits = calibrate([read_run(plan_path, metrics), read_run(other_path, other_metrics)])
+    for t, (f, b) in factors.items():
+        e = training_efficiency(get_device(t))
+        assert fitted[t].kernel_efficiency == pytest.approx(e / f, rel=1e-6)
+        assert fitted[t].backward_kernel_efficiency == pytest.approx(e / b, rel=1e-6)
+    v100 = next(f for f in fits if f.device_type == "V100-32GB" and f.field == "kernel_efficiency")
+    assert len(v100.runs) == 2 and v100.after > v100.before
+
+
+def test_stages_faster_than_the_peak_allows_cap_the_fit(tmp_path):
+    plan, plan_path, metrics, _ = _run_files(tmp_path, "1x2xA100-80GB", {"A100-80GB": (0.05, 0.05)}, pp=2, dp=1, tp=1,
+                                             scale_times=True)
+    fitted, fits = calibrate([read_run(plan_path, metrics)])
+    device = fitted["A100-80GB"]
+    assert all(f.capped for f in fits) and "capped" in describe(fits[0])
+    assert device.matmul_efficiency * device.kernel_efficiency == pytest.approx(1.0)
+
+
+def test_bad_runs_are_refused_in_one_line(tmp_path):
+    plan, plan_path, metrics, _ = _run_files(tmp_path, "1x2xA100-80GB", {"A100-80GB": (1.0, 1.0)}, pp=2, dp=1, tp=1)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"kind": "step", "step": 1}) + "\n")
+    with pytest.raises(CalibrationError, match="no per-stage times"):
+        read_run(plan_path, empty)
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text(json.dumps({"kind": "stages", "stages": [{"stage": 0, "fwd_s": 1.0, "bwd_s": 2.0}]}) + "\n")
+    with pytest.raises(CalibrationError, match="do not match"):
+        read_run(plan_path, wrong)
+
+
+def test_the_cli_writes_a_profile_that_plan_and_estimate_read(tmp_path):
+    plan, plan_path, metrics, (fwd0, _) = _run_files(tmp_path, "1x4xA100-80GB", {"A100-80GB": (1.5, 1.5)}, pp=2, dp=2, tp=1)
+    out = tmp_path / "a100.toml"
+    run = subprocess.run([sys.executable, "-m", "hetpar", "calibrate", str(plan_path), str(metrics), "-o", str(out)],
+                         capture_output=True, text=True, env=subprocess_env(), cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "A100-80GB kernel_efficiency" in run.stderr + run.stdout
+    profile = load_profile(out)
+    assert "[fitted] hetpar calibrate" in profile.sources["kernel_efficiency"]
+    fwd, _ = _stage_times(plan, {profile.name: profile})
+    assert fwd == pytest.approx(fwd0, rel=1e-6)
+    odd = subprocess.run([sys.executable, "-m", "hetpar", "calibrate", str(plan_path), "-o", str(tmp_path / "x.toml")],
+                         capture_output=True, text=True, env=subprocess_env(), cwd=ROOT)
+    assert odd.returncode != 0 and "Traceback" not in odd.stderr and "PLAN METRICS" in odd.stderr
+    assert not (tmp_path / "x.toml").exists()
