@@ -1,0 +1,163 @@
+"""Predicted against measured on Sailor's development runs (issue 34): OPT-350M on GH200 and on TITAN RTX + RTX 2080 Ti.
+
+    .venv/bin/python benchmarks/sailor_bench.py            # the table, about 1 minute on 2 cores
+    .venv/bin/python benchmarks/sailor_bench.py --json     # the rows as JSON
+
+Sailor (Strati et al., SOSP'25, github.com/eth-easl/sailor) trained OPT-350M with its
+Megatron-DeepSpeed fork and recorded each plan with its measured iteration time
+(benchmarks/published/sailor_dev.json says which files, commits and fields). Issue 34 sets
+these runs apart for development: the Clariden set (GH200, 4 per node, 15 plans, measured
+twice) and the TITAN RTX + RTX 2080 Ti set the authors later replaced (10 plans, one with no
+time). The rest of Sailor's validation data is the held-out check and is not read here.
+
+Each run is typed into ``planner.estimate`` as it ran: its dp, tp (4 everywhere), pp,
+micro-batch and global batch, its layers per stage (Sailor's layer 0 is the embedding, 25
+the final norm and head: benchmarks/published/gpt.py's numbering at 24 blocks), its nodes
+in stage order (Megatron's rank order puts stage s's replicas after stage s - 1's, so a
+stage whose replicas are of two types spans both and runs at the slower's pace), 1F1B,
+no recompute, ZeRO off, AdamW, eager. The model: benchmarks/published/gpt.py at OPT-350M's
+shape (24 blocks, hidden 1024, 16 heads, sequence 2048, vocabulary 50688: GPT-2's 50257
+padded by Megatron to a multiple of 128 x tp). Precision: fp32 as the runs (no --fp16 or
+--bf16), which on GH200 is torch's TF32 default for matmuls under DeepSpeed... see the
+notes: the rows give both fp32 and tf32 on GH200. Links: Clariden's nodes on 4 x 200 Gb/s
+Slingshot ("@200gx4", CSCS's published node design, not in Sailor's repository); the RTX
+machines on 1 Gb/s Ethernet ("@1gx1", issue 34's description; Sailor's fitted bandwidth
+between a TITAN RTX and an RTX 2080 Ti machine is 0.94 Gb/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hetpar.cost_models.cluster import parse_cluster  # noqa: E402
+from hetpar.planner.calibrate import Run, calibrate  # noqa: E402
+from hetpar.planner.capture import trace_model  # noqa: E402
+from hetpar.planner.estimate import EstimateConfig, estimate  # noqa: E402
+from hetpar.runtime.model_file import load_model_file  # noqa: E402
+
+DATA = ROOT / "benchmarks" / "published" / "sailor_dev.json"
+GPT = ROOT / "benchmarks" / "published" / "gpt.py"
+OPT_350M = dict(n_layers=24, hidden=1024, heads=16, seq_len=2048, vocab=50688)
+DEVICES = {"GH-96": "GH200-96GB@200gx4", "Titan-RTX": "TitanRTX-24GB@1gx1", "RTX-2080": "RTX2080Ti-11GB@1gx1"}
+GPUS_PER_ENTRY = 4
+
+
+def cluster_spec(run: dict) -> str:
+    """Nodes in Megatron's rank order: stage by stage, replica by replica, as groups of equal neighbours."""
+    entries = [vm for stage in run["stages"] for replica in stage["replicas"] for vm in replica]
+    groups: list[list] = []
+    for vm in entries:
+        if groups and groups[-1][0] == vm:
+            groups[-1][1] += 1
+        else:
+            groups.append([vm, 1])
+    return "+".join(f"{n}x{GPUS_PER_ENTRY}x{DEVICES[vm]}" for vm, n in groups)
+
+
+def config_of(run: dict, dtype: str) -> EstimateConfig:
+    return EstimateConfig(global_batch_size=run["gbs"], dp=run["dp"], tp=run["tp"], pp=run["pp"], micro_batch_size=run["mbs"],
+                          dtype=dtype, stage_layers=tuple(s["layers"] for s in run["stages"]))
+
+
+def predict(graph, run: dict, dtype: str, profiles=None) -> float:
+    return estimate(graph, parse_cluster(cluster_spec(run), profiles=profiles), config_of(run, dtype)).predicted.step_time_s
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for k, i in enumerate(order):
+            r[i] = float(k)
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return num / den if den else 0.0
+
+
+def rows(graph) -> list[dict]:
+    data = json.loads(DATA.read_text())
+    out = []
+    for run in data["runs"]:
+        for measurement, measured in run["iter_time_s"].items():
+            if not measured:
+                continue  # Sailor's RTX N1_D1 recorded memory only
+            gh200 = run["set"].startswith("clariden")
+            row = {"set": run["set"], "run": run["run"].split("/")[-1], "measurement": measurement, "cluster": cluster_spec(run),
+                   "dp": run["dp"], "tp": run["tp"], "pp": run["pp"], "mbs": run["mbs"], "gbs": run["gbs"], "measured_s": measured,
+                   "fp32_s": predict(graph, run, "fp32")}
+            row["tf32_s"] = predict(graph, run, "tf32") if gh200 else row["fp32_s"]  # Turing has no TF32: the same
+            row["_run"] = run
+            out.append(row)
+    return out
+
+
+def leave_one_out(graph, rs: list[dict]) -> list[dict]:
+    """For each run c of a set (one cluster, one measurement), ``hetpar calibrate``'s fit to c's measured step
+    alone ([Note: calibrating from runs]: one factor on every device type's efficiencies), then every other
+    run of the set predicted with it: (calibrated on, predicted, measured, predicted seconds)."""
+    pairs = []
+    sets = sorted({(r["set"], r["measurement"]) for r in rs})
+    for key in sets:
+        members = [r for r in rs if (r["set"], r["measurement"]) == key]
+        for c in members:
+            run = Run(name=c["run"], graph=graph, cluster_spec=c["cluster"], config=config_of(c["_run"], "fp32"),
+                      step_s=c["measured_s"])
+            fitted, _ = calibrate([run])
+            for r in members:
+                if r is not c:
+                    pairs.append({"set": key, "on": c["run"], "run": r["run"], "gbs": r["gbs"], "measured_s": r["measured_s"],
+                                  "calibrated_s": predict(graph, r["_run"], "fp32", fitted)})
+    return pairs
+
+
+def summary(rs: list[dict], key: str) -> str:
+    errors = [abs(r[key] / r["measured_s"] - 1) for r in rs]
+    rho = spearman([r["gbs"] / r[key] for r in rs], [r["gbs"] / r["measured_s"] for r in rs])
+    return f"median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}, Spearman {rho:.3f} over {len(rs)} runs"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    ns = parser.parse_args()
+    graph = trace_model(load_model_file(str(GPT), OPT_350M))
+    rs = rows(graph)
+    pairs = leave_one_out(graph, rs)
+    if ns.json:
+        print(json.dumps({"rows": [{k: v for k, v in r.items() if k != "_run"} for r in rs], "calibrated": pairs}, indent=1))
+        return
+    print("| set | run | measured as | cluster | dp, tp, pp | mbs x gbs | measured s | fp32 s | error | tf32 s | error |")
+    print("|---|---|---|---|---|---|---:|---:|---:|---:|---:|")
+    for r in rs:
+        print(f"| {r['set']} | {r['run']} | {r['measurement']} | {r['cluster']} | {r['dp']}, {r['tp']}, {r['pp']} | "
+              f"{r['mbs']} x {r['gbs']} | {r['measured_s']:.4g} | {r['fp32_s']:.4g} | {r['fp32_s'] / r['measured_s'] - 1:+.1%} | "
+              f"{r['tf32_s']:.4g} | {r['tf32_s'] / r['measured_s'] - 1:+.1%} |")
+    print()
+    for name, pick in (("all", lambda r: True), ("GH200", lambda r: r["set"].startswith("clariden")),
+                       ("TITAN RTX + RTX 2080 Ti", lambda r: not r["set"].startswith("clariden"))):
+        sel = [r for r in rs if pick(r)]
+        print(f"- {name}: fp32 {summary(sel, 'fp32_s')}; tf32 on GH200 {summary(sel, 'tf32_s')}")
+    print()
+    print("Calibrated on one run of the set, every other run of the set predicted (all choices of the one run):")
+    print()
+    for key in sorted({p["set"] for p in pairs}):
+        sel = [p for p in pairs if p["set"] == key]
+        errors = [abs(p["calibrated_s"] / p["measured_s"] - 1) for p in sel]
+        per_choice = [statistics.median(abs(p["calibrated_s"] / p["measured_s"] - 1) for p in sel if p["on"] == on)
+                      for on in sorted({p["on"] for p in sel})]
+        print(f"- {key[0]} ({key[1]}): median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} over "
+              f"{len(sel)} predictions; the median per calibration run ranges {min(per_choice):.1%}-{max(per_choice):.1%}")
+
+
+if __name__ == "__main__":
+    main()
