@@ -18,8 +18,10 @@ stage whose replicas are of two types spans both and runs at the slower's pace),
 no recompute, ZeRO off, AdamW, eager. The model: benchmarks/published/gpt.py at OPT-350M's
 shape (24 blocks, hidden 1024, 16 heads, sequence 2048, vocabulary 50688: GPT-2's 50257
 padded by Megatron to a multiple of 128 x tp). Precision: fp32 as the runs (no --fp16 or
---bf16), which on GH200 is torch's TF32 default for matmuls under DeepSpeed... see the
-notes: the rows give both fp32 and tf32 on GH200. Links: Clariden's nodes on 4 x 200 Gb/s
+--bf16); torch runs fp32 matmuls at the FP32 rate unless a program turns TF32 on, which
+these runs' scripts do not show, so GH200's rows are given at both rates. Then each run
+is calibrated on alone (``hetpar calibrate``'s fit to its measured step) and every other
+run of its set predicted with the result. Links: Clariden's nodes on 4 x 200 Gb/s
 Slingshot ("@200gx4", CSCS's published node design, not in Sailor's repository); the RTX
 machines on 1 Gb/s Ethernet ("@1gx1", issue 34's description; Sailor's fitted bandwidth
 between a TITAN RTX and an RTX 2080 Ti machine is 0.94 Gb/s).
@@ -112,11 +114,13 @@ def leave_one_out(graph, rs: list[dict]) -> list[dict]:
         for c in members:
             run = Run(name=c["run"], graph=graph, cluster_spec=c["cluster"], config=config_of(c["_run"], "fp32"),
                       step_s=c["measured_s"])
-            fitted, _ = calibrate([run])
+            fitted, fits = calibrate([run])
             for r in members:
                 if r is not c:
                     pairs.append({"set": key, "on": c["run"], "run": r["run"], "gbs": r["gbs"], "measured_s": r["measured_s"],
-                                  "calibrated_s": predict(graph, r["_run"], "fp32", fitted)})
+                                  "same_mbs": c["mbs"] == r["mbs"],
+                                  "calibrated_s": predict(graph, r["_run"], "fp32", fitted),
+                                  "flagged": any(f.fixed_cost_bound for f in fits)})
     return pairs
 
 
@@ -157,6 +161,16 @@ def main() -> None:
                       for on in sorted({p["on"] for p in sel})]
         print(f"- {key[0]} ({key[1]}): median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} over "
               f"{len(sel)} predictions; the median per calibration run ranges {min(per_choice):.1%}-{max(per_choice):.1%}")
+        same = [abs(p["calibrated_s"] / p["measured_s"] - 1) for p in sel if p["same_mbs"]]
+        if same:
+            print(f"  - where the run calibrated on has the predicted run's micro-batch size: median |error| "
+                  f"{statistics.median(same):.1%}, worst {max(same):.1%} over {len(same)} predictions")
+        kept = [p for p in sel if not p["flagged"]]
+        if kept and len(kept) < len(sel):
+            good = [abs(p["calibrated_s"] / p["measured_s"] - 1) for p in kept]
+            ons = sorted({p["on"] for p in sel if p["flagged"]})
+            print(f"  - leaving out the fits `hetpar calibrate` flags as fixed-cost bound ({', '.join(ons)}): median "
+                  f"|error| {statistics.median(good):.1%}, worst {max(good):.1%} over {len(kept)} predictions")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from hetpar.planner.calibrate import CalibrationError, calibrate as fit_runs, de
 
 @domain_errors
 def calibrate(
-    runs: Annotated[list[Path], typer.Argument(help="PLAN METRICS pairs: a plan file and the --metrics file its program wrote (2 or more steps), one pair per run.", show_default=False)],
+    runs: Annotated[list[Path], typer.Argument(help="PLAN METRICS pairs: a plan file and the --metrics file its program wrote (2 or more steps; its per-stage times, else its steps), one pair per run.", show_default=False)],
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the fitted profile: a .toml or .json file when the runs used one device type, else a directory that gets one <device>.toml each.")],
     profile: Annotated[Optional[list[Path]], typer.Option(help="Start from this device profile instead of the built-in one of its name (repeatable).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print what moved as JSON on stdout.")] = False,
@@ -45,8 +45,9 @@ def calibrate(
     if as_json:
         print_json({"profiles": {name: str(path) for name, path in targets.items()},
                     "fits": [{"device_type": f.device_type, "field": f.field, "before": f.before, "after": f.after,
-                              "measured_s": f.measured_s, "predicted_before_s": f.predicted_before_s, "stages": f.stages,
-                              "runs": f.runs, "ratios": f.ratios, "capped": f.capped} for f in fits]})
+                              "measured_s": f.measured_s, "predicted_before_s": f.predicted_before_s, "fitted_to": f.what, "count": f.count,
+                              "runs": f.runs, "ratios": f.ratios, "capped": f.capped,
+                              "sensitivity": f.sensitivity, "fixed_cost_bound": f.fixed_cost_bound} for f in fits]})
         return
     for fit in fits:
         console.print(describe(fit), soft_wrap=True)

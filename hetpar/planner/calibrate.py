@@ -1,48 +1,62 @@
 """Device profiles fitted to the user's own runs: what ``hetpar calibrate`` computes.
 
 [Note: calibrating from runs]
-A run is a plan and the metrics file its program wrote (``--metrics``). The program's
-``stages`` record holds each pipeline rank's measured seconds per micro-batch, forward
-and backward, receive waits left out (``runtime.training.report_stage_times``); the plan
-holds what the estimate predicted for the same numbers (``predicted.stage_fwd_s``,
-``stage_bwd_s``: the layers, their tensor-parallel collectives and ZeRO-3's gathers).
+A run is a configuration the estimate can score (a plan, or a published run typed in:
+benchmarks/sailor_bench.py) and what it measured. A hetpar program's metrics file
+(``--metrics``) gives both kinds of measurement: its ``stages`` record holds each
+pipeline rank's measured seconds per micro-batch, forward and backward, receive waits
+left out (``runtime.training.report_stage_times``), comparable with the estimate's
+stage times (the layers, their tensor-parallel collectives and ZeRO-3's gathers); its
+``step`` records the whole step.
 
-For each device type the runs' stages ran on, the fit finds the training kernel
+For each device type some run's stages ran on, the fit finds the training kernel
 efficiency under which the estimate's stage times on that type add up to the measured
 ones, over every stage of every run on it: forward times fix ``kernel_efficiency``,
-backward times then ``backward_kernel_efficiency``. Each trial re-estimates the runs'
-own plans with the trial profile, so the model's other parts (memory-bound ops, per-op
-overheads, collectives) stay as they are and only that one rate moves; the estimate's
-stage time falls as the efficiency rises, and bisection on its logarithm finds it. One
-number per type and pass, fitted to the sum over all its stages: a single stage or
-run cannot pull it alone beyond its share, and the report shows the spread of the
-per-stage ratios (measured over predicted with the fit) so that a fit that explains
-one stage and not another is visible. A type seen in only one run is fitted and said
-to be ("from 1 run"). The fit never sets an efficiency that would put a matmul above
-the device's peak (``matmul_efficiency * kernel_efficiency <= 1``): measured stages
-faster than that are reported and the efficiency capped.
+backward times then ``backward_kernel_efficiency``. A type that only runs without
+stage times cover (a published run records its step alone) gets one factor on both of
+its efficiencies, shared by every such type, under which the estimated steps of those
+runs add up to the measured ones. Each trial re-estimates the runs with the trial
+profiles, so the model's other parts (memory-bound ops, per-op overheads, collectives,
+the pipeline's bubble) stay as they are and only that rate moves; the estimate's time
+falls as the efficiency rises, and bisection on its logarithm finds it. One number per
+type and pass, fitted to a sum over all its stages or steps, so a single stage or run
+cannot pull it beyond its share; the report shows the spread of the per-stage (or
+per-step) ratios left, measured over predicted with the fit, and says when a type
+comes from one run only, and when the times fitted to are mostly fixed costs (under
+half of the time moves with the rate, SENSITIVITY_FLOOR): a run of one tiny batch is
+launches and latencies, and stretching the kernels' rate to cover them misleads every
+other plan (benchmarks/sailor_bench.py measures how much). The fit never sets an efficiency that would put a matmul above
+the device's peak (``matmul_efficiency * efficiency <= 1``): measured times faster than
+that are reported and the efficiency capped.
 
-What it does not fit: links (data-parallel synchronisation, pipeline sends) and the
-per-degree tensor-parallel costs; the stage times it reads include a stage's
-tensor-parallel collectives, which the efficiency then absorbs for that degree.
+What it does not fit: links (data-parallel synchronisation, pipeline sends) apart from
+what a step-time fit absorbs, and the per-degree tensor-parallel costs, which the stage
+times include and the efficiency then absorbs for that degree.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+import statistics
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.cost_models.compute import training_efficiency
 from hetpar.cost_models.devices import DeviceProfile
-from hetpar.planner.estimate import estimate
+from hetpar.planner.estimate import EstimateConfig, estimate
 from hetpar.planner.explain import estimate_config, plan_graph_of
 from hetpar.planner.plan import ParallelPlan
 
 _BISECTION_STEPS = 40  # halvings of [EFFICIENCY_FLOOR, the peak's cap] in log space: under 1e-11 relative
 EFFICIENCY_FLOOR = 1e-4
+FIELDS = ("kernel_efficiency", "backward_kernel_efficiency")
+# Below this sensitivity of the fitted time to the efficiency, the runs' times are mostly
+# fixed costs: a fit to them is reported as such (``Fit.fixed_cost_bound``). A documented
+# choice: half the time moving with the rate.
+SENSITIVITY_FLOOR = 0.5
 
 
 class CalibrationError(ValueError):
@@ -51,11 +65,14 @@ class CalibrationError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class Run:
-    """A plan and the stage times its program measured."""
+    """A configuration the estimate scores, and what it measured."""
 
     name: str  # how the report names it: the metrics file's path
-    plan: ParallelPlan
-    measured: list[dict]  # per pipeline rank: {"stage", "fwd_s", "bwd_s"} per micro-batch
+    graph: Any  # the ModelGraph the configuration runs
+    cluster_spec: str
+    config: EstimateConfig
+    measured: list[dict] = field(default_factory=list)  # per pipeline rank {"stage", "fwd_s", "bwd_s"}; empty: step only
+    step_s: float | None = None  # the measured step, where no stage times are
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,24 +83,34 @@ class Fit:
     field: str  # "kernel_efficiency" or "backward_kernel_efficiency"
     before: float
     after: float
-    measured_s: float  # the type's stages' measured seconds per micro-batch, summed
-    predicted_before_s: float  # ... predicted with the profile as it was
-    stages: int
+    measured_s: float  # the measured seconds fitted to, summed
+    predicted_before_s: float  # ... predicted with the profiles as they were
+    what: str  # "stages" (per micro-batch) or "steps"
+    count: int  # stages or steps fitted to
     runs: list[str]
-    ratios: list[float]  # measured over predicted with the fit, per stage
+    ratios: list[float]  # measured over predicted with the fit, per stage or step
     capped: bool  # the fit wanted matmuls above the peak
+    # how much of the fitted time moves with the efficiency: -d ln(time) / d ln(efficiency) at the fit,
+    # 1 where all of it is kernels, near 0 where fixed costs (launches, collectives' latency) dominate
+    sensitivity: float = 1.0
+
+    @property
+    def fixed_cost_bound(self) -> bool:
+        """Whether the times fitted to are mostly fixed costs, which the efficiency cannot explain
+        (SENSITIVITY_FLOOR): the fit then moves the rate far to cover them."""
+        return self.sensitivity < SENSITIVITY_FLOOR
 
 
 def read_run(plan_path: Path, metrics_path: Path) -> Run:
-    """A run from a plan file and its program's metrics file.
+    """A run from a plan file and its program's metrics file: its stage times, else its steps' median.
 
     Raises:
-        CalibrationError: the metrics hold no per-stage times, or not as many as the plan has pipeline ranks,
-            or the plan has no per-stage prediction (heterogeneous data-parallel plans).
-        PlanFileError: the plan file is not a plan.
+        CalibrationError: the metrics hold neither stage times matching the plan's pipeline ranks nor two
+            steps, or the plan has no per-stage prediction (heterogeneous data-parallel plans).
+        PlanFileError: the plan file is not a plan, or its model file changed since planning.
     """
     plan = ParallelPlan.load(plan_path)
-    records = []
+    stages, steps = [], []
     try:
         lines = Path(metrics_path).read_text().splitlines()
     except OSError as exc:
@@ -94,27 +121,33 @@ def read_run(plan_path: Path, metrics_path: Path) -> Run:
         except json.JSONDecodeError:
             continue
         if isinstance(record, dict) and record.get("kind") == "stages":
-            records.append(record["stages"])
-    if not records:
-        raise CalibrationError(f"{metrics_path} holds no per-stage times; run the program with --metrics FILE for "
-                               "at least 2 steps (its last record of kind 'stages' is read)")
-    measured = records[-1]
-    pp = plan.pipeline_parallel
-    if sorted(m.get("stage") for m in measured) != list(range(pp)) or not all(
-            isinstance(m.get(k), (int, float)) and m[k] > 0 for m in measured for k in ("fwd_s", "bwd_s")):
-        raise CalibrationError(f"{metrics_path}: its stage times do not match {plan_path}'s {pp} pipeline ranks; "
-                               "give each metrics file with the plan its program was compiled from")
-    if len(plan.predicted.stage_fwd_s) != pp:
+            stages.append(record["stages"])
+        elif isinstance(record, dict) and record.get("kind") == "step" and isinstance(record.get("step_time_s"), (int, float)):
+            steps.append(float(record["step_time_s"]))
+    if len(plan.predicted.stage_fwd_s) != plan.pipeline_parallel:
         raise CalibrationError(f"{plan_path} has no per-stage prediction (a heterogeneous data-parallel plan); "
                                "calibrate from pipeline plans")
-    return Run(name=str(metrics_path), plan=plan, measured=sorted(measured, key=lambda m: m["stage"]))
+    graph = plan_graph_of(plan)
+    base = dict(name=str(metrics_path), graph=graph, cluster_spec=plan.cluster.spec, config=estimate_config(plan, graph))
+    if stages:
+        measured = stages[-1]
+        pp = plan.pipeline_parallel
+        if sorted(m.get("stage") for m in measured) != list(range(pp)) or not all(
+                isinstance(m.get(k), (int, float)) and m[k] > 0 for m in measured for k in ("fwd_s", "bwd_s")):
+            raise CalibrationError(f"{metrics_path}: its stage times do not match {plan_path}'s {pp} pipeline ranks; "
+                                   "give each metrics file with the plan its program was compiled from")
+        return Run(**base, measured=sorted(measured, key=lambda m: m["stage"]))
+    if len(steps) < 2:
+        raise CalibrationError(f"{metrics_path} holds no per-stage times and fewer than 2 steps; run the program with "
+                               "--metrics FILE for at least 2 steps")
+    return Run(**base, step_s=statistics.median(steps[1:]))  # the first step warms up
 
 
 def calibrate(runs: list[Run], profiles: dict[str, DeviceProfile] | None = None) -> tuple[dict[str, DeviceProfile], list[Fit]]:
     """Fit each device type's training kernel efficiencies to ``runs``; see [Note: calibrating from runs].
 
     Args:
-        runs: plans with their measured stage times.
+        runs: configurations with what they measured.
         profiles: device name -> profile to start from in place of the built-in one.
 
     Returns:
@@ -122,101 +155,157 @@ def calibrate(runs: list[Run], profiles: dict[str, DeviceProfile] | None = None)
 
     Raises:
         CalibrationError: no run.
-        PlanFileError: a plan's model file is gone or changed since planning.
     """
     if not runs:
         raise CalibrationError("no run to calibrate from; give PLAN METRICS pairs")
-    inputs = [(run, plan_graph_of(run.plan)) for run in runs]
     start = dict(profiles or {})
-    types = sorted({run.plan.stages[r].device_type for run in runs for r in range(run.plan.pipeline_parallel)})
-    fitted = {t: start.get(t) or _profile_of(runs, t, start) for t in types}
-    # what each pass ran at before: the backward at its own efficiency, else the forward's
-    before = {(t, "kernel_efficiency"): training_efficiency(fitted[t]) for t in types}
-    before |= {(t, "backward_kernel_efficiency"): fitted[t].backward_kernel_efficiency or training_efficiency(fitted[t])
-               for t in types}
+    paced = {run.name: _stage_types(run, start) for run in runs}
+    by_stages = sorted({t for run in runs if run.measured for t in paced[run.name]})
+    by_steps = sorted({t for run in runs if not run.measured for t in paced[run.name]} - set(by_stages))
+    fitted = {t: _profile_of(runs, t, start) for t in by_stages + by_steps}
+    before = {(t, f): _efficiency(fitted[t], f) for t in fitted for f in FIELDS}
     fits = []
-    for field, key, pass_name in (("kernel_efficiency", "fwd_s", "forward"), ("backward_kernel_efficiency", "bwd_s", "backward")):
-        for t in types:
-            fit, fitted[t] = _fit_one(inputs, fitted, t, field, key, pass_name, before[t, field])
+    for f, key, pass_name in (("kernel_efficiency", "fwd_s", "forward"), ("backward_kernel_efficiency", "bwd_s", "backward")):
+        for t in by_stages:
+            fit, fitted[t] = _fit_stages(runs, paced, fitted, t, f, key, pass_name, before[t, f])
             fits.append(fit)
+    if by_steps:
+        step_runs = [run for run in runs if not run.measured and set(paced[run.name]) & set(by_steps)]
+        step_fits, fitted = _fit_steps(step_runs, fitted, by_steps, before)
+        fits += step_fits
     return fitted, fits
 
 
+def _efficiency(profile: DeviceProfile, field_name: str) -> float:
+    """What a pass runs at: the backward at its own efficiency, else the forward's."""
+    if field_name == "backward_kernel_efficiency" and profile.backward_kernel_efficiency is not None:
+        return profile.backward_kernel_efficiency
+    return training_efficiency(profile)
+
+
+def _stage_types(run: Run, profiles: dict[str, DeviceProfile]) -> list[str]:
+    """The device type that paces each pipeline rank of ``run`` ([Note: estimate rank layout])."""
+    result = estimate(run.graph, parse_cluster(run.cluster_spec, profiles=profiles), run.config)
+    return [s.device_type for s in result.stages]
+
+
 def _profile_of(runs: list[Run], device_type: str, profiles: dict[str, DeviceProfile]) -> DeviceProfile:
+    if device_type in profiles:
+        return profiles[device_type]
     for run in runs:
-        cluster = parse_cluster(run.plan.cluster.spec, profiles=profiles)
+        cluster = parse_cluster(run.cluster_spec, profiles=profiles)
         if device_type in cluster.count_by_type():
             return cluster.profile(device_type)
     raise CalibrationError(f"no run's cluster holds {device_type}")
 
 
-def _stage_times(inputs, profiles: dict[str, DeviceProfile], device_type: str, key: str) -> list[tuple[str, float, float]]:
-    """(run, predicted, measured) seconds per micro-batch of each stage on ``device_type``."""
-    rows = []
-    for run, graph in inputs:
-        stages = [r for r in range(run.plan.pipeline_parallel) if run.plan.stages[r].device_type == device_type]
-        if not stages:
-            continue
-        cluster = parse_cluster(run.plan.cluster.spec, profiles=profiles)
-        result = estimate(graph, cluster, estimate_config(run.plan, graph))
-        for r in stages:
-            rows.append((run.name, getattr(result.stages[r], key), run.measured[r][key]))
-    return rows
+def _sensitivity(total, at: float) -> float:
+    """-d ln(total) / d ln(efficiency) at ``at``, by a 1% step either side."""
+    up, down = total(at * 1.01), total(at / 1.01)
+    return math.log(down / up) / math.log(1.01 ** 2) if up > 0 and down > 0 else 1.0
 
 
-def _fit_one(inputs, profiles: dict[str, DeviceProfile], device_type: str, field: str, key: str, pass_name: str,
-             before: float) -> tuple[Fit, DeviceProfile]:
-    base = profiles[device_type]
-    cap = 1.0 / base.matmul_efficiency
-
-    def total(efficiency: float) -> tuple[float, list[tuple[str, float, float]]]:
-        trial = {**profiles, device_type: _with(base, field, efficiency)}
-        rows = _stage_times(inputs, trial, device_type, key)
-        return sum(p for _, p, _ in rows), rows
-
-    predicted_before, rows = total(before)
-    measured = sum(m for _, _, m in rows)
+def _bisect(total, measured: float, cap: float) -> tuple[float, bool]:
+    """The efficiency (or factor) at which ``total`` meets ``measured``, capped at ``cap``; and whether capped."""
+    if total(cap) > measured:  # faster than the model allows at the peak
+        return cap, True
     lo, hi = math.log(EFFICIENCY_FLOOR), math.log(cap)
-    capped = total(cap)[0] > measured  # faster than the model allows at the peak
-    if capped:
-        efficiency = cap
-    else:
-        for _ in range(_BISECTION_STEPS):
-            mid = (lo + hi) / 2
-            if total(math.exp(mid))[0] > measured:
-                lo = mid  # too slow: raise the efficiency
-            else:
-                hi = mid
-        efficiency = math.exp((lo + hi) / 2)
-    runs = sorted({name for name, _, _ in rows})
-    _, after_rows = total(efficiency)
-    profile = _with(base, field, efficiency, source=(
-        f"[fitted] hetpar calibrate: {pass_name} stage times of {len(rows)} stage(s) of {len(runs)} run(s) "
-        f"({', '.join(runs)}), {measured * 1e3:.4g} ms measured per micro-batch against {predicted_before * 1e3:.4g} ms "
-        f"predicted at {before:.4g}" + ("; capped at the device's peak" if capped else "")))
-    fit = Fit(device_type=device_type, field=field, before=before, after=efficiency, measured_s=measured,
-              predicted_before_s=predicted_before, stages=len(rows), runs=runs,
-              ratios=[m / p for _, p, m in after_rows], capped=capped)
-    return fit, profile
+    for _ in range(_BISECTION_STEPS):
+        mid = (lo + hi) / 2
+        if total(math.exp(mid)) > measured:
+            lo = mid  # too slow: raise the efficiency
+        else:
+            hi = mid
+    return math.exp((lo + hi) / 2), False
 
 
-def _with(profile: DeviceProfile, field: str, value: float, source: str | None = None) -> DeviceProfile:
+def _fit_stages(runs: list[Run], paced: dict, profiles: dict[str, DeviceProfile], device_type: str, field_name: str,
+                key: str, pass_name: str, before: float) -> tuple[Fit, DeviceProfile]:
+    base = profiles[device_type]
+
+    def rows(efficiency: float) -> list[tuple[str, float, float]]:
+        trial = {**profiles, device_type: _with(base, field_name, efficiency)}
+        out = []
+        for run in runs:
+            stages = [r for r, t in enumerate(paced[run.name]) if t == device_type]
+            if not run.measured or not stages:
+                continue
+            result = estimate(run.graph, parse_cluster(run.cluster_spec, profiles=trial), run.config)
+            out += [(run.name, getattr(result.stages[r], key), run.measured[r][key]) for r in stages]
+        return out
+
+    start = rows(before)
+    measured = sum(m for _, _, m in start)
+    total = lambda e: sum(p for _, p, _ in rows(e))  # noqa: E731
+    efficiency, capped = _bisect(total, measured, 1.0 / base.matmul_efficiency)
+    names = sorted({name for name, _, _ in start})
+    predicted_before = sum(p for _, p, _ in start)
+    source = (f"[fitted] hetpar calibrate: {pass_name} stage times of {len(start)} stage(s) of {len(names)} run(s) "
+              f"({', '.join(names)}), {measured * 1e3:.4g} ms measured per micro-batch against "
+              f"{predicted_before * 1e3:.4g} ms predicted at {before:.4g}" + ("; capped at the device's peak" if capped else ""))
+    fit = Fit(device_type=device_type, field=field_name, before=before, after=efficiency, measured_s=measured,
+              predicted_before_s=predicted_before, what="stages", count=len(start), runs=names,
+              ratios=[m / p for _, p, m in rows(efficiency)], capped=capped, sensitivity=_sensitivity(total, efficiency))
+    return fit, _with(base, field_name, efficiency, source=source)
+
+
+def _fit_steps(runs: list[Run], profiles: dict[str, DeviceProfile], types: list[str], before: dict
+               ) -> tuple[list[Fit], dict[str, DeviceProfile]]:
+    """One factor on both efficiencies of every type in ``types``, fitted to the runs' steps."""
+
+    def trial(factor: float) -> dict[str, DeviceProfile]:
+        out = dict(profiles)
+        for t in types:
+            for f in FIELDS:
+                out[t] = _with(out[t], f, before[t, f] * factor)
+        return out
+
+    def steps(factor: float) -> list[float]:
+        fitted = trial(factor)
+        return [estimate(run.graph, parse_cluster(run.cluster_spec, profiles=fitted), run.config).predicted.step_time_s
+                for run in runs]
+
+    measured = sum(run.step_s for run in runs)
+    cap = min(1.0 / (profiles[t].matmul_efficiency * max(before[t, f] for f in FIELDS)) for t in types)
+    factor, capped = _bisect(lambda x: sum(steps(x)), measured, cap)
+    predicted_before = sum(steps(1.0))
+    ratios = [run.step_s / p for run, p in zip(runs, steps(factor))]
+    sensitivity = _sensitivity(lambda x: sum(steps(x)), factor)
+    names = [run.name for run in runs]
+    out, fits = dict(profiles), []
+    for t in types:
+        for f in FIELDS:
+            source = (f"[fitted] hetpar calibrate: x{factor:.4g} on both passes of {', '.join(types)} from the steps of "
+                      f"{len(runs)} run(s) ({', '.join(names)}), {measured:.4g} s measured against {predicted_before:.4g} s "
+                      f"predicted" + ("; capped at the device's peak" if capped else ""))
+            out[t] = _with(out[t], f, before[t, f] * factor, source=source)
+            fits.append(Fit(device_type=t, field=f, before=before[t, f], after=before[t, f] * factor, measured_s=measured,
+                            predicted_before_s=predicted_before, what="steps", count=len(runs), runs=names,
+                            ratios=ratios, capped=capped, sensitivity=sensitivity))
+    return fits, out
+
+
+def _with(profile: DeviceProfile, field_name: str, value: float, source: str | None = None) -> DeviceProfile:
     sources = dict(profile.sources)
     if source is not None:
-        sources[field] = source
+        sources[field_name] = source
     else:
-        sources.setdefault(field, "[fitted] hetpar calibrate (trial)")
-    return replace(profile, **{field: value}, sources=sources)
+        sources.setdefault(field_name, "[fitted] hetpar calibrate (trial)")
+    return replace(profile, **{field_name: value}, sources=sources)
 
 
 def describe(fit: Fit) -> str:
     """One line: what moved for a type, by how much, from which runs."""
-    spread = f"per-stage measured/fitted {min(fit.ratios):.3f}-{max(fit.ratios):.3f}" if fit.ratios else ""
+    spread = f"per-{fit.what[:-1]} measured/fitted {min(fit.ratios):.3f}-{max(fit.ratios):.3f}" if fit.ratios else ""
     one = " (from 1 run: check it on another)" if len(fit.runs) == 1 else ""
-    cap = "; capped: the stages ran faster than the device's peak allows" if fit.capped else ""
+    cap = "; capped: the runs were faster than the device's peak allows" if fit.capped else ""
+    if fit.fixed_cost_bound:
+        cap += (f"; only {fit.sensitivity:.0%} of these times moves with the kernels' rate (the rest is fixed costs), "
+                "so the fit stretches it to cover them: calibrate on a run of a typical batch")
+    unit = "ms measured per micro-batch" if fit.what == "stages" else "ms measured per step"
     return (f"{fit.device_type} {fit.field}: {fit.before:.4g} -> {fit.after:.4g} (x{fit.after / fit.before:.3f}) from "
-            f"{fit.stages} stage(s) of {len(fit.runs)} run(s){one}: {fit.measured_s * 1e3:.4g} ms measured per "
-            f"micro-batch, {fit.predicted_before_s * 1e3:.4g} ms predicted before; {spread}{cap}")
+            f"{fit.count} {fit.what[:-1]}(s) of {len(fit.runs)} run(s){one}: {fit.measured_s * 1e3:.4g} {unit}, "
+            f"{fit.predicted_before_s * 1e3:.4g} ms predicted before; {spread}{cap}")
 
 
 __all__ = ["CalibrationError", "Fit", "Run", "calibrate", "describe", "read_run"]
