@@ -125,3 +125,26 @@ def test_the_cli_writes_a_profile_that_plan_and_estimate_read(tmp_path):
                          capture_output=True, text=True, env=subprocess_env(), cwd=ROOT)
     assert odd.returncode != 0 and "Traceback" not in odd.stderr and "PLAN METRICS" in odd.stderr
     assert not (tmp_path / "x.toml").exists()
+
+
+def test_a_run_with_only_its_steps_gives_one_factor_back(tmp_path):
+    """A metrics file without stage times: the median step after the first is fitted by one factor on both
+    efficiencies; a run slowed by 1.25 on both passes gives 1/1.25 back."""
+    plan, plan_path, _, _ = _run_files(tmp_path, "1x4xA100-80GB", {"A100-80GB": (1.0, 1.0)}, pp=2, dp=2, tp=1)
+    device = get_device("A100-80GB")
+    e = training_efficiency(device)
+    slowed = dataclasses.replace(device, kernel_efficiency=e / 1.25, backward_kernel_efficiency=e / 1.25,
+                                 sources={**device.sources, "kernel_efficiency": "test", "backward_kernel_efficiency": "test"})
+    graph = plan_graph_of(plan)
+    step = estimate(graph, parse_cluster(plan.cluster.spec, profiles={device.name: slowed}),
+                    estimate_config(plan, graph)).predicted.step_time_s
+    metrics = tmp_path / "steps.jsonl"
+    metrics.write_text("".join(json.dumps({"kind": "step", "step": i, "loss": 1.0, "step_time_s": t}) + "\n"
+                               for i, t in enumerate([10 * step, step, step * 1.01, step * 0.99], start=1)))
+    run = read_run(plan_path, metrics)
+    assert run.step_s == pytest.approx(step) and not run.measured  # the first step (warm-up) left out
+    fitted, fits = calibrate([run])
+    assert {f.what for f in fits} == {"steps"}
+    assert fitted["A100-80GB"].kernel_efficiency == pytest.approx(e / 1.25, rel=1e-6)
+    assert fitted["A100-80GB"].backward_kernel_efficiency == pytest.approx(e / 1.25, rel=1e-6)
+    assert 0 < fits[0].sensitivity <= 1.0 + 1e-6 and "per-step measured/fitted 1.000-1.000" in describe(fits[0])
