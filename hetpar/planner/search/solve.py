@@ -161,21 +161,6 @@ class Solved:
     split: SplitResult
 
 
-# [Note: finalists re-ranked]
-# CP-SAT proves the best split of every candidate for the linear step time of [Note:
-# split objective]; the plan prints planner.estimate's simulation of its schedule, which
-# on mixed clusters lets fast stages run ahead of the slowest one's pace and so comes out
-# up to about 9% lower (docs/benchmarks/proof-scope_*.md). On a cluster of more than one
-# device type the search therefore simulates its finalists, the 1 + --top-k best
-# candidates by the linear objective, and returns the fastest by the simulation (ties:
-# the linear order). On a cluster of one type the linear objective is the schedule's
-# makespan (the two agree within 0.4% on every such cluster of that benchmark), and only
-# the best is simulated: simulating 4 finalists of a 1T model costs seconds. The others stay the
-# plan's alternatives with both numbers (``step_time_s`` the linear one,
-# ``simulated_step_s``). The proof still bounds the linear objective, over every
-# candidate; the plan says so where the two differ ([Note: what the proof bounds] in
-# planner/plan.py). A candidate outside the finalists is never simulated: the
-# re-ranking is exact among them, not over the whole space.
 class MemoryMisfit(PlanningError):
     """No candidate fits in memory (the message names the closest)."""
 
@@ -209,6 +194,21 @@ def search(model: ModelGraph, cluster, options: SearchOptions, progress=None) ->
     return _search_pass(model, cluster, replace(options, offload_offered=True), progress)
 
 
+# [Note: finalists re-ranked]
+# CP-SAT proves the best split of every candidate for the linear step time of [Note:
+# split objective]; the plan prints planner.estimate's simulation of its schedule, which
+# on mixed clusters lets fast stages run ahead of the slowest one's pace and so comes out
+# up to about 9% lower (docs/benchmarks/proof-scope_*.md). On a cluster of more than one
+# device type the search therefore simulates its finalists, the 1 + --top-k best
+# candidates by the linear objective, and returns the fastest by the simulation (ties:
+# the linear order). On a cluster of one type the linear objective is the schedule's
+# makespan (the two agree within 0.4% on every such cluster of that benchmark), and only
+# the best is simulated: simulating 4 finalists of a 1T model costs seconds. The others stay the
+# plan's alternatives with both numbers (``step_time_s`` the linear one,
+# ``simulated_step_s``). The proof still bounds the linear objective, over every
+# candidate; the plan says so where the two differ ([Note: what the proof bounds] in
+# planner/plan.py). A candidate outside the finalists is never simulated: the
+# re-ranking is exact among them, not over the whole space.
 def _search_pass(model: ModelGraph, cluster, options: SearchOptions, progress=None) -> ParallelPlan:
     start = time.perf_counter()
     candidates = enumerate_candidates(model, cluster, options)
@@ -396,4 +396,5 @@ def _mode_lists(tables: CostTables, split: SplitResult) -> dict:
     modes = [tables.candidate.modes[k] for k in split.modes]
     return {"recompute": [m.recompute for m in modes], "zero_stage": [m.zero_stage for m in modes],
             "tensor_parallel": [m.tp for m in modes],
-            **({"sequence_parallel": [m.sp for m in modes]} if any(m.sp for m in modes) else {})}
+            **({"sequence_parallel": [m.sp for m in modes]} if any(m.sp for m in modes) else {}),
+            **({"offload": [m.offload for m in modes]} if any(m.offload for m in modes) else {})}
