@@ -15,11 +15,9 @@ A stage that offloads keeps its ZeRO-3 shard (weights, gradients, optimizer stat
   backward. They are counted exposed, as ZeRO-3's collectives are.
 - **Optimizer step:** on the host CPUs, over the shard: the bytes the device's step
   would move (``OPTIMIZER_BYTES_PER_PARAM``) at the host memory bandwidth one device's
-  share of the CPUs reaches (``host_mem_bw_bytes_per_s``). torch's fused CPU AdamW is
-  memory-bound: on this project's development machine one core stepped 20 M fp32
-  parameters at 694 M parameters/s, 19.5 GB/s at 28 bytes each, about the core's
-  streaming rate (a ``Tensor.copy_`` of 320 MB moved 11 GB/s read plus written),
-  so the step is priced at the host's memory bandwidth.
+  share of the CPUs reaches (``host_mem_bw_bytes_per_s``): torch's fused CPU AdamW is
+  memory-bound, at about the host's streaming rate (benchmarks/cpu_adam_rate.py; its
+  measurement in docs/benchmarks/offload_cpu-2core_2026-12-06.md).
 
 ``B_host`` is ``host_link_bw_bytes_per_s`` (PCIe, or NVLink-C2C on Grace Hopper). A device
 whose profile states no host (no ``host_link_bw_bytes_per_s`` or

@@ -80,7 +80,8 @@ its shard of the parameters, their gradients and so the optimizer state live in 
 memory. Each all-gather first copies the shard to the device, each reduce-scattered
 gradient shard is copied back and accumulated on the host, and the optimizer steps the
 host tensors on the CPUs (torch's fused AdamW where the optimizer is AdamW: the
-for-each one is several times slower on CPU tensors). Pinned host memory (the copies
+for-each one moves several times fewer bytes a second on CPU tensors,
+benchmarks/cpu_adam_rate.py). Pinned host memory (the copies
 then run asynchronously) where the stage computes on an accelerator; plain memory on
 CPU workers, which the planner never offloads ([Note: offload costs] in
 cost_models/offload.py) but which run such a plan as written.
