@@ -10,9 +10,11 @@ cpu:       gloo fits at 2 ranks: all_reduce 189e-6 s + P / 1.33e9, all_gather 19
            reduce_scatter 257e-6 + P / 1.1e9, p2p 57e-6 + P / 3.0e9.
 """
 
+from dataclasses import replace
+
 import pytest
 
-from hetpar.cost_models.cluster import parse_cluster
+from hetpar.cost_models.cluster import cluster_from_dict, parse_cluster
 from hetpar.cost_models.collectives import (
     all_gather_time_s,
     all_reduce_time_s,
@@ -21,6 +23,10 @@ from hetpar.cost_models.collectives import (
     p2p_time_s,
     reduce_scatter_time_s,
 )
+from hetpar.cost_models.devices import ProfileError, get_device
+from hetpar.planner.capture import trace_model
+from hetpar.planner.estimate import EstimateConfig, estimate
+from hetpar.runtime.model_file import load_model_file
 
 GiB = 2**30
 
@@ -203,3 +209,53 @@ def test_bad_groups():
         all_gather_time_s(-1, [0, 1], cluster)
     with pytest.raises(ValueError, match="concurrent must be >= 1"):
         all_reduce_time_s(1, [0, 1], cluster, concurrent=0)
+
+
+# --- Cards without peer-to-peer ([Note: staged copies]) -----------------------------------
+# RTX2080Ti-11GB: no PCIe peer-to-peer; its profile's staged rate 4.0e9 B/s (NCCL's measured
+# ring through host memory), PCIe 3.0 x16 15.75e9 B/s, 5.7e-6 s per PCIe ring step.
+
+
+def test_cards_without_peer_to_peer_run_rings_and_sends_at_their_staged_rate():
+    cluster = parse_cluster("1x4xRTX2080Ti-11GB")
+    assert all_reduce_time_s(GiB, range(4), cluster) == pytest.approx(2 * 3 * 5.7e-6 + 2 * 3 / 4 * GiB / 4.0e9, rel=1e-12)
+    assert all_gather_time_s(GiB, range(4), cluster) == pytest.approx(3 * 5.7e-6 + 3 / 4 * GiB / 4.0e9, rel=1e-12)
+    assert p2p_time_s(GiB, 0, 1, cluster) == pytest.approx(5.7e-6 + GiB / 4.0e9, rel=1e-12)
+
+
+def test_a_bridge_in_a_cluster_file_or_a_profile_with_peer_access_replaces_the_staged_rate():
+    bridged = cluster_from_dict({"group": [{"nodes": 1, "devices_per_node": 2, "device": "RTX2080Ti-11GB",
+                                            "intra_node_gbps": 400}]}, spec="bridged.toml")
+    assert p2p_time_s(GiB, 0, 1, bridged) == pytest.approx(5.7e-6 + GiB / 50e9, rel=1e-12)
+    # A profile of one's own (--profile) whose cards reach each other: PCIe's rate again.
+    direct = replace(get_device("RTX2080Ti-11GB"), intra_node_staged_bw_bytes_per_s=None)
+    cluster = parse_cluster("1x4xRTX2080Ti-11GB", profiles={"RTX2080Ti-11GB": direct})
+    assert p2p_time_s(GiB, 0, 1, cluster) == pytest.approx(5.7e-6 + GiB / 15.75e9, rel=1e-12)
+
+
+def test_tensor_parallel_time_of_a_plan_follows_the_links_the_cluster_file_gives(gpt_path):
+    # The staged rate, and the same rate stated per group in a cluster file: the same prediction;
+    # a bridge-fast link in the file: less tensor-parallel time.
+    graph = trace_model(load_model_file(str(gpt_path), {"n_layers": 2}))
+    config = EstimateConfig(global_batch_size=8, dp=1, tp=2, pp=1, micro_batch_size=2, dtype="fp16")
+
+    def tp_seconds(cluster):
+        return estimate(graph, cluster, config).predicted.tp_comm_time_s
+
+    def in_file(gbps):
+        return cluster_from_dict({"group": [{"nodes": 1, "devices_per_node": 2, "device": "RTX2080Ti-11GB",
+                                             "intra_node_gbps": gbps}]}, spec="c.toml")
+
+    staged = tp_seconds(parse_cluster("1x2xRTX2080Ti-11GB"))
+    assert staged > 0
+    assert tp_seconds(in_file(4.0e9 * 8 / 1e9)) == pytest.approx(staged, rel=1e-12)
+    assert tp_seconds(in_file(400)) < staged
+
+
+def test_a_staged_rate_needs_a_positive_number_and_a_source():
+    base = get_device("RTX2080Ti-11GB")
+    with pytest.raises(ProfileError, match="intra_node_staged_bw_bytes_per_s must be a positive number"):
+        replace(base, intra_node_staged_bw_bytes_per_s=0.0)
+    sources = {k: v for k, v in base.sources.items() if k != "intra_node_staged_bw_bytes_per_s"}
+    with pytest.raises(ProfileError, match="no source for intra_node_staged_bw_bytes_per_s"):
+        replace(base, sources=sources)

@@ -17,9 +17,8 @@ from hetpar.cost_models.cluster import ClusterSpecError
 from hetpar.cost_models.devices import ProfileError, UnknownDeviceError, get_device
 from hetpar.planner import ParallelPlan, PlanFileError, PlanningError
 from hetpar.rewriters import CompileError, checked_model_file
-from hetpar.runtime.data import DataError
-from hetpar.runtime.graph import TraceError
-from hetpar.runtime.model_file import ModelFileError, load_model_file, parse_model_args
+from hetpar.runtime.errors import DataError, ModelFileError, TraceError
+from hetpar.runtime.model_args import parse_model_args
 from hetpar.vocabulary import DType, Precision
 
 console = Console(stderr=True, highlight=False)
@@ -116,6 +115,7 @@ def tied_across_stages(plan: ParallelPlan) -> bool:
     if len(plan.stages) < 2:
         return False
     from hetpar.runtime.shard import ShardError  # torch.distributed.tensor: only where the program has stages to cut
+    from hetpar.runtime.model_file import load_model_file
     from hetpar.runtime.tied import tied_across_stages as tied_weights
 
     model_file = load_model_file(checked_model_file(plan), plan.model.args)

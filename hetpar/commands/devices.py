@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from hetpar.cost_models.devices import known_devices
+from hetpar.cost_models.devices import DeviceProfile, known_devices
 from hetpar.commands.common import console, print_json
 from hetpar.vocabulary import Precision
 
@@ -20,7 +20,8 @@ def devices(
     if as_json:
         print_json([
             {"name": p.name, "vendor": p.vendor, "memory_bytes": p.memory_bytes, "peak_flops_per_s": p.peak_flops_per_s,
-             "mem_bw_bytes_per_s": p.mem_bw_bytes_per_s, "intra_node_link": p.intra_node_link}
+             "mem_bw_bytes_per_s": p.mem_bw_bytes_per_s, "intra_node_link": p.intra_node_link,
+             "intra_node_bw_bytes_per_s": p.node_link_bw_bytes_per_s, "peer_to_peer": p.intra_node_staged_bw_bytes_per_s is None}
             for p in profiles
         ])
         return
@@ -30,5 +31,12 @@ def devices(
     for p in profiles:
         bf16 = p.peak_flops_per_s.get(Precision.BF16)
         table.add_row(p.name, p.vendor, f"{p.memory_bytes / 2**30:.0f} GiB", f"{bf16 / 1e12:.0f}" if bf16 else "-",
-                      f"{p.peak_flops_per_s.get(Precision.FP32, 0) / 1e12:.1f}", f"{p.mem_bw_bytes_per_s / 1e9:.0f}", p.intra_node_link)
+                      f"{p.peak_flops_per_s.get(Precision.FP32, 0) / 1e12:.1f}", f"{p.mem_bw_bytes_per_s / 1e9:.0f}", _link(p))
     console.print(table)
+
+
+def _link(p: DeviceProfile) -> str:
+    """The intra-node link, and "no P2P" where the card's copies go through host memory."""
+    if p.intra_node_staged_bw_bytes_per_s is None:
+        return p.intra_node_link
+    return f"{p.intra_node_link}, no P2P"

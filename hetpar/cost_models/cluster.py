@@ -49,7 +49,8 @@ class NodeGroup:
     device: DeviceProfile
     nic_bw_bytes_per_s: float
     nics_per_node: int
-    intra_node_bw_bytes_per_s: float  # from the device unless overridden in TOML
+    # From the device (its staged rate where it has no peer-to-peer) unless overridden in TOML.
+    intra_node_bw_bytes_per_s: float
     usd_per_device_hour: float | None = None  # what one device costs per hour, for --objective cost; None: not given
     zone: str = ""  # the site (data centre) of its nodes; "" in a cluster of one unnamed zone
 
@@ -333,7 +334,7 @@ def with_profiles(cluster: Cluster, profiles: Mapping[str, DeviceProfile]) -> Cl
         groups.append(replace(
             g, device=new,
             nic_bw_bytes_per_s=new.default_nic_bw_bytes_per_s if g.nic_bw_bytes_per_s == old.default_nic_bw_bytes_per_s else g.nic_bw_bytes_per_s,
-            intra_node_bw_bytes_per_s=(new.intra_node_bw_bytes_per_s if g.intra_node_bw_bytes_per_s == old.intra_node_bw_bytes_per_s
+            intra_node_bw_bytes_per_s=(new.node_link_bw_bytes_per_s if g.intra_node_bw_bytes_per_s == old.node_link_bw_bytes_per_s
                                        else g.intra_node_bw_bytes_per_s),
         ))
     return replace(cluster, groups=tuple(groups))
@@ -367,7 +368,7 @@ def _parse_piece(piece: str, spec: str) -> NodeGroup:
         device=device,
         nic_bw_bytes_per_s=nic_bw,
         nics_per_node=nics,
-        intra_node_bw_bytes_per_s=device.intra_node_bw_bytes_per_s,
+        intra_node_bw_bytes_per_s=device.node_link_bw_bytes_per_s,
     )
 
 
@@ -484,7 +485,7 @@ def _group_from_table(table: dict[str, Any], index: int, spec: str) -> NodeGroup
         nic_bw_bytes_per_s=table["nic_gbps"] * _GBPS if "nic_gbps" in table else device.default_nic_bw_bytes_per_s,
         nics_per_node=table.get("nics_per_node", device.default_nics_per_node),
         intra_node_bw_bytes_per_s=(
-            table["intra_node_gbps"] * _GBPS if "intra_node_gbps" in table else device.intra_node_bw_bytes_per_s
+            table["intra_node_gbps"] * _GBPS if "intra_node_gbps" in table else device.node_link_bw_bytes_per_s
         ),
         usd_per_device_hour=None if price is None else float(price),
         zone=_zone_name(table.get("zone", ""), where),

@@ -59,6 +59,28 @@ broadcast, 1 and 1 for p2p. At n = n0 this is exactly the measurement.
 
 A group of one rank, or zero bytes, costs 0.
 
+[Note: staged copies]
+
+GeForce cards under NVIDIA's driver have no PCIe peer-to-peer: one card cannot read or
+write another's memory, so every byte NCCL moves between two cards of a node goes
+through a buffer in host memory (its shared-memory transport), crossing PCIe twice and
+the host's memory. A profile states what that path gives a ring, one direction, as
+``intra_node_staged_bw_bytes_per_s``: NCCL's measured ring bus bandwidth where one was
+found (RTX 2080 Ti), else half of what p2pBandwidthLatencyTest measured with peer access
+off and both directions copying at once, a ring's load on each card (TITAN RTX, RTX
+3090, RTX 4090; the sources are in the profiles). A node group of such cards takes it
+as its intra-node bandwidth B_intra (``DeviceProfile.node_link_bw_bytes_per_s``): rings,
+trees, all-to-alls and sends inside the node all run at it. A cluster file's
+``intra_node_gbps`` replaces it (cards joined by an NVLink bridge, or a host measured
+apart). The step latency stays the PCIe one, as NCCL's own model charges links without
+peer-to-peer (tuning.cc's PCI row).
+
+NCCL's model also charges each call a fixed base (tuning.cc's baseLat, 8.4 us for Simple
+rings and trees). The NVLink profiles' step latencies are whole small calls measured and
+divided by their ring steps, so that base is inside them; the PCIe profiles take NCCL's
+step value (5.7 us) alone and leave the base out, a fifth of a small all-reduce on four
+cards (6 steps, 34 us), nothing next to the megabytes a training step moves per call.
+
 [Note: collectives across zones]
 
 A group whose ranks sit in z >= 2 zones (sites joined by WAN links; docs/cluster-format.md)

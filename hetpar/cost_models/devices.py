@@ -58,7 +58,8 @@ _POWER_FIELDS = ("power_w", "idle_power_w")
 # The host a device's training state may be offloaded to ([Note: offload costs] in
 # cost_models/offload.py); None where the profile states no host.
 _HOST_FIELDS = ("host_link_bw_bytes_per_s", "host_mem_bw_bytes_per_s")
-_OPTIONAL_NUMERIC_FIELDS = ("intra_node_peer_bw_bytes_per_s",) + _CALIBRATED_FIELDS + _POWER_FIELDS + _HOST_FIELDS
+_LINK_FIELDS = ("intra_node_peer_bw_bytes_per_s", "intra_node_staged_bw_bytes_per_s")
+_OPTIONAL_NUMERIC_FIELDS = _LINK_FIELDS + _CALIBRATED_FIELDS + _POWER_FIELDS + _HOST_FIELDS
 _STRING_FIELDS = ("name", "vendor", "intra_node_link")
 _OPTIONAL_STRING_FIELDS = ("fingerprint",)
 _TABLE_FIELDS = ("peak_flops_per_s", "collectives", "sources", "matmul_rows_efficiency", "matmul_narrow_efficiency",
@@ -121,6 +122,11 @@ class DeviceProfile:
     # Point-to-point meshes (xGMI, HCCS) give each peer pair one link: a group of c
     # devices gets min(intra_node_bw, (c - 1) * peer_bw). None on switched fabrics.
     intra_node_peer_bw_bytes_per_s: float | None = None
+    # Cards without PCIe peer-to-peer (GeForce under NVIDIA's driver): every GPU-to-GPU
+    # copy is staged through host memory, at this measured rate per direction, and NCCL
+    # rings and sends inside the node run at it ([Note: staged copies] in
+    # cost_models/collectives.py). None where peers reach each other directly.
+    intra_node_staged_bw_bytes_per_s: float | None = None
     collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
     # Calibrated by `hetpar profile` on the host itself; None in datasheet profiles, where
     # cost_models/compute.py's defaults apply. See docs/profiling.md.
@@ -182,6 +188,12 @@ class DeviceProfile:
         # The dict fields are not hashable; equal profiles share a name, so clusters and
         # node groups holding a profile can still be set members and cache keys.
         return hash(self.name)
+
+    @property
+    def node_link_bw_bytes_per_s(self) -> float:
+        """What one device sends to the others of its node, one direction: the staged rate
+        through host memory on a card without peer-to-peer, else ``intra_node_bw_bytes_per_s``."""
+        return self.intra_node_staged_bw_bytes_per_s or self.intra_node_bw_bytes_per_s
 
     def peak_flops(self, dtype: str) -> float:
         """Peak dense FLOP/s of this device in ``dtype``.
@@ -278,8 +290,10 @@ def _check_profile(p: DeviceProfile) -> None:
         raise ProfileError(
             f"{who}: unknown intra_node_link '{p.intra_node_link}'; known: {', '.join(INTRA_NODE_LINKS)}"
         )
-    if p.intra_node_peer_bw_bytes_per_s is not None and p.intra_node_peer_bw_bytes_per_s <= 0:
-        raise ProfileError(f"{who}: intra_node_peer_bw_bytes_per_s must be positive when given")
+    for key in _LINK_FIELDS:
+        value = getattr(p, key)
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ProfileError(f"{who}: {key} must be a positive number of bytes per second when given, got {value!r}")
     for key in _CALIBRATED_FIELDS:
         value = getattr(p, key)
         if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):

@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from hetpar.runtime.errors import TraceError  # noqa: F401  (re-exported: raised here, named by the CLI)
 from hetpar.runtime.experts import is_experts
 
 # Frames in these directories are the tracers' own, never the model's.
@@ -56,10 +57,6 @@ _ASSERTION_OPS = {
     torch.ops.aten._assert_scalar.default,
     torch.ops.aten.sym_constrain_range_for_size.default,
 }
-
-
-class TraceError(Exception):
-    """The model cannot be captured as a graph."""
 
 
 class _Tracer(fx.Tracer):

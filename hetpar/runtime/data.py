@@ -79,6 +79,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from hetpar.runtime.errors import DataError  # noqa: F401  (re-exported: raised here, named by the CLI)
 from hetpar.runtime.model_file import ModelFile
 
 # The token widths a file may hold (--data-dtype): nanoGPT writes uint16 for vocabularies
@@ -91,10 +92,6 @@ TOKEN_DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
 _FULL_CHECK_TOKENS = 1 << 29
 _CHECK_BLOCKS = 256
 _CHECK_BLOCK_TOKENS = 1 << 16
-
-
-class DataError(Exception):
-    """A token file that does not fit the model or the plan; the message says how."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,35 +31,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-
-class ModelFileError(Exception):
-    """A model file is missing, does not import, or breaks the contract."""
-
-
-def parse_model_args(pairs: list[str]) -> dict[str, Any]:
-    """Parse ``key=value`` strings; values become int, float, bool or str.
-
-    Raises:
-        ModelFileError: a pair has no ``=`` or an empty key.
-    """
-    args: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
-            raise ModelFileError(f"--model-arg {pair!r} is not key=value (e.g. --model-arg n_layers=4)")
-        args[key.strip()] = _parse_value(raw.strip())
-    return args
-
-
-def _parse_value(raw: str) -> Any:
-    if raw.lower() in ("true", "false"):
-        return raw.lower() == "true"
-    for cast in (int, float):
-        try:
-            return cast(raw)
-        except ValueError:
-            pass
-    return raw
+from hetpar.runtime.errors import ModelFileError  # noqa: F401  (re-exported: raised here, named by the CLI)
+from hetpar.runtime.model_args import parse_model_args  # noqa: F401  (re-exported)
 
 
 def file_fingerprint(path: str | Path) -> str:

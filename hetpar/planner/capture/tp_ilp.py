@@ -101,7 +101,7 @@ class TpCostModel:
         dtype the trace measures in), is the reference the trace plans layers for."""
         profile = get_device(device) if isinstance(device, str) else device
         return cls(tp=tp, matmul_flops_per_s=profile.achievable_matmul_flops(dtype),
-                   memory_bytes_per_s=profile.mem_bw_bytes_per_s, link_bytes_per_s=profile.intra_node_bw_bytes_per_s,
+                   memory_bytes_per_s=profile.mem_bw_bytes_per_s, link_bytes_per_s=profile.node_link_bw_bytes_per_s,
                    link_latency_s=profile.intra_node_latency_s if latency else 0.0)
 
     def compute_s(self, flops: float, memory_bytes: float) -> float:
