@@ -76,7 +76,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 @functools.cache
 def _reference_layers():
-    from hetpar.commands.profile import reference_graph
+    from hetpar.commands.profiling import reference_graph
 
     return reference_graph().layers
 

@@ -22,6 +22,15 @@ def test_version_and_help():
         assert command in help_text
 
 
+def test_the_command_line_loads_neither_torch_nor_the_solver_until_a_command_needs_them():
+    # Every command's options and one-line errors come from modules that import neither:
+    # `hetpar --help` and a bad argument answer at once (commands import them in their bodies).
+    code = "import sys, hetpar.cli; print(sorted(m for m in ('torch', 'ortools', 'pandas') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize("command, default", [
     ("plan", "[default: 1f1b, zb and interleaved are searched; gpipe only when pinned]"),
     ("estimate", "[default: fp32 on cpu, bf16 else, fp16 where a device lacks bf16]"),

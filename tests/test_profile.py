@@ -478,7 +478,7 @@ def test_a_pass_whose_worker_died_is_measured_once_more(monkeypatch):
     # gloo can abort a worker on a busy host; one more pass with fresh workers is taken,
     # a second death (or a worker that raised) is a one-line error.
     from hetpar import profiler
-    from hetpar.commands.profile import _one_pass
+    from hetpar.commands.profiling import _one_pass
     calls, shown = [], []
 
     def dies_once(*args, **kwargs):
@@ -557,7 +557,7 @@ def test_one_worker_reference_step_sets_efficiencies_in_its_dtype_and_no_sync_sc
 
 
 def test_nproc_defaults_to_the_visible_gpus_and_may_not_exceed_them(monkeypatch):
-    from hetpar.commands.profile import workers
+    from hetpar.commands.profiling import workers
     assert workers(None, "cpu") == 2 and workers(1, "cpu") == 1
     with pytest.raises(ProfileError, match="--nproc must be at least 1, got 0"):
         workers(0, "cpu")
@@ -568,7 +568,7 @@ def test_nproc_defaults_to_the_visible_gpus_and_may_not_exceed_them(monkeypatch)
 
 
 def test_a_gpu_host_profiles_as_its_builtin_type(monkeypatch):
-    from hetpar.commands import profile as command
+    from hetpar.commands import profiling as command
     from hetpar.runtime.devices import FoundDevice
     found = {0: FoundDevice(name="NVIDIA H200", memory_bytes=150_106_652_672),
              1: FoundDevice(name="NVIDIA H200", memory_bytes=150_106_652_672)}
@@ -606,7 +606,7 @@ def test_one_cpu_worker_profiles_without_collectives_and_says_so_once(tmp_path):
 def test_on_cuda_the_microbenchmarks_wait_for_the_device_and_the_host_maps_to_its_type():
     """Rates timed with a synchronize around each region stay below the datasheet's
     peaks (a host clock without one would time the launches: far above them)."""
-    from hetpar.commands.profile import host_profile
+    from hetpar.commands.profiling import host_profile
     from hetpar.profiler import micro
     from hetpar.profiler.clock import compute_dtype
     device = torch.device("cuda", 0)

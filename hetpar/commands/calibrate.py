@@ -9,10 +9,9 @@ from typing import Annotated, Optional
 import typer
 
 from hetpar.commands.common import console, domain_errors, print_json
-from hetpar.commands.profile import profiles_option
+from hetpar.commands.common import profiles_option
 from hetpar.cost_models.devices import dump_profile, profile_to_dict
 from hetpar.planner import PlanningError, write_text_atomic
-from hetpar.planner.calibrate import CalibrationError, calibrate as fit_runs, describe, read_run
 
 
 @domain_errors
@@ -25,6 +24,8 @@ def calibrate(
     """Fit each device type's training kernel efficiency (forward and backward) to the stage times your runs measured; plan and estimate with the result through --profile."""
     if len(runs) % 2:
         raise PlanningError(f"hetpar calibrate takes PLAN METRICS pairs; got {len(runs)} paths, an odd count")
+    from hetpar.planner.calibrate import CalibrationError, calibrate as fit_runs, describe, read_run  # torch, the solver
+
     pairs = [(runs[i], runs[i + 1]) for i in range(0, len(runs), 2)]
     try:
         loaded = [read_run(plan, metrics) for plan, metrics in pairs]

@@ -6,7 +6,7 @@ import functools
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -14,7 +14,7 @@ from rich.table import Table
 
 from hetpar.models import HF_CAUSAL_LM, HF_CONFIG_COPY
 from hetpar.cost_models.cluster import ClusterSpecError
-from hetpar.cost_models.devices import ProfileError, UnknownDeviceError, get_device
+from hetpar.cost_models.devices import DeviceProfile, ProfileError, UnknownDeviceError, get_device, load_profile
 from hetpar.planner import ParallelPlan, PlanFileError, PlanningError
 from hetpar.rewriters import CompileError, checked_model_file
 from hetpar.runtime.errors import DataError, ModelFileError, TraceError
@@ -209,3 +209,24 @@ def model_label(plan: ParallelPlan) -> str:
     if path.resolve() == HF_CAUSAL_LM and "config" in plan.model.args:
         return f"{Path(str(plan.model.args['config'])).parent.name} (--hf)"
     return path.name
+
+
+def load_measured_profile(path: Path) -> DeviceProfile:
+    """Read a profile file; warn in one line when it was measured on other hardware.
+
+    Raises:
+        ProfileError: the file is missing or malformed.
+    """
+    loaded = load_profile(path)
+    from hetpar import profiler  # torch: only where a --profile file is read
+
+    here = profiler.fingerprint()
+    if loaded.fingerprint is not None and loaded.fingerprint != here:
+        console.print(f"[yellow]hetpar: warning:[/] profile {path} was measured on '{loaded.fingerprint}', "
+                      f"this host is '{here}'", soft_wrap=True)
+    return loaded
+
+
+def profiles_option(paths: Optional[list[Path]]) -> dict[str, DeviceProfile]:
+    """``--profile`` files as parse_cluster's ``profiles``: device name -> measured profile."""
+    return {p.name: p for p in (load_measured_profile(path) for path in (paths or []))}

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Literal, Optional
 
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from hetpar.commands.common import console, domain_errors, print_json
-from hetpar.runtime.data import TOKEN_DTYPES
-from hetpar.runtime.prepare import PreparedData, prepare_token_files
+
+if TYPE_CHECKING:  # runtime.prepare imports torch: loaded only when documents are encoded
+    from hetpar.runtime.prepare import PreparedData
 
 # Inputs larger than this show a progress bar on stderr; smaller ones finish before it would draw.
 _PROGRESS_BYTES = 1 << 20
 # --dtype's choices: a token width of runtime.data, or auto: the narrowest that holds the tokenizer's vocabulary.
 _AUTO_WIDTH = "auto"
-TokenWidthChoice = Literal[(_AUTO_WIDTH, *TOKEN_DTYPES)]
+# runtime.data's TOKEN_DTYPES, spelled out so that the CLI's options load without torch (a test keeps them equal).
+TOKEN_WIDTHS = ("uint16", "uint32")
+TokenWidthChoice = Literal[(_AUTO_WIDTH, *TOKEN_WIDTHS)]
 
 
 @domain_errors
@@ -33,6 +36,8 @@ def data(
     as_json: Annotated[bool, typer.Option("--json", help="Print what was written as JSON.")] = False,
 ) -> None:
     """Encode documents with a local tokenizer, each followed by its EOS id, into a token file for --data."""
+    from hetpar.runtime.prepare import prepare_token_files
+
     total_bytes = sum(p.stat().st_size for p in inputs if p.is_file())
     with Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TimeRemainingColumn(), console=console,
                   transient=True, disable=total_bytes < _PROGRESS_BYTES) as bar:

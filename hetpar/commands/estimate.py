@@ -10,13 +10,12 @@ from rich.table import Table
 
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.cost_models.compute import TRAINING_KERNEL_EFFICIENCY
-from hetpar.commands.profile import profiles_option
+from hetpar.commands.common import profiles_option
 from hetpar.commands.common import console, model_source, domain_errors, gib, print_json, rank_ranges, seconds
 from hetpar.commands.common import default_compiled, default_dtype
-from hetpar.planner import Estimate, EstimateConfig, EstimateError, compiled_graph, trace_model
+from hetpar.planner import Estimate, EstimateConfig, EstimateError
 from hetpar.planner.estimate import estimate as estimate_plan
 from hetpar.vocabulary import DType, Optimizer, Recompute, Schedule
-from hetpar.runtime.model_file import load_model_file, parse_model_args
 
 
 @domain_errors
@@ -62,6 +61,9 @@ def estimate(
         optimizer=optimizer.value, stage_layers=_layer_counts(stage_layers), stage_devices=_names(stage_devices),
         scatter_gather=scatter_gather, overlap_grad_reduce=overlap_grad_reduce, kernel_efficiency=kernel_efficiency,
     )
+    from hetpar.planner import compiled_graph, trace_model  # torch: only once the arguments are good
+    from hetpar.runtime.model_file import load_model_file
+
     with console.status("tracing the model on the meta device"):
         graph = trace_model(load_model_file(model_file, model_args), tuple(leaf_module or ()))
     if default_compiled(the_cluster.device_types()) if compiled is None else compiled:

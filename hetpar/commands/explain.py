@@ -10,7 +10,7 @@ from rich.table import Table
 
 from hetpar.commands.common import console, domain_errors, gib, print_json, print_parts, seconds
 from hetpar.commands.plan import sync_description
-from hetpar.planner import ParallelPlan, explain_plan, timeline_svg, write_text_atomic
+from hetpar.planner import ParallelPlan, write_text_atomic
 from hetpar.runtime.schedule import Kind
 
 
@@ -21,6 +21,8 @@ def explain(
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate of the plan as JSON.")] = False,
 ) -> None:
     """Show PLAN_FILE's stages, time and memory breakdown, and its pipeline schedule."""
+    from hetpar.planner import explain_plan, timeline_svg  # torch: only once the plan reads
+
     plan = ParallelPlan.load(plan_file)
     with console.status("tracing and estimating the plan"):
         result = explain_plan(plan)

@@ -11,14 +11,10 @@ from rich.table import Table
 
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.cost_models.devices import get_device
-from hetpar.commands.profile import profiles_option
+from hetpar.commands.common import profiles_option
 from hetpar.commands.common import console, model_label, model_source, default_compiled, default_dtype, domain_errors, fail, gib, print_json, rank_ranges, seconds
-from hetpar.planner import (
-    DataParallelSync, Objective, ParallelPlan, SearchOptions, default_split, plan_model, proof_scope, resolve_prices,
-    usd_per_step,
-)
+from hetpar.planner import ParallelPlan, SearchOptions, default_split, proof_scope
 from hetpar.vocabulary import AggregationKind, CompressionKind, DType, ObjectiveKind, Recompute, Schedule, Switch, SyncScope
-from hetpar.runtime.model_file import parse_model_args
 
 
 @domain_errors
@@ -91,6 +87,8 @@ def plan(
         from hetpar.planner.resume import find_resume_point  # here: torch.distributed.checkpoint takes a second to import
 
         resume = find_resume_point(model_file, model_args, resume_from)
+    from hetpar.planner import DataParallelSync, Objective, plan_model, resolve_prices  # torch, the solver: past the checks
+
     notes: list[str] = []
     traced: list = []
     status = console.status("tracing the model on the meta device")
@@ -225,6 +223,8 @@ def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[d
         f"{f', context exchange {seconds(p.cp_comm_time_s)}' if p.cp_comm_time_s else ''})"
     )
     if prices:
+        from hetpar.planner import usd_per_step  # the strategies import the solver
+
         console.print(f"cost: ${usd_per_step(plan, prices):.4g} per step on {plan.cluster.world_size} devices ({plan.cluster.spec})")
     if p.energy_j_per_step is not None:
         co2 = f"; {p.co2_g_per_step:.4g} g CO2" if p.co2_g_per_step is not None else ""

@@ -10,8 +10,7 @@ import typer
 from rich.table import Table
 
 from hetpar.commands.common import console, model_source, domain_errors, fail, gib, print_json, print_parts
-from hetpar.planner import ModelGraph, trace_model
-from hetpar.runtime.model_file import load_model_file, parse_model_args
+from hetpar.planner import ModelGraph
 
 # Per-sample quantities that scale with the batch size; parameters and shapes do not.
 _SCALED_LAYER_KEYS = ("fwd_flops", "bwd_flops", "saved_activation_bytes", "boundary_bytes", "fwd_elementwise_flops",
@@ -36,6 +35,9 @@ def trace(
     model_file, model_args = model_source(model_file, hf, seq_len, model_arg)
     if batch_size < 1:
         fail(f"--batch-size must be positive, got {batch_size}")
+    from hetpar.planner import trace_model  # torch: only once the arguments are good
+    from hetpar.runtime.model_file import load_model_file
+
     graph = trace_model(load_model_file(model_file, model_args), tuple(leaf_module or ()))
     report = trace_report(graph, batch_size, with_nodes=nodes)
     if as_json:

@@ -11,14 +11,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 from rich.table import Table
 
 from hetpar.commands.common import RunError, console, domain_errors, model_extra_files, print_json, seconds, tied_across_stages
 from hetpar.planner import ParallelPlan
 from hetpar.rewriters import PROGRAM, compile_plan
-from hetpar.runtime import devices
 from hetpar.vocabulary import Switch
 
 # Steps whose time is dropped: the first builds the process groups' buffers and warms
@@ -89,6 +87,10 @@ def _stages(plan: ParallelPlan, measured: list[dict]) -> list[dict]:
 def _check_this_host(plan: ParallelPlan) -> None:
     """Refuse a plan for other devices: validate measures it here, against a prediction
     made for devices this host does not have."""
+    import torch  # here: hetpar's other commands start without it
+
+    from hetpar.runtime import devices
+
     device = torch.device("cuda" if torch.cuda.is_available() and devices.needs_accelerator(plan.cluster.device_types) else "cpu")
     found = devices.this_device(device)
     foreign = sorted({t for t in plan.cluster.device_types if not devices.matches(t, found)})
