@@ -58,19 +58,20 @@ def may_beat(tables: CostTables, cutoff_s: float) -> bool:
     rest = sums + cuts + epilogue + weight
     if wt.round_max == 0:
         return rest < cutoff_s * wt.scale and split_sum_bound(tables, wt) + weight < cutoff_s * wt.scale
+    reach = _Reach(tables)
     for _ in range(2):
         pace = (cutoff_s * wt.scale - rest) / wt.round_max * (1 + 1e-9)
-        if not (pace > 0 and _pace_reachable(tables, pace)):
+        if not (pace > 0 and reach.reachable(pace)):
             return False
         rest = max(rest, split_sum_bound(tables, wt, pace) + weight)
     pace = (cutoff_s * wt.scale - rest) / wt.round_max * (1 + 1e-9)
-    return pace > 0 and _pace_reachable(tables, pace)
+    return pace > 0 and reach.reachable(pace)
 
 
 # [Note: objective floor]
 # The pace bound answers "can any split beat this cutoff?"; the same parts give a floor
 # on the objective of every split, without a cutoff. The least reachable pace T0 comes
-# from bisection on ``_pace_reachable``. A split whose pace is T >= T0 costs at least
+# from bisection on ``_Reach.reachable``. A split whose pace is T >= T0 costs at least
 # G T + S(T) + H max_l min w_l, with S(T) the least S of [Note: split sum bound] over
 # splits within pace T, which falls as T grows; so over a grid T0 = g_0 < g_1 < ...,
 # every split costs at least min_i (G g_i + S(g_{i+1})) (its pace lies in some
@@ -93,11 +94,12 @@ def objective_floor(tables: CostTables) -> float:
     per_layer = tables.time_s + tables.gather_fwd_s + tables.gather_bwd_s
     latency = tables.gather_fwd_latency_s + tables.gather_bwd_latency_s
     low, high = 0.0, float(np.where(np.isfinite(per_layer), per_layer, 0.0).max(axis=(0, 2)).sum() + latency.max()) + 1.0
-    if not _pace_reachable(tables, high):
+    reach = _Reach(tables)
+    if not reach.reachable(high):
         return math.inf  # no split fits whatever its pace
     for _ in range(40):  # low stays unreachable: every split's pace is above it
         middle = (low + high) / 2
-        low, high = (low, middle) if _pace_reachable(tables, middle) else (middle, high)
+        low, high = (low, middle) if reach.reachable(middle) else (middle, high)
     grid = [low * g for g in _FLOOR_GRID]
     sums = [split_sum_bound(tables, wt, pace) for pace in grid[1:]]
     floor = min(wt.round_max * pace + s for pace, s in zip(grid, sums))
@@ -105,31 +107,45 @@ def objective_floor(tables: CostTables) -> float:
     return (floor + weight) / wt.scale
 
 
-def _pace_reachable(tables: CostTables, pace_s: float) -> bool:
-    """Whether some split has every chunk within ``pace_s`` and its rank's memory in some one mode
-    (with several degrees, the degrees summing as ``candidate.tp_sum`` says: [Note: degree budget bound] in planner.search.bounds)."""
-    K, L, C = tables.time_s.shape
-    cand = tables.candidate
-    zeros = np.zeros((K, 1, C))
-    allowed = np.isfinite(tables.time_s) & np.isfinite(tables.memory_bytes)
-    per_layer = tables.time_s + tables.gather_fwd_s + tables.gather_bwd_s  # t_c's per-layer terms ([Note: split objective])
-    latency = tables.gather_fwd_latency_s + tables.gather_bwd_latency_s
-    time = np.concatenate([zeros, np.cumsum(np.where(allowed, per_layer, 0.0), axis=1)], axis=1)
-    memory = np.concatenate([zeros, np.cumsum(np.where(allowed, tables.memory_bytes, 0.0), axis=1)], axis=1)
-    positions = np.arange(L + 1)
-    bad = [[np.append(np.flatnonzero(~allowed[k, :, c]), L) for c in range(C)] for k in range(K)]
+class _Reach:
+    """Whether some split of one table has every chunk within a pace and its rank's memory in some one
+    mode (with several degrees, the degrees summing as ``candidate.tp_sum`` says: [Note: degree budget
+    bound] in planner.search.bounds), asked at many paces: what does not depend on the pace (prefix
+    sums, the runs that memory and the layers a mode cannot hold allow) is computed once."""
 
-    def ahead(k: int, c: int) -> np.ndarray:
-        """From each position, the end of the longest run chunk c holds in mode k."""
-        by_layers = bad[k][c][np.searchsorted(bad[k][c], positions)]  # a layer mode k cannot hold ends the run
-        by_time = np.searchsorted(time[k, :, c], time[k, :, c] + (pace_s - latency[k, c]), side="right") - 1
-        by_memory = np.searchsorted(memory[k, :, c], memory[k, :, c] + tables.capacity_bytes[c % cand.pp], side="right") - 1
-        return np.minimum(np.minimum(by_time, by_memory), by_layers)
+    def __init__(self, tables: CostTables):
+        K, L, C = tables.time_s.shape
+        cand = tables.candidate
+        zeros = np.zeros((K, 1, C))
+        allowed = np.isfinite(tables.time_s) & np.isfinite(tables.memory_bytes)
+        per_layer = tables.time_s + tables.gather_fwd_s + tables.gather_bwd_s  # t_c's per-layer terms ([Note: split objective])
+        self.latency = tables.gather_fwd_latency_s + tables.gather_bwd_latency_s
+        self.time = np.concatenate([zeros, np.cumsum(np.where(allowed, per_layer, 0.0), axis=1)], axis=1)
+        memory = np.concatenate([zeros, np.cumsum(np.where(allowed, tables.memory_bytes, 0.0), axis=1)], axis=1)
+        positions = np.arange(L + 1)
+        self.fixed = np.empty((K, C, L + 1), dtype=np.int64)  # the run's end by memory and by the layers mode k holds
+        for k in range(K):
+            for c in range(C):
+                bad = np.append(np.flatnonzero(~allowed[k, :, c]), L)
+                by_layers = bad[np.searchsorted(bad, positions)]  # a layer mode k cannot hold ends the run
+                by_memory = np.searchsorted(memory[k, :, c], memory[k, :, c] + tables.capacity_bytes[c % cand.pp], side="right") - 1
+                self.fixed[k, c] = np.minimum(by_memory, by_layers)
+        self.budget = len(cand.tp_degrees) > 1 and cand.tp_sum and cand.virtual_stages == 1
+        self.tables = tables
 
-    if len(cand.tp_degrees) > 1 and cand.tp_sum and cand.virtual_stages == 1:
-        steps = [[(cand.modes[k].tp, ahead(k, c)) for k in range(K)] for c in range(C)]
-        return budget_reaches(steps, tables.device_types, dict(cand.tp_sum), L)
-    return budget_reaches([[(0, ahead(k, c)) for k in range(K)] for c in range(C)], [""] * C, {"": 0}, L)
+    def reachable(self, pace_s: float) -> bool:
+        tables, cand = self.tables, self.tables.candidate
+        K, _, C = tables.time_s.shape
+
+        def ahead(k: int, c: int) -> np.ndarray:
+            """From each position, the end of the longest run chunk c holds in mode k."""
+            by_time = np.searchsorted(self.time[k, :, c], self.time[k, :, c] + (pace_s - self.latency[k, c]), side="right") - 1
+            return np.minimum(by_time, self.fixed[k, c])
+
+        if self.budget:
+            steps = [[(cand.modes[k].tp, ahead(k, c)) for k in range(K)] for c in range(C)]
+            return budget_reaches(steps, tables.device_types, dict(cand.tp_sum), tables.time_s.shape[1])
+        return budget_reaches([[(0, ahead(k, c)) for k in range(K)] for c in range(C)], [""] * C, {"": 0}, tables.time_s.shape[1])
 
 
 def budget_reaches(steps: list[list[tuple[int, np.ndarray]]], types: list[str], shares: dict[str, int], num_layers: int) -> bool:
