@@ -80,6 +80,9 @@ def may_beat(tables: CostTables, cutoff_s: float) -> bool:
 # divisible and so misses what whole layers cost the pace; this floor does not. The
 # search prunes with it and reports it as the proven bound of a solve that stopped short.
 _FLOOR_GRID = tuple(1 + 0.005 * i for i in range(41))  # g_i / T0: up to 20% above the least pace, in 0.5% steps
+# The bisection stops within this fraction of the least pace, far below the grid's steps;
+# the floor comes from the unreachable end, so it stays a floor.
+_FLOOR_PRECISION = 1e-6
 
 
 def objective_floor(tables: CostTables) -> float:
@@ -97,13 +100,15 @@ def objective_floor(tables: CostTables) -> float:
     reach = _Reach(tables)
     if not reach.reachable(high):
         return math.inf  # no split fits whatever its pace
-    for _ in range(40):  # low stays unreachable: every split's pace is above it
+    while high - low > _FLOOR_PRECISION * high:  # low stays unreachable: every split's pace is above it
         middle = (low + high) / 2
         low, high = (low, middle) if reach.reachable(middle) else (middle, high)
     grid = [low * g for g in _FLOOR_GRID]
-    sums = [split_sum_bound(tables, wt, pace) for pace in grid[1:]]
-    floor = min(wt.round_max * pace + s for pace, s in zip(grid, sums))
-    floor = min(floor, wt.round_max * grid[-1] + unbounded)
+    floor = wt.round_max * grid[-1] + unbounded
+    for pace, above in zip(grid, grid[1:]):
+        if wt.round_max * pace + unbounded >= floor:
+            break  # S(T) >= S(unbounded): no later grid point can go lower
+        floor = min(floor, wt.round_max * pace + split_sum_bound(tables, wt, above))
     return (floor + weight) / wt.scale
 
 
