@@ -37,7 +37,7 @@ def _run(case: Case):
     return outcome
 
 
-@settings(FUZZ, max_examples=200)
+@settings(FUZZ, max_examples=120)
 @given(cases(max_world=16, models=MODELS[:4] + MODELS[6:8]))
 def test_plan_is_a_valid_plan_or_one_line(case):
     _run(case)
