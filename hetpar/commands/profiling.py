@@ -34,8 +34,6 @@ _SIZES = {
 }
 
 
-
-
 def measure(*, nproc: int, quick: bool, device: str = "cpu", tp_sharding: dict[str, str] | None = None,
             model: dict | None = None, passes: int = 1, step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Run every microbenchmark of this host ``passes`` times; the record cost_models/calibrate.py fits.
