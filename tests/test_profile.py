@@ -87,6 +87,15 @@ def test_fit_profile_takes_each_parameter_from_its_measurement():
     assert p.memory_bytes == get_device("cpu").memory_bytes  # unmeasured: kept from the base
 
 
+def test_a_geforce_host_measured_takes_its_measured_link_not_the_staged_rate(tmp_path):
+    # RTX 2080 Ti's built-in profile states a staged rate through host memory (4.0e9 B/s);
+    # a profile measured on such a host sends at what its cards measured (3e9 in record()).
+    p = fit_profile(record(), get_device("RTX2080Ti-11GB"))
+    assert p.intra_node_staged_bw_bytes_per_s is None and "intra_node_staged_bw_bytes_per_s" not in p.sources
+    assert p.node_link_bw_bytes_per_s == pytest.approx(3e9)
+    assert_round_trips(p, tmp_path)
+
+
 def test_fit_profile_recovers_the_optimizer_and_tensor_parallel_costs():
     # Synthetic measurements built from known costs, as the probes would see them.
     tensor_s, bytes_per_s, module_s = 40e-6, 4e9, 2e-3

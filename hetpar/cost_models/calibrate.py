@@ -239,6 +239,9 @@ def fit_profile(measurements: dict[str, Any], base: DeviceProfile, reference_lay
                 raise ProfileError("profile measurements: matmul_rows_narrow lacks its width") from None
     if "p2p" in fits:
         fields["intra_node_latency_s"], fields["intra_node_bw_bytes_per_s"] = fits["p2p"]
+        # what the cards measured is what they get, through host memory or not ([Note: staged copies])
+        fields["intra_node_staged_bw_bytes_per_s"] = None
+        sources.pop("intra_node_staged_bw_bytes_per_s", None)
     late = measurements.get("late_receive")
     if late:
         try:
