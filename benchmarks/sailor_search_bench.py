@@ -8,8 +8,9 @@ Sailor (SOSP'25) Fig. 8b plans OPT-350M on 32 A100-40GB and 96 V100-16GB with gl
 optimally in at most 1 s, the median of three whole CLI runs on 2 cores. The model is
 benchmarks/published/gpt.py at OPT-350M's shape (as benchmarks/sailor_bench.py); the nodes
 hold 8 GPUs each (4 x 8 A100-40GB, 12 x 8 V100-16GB) with their profiles' default NICs.
-Each run's wall time is the whole command (Python start, imports, trace, search, printing);
-the phases come from one run under ``python -X importtime`` and the plan's own solver fields.
+Each run's wall time is the whole command (Python start, imports, trace, search, printing).
+The phases: the imports timed in a fresh interpreter of their own, the trace and the search
+from the last plan's solver fields.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def main() -> None:
     print(f"whole CLI, median of {ns.runs}: {statistics.median(walls):.2f} s (runs {', '.join(f'{w:.2f}' for w in walls)})")
     print(f"imports alone: {import_seconds():.2f} s")
     print(f"last run's plan: status {solver['status']}, trace {solver['trace_time_s']:.2f} s, search "
-          f"{solver['search_time_s']:.2f} s, {solver['candidates']} candidates solved, predicted step "
+          f"{solver['search_time_s']:.2f} s, {solver['candidates']} candidates, predicted step "
           f"{plan['predicted']['step_time_s']:.3f} s")
 
 

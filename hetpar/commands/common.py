@@ -217,8 +217,8 @@ def load_measured_profile(path: Path) -> DeviceProfile:
     Raises:
         ProfileError: the file is missing or malformed.
     """
-    loaded = load_profile(path)
-    from hetpar import profiler  # torch: only where a --profile file is read
+    loaded = load_profile(path)  # a missing or malformed file is refused before torch loads
+    from hetpar import profiler  # torch: only once a --profile file reads
 
     here = profiler.fingerprint()
     if loaded.fingerprint is not None and loaded.fingerprint != here:

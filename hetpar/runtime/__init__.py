@@ -6,6 +6,7 @@ Modules, in the order a program uses them:
 - ``distributed``: process group, this rank's place in the plan, its groups and pipeline peers, teardown.
 - ``devices``: each rank's device type (HETPAR_DEVICE_TYPE or detection) checked against the plan's.
 - ``model_file``: the model-file contract (build, loss, data).
+- ``model_args`` and ``errors``: ``--model-arg`` parsing and the errors the CLI names, importing no torch.
 - ``data``: ``--data``, a flat token file read behind the model file's ``batches`` (a replica reads its rows).
 - ``graph``: fx capture, layers, and stage cuts.
 - ``module_stage``: stages of Hugging Face decoder-only LMs cut at module boundaries (the model's own modules).
