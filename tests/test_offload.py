@@ -126,10 +126,23 @@ def test_zero_3_gathers_each_called_module_on_its_own():
     assert sum(p.numel() for u in units for p in u.parameters()) > 0.8 * sum(p.numel() for p in graph.parameters())
 
 
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_zero_3_gathers_the_same_modules_of_a_recomputed_stage(mode):
+    """Recompute moves a layer's module calls into a checkpointed function; the units stay."""
+    from hetpar.runtime.graph import trace_layers
+    from hetpar.runtime.recompute import apply_recompute
+
+    layered = trace_layers(load_model_file(str(GPT), SMALL).build_model())
+    before = [id(u) for u in fsdp_units(layered.gm)]
+    apply_recompute(layered.gm, layered.node_layer, mode)
+    assert not any(n.op == "call_module" for n in layered.gm.graph.nodes)  # the calls left the stage graph
+    assert len(before) > 8 and [id(u) for u in fsdp_units(layered.gm)] == before
+
+
 @pytest.mark.slow
 def test_an_offloaded_zero_3_stage_trains_like_one_process(tmp_path, mlp_path):
     """dp 2, ZeRO-3 with the shard in host memory (FSDP2's CPUOffloadPolicy), AdamW."""
     plan = build_plan(mlp_path, MLP_ARGS, splits=[[0, 1, 2, 3]], data_parallel=2, num_microbatches=2, zero_stage=3)
     plan = dataclasses.replace(plan, stages=[dataclasses.replace(plan.stages[0], offload=True)])
     stderr = assert_trains_like_one_process(plan, tmp_path, optimizer="adamw")
-    assert "ZeRO-3 through FSDP2 over 2 replicas, the shard in host memory" in stderr
+    assert "ZeRO-3 through FSDP2 over 2 replicas, 9 modules gathered one at a time, the shard in host memory" in stderr

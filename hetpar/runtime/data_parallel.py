@@ -62,16 +62,17 @@ plus the gradient reduce-scatter move what one all-reduce moves); ZeRO-1 holds f
 gradients during the step, ZeRO-2 and -3 only their shards. Under ZeRO-1 and -2 the
 whole stage is one FSDP unit. Under ZeRO-3 each module the stage calls as a module
 (``fsdp_units``: in a traced stage the fx graph's ``call_module`` targets that hold
-parameters, a Linear, a norm, an embedding; in a Hugging Face module stage each decoder
-block) is a unit of its own, gathered before its forward and its backward and resharded
+parameters, a Linear, a norm, an embedding, also where recompute moved the calls into
+layer functions; in a Hugging Face module stage each decoder block) is a unit of its own, gathered before its forward and its backward and resharded
 after each, its gradient reduce-scattered when its backward ends; the stage's other
 parameters (a tied weight, one read by ``get_attr``) form the stage's own unit. So a
 ZeRO-3 rank holds a few modules' full weights at a time, within the two layers' that
-cost_models/memory.py counts ([Note: ZeRO stages]), not the whole stage's. Except under
-sequence parallelism: there a stage stays one unit, since per-module units gave a GPT at
-tp 2 x dp 2 with sp wrong embedding gradients (tests/test_sequence_parallel.py, not yet
-understood: FSDP2's hooks around the sequence gathers are the suspects), so such a ZeRO-3
-stage still gathers all of its parameters at once, more than the memory model counts.
+cost_models/memory.py counts ([Note: ZeRO stages]), not the whole stage's. Under
+sequence parallelism too: a unit's pre-forward hook hands the module its inputs as new
+tensor objects (FSDP2's ``RegisterPostBackwardFunction``), so a colwise Linear knows its
+input was gathered over the sequence by the storage, not by an attribute of the tensor
+(``gathered_for_colwise`` in runtime/sequence.py); otherwise its gradient would be
+all-reduced over tp on top of the gather's reduce-scatter.
 A stage with tensor parallelism is sharded over a 2-D (dp, tp) mesh.
 
 [Note: offload through FSDP2]
@@ -105,6 +106,7 @@ from hetpar.runtime.distributed import Groups, StageSpec
 from hetpar.runtime.experts import expert_parameters
 from hetpar.runtime.faults import from_environment as faults_from_environment
 from hetpar.runtime.local_sgd import LocalSGD
+from hetpar.runtime.recompute import graph_before_recompute
 from hetpar.runtime.robust import RobustAggregate
 from hetpar.runtime.sync_spec import check_sync, parse_aggregation, parse_compression
 from hetpar.vocabulary import AggregationKind, CompressionKind, SyncScope
@@ -303,13 +305,13 @@ class CompressedAllReduce(GradientSync):
 class FullyShard(GradientSync):
     """ZeRO through FSDP2; see [Note: ZeRO through FSDP2]."""
 
-    def __init__(self, module: nn.Module, mesh: Any, zero_stage: int, offload: bool = False, units: bool = True):
+    def __init__(self, module: nn.Module, mesh: Any, zero_stage: int, offload: bool = False):
         self.zero_stage = zero_stage
         self.offload = offload
         self.replicas = mesh.size()
         # [Note: offload through FSDP2]: pinned host memory only beside an accelerator
         policy = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if offload else OffloadPolicy()
-        self.units = fsdp_units(module) if zero_stage == 3 and units else []
+        self.units = fsdp_units(module) if zero_stage == 3 else []
         for unit in self.units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
         self.module: FSDPModule = fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage == 3,
@@ -317,7 +319,8 @@ class FullyShard(GradientSync):
 
     def __str__(self) -> str:
         where = ", the shard in host memory" if self.offload else ""
-        return f"ZeRO-{self.zero_stage} through FSDP2 over {self.replicas} replicas{where}"
+        units = f", {len(self.units)} modules gathered one at a time" if self.units else ""
+        return f"ZeRO-{self.zero_stage} through FSDP2 over {self.replicas} replicas{units}{where}"
 
     def before_backward(self, last: bool) -> None:
         self.module.set_is_last_backward(last)
@@ -339,8 +342,9 @@ def fsdp_units(module: nn.Module) -> list[nn.Module]:
             owners[id(p)] = owners.get(id(p), 0) + 1
     units: list[nn.Module] = []
     for graph in graphs:
-        fetched = [n.target for n in graph.graph.nodes if n.op == "get_attr"]
-        for target in sorted({n.target for n in graph.graph.nodes if n.op == "call_module"}):
+        nodes = graph_before_recompute(graph).nodes  # a recomputed stage calls its modules from layer functions
+        fetched = [n.target for n in nodes if n.op == "get_attr"]
+        for target in sorted({n.target for n in nodes if n.op == "call_module"}):
             sub = graph.get_submodule(target)
             params = list(sub.parameters())
             if not params or any(f == target or f.startswith(target + ".") for f in fetched):
@@ -412,8 +416,7 @@ def _sync_method(module: nn.Module, stage: StageSpec, groups: Groups, compressio
     if stage.expert_parallel > 1:
         return ExpertParallelSync(params, expert_parameters(module), groups, dp, stage.expert_parallel)
     if stage.zero_stage > 0:
-        # per-module units not under sequence parallelism ([Note: ZeRO through FSDP2])
-        return FullyShard(module, groups.dp_mesh, stage.zero_stage, stage.offload, units=not stage.sequence_parallel)
+        return FullyShard(module, groups.dp_mesh, stage.zero_stage, stage.offload)
     if sync_every > 1:
         node = groups.dp_node_group if sync_scope == SyncScope.NODE else None
         inside = AllReduce(params, node, node.size()) if node is not None else GradientSync()

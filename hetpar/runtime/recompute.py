@@ -84,8 +84,20 @@ def apply_recompute(module: fx.GraphModule, node_layer: dict[str, int], mode: st
             env[out] = new.call_function(operator.getitem, (call, i))
     output = next(n for n in graph.nodes if n.op == "output")
     new.output(fx.map_arg(output.args[0], lambda n: env[n] if n.op != "get_attr" else new.node_copy(n)))
+    module.__dict__[GRAPH_BEFORE_RECOMPUTE] = graph
     module.graph = new
     module.recompile()
+
+
+# The attribute of a stage module rewritten by ``apply_recompute`` that holds its graph
+# from before: its ``call_module`` and ``get_attr`` nodes, which the layer functions now
+# hold, name the modules FSDP2 gathers one at a time (runtime.data_parallel.fsdp_units).
+GRAPH_BEFORE_RECOMPUTE = "hetpar_graph_before_recompute"
+
+
+def graph_before_recompute(module: fx.GraphModule) -> fx.Graph:
+    """The graph whose nodes ``module`` runs: its own, or the one ``apply_recompute`` split into layer functions."""
+    return module.__dict__.get(GRAPH_BEFORE_RECOMPUTE, module.graph)
 
 
 def _layer_segments(graph: fx.Graph, node_layer: dict[str, int]) -> list[tuple[int, list[fx.Node]]]:
@@ -153,4 +165,4 @@ def checkpoint_call(fn: Callable[..., Any], *inputs: Any, mode: str) -> Any:
     return checkpoint(fn, *inputs, use_reentrant=False, **kwargs)
 
 
-__all__ = ["apply_recompute", "checkpoint_call"]
+__all__ = ["GRAPH_BEFORE_RECOMPUTE", "apply_recompute", "checkpoint_call", "graph_before_recompute"]

@@ -92,6 +92,11 @@ from hetpar.runtime.buckets import all_gather_rows
 SEQUENCE_ATTRIBUTE = "hetpar_sequence_parallel"
 # Marks a tensor gathered for colwise Linears: its gradient reaches the gather partial.
 GATHERED_ATTRIBUTE = "hetpar_gathered_for_colwise"
+# Storage pointer -> the live tensor ``gather_sequence(partial_grad=True)`` made there, so
+# an alias of it counts as gathered too: FSDP2's pre-forward hook hands a module its
+# inputs through an autograd function (``RegisterPostBackwardFunction``), as new tensor
+# objects on the same storage that carry no attribute of the gathered one.
+_GATHERED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class SequenceError(ValueError):
@@ -231,14 +236,22 @@ def gather_sequence(x: torch.Tensor, seq: SequenceGroup, *, partial_grad: bool =
     out = _Gather.apply(x, seq, dim, partial_grad)
     if partial_grad:
         setattr(out, GATHERED_ATTRIBUTE, True)
+        if out.device.type != "meta":
+            _GATHERED[out.untyped_storage().data_ptr()] = out
         if seq.save_shards and dim == 1 and torch.is_grad_enabled():
             seq._gathered[out.untyped_storage().data_ptr()] = (weakref.ref(out), x.detach())
     return out
 
 
 def gathered_for_colwise(x: Any) -> bool:
-    """Whether ``x`` came from ``gather_sequence(partial_grad=True)``."""
-    return getattr(x, GATHERED_ATTRIBUTE, False)
+    """Whether ``x`` came from ``gather_sequence(partial_grad=True)``, or is a whole alias
+    of what it made (the same storage, shape and offset: an FSDP2 unit's input)."""
+    if getattr(x, GATHERED_ATTRIBUTE, False):
+        return True
+    if not isinstance(x, torch.Tensor) or x.device.type == "meta":
+        return False
+    whole = _GATHERED.get(x.untyped_storage().data_ptr())
+    return whole is not None and whole.shape == x.shape and whole.storage_offset() == x.storage_offset()
 
 
 def reduce_grad(x: torch.Tensor, seq: SequenceGroup) -> torch.Tensor:
