@@ -80,6 +80,52 @@ def test_the_search_offloads_only_where_nothing_fits_without(gpt_6_7b):
     assert not any(s.offload for s in roomy.stages)
 
 
+def test_one_gpu_offloads_the_state_it_cannot_hold(gpt_6_7b):
+    """6.7B in fp16 with AdamW is 107 GB of training state; one A100 holds 80 GB. Over one row
+    ZeRO-3 shards nothing: the whole state lives in host memory and each module is gathered
+    from there (the one-GPU case of ZeRO-Offload)."""
+    options = SearchOptions(global_batch_size=8, dtype="fp16")
+    cluster = parse_cluster("1x1xA100-80GB")
+    with pytest.raises(PlanningError, match="no plan fits in memory"):
+        plan_graph(gpt_6_7b, cluster, dataclasses.replace(options, offload="off"))
+    plan = plan_graph(gpt_6_7b, cluster, options)
+    [stage] = plan.stages
+    assert plan.data_parallel == 1 and stage.offload and stage.zero_stage == 3
+    assert plan.predicted.peak_memory_bytes[0] <= get_device("A100-80GB").memory_bytes
+
+
+def test_over_one_row_the_estimate_charges_the_host_link_and_no_collective(gpt_6_7b):
+    cluster, device = parse_cluster("1x1xA100-80GB"), get_device("A100-80GB")
+    config = EstimateConfig(global_batch_size=4, dp=1, tp=1, pp=1, micro_batch_size=1, dtype="fp16", zero_stage=3,
+                            recompute="full", offload=True)
+    result = estimate(gpt_6_7b, cluster, config)
+    params = sum(l.params_at(1) for l in gpt_6_7b.layers)
+    to_device, both_ways = offload_transfer_s(params, "fp16", device)
+    assert result.time.dp_comm_s == pytest.approx(4 * (to_device + both_ways), rel=1e-9)  # 4 micro-batches, no gathers
+    assert result.time.optimizer_s == pytest.approx(host_optimizer_s(params, "adamw", device), rel=1e-9)
+    [memory] = [s.memory for s in result.stages]
+    assert memory.optimizer_bytes == 0
+    # on the device: two layers' gathered weights (running and prefetched) and one layer's gradient
+    largest = max(l.params_at(1) for l in gpt_6_7b.layers)
+    assert memory.weights_bytes == pytest.approx(2 * largest * 2) and memory.gradients_bytes == pytest.approx(largest * 2)
+
+
+def test_over_one_row_zero_3_is_offered_only_with_offload():
+    from hetpar.planner.search.candidates import stage_modes
+
+    for offload, expected in (("on", {(3, True)}), ("off", {(0, False)}), ("auto", {(0, False)})):
+        modes = stage_modes(SearchOptions(global_batch_size=8, dtype="fp16", offload=offload), dp=1, schedule="1f1b")
+        assert {(m.zero_stage, m.offload) for m in modes} == expected, offload
+    offered = SearchOptions(global_batch_size=8, dtype="fp16", offload_offered=True)
+    assert {(m.zero_stage, m.offload) for m in stage_modes(offered, dp=1, schedule="1f1b")} == {(0, False), (3, True)}
+    assert not stage_modes(SearchOptions(global_batch_size=8, dtype="fp16", offload="on"), dp=1, schedule="zb")  # FSDP2 cannot run it
+
+
+def test_a_plan_file_offloads_a_stage_of_one_row(mlp_path):
+    plan = build_plan(mlp_path, MLP_ARGS, splits=[[0, 1], [2, 3]], zero_stage=3)
+    assert dataclasses.replace(plan.stages[0], offload=True).offload
+
+
 def test_offload_pins_that_cannot_run_are_refused_in_one_line(gpt_6_7b):
     options = SearchOptions(global_batch_size=8, dtype="fp16", offload="on")
     for cluster, words in (("1x4xcpu", "host memory already"), ("1x4xA10-24GB", "states no host"),):
@@ -140,6 +186,28 @@ def test_zero_3_gathers_the_same_modules_of_a_recomputed_stage(mode):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_offloaded_stages_of_one_row_train_like_one_process(tmp_path, mlp_path):
+    """dp 1 x pp 2, each stage ZeRO-3 over its one rank with the state in host memory, AdamW."""
+    plan = build_plan(mlp_path, MLP_ARGS, splits=[[0, 1], [2, 3]], num_microbatches=2, zero_stage=3)
+    plan = dataclasses.replace(plan, stages=[dataclasses.replace(s, offload=True) for s in plan.stages])
+    stderr = assert_trains_like_one_process(plan, tmp_path, optimizer="adamw")
+    for stage, units in ((0, 4), (1, 5)):  # a Linear and a block (norm, up, down); a block, the final norm, the head
+        assert f"stage {stage} (layers {2 * stage}-{2 * stage + 1}): tp 1, ZeRO-3 through FSDP2 on one replica, {units} "                f"modules gathered one at a time, the shard in host memory" in stderr, stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_an_offloaded_tensor_parallel_stage_of_one_row_trains_like_one_process(tmp_path):
+    """tp 2 x dp 1: FSDP2 over a (1, 2) mesh, the tensor-parallel shards in host memory."""
+    from test_distributed import GPT_ARGS
+
+    plan = build_plan(ROOT / "examples" / "gpt.py", GPT_ARGS, splits=[[0, 1, 2, 3]], tensor_parallel=2, tp_blocks=True,
+                      num_microbatches=2, zero_stage=3)
+    plan = dataclasses.replace(plan, stages=[dataclasses.replace(plan.stages[0], offload=True)])
+    stderr = assert_trains_like_one_process(plan, tmp_path, optimizer="sgd")
+    assert "tp 2, ZeRO-3 through FSDP2 on one replica" in stderr, stderr[-2000:]
+
+
 def test_an_offloaded_zero_3_stage_trains_like_one_process(tmp_path, mlp_path):
     """dp 2, ZeRO-3 with the shard in host memory (FSDP2's CPUOffloadPolicy), AdamW."""
     plan = build_plan(mlp_path, MLP_ARGS, splits=[[0, 1, 2, 3]], data_parallel=2, num_microbatches=2, zero_stage=3)

@@ -29,7 +29,7 @@ def estimate(
     model_file: Annotated[Optional[Path], typer.Argument(help="Python file defining build_model() and example_inputs() (or --hf instead).", show_default=False)] = None,
     cp: Annotated[int, typer.Option(help="Context parallelism: every sequence split over this many ranks (the cluster holds dp * cp * tp * pp devices).")] = 1,
     sp: Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism on every stage with tp > 1.")] = False,
-    offload: Annotated[bool, typer.Option("--offload/--no-offload", help="Keep every stage's ZeRO-3 shard in host memory and step it on the CPUs (needs --zero 3 and dp > 1; devices whose profile states their host).")] = False,
+    offload: Annotated[bool, typer.Option("--offload/--no-offload", help="Keep every stage's ZeRO-3 shard in host memory and step it on the CPUs (needs --zero 3; devices whose profile states their host).")] = False,
     ep: Annotated[int, typer.Option(help="Expert parallelism: the experts split over this many data-parallel replicas (divides dp).")] = 1,
     expert_imbalance: Annotated[float, typer.Option(help="Under expert parallelism, the busiest rank receives this many times the uniform share of routed tokens (1: uniform routing).")] = 1.0,
     stage_layers: Annotated[Optional[str], typer.Option(help="Layers per stage, e.g. 7,9,9,9 (pp * virtual-stages entries) \\[default: Megatron's, blocks evenly with the embedding first and the head last; else even].")] = None,

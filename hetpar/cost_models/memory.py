@@ -146,12 +146,19 @@ def training_state_bytes(
     params = sum(l.params_at(tp) for l in layers) + extra_params
     w, g, o = sharded_state_bytes_per_param(dtype, optimizer, dp=dp, zero_stage=zero_stage, offload=offload)
     weights, grads, opt = params * w, params * g, params * o
-    if zero_stage == 3 and dp > 1 and layers:
+    if zero_stage == 3 and zero_runs(dp, zero_stage, offload) and layers:
         largest = max(l.params_at(tp) for l in layers)
         w_full, g_full, _ = state_bytes_per_param(dtype, optimizer)
         weights += 2 * largest * w_full
         grads += largest * g_full
     return weights, grads, opt
+
+
+def zero_runs(dp: int, zero_stage: int, offload: bool = False) -> bool:
+    """Whether a stage over ``dp`` data-parallel rows runs its ZeRO stage: over two or more it
+    shards; over one only ZeRO-3 with offload runs, its one shard (the whole state) in host
+    memory and each module gathered from there ([Note: offload costs] in cost_models/offload.py)."""
+    return zero_stage > 0 and (dp > 1 or (offload and zero_stage == 3))
 
 
 def sharded_state_bytes_per_param(dtype: str, optimizer: str = Optimizer.ADAMW, *, dp: int = 1, zero_stage: int = 0,

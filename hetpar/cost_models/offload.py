@@ -19,6 +19,11 @@ A stage that offloads keeps its ZeRO-3 shard (weights, gradients, optimizer stat
   memory-bound, at about the host's streaming rate (benchmarks/cpu_adam_rate.py; its
   measurement in docs/benchmarks/offload_cpu-2core_2026-12-06.md).
 
+Over one data-parallel row (dp 1) the shard is the whole state and ZeRO-3's gathers
+cross no link (``zero_runs`` in cost_models/memory.py): the host transfers, the gathered
+buffers and the host's optimizer step remain, so one device trains a model whose state
+it cannot hold.
+
 ``B_host`` is ``host_link_bw_bytes_per_s`` (PCIe, or NVLink-C2C on Grace Hopper). A device
 whose profile states no host (no ``host_link_bw_bytes_per_s`` or
 ``host_mem_bw_bytes_per_s``) is never offloaded, and CPU workers never are: their memory

@@ -131,8 +131,6 @@ def check_offload_pins(cluster, options: SearchOptions) -> None:
         reason = offload_refusal(cluster.profile(device_type))
         if reason:
             raise PlanningError(f"--offload on: {reason}; drop --offload")
-    if options.dp == 1:
-        raise PlanningError("--offload on shards the training state over data-parallel replicas (ZeRO-3); drop --dp 1")
 
 
 def check_sequence_pins(model: ModelGraph, options: SearchOptions) -> None:
@@ -210,8 +208,9 @@ def check_schedule_pins(model: ModelGraph, options: SearchOptions) -> None:
         if v > 1 and options.pp and options.pp * v > len(model.layers):
             raise PlanningError(f"--pp {options.pp} * --virtual-stages {v} = {options.pp * v} stages, the model has only {len(model.layers)} layers")
     if zero:
-        if dp == 1:
-            raise PlanningError(f"--zero {zero} shards over data-parallel replicas; --dp 1 has none (use --zero 0)")
+        if dp == 1 and not (zero == 3 and options.offload == Switch.ON):
+            raise PlanningError(f"--zero {zero} shards over data-parallel replicas; --dp 1 has none (use --zero 0, or "
+                                f"--zero 3 --offload on to keep the training state in host memory)")
         if schedule in (Schedule.ZERO_BUBBLE, Schedule.INTERLEAVED) or (v or 1) > 1:
             what = Schedule.INTERLEAVED if (v or 1) > 1 else schedule
             raise PlanningError(f"--zero {zero} runs with schedule 1f1b or gpipe only (FSDP cannot run {what}'s stages); use --zero 0")

@@ -90,9 +90,9 @@ class StagePlan:
             raise PlanFileError(f"stage {self.index}: sequence_parallel({self.sequence_parallel!r}) must be true or false")
         if type(self.offload) is not bool:
             raise PlanFileError(f"stage {self.index}: offload({self.offload!r}) must be true or false")
-        if self.offload and (self.zero_stage != 3 or len(self.ranks) < 2):
-            raise PlanFileError(f"stage {self.index}: offload keeps a ZeRO-3 shard in host memory; it needs zero_stage 3 "
-                                f"and two or more rows of ranks, the stage has zero_stage {self.zero_stage} and {len(self.ranks)}")
+        if self.offload and self.zero_stage != 3:
+            raise PlanFileError(f"stage {self.index}: offload keeps a ZeRO-3 shard in host memory; it needs zero_stage 3, "
+                                f"the stage has zero_stage {self.zero_stage}")
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise PlanFileError(f"stage {self.index}: sequence_parallel needs tensor_parallel > 1 (it shards the "
                                 f"sequence over the tp ranks)")

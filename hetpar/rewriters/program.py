@@ -12,7 +12,7 @@ Each feature's code appears only where the plan asks for it:
 
 | code | when |
 |---|---|
-| ``data_parallel.wrap``, ``grad_sync.reduce()`` | ``data_parallel`` > 1 |
+| ``data_parallel.wrap``, ``grad_sync.reduce()`` | ``data_parallel`` > 1, or a stage offloads |
 | compression, robust aggregation options | ``grad_compression`` != none, ``aggregation`` != mean |
 | ``grad_sync.after_step`` (local SGD) | ``sync_every`` > 1 |
 | ``tied.TiedGradients`` | a weight held by two stages (``tied``, found by ``hetpar compile``) |
@@ -81,7 +81,7 @@ class Features:
         return cls(
             pipelined=len(plan.stages) > 1,
             chunked=plan.virtual_stages > 1,
-            data_parallel=plan.data_parallel * plan.context_parallel > 1,
+            data_parallel=plan.data_parallel * plan.context_parallel > 1 or any(s.offload for s in plan.stages),
             compression=plan.grad_compression != CompressionKind.NONE,
             robust=plan.aggregation != AggregationKind.MEAN,
             local_sgd=plan.sync_every > 1,

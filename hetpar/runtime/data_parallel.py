@@ -76,7 +76,8 @@ all-reduced over tp on top of the gather's reduce-scatter.
 A stage with tensor parallelism is sharded over a 2-D (dp, tp) mesh.
 
 [Note: offload through FSDP2]
-A stage whose plan says ``offload`` (ZeRO-3 only) passes FSDP2 a ``CPUOffloadPolicy``:
+A stage whose plan says ``offload`` (ZeRO-3 only; over one row of ranks FSDP2 runs over a
+mesh of the rank alone, runtime.distributed) passes FSDP2 a ``CPUOffloadPolicy``:
 its shard of the parameters, their gradients and so the optimizer state live in host
 memory. Each all-gather first copies the shard to the device, each reduce-scattered
 gradient shard is copied back and accumulated on the host, and the optimizer steps the
@@ -320,7 +321,8 @@ class FullyShard(GradientSync):
     def __str__(self) -> str:
         where = ", the shard in host memory" if self.offload else ""
         units = f", {len(self.units)} modules gathered one at a time" if self.units else ""
-        return f"ZeRO-{self.zero_stage} through FSDP2 over {self.replicas} replicas{units}{where}"
+        over = f"over {self.replicas} replicas" if self.replicas > 1 else "on one replica"
+        return f"ZeRO-{self.zero_stage} through FSDP2 {over}{units}{where}"
 
     def before_backward(self, last: bool) -> None:
         self.module.set_is_last_backward(last)
@@ -410,7 +412,7 @@ def _sync_method(module: nn.Module, stage: StageSpec, groups: Groups, compressio
     check_sync(compression, aggregation, sync_every, sync_scope, data_parallel=dp, zero_stages=[stage.zero_stage],
                equal_shares=True)
     check_expert_parallel(stage, compression, aggregation, sync_every)
-    if groups.dp_group is None:
+    if groups.dp_group is None and not (stage.offload and groups.dp_mesh is not None):
         return GradientSync()
     params = list(module.parameters())
     if stage.expert_parallel > 1:

@@ -74,8 +74,8 @@ class StageSpec:
                              f"its {len(self.ranks)} rows of ranks")
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError(f"stage with layers {self.layers}: sequence_parallel needs tensor_parallel > 1")
-        if self.offload and (self.zero_stage != 3 or len(self.ranks) < 2):
-            raise ValueError(f"stage with layers {self.layers}: offload needs zero_stage 3 and two or more rows of ranks")
+        if self.offload and self.zero_stage != 3:
+            raise ValueError(f"stage with layers {self.layers}: offload needs zero_stage 3")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +115,9 @@ class Groups:
 
     tp_mesh: DeviceMesh | None  # 1-D mesh over ranks[d] of this rank's stage
     dp_group: dist.ProcessGroup | None  # ranks[*][t] of this rank's stage
-    dp_mesh: DeviceMesh | None = None  # mesh over the dp group (a slice of the (dp, tp) mesh under ZeRO with tp > 1)
+    # mesh over the dp group (a slice of the (dp, tp) mesh under ZeRO with tp > 1); over this rank alone for a
+    # stage that offloads over one row (dp_group None)
+    dp_mesh: DeviceMesh | None = None
     dp_node_group: dist.ProcessGroup | None = None  # the dp group's ranks on this rank's node, when asked for
     ep_mesh: DeviceMesh | None = None  # 1-D mesh over this rank's expert-parallel group (expert_parallel > 1)
     expert_dp_group: dist.ProcessGroup | None = None  # the replicas holding this rank's experts, when more than one
@@ -203,7 +205,7 @@ def build_groups(stages: list[StageSpec], me: Placement, device: torch.device, *
 
 
 def _stage_groups(stages: list[StageSpec], me: Placement, device: torch.device) -> Groups:
-    tp_group = dp_group = None
+    tp_group = dp_group = alone = None
     for s, stage in enumerate(stages):
         for d, replica in enumerate(stage.ranks):
             if len(replica) > 1:
@@ -216,15 +218,20 @@ def _stage_groups(stages: list[StageSpec], me: Placement, device: torch.device) 
                 group = dist.new_group(column)
                 if (s, t) == (me.stage, me.tp_index):
                     dp_group = group
+            elif stage.offload:  # ZeRO-3 over one row: FSDP2 over a mesh of this rank alone
+                group = dist.new_group(column)
+                if (s, t) == (me.stage, me.tp_index):
+                    alone = group
     mine = stages[me.stage]
     column = [replica[me.tp_index] for replica in mine.ranks]
-    if tp_group is not None and dp_group is not None and mine.zero_stage > 0:
+    fsdp_group = dp_group if dp_group is not None else alone  # what FSDP2 shards over (alone: no dp group)
+    if tp_group is not None and fsdp_group is not None and mine.zero_stage > 0:
         mesh = DeviceMesh.from_group(
-            [dp_group, tp_group], device.type, mesh=torch.tensor(mine.ranks), mesh_dim_names=("dp", "tp")
+            [fsdp_group, tp_group], device.type, mesh=torch.tensor(mine.ranks), mesh_dim_names=("dp", "tp")
         )
         return Groups(tp_mesh=mesh["tp"], dp_group=dp_group, dp_mesh=mesh["dp"])
     tp_mesh = DeviceMesh.from_group(tp_group, device.type, mesh=list(mine.ranks[me.replica])) if tp_group else None
-    dp_mesh = DeviceMesh.from_group(dp_group, device.type, mesh=column) if dp_group else None
+    dp_mesh = DeviceMesh.from_group(fsdp_group, device.type, mesh=column) if fsdp_group else None
     return Groups(tp_mesh=tp_mesh, dp_group=dp_group, dp_mesh=dp_mesh)
 
 

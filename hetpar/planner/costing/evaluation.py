@@ -11,6 +11,7 @@ from hetpar.cost_models.memory import (
     backward_gradient_bytes,
     recompute_workspace_bytes,
     training_state_bytes,
+    zero_runs,
 )
 from hetpar.cost_models.pipeline import linear_step_time_s
 from hetpar.planner.costing.candidate import StageMode
@@ -51,7 +52,7 @@ def chunk_terms(tables: CostTables, c: int, first: int, last: int, k: int, next_
     if mode.recompute != Recompute.NONE:  # selective's rebuilt layer is at most its whole saved activations
         memory += tables.workspace_bytes[a, rows].max()
     memory += tables.gradient_bytes[a, rows].max()
-    if mode.zero_stage == 3 and tables.candidate.dp > 1:
+    if mode.zero_stage == 3 and zero_runs(tables.candidate.dp, mode.zero_stage, mode.offload):
         memory += tables.zero3_buffer_bytes[a, rows].max()
     return float(t), float(tables.weight_s[k, rows, c].sum()), float(epilogue), float(memory)
 

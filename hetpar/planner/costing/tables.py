@@ -65,6 +65,7 @@ from hetpar.cost_models.memory import (
     OPTIMIZER_BYTES_PER_PARAM,
     sharded_state_bytes_per_param,
     state_bytes_per_param,
+    zero_runs,
 )
 from hetpar.planner.costing.cache import memo, model_token, model_variant
 from hetpar.planner.costing.candidate import Candidate
@@ -302,14 +303,15 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     tables["fwd_s"][k, :, c] = fwd
     tables["weight_s"][k, :, c] = cols.weight
     tables["tp_time_s"][k, :, c] = tp_fwd * (2 if replay else 1) + tp_bwd
-    sharded = cand.dp > 1 and mode.zero_stage > 0
+    sharded = zero_runs(cand.dp, mode.zero_stage, mode.offload)
     if sharded and mode.zero_stage == 3:
-        scale = grad_sync_scale(cluster.profile(slot.device_type))
-        (ag_lat, ag_pb), (rs_lat, rs_pb) = ((a * scale, b * scale) for a, b in (comm["all_gather"], comm["reduce_scatter"]))
-        tables["gather_fwd_s"][k, :, c] = ag_pb * cols.params * elem
-        tables["gather_bwd_s"][k, :, c] = (ag_pb + rs_pb) * cols.params * elem
-        lat["gather_fwd_latency_s"][k, c] = ag_lat
-        lat["gather_bwd_latency_s"][k, c] = ag_lat + rs_lat
+        if cand.dp > 1:  # over one row (offload) FSDP2's gathers cross no link
+            scale = grad_sync_scale(cluster.profile(slot.device_type))
+            (ag_lat, ag_pb), (rs_lat, rs_pb) = ((a * scale, b * scale) for a, b in (comm["all_gather"], comm["reduce_scatter"]))
+            tables["gather_fwd_s"][k, :, c] = ag_pb * cols.params * elem
+            tables["gather_bwd_s"][k, :, c] = (ag_pb + rs_pb) * cols.params * elem
+            lat["gather_fwd_latency_s"][k, c] = ag_lat
+            lat["gather_bwd_latency_s"][k, c] = ag_lat + rs_lat
         if mode.offload:  # [Note: offload costs]: the shard crosses the host link around each gather
             to_device, both_ways = offload_transfer_s(held / cand.dp, dtype, cluster.profile(slot.device_type))
             tables["gather_fwd_s"][k, :, c] += to_device

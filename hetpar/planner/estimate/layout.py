@@ -51,9 +51,9 @@ def check_against(model: ModelGraph, cluster: Cluster, config: EstimateConfig) -
     if c.cp > 1:
         _check_context(model, c)
     offloading = [r for r in range(c.pp) if c.offload_of(r)]
-    if offloading and (rows == 1 or c.zero_of(offloading[0]) != 3):
-        raise EstimateError(f"--offload keeps ZeRO-3 shards in host memory: it needs --zero 3 and dp > 1 (pipeline rank "
-                            f"{offloading[0]} has ZeRO {c.zero_of(offloading[0])}, dp {c.dp})")
+    if offloading and c.zero_of(offloading[0]) != 3:
+        raise EstimateError(f"--offload keeps ZeRO-3 shards in host memory: it needs --zero 3 (pipeline rank "
+                            f"{offloading[0]} has ZeRO {c.zero_of(offloading[0])})")
     for device_type in sorted({t for r in offloading for t in (c.stage_devices[r:r + 1] if c.stage_devices else cluster.count_by_type())}):
         reason = offload_refusal(cluster.profile(device_type))
         if reason:

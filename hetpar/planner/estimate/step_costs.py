@@ -15,7 +15,7 @@ from hetpar.cost_models.compute import dtype_bytes, layer_timing, optimizer_rate
 from hetpar.cost_models.devices import DeviceProfile
 from hetpar.cost_models.grad_sync import collective_over, sync_seconds
 from hetpar.cost_models.layers import LayerProfile
-from hetpar.cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
+from hetpar.cost_models.memory import OPTIMIZER_BYTES_PER_PARAM, zero_runs
 from hetpar.cost_models.offload import host_optimizer_s, offload_transfer_s
 from hetpar.planner.costing import boundary_seconds
 from hetpar.planner.estimate.config import EstimateConfig
@@ -160,14 +160,16 @@ def zero3_comm_s(layers, cluster: Cluster, config: EstimateConfig, layout: Stage
                  offload: bool = False) -> tuple[float, float]:
     """ZeRO-3, per micro-batch: gather the weights for forward; gather again and reduce-scatter the gradients in
     backward; data-parallel synchronisation inside the step, so times the device's ``grad_sync_scale``."""
-    if zero_stage < 3 or config.replica_rows == 1:
+    if zero_stage < 3 or not zero_runs(config.replica_rows, zero_stage, offload):
         return 0.0, 0.0
     tp = len(layout.ranks[0])
-    nbytes = sum(l.params_at(tp) for l in layers) * dtype_bytes(config.dtype)
-    group = [replica[0] for replica in layout.ranks]
-    scale = grad_sync_scale(cluster.profile(layout.device_type))
-    gather = all_gather_time_s(nbytes, group, cluster, concurrent=tp) * scale
-    fwd, bwd = gather, gather + reduce_scatter_time_s(nbytes, group, cluster, concurrent=tp) * scale
+    fwd = bwd = 0.0
+    if config.replica_rows > 1:  # over one row (offload) FSDP2's gathers cross no link
+        nbytes = sum(l.params_at(tp) for l in layers) * dtype_bytes(config.dtype)
+        group = [replica[0] for replica in layout.ranks]
+        scale = grad_sync_scale(cluster.profile(layout.device_type))
+        gather = all_gather_time_s(nbytes, group, cluster, concurrent=tp) * scale
+        fwd, bwd = gather, gather + reduce_scatter_time_s(nbytes, group, cluster, concurrent=tp) * scale
     if offload:  # [Note: offload costs]: the shard crosses the host link too
         to_device, both_ways = offload_transfer_s(sum(l.params_at(tp) for l in layers) / config.replica_rows, config.dtype,
                                                   cluster.profile(layout.device_type))

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from hetpar.cost_models.memory import zero_runs
 from hetpar.planner.costing import Candidate, CostTables, SplitCost, evaluate_split, model_variant, stage_memory_breakdown
 from hetpar.planner.estimate import EstimateConfig, EstimateError, equal_split, estimate, stage_devices_of
 from hetpar.planner.model_graph import ModelGraph
@@ -79,12 +80,12 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
                 ranks=slot.ranks,
                 tp_sharding=sharding,
                 tp_parts=parts,
-                zero_stage=mode.zero_stage if cand.dp > 1 else 0,
+                zero_stage=mode.zero_stage if zero_runs(cand.dp, mode.zero_stage, mode.offload) else 0,
                 recompute=mode.recompute,
                 expert_parallel=cand.ep,
                 sequence_parallel=mode.sp,
                 context_parallel=cand.cp,
-                offload=mode.offload and cand.dp > 1,
+                offload=mode.offload,
             )
         )
     predicted = _simulated_prediction(model, cluster, options, cand, bounds, stages) or _linear_prediction(options, tables, bounds, cost)

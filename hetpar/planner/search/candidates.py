@@ -36,7 +36,7 @@ from hetpar.vocabulary import Recompute, Schedule, Switch
 # model's tokens split, with sequence parallelism, and without it too under recompute
 # none: [Note: sequence parallelism costs] in cost_models/layers.py) times recompute none, selective
 # or full ([Note: selective recompute costs] in planner/capture/measure.py) times a
-# ZeRO stage, 0, 2 or 3 when dp > 1 under
+# ZeRO stage, 0, 2 or 3 when dp > 1 (3 with offload also at dp 1) under
 # 1F1B and GPipe (the runtime shards with FSDP, which neither ZB-H1's split backward
 # nor interleaved chunks support), 0 otherwise. ZeRO-1 is searched only when pinned:
 # at one micro-batch it costs what ZeRO-2 costs and holds more; with more, ZeRO-2
@@ -260,7 +260,8 @@ def stage_modes(options: SearchOptions, *, dp: int, schedule: str, degrees: tupl
     Under expert parallelism (``ep`` > 1) ZeRO stays 0. A degree in ``sp_degrees`` runs with
     sequence parallelism, without it, or both, as --sp says."""
     recomputes = [options.recompute] if options.recompute else [Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL]
-    shardable = dp > 1 and schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE) and ep == 1
+    fsdp = schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE) and ep == 1  # FSDP2 runs ZeRO under these only
+    shardable = dp > 1 and fsdp
     if options.zero is not None:
         zeros = [options.zero] if options.zero == 0 or shardable else []
     else:
@@ -273,15 +274,17 @@ def stage_modes(options: SearchOptions, *, dp: int, schedule: str, degrees: tupl
         return (False, True)
 
     offloads = {Switch.ON: (True,), Switch.OFF: (False,)}.get(options.offload, (False, True) if options.offload_offered else (False,))
+    if dp == 1 and fsdp and True in offloads and options.zero in (None, 3):
+        zeros = [*zeros, 3]  # over one row, ZeRO-3 only with its state in host memory (cost_models.memory.zero_runs)
     return tuple(StageMode(recompute=r, zero_stage=z, tp=tp, sp=sp, offload=o) for tp in degrees for z in zeros for r in recomputes
                  for sp in sps(tp, r) for o in offloads if z == 3 or not o  # [Note: offload search]
-                 if not (options.offload == Switch.ON and z != 3))
+                 if not (options.offload == Switch.ON and z != 3) and (dp > 1 or o or z == 0))
 
 
 def _no_candidate_reason(model: ModelGraph, cluster, options: SearchOptions, tp_ok: bool) -> str:
     world, gbs = cluster.world_size, options.global_batch_size
     if options.offload == Switch.ON:
-        return (f"--offload on needs ZeRO-3, so data parallelism (dp > 1) and schedule 1f1b or gpipe; no such (dp, tp, pp) "
+        return (f"--offload on needs ZeRO-3, so schedule 1f1b or gpipe without expert parallelism; no such (dp, tp, pp) "
                 f"fits world_size({world}) with global batch {gbs} and the other pins")
     if options.zero:
         return (f"--zero {options.zero} needs data parallelism (dp > 1) and schedule 1f1b or gpipe; no such (dp, tp, pp) "

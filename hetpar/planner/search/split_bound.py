@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hetpar.cost_models.memory import zero_runs
 from hetpar.cost_models.pipeline import LinearStepWeights
 from hetpar.planner.costing import CostTables
 from hetpar.vocabulary import Recompute
@@ -119,7 +120,7 @@ def _buffers(tables: CostTables, span: int) -> np.ndarray:
         rows = [tables.gradient_bytes[a]]
         if mode.recompute != Recompute.NONE:
             rows.append(tables.workspace_bytes[a])
-        if mode.zero_stage == 3 and cand.dp > 1:
+        if mode.zero_stage == 3 and zero_runs(cand.dp, 3, mode.offload):
             rows.append(tables.zero3_buffer_bytes[a])
         for row in rows:
             padded = np.concatenate([row, np.zeros(span)])

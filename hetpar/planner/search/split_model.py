@@ -12,6 +12,7 @@ import math
 import numpy as np
 from ortools.sat.python import cp_model
 
+from hetpar.cost_models.memory import zero_runs
 from hetpar.cost_models.pipeline import linear_step_weights
 from hetpar.planner.costing import CostTables, chunk_terms
 from hetpar.planner.search.split_bound import split_sum_bound
@@ -380,7 +381,7 @@ class SplitModel:
         spec["unsplit"] = self._unsplit_spec(c, allowed)
         if c + 1 < t.num_chunks and len(cand.tp_degrees) > 1:
             spec["reshard"] = self._reshard_spec(c)
-        zero3 = np.array([m.zero_stage == 3 and cand.dp > 1 for m in cand.modes])
+        zero3 = np.array([m.zero_stage == 3 and zero_runs(cand.dp, 3, m.offload) for m in cand.modes])
         if zero3.any():
             # All exposed ([Note: split objective]): nothing of the compute hides them.
             for name, gather, latency in (
@@ -400,7 +401,7 @@ class SplitModel:
             for family in (
                 (f"workspace_tp{tp}", t.workspace_bytes[a], [k for k, m in enumerate(cand.modes) if m.recompute != Recompute.NONE and m.tp == tp]),
                 (f"gradient_tp{tp}", t.gradient_bytes[a], [k for k, m in enumerate(cand.modes) if m.tp == tp]),
-                (f"zero3_tp{tp}", t.zero3_buffer_bytes[a], [k for k, m in enumerate(cand.modes) if m.zero_stage == 3 and cand.dp > 1 and m.tp == tp]),
+                (f"zero3_tp{tp}", t.zero3_buffer_bytes[a], [k for k, m in enumerate(cand.modes) if m.zero_stage == 3 and zero_runs(cand.dp, 3, m.offload) and m.tp == tp]),
             )
         ]
         for name, values, members in families:
