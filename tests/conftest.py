@@ -1,8 +1,8 @@
 """Shared helpers of the runtime, compile and distributed tests.
 
 ``make_plan`` builds a ParallelPlan by hand (layer names from runtime.graph), and
-``run_torchrun`` runs a compiled program under torchrun with a bounded time and a
-free rendezvous port.
+``run_torchrun`` runs a compiled program on worker processes as torchrun runs it, with a
+bounded time and a free rendezvous port.
 """
 
 from __future__ import annotations
@@ -115,13 +115,71 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+# [Note: workers without torchrun's agent]
+# Without restarts, ``run_torchrun`` starts the workers itself, with the environment
+# torchrun's static rendezvous gives them (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+# GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), less
+# the agent: the workers meet in rank 0's store (``init_process_group``'s env://) instead
+# of the agent's. A launch then imports torch once per worker and not once more for the
+# agent, which on 2 cores is about 1.4 s of each of the suite's hundred-odd launches. As
+# torchrun's agent does, the first worker to fail stops the others (SIGTERM, then SIGKILL
+# after 30 s), and the run's exit status is then 1. The agent's store is run by every test
+# with restarts (tests/test_elastic.py, tests/test_checkpoint.py), by the launch files'
+# tests and by the README demo (``launch.sh``); HETPAR_TEST_TORCHRUN=1 runs every launch
+# under torchrun.
+def _run_workers(program: Path, nproc: int, args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    import signal
+    import tempfile
+    import time
+
+    port = free_port()
+    cmd = [sys.executable, str(program), *args]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        workers = []
+        for rank in range(nproc):
+            env = {**subprocess_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                   "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank),
+                   "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
+            workers.append(subprocess.Popen(cmd, cwd=program.parent, env=env, stdout=out, stderr=err, text=True))
+        deadline, kill_at = time.monotonic() + timeout_s, None
+        try:
+            while any(w.poll() is None for w in workers):
+                now = time.monotonic()
+                if now > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout_s)
+                if kill_at is None and any(w.returncode not in (None, 0) for w in workers):
+                    kill_at = now + 30
+                    for w in workers:
+                        if w.poll() is None:
+                            w.send_signal(signal.SIGTERM)
+                if kill_at is not None and now > kill_at:
+                    for w in workers:
+                        if w.poll() is None:
+                            w.kill()
+                time.sleep(0.05)
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.kill()
+                    w.wait()
+        out.seek(0)
+        err.seek(0)
+        code = 0 if all(w.returncode == 0 for w in workers) else 1
+        return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
+
+
 def run_torchrun(program: Path, nproc: int, args: list[str], *, timeout_s: float = TORCHRUN_TIMEOUT_S,
                  max_restarts: int = 0) -> subprocess.CompletedProcess:
-    """Run ``program`` under torchrun on this host; its working directory is the program's.
+    """Run ``program`` on ``nproc`` workers of this host, as torchrun runs it; its working
+    directory is the program's. See [Note: workers without torchrun's agent].
 
-    With restarts the rendezvous is c10d's (each restart a new round, so the workers
-    of a restart never read the addresses of the workers they replace), else static.
+    With restarts, under torchrun, whose rendezvous is then c10d's (each restart a new
+    round, so the workers of a restart never read the addresses of the workers they
+    replace).
     """
+    if not max_restarts and not os.environ.get("HETPAR_TEST_TORCHRUN"):
+        return _run_workers(program, nproc, args, timeout_s)
     torchrun = Path(sys.executable).with_name("torchrun")
     if max_restarts:
         rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={max_restarts}",
