@@ -118,21 +118,24 @@ def subprocess_env() -> dict[str, str]:
 # [Note: workers without torchrun's agent]
 # Without restarts, ``run_torchrun`` starts the workers itself, with the environment
 # torchrun's static rendezvous gives them (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-# GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), less
-# the agent: the workers meet in rank 0's store (``init_process_group``'s env://) instead
-# of the agent's. A launch then imports torch once per worker and not once more for the
-# agent, which on 2 cores is about 1.4 s of each of the suite's hundred-odd launches. As
-# torchrun's agent does, the first worker to fail stops the others (SIGTERM, then SIGKILL
-# after 30 s), and the run's exit status is then 1. The agent's store is run by every test
-# with restarts (tests/test_elastic.py, tests/test_checkpoint.py), by the launch files'
-# tests and by the README demo (``launch.sh``); HETPAR_TEST_TORCHRUN=1 runs every launch
-# under torchrun.
+# GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT,
+# TORCHELASTIC_USE_AGENT_STORE), and the test process holds the TCPStore torchrun's agent
+# would hold, where the workers meet as under torchrun. A launch then imports torch once
+# per worker and not once more for the agent, which on 2 cores is about 1.4 s of each of
+# the suite's hundred-odd launches. As torchrun's agent does, the first worker to fail
+# stops the others (SIGTERM, then SIGKILL after 30 s), and the run's exit status is then
+# 1. torchrun itself runs every test with restarts (tests/test_elastic.py,
+# tests/test_checkpoint.py), the launch files' tests and the README demo (``launch.sh``);
+# HETPAR_TEST_TORCHRUN=1 runs every launch under torchrun.
 def _run_workers(program: Path, nproc: int, args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     import signal
     import tempfile
     import time
 
-    port = free_port()
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the agent's
+    port = store.port
     cmd = [sys.executable, str(program), *args]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         workers = []
@@ -140,7 +143,8 @@ def _run_workers(program: Path, nproc: int, args: list[str], timeout_s: float) -
             env = {**subprocess_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                    "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank),
                    "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
+                   "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                   "TORCHELASTIC_USE_AGENT_STORE": "True"}
             workers.append(subprocess.Popen(cmd, cwd=program.parent, env=env, stdout=out, stderr=err, text=True))
         deadline, kill_at = time.monotonic() + timeout_s, None
         try:
@@ -166,6 +170,7 @@ def _run_workers(program: Path, nproc: int, args: list[str], timeout_s: float) -
         out.seek(0)
         err.seek(0)
         code = 0 if all(w.returncode == 0 for w in workers) else 1
+        del store
         return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
 
 
