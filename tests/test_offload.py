@@ -61,7 +61,9 @@ def test_the_estimate_charges_the_host_link_and_the_host_optimizer_and_frees_the
     to_device, both_ways = offload_transfer_s(shard, "fp16", device)
     assert both_ways == pytest.approx(2 * to_device) and to_device == pytest.approx(shard * 2 / 15.5e9)
     microbatches = 8 // (2 * 2)
-    assert offloaded.time.dp_comm_s - plain.time.dp_comm_s == pytest.approx(microbatches * (to_device + both_ways), rel=1e-6)
+    assert offloaded.time.host_comm_s == pytest.approx(microbatches * (to_device + both_ways), rel=1e-9)
+    assert offloaded.time.dp_comm_s == pytest.approx(plain.time.dp_comm_s, rel=1e-9) and plain.time.host_comm_s == 0
+    assert offloaded.predicted.host_comm_time_s == offloaded.time.host_comm_s
     [p_mem], [o_mem] = [s.memory for s in plain.stages], [s.memory for s in offloaded.stages]
     assert o_mem.optimizer_bytes == 0 and p_mem.optimizer_bytes > 0
     assert o_mem.weights_bytes < p_mem.weights_bytes and o_mem.activations_bytes == p_mem.activations_bytes
@@ -101,7 +103,8 @@ def test_over_one_row_the_estimate_charges_the_host_link_and_no_collective(gpt_6
     result = estimate(gpt_6_7b, cluster, config)
     params = sum(l.params_at(1) for l in gpt_6_7b.layers)
     to_device, both_ways = offload_transfer_s(params, "fp16", device)
-    assert result.time.dp_comm_s == pytest.approx(4 * (to_device + both_ways), rel=1e-9)  # 4 micro-batches, no gathers
+    assert result.time.host_comm_s == pytest.approx(4 * (to_device + both_ways), rel=1e-9)  # 4 micro-batches
+    assert result.time.dp_comm_s == 0  # no replica to gather from or sync with
     assert result.time.optimizer_s == pytest.approx(host_optimizer_s(params, "adamw", device), rel=1e-9)
     [memory] = [s.memory for s in result.stages]
     assert memory.optimizer_bytes == 0

@@ -118,6 +118,7 @@ def print_summary(result: Estimate, layer_names: list[str]) -> None:
         f"pp comm {seconds(t.pp_comm_s)}, dp comm {seconds(t.dp_comm_s)}, optimizer {seconds(t.optimizer_s)}"
         + (f", all-to-all {seconds(t.ep_comm_s)}" if t.ep_comm_s else "")
         + (f", context exchange {seconds(t.cp_comm_s)}" if t.cp_comm_s else "")
+        + (f", host link {seconds(t.host_comm_s)}" if t.host_comm_s else "")
     )
     if not result.fits:
         console.print(f"[bold red]does not fit:[/] {result.misfit()}")

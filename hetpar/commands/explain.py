@@ -51,6 +51,7 @@ def explain(
         + (f", all-to-all {seconds(t.ep_comm_s)} (experts over ep {est.config.ep})" if est.config.ep > 1 else "")
         + (f", context exchange {seconds(t.cp_comm_s)} (keys and values all-gathered over cp {est.config.cp})"
            if est.config.cp > 1 else "")
+        + (f", host link {seconds(t.host_comm_s)} (offloaded state)" if t.host_comm_s else "")
         + f"  ({est.tflops_per_device:.2f} TFLOP/s per device, MFU {est.mfu:.1%})"
     )
     sp = [str(s.index) for s in plan.stages if s.sequence_parallel]

@@ -220,7 +220,8 @@ def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[d
         f"predicted step {seconds(p.step_time_s)}  ({p.throughput_samples_per_s:.1f} samples/s; "
         f"bubble {seconds(p.bubble_time_s)}, dp comm {seconds(p.dp_comm_time_s)}, tp comm {seconds(p.tp_comm_time_s)}"
         f"{f', all-to-all {seconds(p.ep_comm_time_s)}' if p.ep_comm_time_s else ''}"
-        f"{f', context exchange {seconds(p.cp_comm_time_s)}' if p.cp_comm_time_s else ''})"
+        f"{f', context exchange {seconds(p.cp_comm_time_s)}' if p.cp_comm_time_s else ''}"
+        f"{f', host link {seconds(p.host_comm_time_s)}' if p.host_comm_time_s else ''})"
     )
     if prices:
         from hetpar.planner import usd_per_step  # the strategies import the solver

@@ -131,6 +131,7 @@ class Predicted:
     tp_comm_time_s: float = 0.0
     ep_comm_time_s: float = 0.0  # expert-parallel all-to-alls on the busiest rank ([Note: expert parallelism costs])
     cp_comm_time_s: float = 0.0  # context-parallel key and value exchanges on the busiest rank ([Note: context parallelism costs])
+    host_comm_time_s: float = 0.0  # offloaded shards over the host link on the busiest rank ([Note: offload costs])
     # One micro-batch on each pipeline rank (all its virtual stages), forward and backward,
     # tensor-parallel and ZeRO-3 communication included: what ``hetpar validate`` compares
     # with the run's stage times. Empty where the prediction has none (hetero-DP plans).

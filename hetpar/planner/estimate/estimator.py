@@ -97,6 +97,7 @@ def _assemble(model, cluster, config, layouts, split: StageSplit, played: Played
     compute, tp, zero3 = (sum(played.parts[t.action.stage, t.action.kind][i] for t in run.ranks[busiest]) for i in range(3))
     ep = sum(costs[t.action.stage].ep_seconds(t.action.kind) for t in run.ranks[busiest])
     cp = sum(costs[t.action.stage].cp_seconds(t.action.kind) for t in run.ranks[busiest])
+    host = sum(costs[t.action.stage].host_seconds(t.action.kind) for t in run.ranks[busiest])
     tp -= ep + cp
     alone = played.run_without_transfers
     pp = max(0.0, run.end_s(busiest) - alone.end_s(busiest)) if alone is not None else 0.0
@@ -110,7 +111,8 @@ def _assemble(model, cluster, config, layouts, split: StageSplit, played: Played
                     for r in range(c.pp))
     # The busiest rank's busy time never exceeds the makespan; max() drops a rounding error's -1e-21.
     time = TimeBreakdown(compute_s=compute, bubble_s=max(0.0, pipeline_end - compute - tp - ep - cp - zero3 - pp), tp_comm_s=tp,
-                         pp_comm_s=pp, dp_comm_s=dp + zero3, optimizer_s=optimizer, ep_comm_s=ep, cp_comm_s=cp)
+                         pp_comm_s=pp, dp_comm_s=dp + zero3 - host, optimizer_s=optimizer, ep_comm_s=ep, cp_comm_s=cp,
+                         host_comm_s=host)
     step = time.step_s
     flops = sum(l.fwd_flops + l.bwd_flops for l in whole.layers) * c.global_batch_size
     peak = sum(cluster.profile(t).peak_flops(c.dtype) for t in cluster.device_types())
@@ -125,6 +127,7 @@ def _assemble(model, cluster, config, layouts, split: StageSplit, played: Played
         tp_comm_time_s=time.tp_comm_s,
         ep_comm_time_s=time.ep_comm_s,
         cp_comm_time_s=time.cp_comm_s,
+        host_comm_time_s=time.host_comm_s,
         stage_fwd_s=[s.fwd_s for s in stages],
         stage_bwd_s=[s.bwd_s for s in stages],
     )

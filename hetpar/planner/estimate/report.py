@@ -12,7 +12,8 @@ warm-up, cool-down and waits), data-parallel communication (the gradient all-red
 or ZeRO's reduce-scatter and all-gather; with ``overlap_grad_reduce`` the last backward
 hides up to its own length of it; ZeRO-3's per-micro-batch gathers and reduce-scatters
 count in full, as the generated program runs them around a stage's compute, not under
-it) and the optimizer step.
+it), the host link (an offloaded shard's copies around those gathers, in full too;
+[Note: offload costs] in cost_models/offload.py) and the optimizer step.
 """
 
 from __future__ import annotations
@@ -56,11 +57,12 @@ class TimeBreakdown:
     optimizer_s: float
     ep_comm_s: float = 0.0  # expert-parallel all-to-alls ([Note: expert parallelism costs])
     cp_comm_s: float = 0.0  # context-parallel key and value exchanges ([Note: context parallelism costs])
+    host_comm_s: float = 0.0  # offloaded shards over the host link ([Note: offload costs])
 
     @property
     def step_s(self) -> float:
         return (self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.optimizer_s
-                + self.ep_comm_s + self.cp_comm_s)
+                + self.ep_comm_s + self.cp_comm_s + self.host_comm_s)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,6 +40,8 @@ class ChunkCost:
     b_ep_s: float = 0.0
     fwd_cp_s: float = 0.0  # context-parallel exchanges ([Note: context parallelism costs]), counted in the tp part
     b_cp_s: float = 0.0
+    fwd_host_s: float = 0.0  # an offloaded shard over the host link ([Note: offload costs]), counted in the ZeRO-3 part
+    b_host_s: float = 0.0
 
     def seconds(self, kind: Kind, split_weights: bool) -> tuple[float, float, float]:
         """(compute, tensor-parallel and expert-parallel, exposed ZeRO-3) seconds of one action.
@@ -66,6 +68,10 @@ class ChunkCost:
     def cp_seconds(self, kind: Kind) -> float:
         """The context-parallel part of ``seconds``'s second value."""
         return self.fwd_cp_s if kind is Kind.FORWARD else 0.0 if kind is Kind.WEIGHT else self.b_cp_s
+
+    def host_seconds(self, kind: Kind) -> float:
+        """The host-link part of ``seconds``'s third value (offload)."""
+        return self.fwd_host_s if kind is Kind.FORWARD else 0.0 if kind is Kind.WEIGHT else self.b_host_s
 
 
 def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, bounds, layout: StageLayout, chunk: int,
@@ -96,6 +102,8 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     refwd = sum(t.selective_rerun_s for t in times) if config.recompute_of(chunk) == Recompute.SELECTIVE else 0.0
     gather_fwd, gather_bwd = zero3_comm_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp),
                                           config.offload_of(chunk % config.pp))
+    host_fwd, host_bwd = offload_host_s(layers, cluster, config, layout, config.zero_of(chunk % config.pp),
+                                        config.offload_of(chunk % config.pp))
     ep_fwd, ep_bwd = expert_exchange_s(layers, cluster, config, layout, memo)
     cp_fwd, cp_bwd = context_exchange_total_s(layers, cluster, config, layout, memo)
     return ChunkCost(
@@ -110,6 +118,8 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
         w_compute_s=sum(t.bwd_weight_s for t in times),
         zero3_fwd_s=gather_fwd,
         zero3_bwd_s=gather_bwd,
+        fwd_host_s=host_fwd,
+        b_host_s=host_bwd,
     )
 
 
@@ -170,11 +180,19 @@ def zero3_comm_s(layers, cluster: Cluster, config: EstimateConfig, layout: Stage
         scale = grad_sync_scale(cluster.profile(layout.device_type))
         gather = all_gather_time_s(nbytes, group, cluster, concurrent=tp) * scale
         fwd, bwd = gather, gather + reduce_scatter_time_s(nbytes, group, cluster, concurrent=tp) * scale
-    if offload:  # [Note: offload costs]: the shard crosses the host link too
-        to_device, both_ways = offload_transfer_s(sum(l.params_at(tp) for l in layers) / config.replica_rows, config.dtype,
-                                                  cluster.profile(layout.device_type))
-        fwd, bwd = fwd + to_device, bwd + both_ways
-    return fwd, bwd
+    to_device, both_ways = offload_host_s(layers, cluster, config, layout, zero_stage, offload)
+    return fwd + to_device, bwd + both_ways
+
+
+def offload_host_s(layers, cluster: Cluster, config: EstimateConfig, layout: StageLayout, zero_stage: int,
+                   offload: bool) -> tuple[float, float]:
+    """Of ``zero3_comm_s``, the seconds an offloaded shard spends on the host link per micro-batch, (forward,
+    backward); see [Note: offload costs]."""
+    if not offload or zero_stage < 3:
+        return 0.0, 0.0
+    tp = len(layout.ranks[0])
+    return offload_transfer_s(sum(l.params_at(tp) for l in layers) / config.replica_rows, config.dtype,
+                              cluster.profile(layout.device_type))
 
 
 def boundary_s(model: ModelGraph, cluster: Cluster, config: EstimateConfig, last_layer: int,
