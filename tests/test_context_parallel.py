@@ -312,6 +312,23 @@ def test_models_without_attention_or_captured_by_export_are_refused(one_rank_cp_
 # ----------------------------------------------------------------------------- layout and program
 
 
+def test_a_context_rank_keeps_its_share_the_gathered_keys_and_values_and_its_joined_output():
+    """[Note: context parallelism costs]: a GPT block's attention reads keys and values of
+    [T, h] each and makes an output of [T, h] per sample (fp32); at cp 2 a rank keeps half
+    of the block's saved bytes, the other rank's half of the keys and values, and the
+    concatenation of its two chunks' outputs."""
+    from hetpar.planner.capture.trace import trace_model
+
+    args = {"n_layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 64}
+    block = next(l for l in trace_model(load_model_file(ROOT / "examples" / "gpt.py", args)).layers
+                 if l.name.startswith("blocks."))
+    whole = args["seq_len"] * args["hidden"] * 4
+    assert block.attention_kv_bytes == 2 * whole and block.attention_out_bytes == whole
+    rank = block.at_context(2)
+    assert rank.saved_activation_bytes == pytest.approx(block.saved_activation_bytes / 2 + whole + whole / 2)
+    assert rank.attention_out_bytes == block.attention_out_bytes  # the whole sequence's, as the exchange's keys
+
+
 def test_rows_are_data_replicas_times_context_ranks():
     stages = [StageSpec(layers=(0, 1), device_type="cpu", tensor_parallel=2, ranks=[[0, 1], [2, 3], [4, 5], [6, 7]],
                         context_parallel=2)]

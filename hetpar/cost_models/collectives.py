@@ -596,7 +596,15 @@ def tensor_parallel_pass_s(collectives, pass_: str, scale: float, ranks: Sequenc
 # earlier key and value: per layer and micro-batch the forward all-gathers the keys and
 # values over the cp group (``attention_kv_bytes``, split over tp where the layer's heads
 # are), and the backward reduce-scatters their gradients; the gathered ones are kept
-# for backward (saved bytes grow by kv (1 - 1/cp)). The exchange is counted exposed:
+# for backward (saved bytes grow by kv (1 - 1/cp)), and so is the concatenation of the
+# rank's two chunks' attention outputs (``attention_out_bytes`` / cp more): the attention
+# calls keep their chunks' outputs, and the next op (the output projection) keeps the
+# joined copy, where without cp it reads the one output attention keeps through a view
+# (torch's fused kernels lay their output out [b, s, heads, d], so the usual transpose and
+# reshape copies nothing). Under recompute the copy is rebuilt, not kept. On CPU workers
+# torch's kernel also keeps a float32 [T / 2cp, (c + 1) T / 2cp] mask for each later chunk
+# c of the rank (the lower-right causal bias it builds); that is not counted (GPUs' kernels
+# make none). The exchange is counted exposed:
 # the program runs it before the attention that needs it, on the compute stream's
 # turn. Gradients are synchronised over all dp x cp ranks of a stage, which hold the
 # same parameters. The search and the estimator cost a plan of dp data replicas at

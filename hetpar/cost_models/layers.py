@@ -99,6 +99,11 @@ class LayerProfile:
     # the layer's backward runs ([Note: activations kept per micro-batch] in
     # cost_models/memory.py). Not part of ``cost_key``.
     widest_gradient_bytes: float = 0.0
+    # Bytes of the outputs of the layer's attention calls, per sample: under context
+    # parallelism the rank's two chunks' outputs are concatenated, a copy the layer's
+    # next op saves beside the ones attention saves ([Note: context parallelism costs] in
+    # cost_models/collectives.py). Not part of ``cost_key``.
+    attention_out_bytes: float = 0.0
 
     def with_expert_load(self, factor: float) -> "LayerProfile":
         """The layer as the busiest expert-parallel rank runs it when its experts receive
@@ -118,12 +123,14 @@ class LayerProfile:
             return self
         share = 1.0 / cp
         gathered = self.attention_kv_bytes * (1.0 - share)  # the other ranks' keys and values, kept for backward
-        split_gathered = gathered if self.tp_split_params > 0 else 0.0  # heads split over tp, so are their keys and values
+        joined = self.attention_out_bytes * share  # the two chunks' outputs concatenated, kept by the next op
+        # heads split over tp, so are their keys, values and outputs
+        split_gathered = gathered + joined if self.tp_split_params > 0 else 0.0
         return replace(
             self,
             fwd_flops=self.fwd_flops * share,
             bwd_flops=self.bwd_flops * share,
-            saved_activation_bytes=self.saved_activation_bytes * share + gathered,
+            saved_activation_bytes=self.saved_activation_bytes * share + gathered + joined,
             tp_split_saved_bytes=self.tp_split_saved_bytes * share + split_gathered,
             boundary_bytes=self.boundary_bytes * share,
             tp_collectives=tuple((p, kind, nbytes * share) for p, kind, nbytes in self.tp_collectives),
@@ -211,7 +218,8 @@ class LayerProfile:
 
 
 _EXPERT_FIELDS = ("expert_params", "num_experts", "routed_bytes", "expert_flops_fraction")  # before _LATER_FIELDS
-_LATER_FIELDS = ("attention_kv_bytes", "selective_kept_bytes", "selective_rerun_flops", "widest_gradient_bytes")  # the last fields, none of them in ``cost_key``
+_LATER_FIELDS = ("attention_kv_bytes", "selective_kept_bytes", "selective_rerun_flops", "widest_gradient_bytes",
+                 "attention_out_bytes")  # the last fields, none of them in ``cost_key``
 
 
 def tp_misfit(layers, tp: int) -> LayerProfile | None:

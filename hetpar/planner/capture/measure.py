@@ -84,6 +84,7 @@ class NodeCounts:
     matmul_rows: dict[tuple[int, bool, int], float] = field(default_factory=dict)
     fwd_matmuls: int = 0  # forward ops with FLOPs (matmuls, convolutions, attention): kernels compiling keeps
     attention_kv_bytes: float = 0.0  # keys and values its attention calls read ([Note: context parallelism costs])
+    attention_out_bytes: float = 0.0  # its attention calls' outputs (the same Note)
     kept_bytes: float = 0.0  # outputs of its weight matmuls and attention: what selective recompute keeps ([Note: selective recompute costs])
     rerun_flops: float = 0.0  # forward FLOPs of its products of two activations: what selective recompute runs again
 
@@ -370,6 +371,7 @@ def _count_saved(module: fx.GraphModule, inputs: list[torch.Tensor], result: Mea
             counts.attention_kv_bytes += _nbytes(key) + _nbytes(value)
         else:
             counts.kept_bytes += sum(_nbytes(t) for t in out)
+            counts.attention_out_bytes += _nbytes(out[0])
 
     def kept(out: Any, rerun_flops: float = 0.0) -> None:
         counts = result.nodes[current[0]]

@@ -330,6 +330,7 @@ class _Measured:
             selective_kept_bytes=w.total("kept_bytes"),
             selective_rerun_flops=w.total("rerun_flops"),
             widest_gradient_bytes=w.largest("widest_bytes"),
+            attention_out_bytes=w.total("attention_out_bytes"),
         )
 
 
