@@ -71,8 +71,9 @@ else
 fi
 CLUSTER=${CLUSTER:-1x1xH200-141GB}
 
-# name model micro-batch recompute [model file, default examples/gpt.py] [dtype, default the plan's: bf16 on GPUs];
-# the global batch is two micro-batches
+# name model micro-batch recompute [model file, default examples/gpt.py] [dtype, default the plan's: bf16 on GPUs]
+# [one more plan option]; the global batch is two micro-batches. 1p3b_mb4_offload keeps the whole training state in
+# host memory (ZeRO-3 over the one GPU, FSDP2's CPU offload with pinned memory): its host-link costs against the run
 CONFIGS="350m_mb4_none M350 4 none
 350m_mb16_none M350 16 none
 350m_mb16_full M350 16 full
@@ -83,7 +84,8 @@ moe_mb4_none MOE 4 none examples/moe_gpt.py
 moe_mb8_none MOE 8 none examples/moe_gpt.py
 unfused_mb4_none UNF 4 none benchmarks/published/gpt.py
 unfused_mb4_sel UNF 4 selective benchmarks/published/gpt.py
-350m_mb8_tf32 M350 8 none examples/gpt.py tf32"
+350m_mb8_tf32 M350 8 none examples/gpt.py tf32
+1p3b_mb4_offload M1300 4 none examples/gpt.py bf16 --offload=on"
 
 # GPU_CHECK_CONFIGS=a,b keeps only those configurations (e.g. 350m_mb4_none for a quick check)
 if [ -n "${GPU_CHECK_CONFIGS:-}" ]; then
@@ -92,10 +94,10 @@ fi
 
 # each_config FUNCTION: calls FUNCTION name plan-arguments... for each configuration
 each_config() {
-    while read -r name model mb recompute file dtype; do
+    while read -r name model mb recompute file dtype extra; do
         declare -n margs=$model
         "$1" "$name" "${file:-examples/gpt.py}" "${margs[@]}" -c "$CLUSTER" -b $((2 * mb)) --micro-batch-size "$mb" \
-            --recompute "$recompute" --no-compile ${dtype:+--dtype "$dtype"}
+            --recompute "$recompute" --no-compile ${dtype:+--dtype "$dtype"} ${extra:+"$extra"}
         unset -n margs
     done <<<"$CONFIGS"
 }
