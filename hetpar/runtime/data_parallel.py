@@ -64,9 +64,9 @@ whole stage is one FSDP unit. Under ZeRO-3 each module the stage calls as a modu
 (``fsdp_units``: in a traced stage the fx graph's ``call_module`` targets that hold
 parameters, a Linear, a norm, an embedding, also where recompute moved the calls into
 layer functions; in a Hugging Face module stage each decoder block) is a unit of its
-own, gathered before its forward and its backward and resharded after each, its gradient reduce-scattered when its backward ends; the stage's other
-parameters (a tied weight, one read by ``get_attr``) form the stage's own unit. So a
-ZeRO-3 rank holds a few modules' full weights at a time, within the two layers' that
+own, gathered before its forward and its backward and resharded after each, its
+gradient reduce-scattered when its backward ends; the stage's other parameters (a tied
+weight, one read by ``get_attr``) form the stage's own unit. So a ZeRO-3 rank holds a few modules' full weights at a time, within the two layers' that
 cost_models/memory.py counts ([Note: ZeRO stages]), not the whole stage's. Under
 sequence parallelism too: a unit's pre-forward hook hands the module its inputs as new
 tensor objects (FSDP2's ``RegisterPostBackwardFunction``), so a colwise Linear knows its
