@@ -66,8 +66,9 @@ parameters, a Linear, a norm, an embedding, also where recompute moved the calls
 layer functions; in a Hugging Face module stage each decoder block) is a unit of its
 own, gathered before its forward and its backward and resharded after each, its
 gradient reduce-scattered when its backward ends; the stage's other parameters (a tied
-weight, one read by ``get_attr``) form the stage's own unit. So a ZeRO-3 rank holds a few modules' full weights at a time, within the two layers' that
-cost_models/memory.py counts ([Note: ZeRO stages]), not the whole stage's. Under
+weight, one read by ``get_attr``) form the stage's own unit. So a ZeRO-3 rank holds a
+few modules' full weights at a time, within the two layers' that cost_models/memory.py
+counts ([Note: ZeRO stages]), not the whole stage's. Under
 sequence parallelism too: a unit's pre-forward hook hands the module its inputs as new
 tensor objects (FSDP2's ``RegisterPostBackwardFunction``), so a colwise Linear knows its
 input was gathered over the sequence by the storage, not by an attribute of the tensor
