@@ -92,7 +92,7 @@ from hetpar.runtime.buckets import all_gather_rows
 SEQUENCE_ATTRIBUTE = "hetpar_sequence_parallel"
 # Marks a tensor gathered for colwise Linears: its gradient reaches the gather partial.
 GATHERED_ATTRIBUTE = "hetpar_gathered_for_colwise"
-# Storage pointer -> the live tensor ``gather_sequence(partial_grad=True)`` made there, so
+# (device, storage pointer) -> the live tensor ``gather_sequence(partial_grad=True)`` made there, so
 # an alias of it counts as gathered too: FSDP2's pre-forward hook hands a module its
 # inputs through an autograd function (``RegisterPostBackwardFunction``), as new tensor
 # objects on the same storage that carry no attribute of the gathered one.
@@ -237,7 +237,7 @@ def gather_sequence(x: torch.Tensor, seq: SequenceGroup, *, partial_grad: bool =
     if partial_grad:
         setattr(out, GATHERED_ATTRIBUTE, True)
         if out.device.type != "meta":
-            _GATHERED[out.untyped_storage().data_ptr()] = out
+            _GATHERED[_storage_key(out)] = out
         if seq.save_shards and dim == 1 and torch.is_grad_enabled():
             seq._gathered[out.untyped_storage().data_ptr()] = (weakref.ref(out), x.detach())
     return out
@@ -250,8 +250,13 @@ def gathered_for_colwise(x: Any) -> bool:
         return True
     if not isinstance(x, torch.Tensor) or x.device.type == "meta":
         return False
-    whole = _GATHERED.get(x.untyped_storage().data_ptr())
+    whole = _GATHERED.get(_storage_key(x))
     return whole is not None and whole.shape == x.shape and whole.storage_offset() == x.storage_offset()
+
+
+def _storage_key(x: torch.Tensor) -> tuple[torch.device, int]:
+    """Where ``x``'s storage lives: two devices may number their memory alike."""
+    return x.device, x.untyped_storage().data_ptr()
 
 
 def reduce_grad(x: torch.Tensor, seq: SequenceGroup) -> torch.Tensor:
