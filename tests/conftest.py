@@ -17,6 +17,9 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# Every test traces afresh (a test that patches the capture would otherwise read another
+# test's graph); tests/test_trace_cache.py turns the cache on where it is the subject.
+os.environ["HETPAR_TRACE_CACHE"] = "off"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

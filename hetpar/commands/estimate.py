@@ -61,11 +61,11 @@ def estimate(
         optimizer=optimizer.value, stage_layers=_layer_counts(stage_layers), stage_devices=_names(stage_devices),
         scatter_gather=scatter_gather, overlap_grad_reduce=overlap_grad_reduce, kernel_efficiency=kernel_efficiency,
     )
-    from hetpar.planner import compiled_graph, trace_model  # torch: only once the arguments are good
-    from hetpar.runtime.model_file import load_model_file
+    from hetpar.planner import compiled_graph
+    from hetpar.planner.trace_cache import traced_model
 
     with console.status("tracing the model on the meta device"):
-        graph = trace_model(load_model_file(model_file, model_args), tuple(leaf_module or ()))
+        graph = traced_model(model_file, model_args, tuple(leaf_module or ())).graph
     if default_compiled(the_cluster.device_types()) if compiled is None else compiled:
         graph = compiled_graph(graph)
     result = estimate_plan(graph, the_cluster, config)

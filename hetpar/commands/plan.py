@@ -237,7 +237,8 @@ def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[d
         console.print(f"data-parallel sync: {sync_description(plan)}")
     info = plan.solver
     status = f"{info.status}: {info.reason}" if info.reason else info.status
-    console.print(f"solver: {status} over {info.candidates} candidates; trace {info.trace_time_s:.2f} s, search {info.search_time_s:.2f} s")
+    trace = "trace cached" if info.trace_cached else "trace"
+    console.print(f"solver: {status} over {info.candidates} candidates; {trace} {info.trace_time_s:.2f} s, search {info.search_time_s:.2f} s")
     bound = proof_scope(plan)
     if bound:
         console.print(bound)

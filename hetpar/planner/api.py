@@ -6,23 +6,21 @@ import concurrent.futures
 import contextlib
 import multiprocessing
 import os
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 from hetpar.cost_models.cluster import Cluster
 from hetpar.cost_models.compute import compiled_layer
-from hetpar.planner.capture import trace_model
 from hetpar.planner.errors import PlanningError
 from hetpar.planner.model_graph import ModelGraph
 from hetpar.planner.options import SearchOptions
 from hetpar.planner.plan import ParallelPlan
 from hetpar.planner.search import search
+from hetpar.planner.trace_cache import traced_model
 from hetpar.planner.strategies import (
     LOSSY_MIN_GAIN, DataParallelSync, Objective, cheapest_plan, cost_method, hetero_dp_plan, least_energy_plan, matrix_width,
 )
-from hetpar.runtime.model_file import load_model_file
 from hetpar.runtime.sync_spec import parse_aggregation
 from hetpar.vocabulary import AggregationKind, CompressionKind, ObjectiveKind, Switch
 
@@ -60,14 +58,12 @@ def plan_model(
         for compression in sync.compressions:
             if compression != CompressionKind.NONE or not sync.exact:
                 _zero_0(options_now, compression, sync)
-    start = time.perf_counter()
-    graph = trace_model(load_model_file(model_path, model_args or {}), tuple(leaf_modules))
-    trace_time_s = round(time.perf_counter() - start, 3)
+    traced = traced_model(model_path, model_args or {}, tuple(leaf_modules))  # [Note: the trace cache]
     if on_traced:
-        on_traced(graph)
-    plan = plan_graph(graph, cluster, options, objective=objective, hetero_dp=hetero_dp, sync=sync, progress=progress)
+        on_traced(traced.graph)
+    plan = plan_graph(traced.graph, cluster, options, objective=objective, hetero_dp=hetero_dp, sync=sync, progress=progress)
     return replace(plan, model=replace(plan.model, leaf_modules=list(leaf_modules)),
-                   solver=replace(plan.solver, trace_time_s=trace_time_s))
+                   solver=replace(plan.solver, trace_time_s=round(traced.seconds, 3), trace_cached=traced.cached))
 
 
 def compiled_graph(graph: ModelGraph) -> ModelGraph:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.cost_models.compute import compiled_layer
-from hetpar.planner.capture import trace_model
 from hetpar.planner.errors import PlanFileError
 from hetpar.planner.estimate import Estimate, EstimateConfig, estimate, stage_devices_of
 from hetpar.planner.plan import ParallelPlan
 from hetpar.planner.strategies import cost_method, estimate_shares, matrix_width
-from hetpar.runtime.model_file import file_fingerprint, load_model_file
+from hetpar.planner.trace_cache import traced_model
+from hetpar.runtime.model_file import file_fingerprint
 from hetpar.runtime.schedule import Kind, TimedRun
 from hetpar.vocabulary import CompressionKind, Optimizer
 
@@ -58,7 +58,7 @@ def plan_graph_of(plan: ParallelPlan):
         raise PlanFileError(f"the plan's model file {str(path)!r} is gone; re-run hetpar plan")
     if file_fingerprint(path) != plan.model.fingerprint:
         raise PlanFileError(f"model file {str(path)!r} changed since planning; re-run hetpar plan")
-    graph = trace_model(load_model_file(path, plan.model.args), tuple(plan.model.leaf_modules))
+    graph = traced_model(path, plan.model.args, tuple(plan.model.leaf_modules)).graph
     if plan.compiled:  # costed as the plan was: compiled stages' fused kernels ([Note: compiled stages])
         graph = replace(graph, layers=[compiled_layer(layer) for layer in graph.layers])
     return graph

@@ -156,6 +156,7 @@ class SolverInfo:
     search_time_s: float  # wall-clock seconds of the search (machine-dependent; the plan itself is not)
     reason: str = ""  # why the status is not "optimal", e.g. which limits stopped candidates and the gap left
     trace_time_s: float = 0.0  # wall-clock seconds of tracing the model, when the plan came from a model file
+    trace_cached: bool = False  # the traced model came from the trace cache ([Note: the trace cache] in planner.trace_cache)
     objective_gap: float = 0.0
     candidates: int = 0  # outer (dp, tp, pp, micro-batch) combinations solved
     objective_s: float = 0.0  # this plan's linear step time, what the search minimised ([Note: plan prediction])
