@@ -40,9 +40,11 @@ from hetpar.runtime.context import (
     ATTENTION,
     POSITIONS,
     ContextParallelError,
+    ContextSplit,
     attend,
     attention_mask,
     chunk_positions,
+    context_attention,
     global_order,
     local_positions,
     split_batches,
@@ -139,6 +141,35 @@ def test_simulated_context_ranks_attend_like_causal_sdpa(cp, kv_heads, window):
     torch.testing.assert_close(out, expected)
     for got, grad in zip(torch.autograd.grad(total, (q, k, v)), want):
         torch.testing.assert_close(got, grad)
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["causal", "window"])
+def test_attention_layers_share_one_mask_on_cpu(window):
+    """On CPU, where torch would build the causal chunk's mask (or the window's) in every
+    call and keep it for backward, two attention calls keep one mask between them, and
+    attend as causal SDPA (cp 1: the rank holds both chunks, the second under the
+    lower-right bias; no process group)."""
+    torch.manual_seed(0)
+    split = ContextSplit(cp=1, index=0)
+    q, k, v = (torch.randn(2, 4, 24, 8, requires_grad=True) for _ in range(3))
+    masks = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 2:  # q, k, v, outputs and log-sum-exps have more dimensions
+            masks.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        first = context_attention(split, q, k, v, causal=True, sliding_window=window)
+        second = context_attention(split, q, k, v, causal=True, sliding_window=window)
+    assert len(masks) == 2 and len(set(masks)) == 1
+    full = attention_mask(torch.arange(24), torch.arange(24), sliding_window=window) if window else None
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=full, is_causal=window is None)
+    torch.testing.assert_close(first, expected)
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    grads = torch.autograd.grad(first.sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
+        torch.testing.assert_close(got, want)
 
 
 # ----------------------------------------------------------------------------- stages with a group of one rank

@@ -32,10 +32,13 @@ tokens attends the keys of chunks 0..c, the last L of them causally, which is
 ``scaled_dot_product_attention`` with torch's lower-right causal bias
 (``torch.nn.attention.bias.causal_lower_right(L, (c + 1) L)``): on CUDA the flash or
 memory-efficient kernel with nothing of T^2 stored, and only the causal half of the work
-done (on CPU torch's math path builds the [L, (c + 1) L] mask inside the call). A
-sliding window (Mistral) or a non-causal call takes a boolean mask made from positions:
-query position >= key position, within the window; that mask is [T/cp, T], never the
-global T x T, and on CUDA it rules out the flash kernel. Why an all-gather
+done. Elsewhere (CPU) torch would build the [L, (c + 1) L] mask inside every call and
+keep it for backward, once per layer and micro-batch; the rank makes that additive mask
+once and every call shares it (``chunk_bias``). A sliding window (Mistral) or a
+non-causal call takes a mask made from positions: query position >= key position,
+within the window; that mask is [T/cp, T], never the global T x T, made once per shape
+as an additive mask in the query's dtype and shared likewise (a boolean one would be
+converted, and kept, by every call); on CUDA it rules out the flash kernel. Why an all-gather
 rather than a ring (Ring Attention passes key-value blocks round the group, overlapping
 each step with compute): Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models",
 section 3.3.2) uses all-gather-based context parallelism because it supports any mask
@@ -72,6 +75,7 @@ from __future__ import annotations
 import copy
 import functools
 import operator
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -255,13 +259,50 @@ def context_attention(split: ContextSplit, q: torch.Tensor, k: torch.Tensor, v: 
         for c, q_chunk in zip((split.index, 2 * split.cp - 1 - split.index), q.split(chunk, dim=-2)):
             end = (c + 1) * chunk
             outs.append(F.scaled_dot_product_attention(q_chunk, k_all[..., :end, :], v_all[..., :end, :],
-                                                       attn_mask=causal_lower_right(chunk, end), dropout_p=dropout_p,
+                                                       attn_mask=chunk_bias(chunk, end, q), dropout_p=dropout_p,
                                                        scale=scale, enable_gqa=enable_gqa))
         return torch.cat(outs, dim=-2)
-    q_positions = local_positions(local, split.cp, split.index, device=q.device)
-    k_positions = torch.arange(local * split.cp, device=q.device)
-    return attend(q, k_all, v_all, q_positions, k_positions, causal=causal, sliding_window=sliding_window,
-                  dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+    mask = _position_bias(local, split.cp, split.index, sliding_window, q.device, q.dtype) \
+        if causal or sliding_window is not None else None
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
+def chunk_bias(chunk: int, end: int, q: torch.Tensor) -> Any:
+    """The lower-right causal bias of ``chunk`` queries over ``end`` keys for ``q``'s device:
+    torch's ``causal_lower_right`` on CUDA, whose fused kernels store no mask; elsewhere
+    one additive mask of that shape, made once and shared by every call ([Note: context
+    parallelism]), where torch would build and keep one per call."""
+    if q.device.type in ("cuda", "meta") or chunk == end:
+        return causal_lower_right(chunk, end)
+    return _additive(("lower_right", chunk, end), q.device, q.dtype)
+
+
+def _position_bias(local: int, cp: int, index: int, sliding_window: int | None, device: torch.device,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``index``'s [local, local * cp] mask by position (``attention_mask``), additive, shared."""
+    if device.type == "meta":
+        return _masked(attention_mask(local_positions(local, cp, index, device=device),
+                                      torch.arange(local * cp, device=device), sliding_window=sliding_window), dtype)
+    return _additive(("positions", local, cp, index, sliding_window), device, dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _additive(key: tuple, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """0 where attention is allowed, -inf elsewhere, for the mask ``key`` names."""
+    with torch.no_grad():
+        if key[0] == "lower_right":
+            _, chunk, end = key
+            allowed = causal_lower_right(chunk, end)._materialize(device)
+        else:
+            _, local, cp, index, window = key
+            allowed = attention_mask(local_positions(local, cp, index, device=device),
+                                     torch.arange(local * cp, device=device), sliding_window=window)
+        return _masked(allowed, dtype)
+
+
+def _masked(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 class ContextPositions(nn.Module):
