@@ -268,15 +268,24 @@ def cached_trace(model_file, leaf_modules: tuple[str, ...] = ()):
     return _traced(str(model_file.path), tuple(sorted(model_file.model_args.items())), tuple(leaf_modules))
 
 
+def _traced_in_memory(model_path, model_args, leaf_modules=()):
+    """What planner.trace_cache.traced_model returns, from this process's own cache."""
+    from hetpar.planner.trace_cache import Traced
+
+    graph = _traced(str(Path(model_path)), tuple(sorted(model_args.items())), tuple(leaf_modules))
+    return Traced(graph=graph, cached=True, seconds=0.0)
+
+
 def use_cached_traces(monkeypatch=None) -> None:
-    """Make plan_model and explain_plan trace each model size once (with pytest's monkeypatch, or for good)."""
+    """Make plan_model and explain_plan trace each model size once in this process (with
+    pytest's monkeypatch, or for good), whatever the trace cache on disk holds."""
     from hetpar.planner import api, explain
 
     for module in (api, explain):
         if monkeypatch is not None:
-            monkeypatch.setattr(module, "trace_model", cached_trace)
+            monkeypatch.setattr(module, "traced_model", _traced_in_memory)
         else:
-            module.trace_model = cached_trace
+            module.traced_model = _traced_in_memory
 
 
 def check_one_line(exc: BaseException) -> str:
