@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import pickle
+import site
 import stat
 import sys
 import sysconfig
@@ -144,8 +145,7 @@ def _read_files(model_args: dict[str, Any]) -> dict[str, str]:
     modules loaded from outside the installation (more than the model file imported, in a
     process that loaded others first: a miss later, never a stale hit), and files the
     model arguments name."""
-    installed = {Path(p).resolve() for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}}
-    installed |= {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}
+    installed = {Path(p).resolve() for p in _installation_paths()}
     hetpar_root = Path(__file__).resolve().parent.parent
     files: set[Path] = set()
     for module in list(sys.modules.values()):
@@ -165,6 +165,17 @@ def _read_files(model_args: dict[str, Any]) -> dict[str, str]:
         except OSError:
             continue
     return read
+
+
+def _installation_paths() -> set[str]:
+    """Where Python and installed packages live: the standard library, site-packages
+    (the user's too) and the prefixes."""
+    paths = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    paths |= {sys.prefix, sys.base_prefix, sys.exec_prefix}
+    paths |= set(getattr(site, "getsitepackages", lambda: [])())
+    if site.ENABLE_USER_SITE is not False:
+        paths.add(site.getusersitepackages())
+    return paths
 
 
 def _private(directory: Path) -> bool:
