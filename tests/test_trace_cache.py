@@ -99,6 +99,14 @@ def test_an_edited_file_an_argument_names_misses(model, cache, tmp_path):
     assert not after.cached and params(after.graph) > params(before.graph)
 
 
+def test_a_refresh_traces_again_and_keeps_what_it_traced(model, cache):
+    path, _ = model
+    traced_model(path, {})
+    again = traced_model(path, {}, refresh=True)
+    assert not again.cached
+    assert traced_model(path, {}).cached
+
+
 def test_off_writes_nothing(model, tmp_path, monkeypatch):
     path, _ = model
     monkeypatch.setenv(trace_cache.ENVIRONMENT, "off")

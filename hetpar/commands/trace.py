@@ -35,10 +35,10 @@ def trace(
     model_file, model_args = model_source(model_file, hf, seq_len, model_arg)
     if batch_size < 1:
         fail(f"--batch-size must be positive, got {batch_size}")
-    from hetpar.planner import trace_model  # torch: only once the arguments are good
-    from hetpar.runtime.model_file import load_model_file
+    from hetpar.planner.trace_cache import traced_model
 
-    graph = trace_model(load_model_file(model_file, model_args), tuple(leaf_module or ()))
+    # always traced afresh, and kept for the plan or estimate after it ([Note: the trace cache])
+    graph = traced_model(model_file, model_args, tuple(leaf_module or ()), refresh=True).graph
     report = trace_report(graph, batch_size, with_nodes=nodes)
     if as_json:
         print_json(report)

@@ -22,6 +22,7 @@ only while every one still hashes the same:
 
 What a model file reads in other ways (environment variables, a file it opens by a name
 the arguments do not give) is not seen: ``HETPAR_TRACE_CACHE=off`` traces every time.
+``hetpar trace`` always traces, and keeps what it traced for the commands after it.
 
 Where: ``HETPAR_TRACE_CACHE`` names the directory (``off``: no cache); by default
 ``$XDG_CACHE_HOME/hetpar/traces``, else ``~/.cache/hetpar/traces``. The directory is
@@ -74,11 +75,12 @@ def cache_dir() -> Path | None:
     return Path(base) / "hetpar" / "traces"
 
 
-def traced_model(model_path: str | Path, model_args: dict[str, Any], leaf_modules: tuple[str, ...] = (),
-                 ) -> Traced:
+def traced_model(model_path: str | Path, model_args: dict[str, Any], leaf_modules: tuple[str, ...] = (), *,
+                 refresh: bool = False) -> Traced:
     """The ModelGraph of ``model_path`` with ``model_args``: from the cache while it holds
     one made from the same files, else traced (planner.capture.trace_model) and kept;
-    see [Note: the trace cache].
+    ``refresh``: traced and kept whatever the cache holds (``hetpar trace``). See [Note:
+    the trace cache].
 
     Raises:
         what planner.capture.trace_model and runtime.model_file.load_model_file raise.
@@ -86,7 +88,7 @@ def traced_model(model_path: str | Path, model_args: dict[str, Any], leaf_module
     start = time.perf_counter()
     directory = cache_dir()
     key = _key(Path(model_path), model_args, leaf_modules) if directory is not None else None
-    if key is not None:
+    if key is not None and not refresh:
         graph = _load(directory, key)
         if graph is not None:
             return Traced(graph=graph, cached=True, seconds=time.perf_counter() - start)
