@@ -23,10 +23,9 @@ import torch.nn.functional as F
 from conftest import ROOT, run_torchrun
 from test_distributed import (
     LR,
-    _to_state,
     assert_matches_reference,
     assert_within_rounding,
-    reference_run,
+    exact_references,
     run_compiled,
 )
 
@@ -458,10 +457,9 @@ def test_checkpoint_at_cp_2_resumes_in_one_process(tmp_path):
     assert "resum" in stderr and "step 3" in stderr, stderr[-2000:]
     losses = [r["loss"] for r in read_metrics(tmp_path / "cp1" / "m.jsonl")]
     assert len(losses) == steps - 2
-    reference = reference_run(plain, init_state, optimizer, steps)[1]
-    exact_losses, exact = reference_run(plain, _to_state(init_state, torch.float64), optimizer, steps,
-                                        dtype=torch.float64)
-    assert_within_rounding(optimizer, steps, exact_losses[:2] + losses, final, reference, exact_losses, exact)
+    reference, exact_losses, exact, sensitivity = exact_references(plain, init_state, optimizer, steps)
+    assert_within_rounding(optimizer, steps, exact_losses[:2] + losses, final, reference, exact_losses, exact,
+                           sensitivity)
 
 
 def _run(plan: ParallelPlan, out: Path, init_state: dict, optimizer: str, args: list[str]) -> tuple[dict, str]:

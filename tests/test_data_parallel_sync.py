@@ -21,7 +21,7 @@ from hetpar.runtime.rebalance import split_by_speed
 from hetpar.runtime.robust import coordinate_rule, krum_choice, squared_distances
 from hetpar.runtime.shard import replica_rows
 from hetpar.runtime.training import read_metrics
-from test_distributed import LR, MLP_ARGS, assert_within_rounding, reference_run, _to, _to_state
+from test_distributed import LR, MLP_ARGS, adam_sensitivity, assert_within_rounding, reference_run, _to, _to_state
 
 
 # ----------------------------------------------------------------------------- the arithmetic, by hand
@@ -180,10 +180,12 @@ def test_sign_compression_sends_one_bit_and_a_scale(tmp_path, mlp_path):
     assert float((moved - agree).abs().min()) <= rounding  # some elements' replicas agree in sign
 
 
-def local_sgd_simulation(plan, init_state: dict, optimizer: str, steps: int, every: int, dtype: torch.dtype):
+def local_sgd_simulation(plan, init_state: dict, optimizer: str, steps: int, every: int, dtype: torch.dtype,
+                         grads: list | None = None):
     """[Note: local SGD] in one process: each replica a whole model trained on its rows of
     each batch; parameters and optimizer state averaged after every ``every``-th step and the
-    last. Returns (the mean of the replicas' losses per step, replica 0's final state)."""
+    last. Returns (the mean of the replicas' losses per step, replica 0's final state).
+    ``grads``: one list per replica gets each step's gradients, by state_dict key."""
     model_file = load_model_file(plan.model.file, plan.model.args)
     dp, m = plan.data_parallel, plan.num_microbatches
     models = [model_file.build_model().to(dtype) for _ in range(dp)]
@@ -201,6 +203,10 @@ def local_sgd_simulation(plan, init_state: dict, optimizer: str, steps: int, eve
             loss = model_file.loss(model(*(x[rows.start:rows.stop] for x in inputs)), targets[rows.start:rows.stop])
             opt.zero_grad()
             loss.backward()
+            if grads is not None:
+                if len(grads) <= r:
+                    grads.append([])
+                grads[r].append({k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None})
             opt.step()
             step_losses.append(loss.item())
         losses.append(sum(step_losses) / dp)
@@ -226,9 +232,13 @@ def test_local_sgd_equals_its_single_process_simulation(tmp_path, mlp_path, opti
     plan = dp_plan(mlp_path, 2, sync_every=4)
     losses, final, stderr, init = run_program(plan, tmp_path, optimizer, 6)
     assert "local SGD: parameters and optimizer state averaged over 2 replicas every 4 steps" in stderr
-    ref_losses, ref_state = local_sgd_simulation(plan, init, optimizer, 6, 4, torch.float32)
-    exact_losses, exact_state = local_sgd_simulation(plan, init, optimizer, 6, 4, torch.float64)
-    assert_within_rounding(optimizer, 6, losses, final, ref_state, exact_losses, exact_state)
+    ref_grads, exact_grads = [], []
+    ref_losses, ref_state = local_sgd_simulation(plan, init, optimizer, 6, 4, torch.float32, ref_grads)
+    exact_losses, exact_state = local_sgd_simulation(plan, init, optimizer, 6, 4, torch.float64, exact_grads)
+    # a replica starts each period from the mean of all: its rounding carries every replica's, so their sum bounds it
+    per_replica = [adam_sensitivity(r, e) for r, e in zip(ref_grads, exact_grads)]
+    sensitivity = {k: sum(s[k] for s in per_replica) for k in per_replica[0]}
+    assert_within_rounding(optimizer, 6, losses, final, ref_state, exact_losses, exact_state, sensitivity)
     plain_losses, plain_state = reference_run(plan, init, optimizer, steps=6)
     assert max(float((plain_state[k] - v).abs().max()) for k, v in ref_state.items()) > 1e-4  # another algorithm
 

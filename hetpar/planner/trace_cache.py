@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hetpar.planner.model_graph import ModelGraph
 

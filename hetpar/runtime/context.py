@@ -75,7 +75,6 @@ from __future__ import annotations
 import copy
 import functools
 import operator
-import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
