@@ -61,8 +61,7 @@ def estimate(
         optimizer=optimizer.value, stage_layers=_layer_counts(stage_layers), stage_devices=_names(stage_devices),
         scatter_gather=scatter_gather, overlap_grad_reduce=overlap_grad_reduce, kernel_efficiency=kernel_efficiency,
     )
-    from hetpar.planner import compiled_graph
-    from hetpar.planner.trace_cache import traced_model
+    from hetpar.planner import compiled_graph, traced_model
 
     with console.status("tracing the model on the meta device"):
         graph = traced_model(model_file, model_args, tuple(leaf_module or ())).graph

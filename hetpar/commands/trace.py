@@ -35,7 +35,7 @@ def trace(
     model_file, model_args = model_source(model_file, hf, seq_len, model_arg)
     if batch_size < 1:
         fail(f"--batch-size must be positive, got {batch_size}")
-    from hetpar.planner.trace_cache import traced_model
+    from hetpar.planner import traced_model
 
     # always traced afresh, and kept for the plan or estimate after it ([Note: the trace cache])
     graph = traced_model(model_file, model_args, tuple(leaf_module or ()), refresh=True).graph

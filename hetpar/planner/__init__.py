@@ -41,6 +41,8 @@ _HOMES = {
     "ModelGraph": "hetpar.planner.model_graph",
     "SearchOptions": "hetpar.planner.options",
     "trace_model": "hetpar.planner.capture",
+    "Traced": "hetpar.planner.trace_cache",
+    "traced_model": "hetpar.planner.trace_cache",
     "Estimate": "hetpar.planner.estimate",
     "EstimateConfig": "hetpar.planner.estimate",
     "EstimateError": "hetpar.planner.estimate",
