@@ -462,6 +462,8 @@ def test_gpt_tp2_by_pp2_zero_bubble_trains_like_one_process(tmp_path):
 # Each function at tp 2 against its definition, forward and backward, from what every
 # rank holds (all-gathered): the transposes of [Note: sequence parallelism]'s table.
 FUNCTIONS_WORKER = '''
+import gc
+
 import torch
 import torch.distributed as dist
 from hetpar.runtime.sequence import SequenceGroup, gather_sequence, reduce_grad, scatter_sequence
@@ -508,7 +510,9 @@ y, g, gx = run(lambda x: reduce_grad(x, seq), whole)
 assert torch.equal(y, whole)
 torch.testing.assert_close(gx, sum(every(g)))  # backward: all-reduce
 print("FUNCTIONS OK")
-dist.barrier()  # ranks leave together: see torch-cpu.md's teardown row
+del seq, y, g, gx  # nothing holding the group or its work alive at exit: torch-cpu.md's teardown row
+gc.collect()
+dist.barrier()  # ranks leave together
 dist.destroy_process_group()
 '''
 
