@@ -3,6 +3,7 @@ every schedule's linear step time, and the plan pins that go with them."""
 
 import random
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from hetpar.cost_models.pipeline import bubble_time_s, linear_step_time_s
 from hetpar.planner.costing import CostTables, evaluate_split
 from hetpar.planner.options import SearchOptions
 from hetpar.planner.search import solve_split
+from hetpar.planner.search.split_dp import dp_eligible
 from hetpar.runtime.schedule import Kind, build_schedule, simulate_timed
 from tests.cli_helpers import assert_one_line_error, hetpar
 from tests.search_tables import RECOMPUTE, ZERO, brute_force, random_tables
@@ -37,16 +39,20 @@ def test_solver_matches_brute_force_over_splits_and_modes(num_layers, pp, v, m, 
 
 
 def _solver_equals_brute_force(tables):
-    """The solver's split is optimal, fits, and costs what brute force's best does; None when nothing fits."""
+    """The solver's split is optimal, fits, and costs what brute force's best does; None when nothing fits.
+    Candidates the dynamic programme takes are solved by CP-SAT too ([Note: split by dynamic programming]):
+    the programme's objective is exact, CP-SAT's within its ticks."""
     best = brute_force(tables)
-    result = solve_split(tables, OPTIONS)
-    if best is None:
-        assert result is None
-        return None
-    assert result is not None and result.status == "optimal"
-    assert result.cost.fits(tables)
-    assert result.cost.objective_s == pytest.approx(best[0], rel=1e-4)
-    return result
+    solvers = ("auto", "cp-sat") if dp_eligible(tables) else ("auto",)
+    for solver in solvers:
+        result = solve_split(tables, replace(OPTIONS, split_solver=solver))
+        if best is None:
+            assert result is None
+            continue
+        assert result is not None and result.status == "optimal"
+        assert result.cost.fits(tables)
+        assert result.cost.objective_s == pytest.approx(best[0], rel=1e-9 if solver == "auto" else 1e-4)
+    return result if best is not None else None
 
 
 def test_zero_is_chosen_when_memory_forces_it_and_not_when_it_only_costs_time():
@@ -69,8 +75,6 @@ def test_zero_is_chosen_when_memory_forces_it_and_not_when_it_only_costs_time():
 
 def _only(tables, keep):
     """``tables`` offering only the modes ``keep`` (indices)."""
-    from dataclasses import replace
-
     per_mode = ("time_s", "fwd_s", "weight_s", "gather_fwd_s", "gather_bwd_s", "gather_fwd_latency_s", "gather_bwd_latency_s",
                 "epilogue_s", "epilogue_latency_s", "memory_bytes")
     cand = replace(tables.candidate, modes=tuple(tables.candidate.modes[k] for k in keep))
@@ -259,8 +263,6 @@ def test_pace_bound_with_degrees_never_rules_out_a_better_split(num_layers, pp, 
 def test_degree_sums_per_device_type_in_every_type_order():
     """Two device types, each with its own share of devices: the type order, split, modes and degrees together."""
     import itertools
-    from dataclasses import replace
-
     from hetpar.planner.costing import compose_tables, type_sequence
     from hetpar.planner.search import solve_type_orders
 

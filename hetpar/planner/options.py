@@ -46,6 +46,9 @@ class SearchOptions:
     uniform_split: bool = False  # equal layers per stage in Megatron's layout (a baseline, not a search)
     megatron_split: bool = False  # layers per stage as Megatron splits them ([Note: default stage split]), degrees searched
     workers: int = 1  # CP-SAT workers per solve; > 1 runs them in deterministic batches ([Note: deterministic search])
+    # "auto": candidates of one chunk per rank by dynamic programming, the rest by CP-SAT; "cp-sat": every
+    # candidate by CP-SAT ([Note: split by dynamic programming] in planner.search.split_dp)
+    split_solver: str = "auto"
     seed: int = 0
     top_k: int = 3
     compiled: bool = False  # stages run under torch.compile ([Note: compiled stages] in cost_models.compute)
@@ -74,6 +77,8 @@ def check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
     gbs = options.global_batch_size
     if gbs < 1:
         raise PlanningError(f"--global-batch must be positive, got {gbs}")
+    if options.split_solver not in ("auto", "cp-sat"):
+        raise PlanningError(f"split_solver {options.split_solver!r} must be 'auto' or 'cp-sat'")
     if not options.work_limit_s > 0:
         raise PlanningError(f"--work-limit must be a positive number of deterministic seconds, got {options.work_limit_s:g}")
     if options.time_limit_s is not None and not options.time_limit_s > 0:

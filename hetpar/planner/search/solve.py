@@ -42,6 +42,7 @@ from hetpar.planner.plan import ParallelPlan, SolverInfo
 from hetpar.planner.search.assemble import assemble_plan, explain_misfit, overflow
 from hetpar.planner.search.bounds import budget_may_beat, lower_bound_s, memory_may_fit
 from hetpar.planner.search.candidates import enumerate_candidates
+from hetpar.planner.search.split_dp import dp_eligible, solve_split_dp
 from hetpar.planner.search.split_model import (
     _TICKS_PER_OBJECTIVE,
     SplitModel,
@@ -82,6 +83,12 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
     fixed_sizes = fixed_sizes or options.stage_layers
     if not np.isfinite(tables.time_s).any(axis=0).all():
         return None  # a device lacks the training dtype, or no offered degree splits a layer
+    if options.split_solver == "auto" and dp_eligible(tables):  # [Note: split by dynamic programming]
+        found = solve_split_dp(tables, cutoff_s, fixed_sizes)
+        if found.bounds is None:
+            return None
+        cost = evaluate_split(tables, found.bounds, found.modes)
+        return SplitResult(bounds=found.bounds, cost=cost, status="optimal", bound_s=cost.objective_s)
     if cutoff_s is not None and not fixed_sizes and not may_beat(tables, cutoff_s):
         return None
     floor_s = objective_floor(tables) if not fixed_sizes and cutoff_s is not None else None

@@ -1,0 +1,311 @@
+"""An exact split solver without CP-SAT for candidates of one chunk per pipeline rank.
+
+planner.search.solve calls ``solve_split_dp`` before it builds a CP-SAT model; see
+[Note: split by dynamic programming].
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetpar.cost_models.pipeline import linear_step_weights
+from hetpar.planner.costing import CostTables, evaluate_split
+from hetpar.planner.search.split_bound import _buffers
+from hetpar.vocabulary import Recompute
+
+# Candidates whose option arrays (modes x degrees x layers x chunk lengths x chunks)
+# exceed this many entries go to CP-SAT: the programme's memory and time grow with it.
+MAX_OPTIONS = 2_000_000
+# Relative slack on memory comparisons: prefix-sum differences here, slice sums in
+# planner.costing.chunk_terms.
+_SLACK = 1e-9
+# Of equally fast splits, the plainest: each chunk that shards (ZeRO) or recomputes
+# costs this fraction of the objective's scale ([Note: split by dynamic programming]).
+_PLAINNESS = 1e-9
+# Bound and incumbent closer than this fraction are equal (float rounding of the sums).
+_TOLERANCE = 1e-12
+
+
+# [Note: split by dynamic programming]
+# With one chunk per pipeline rank (v = 1), [Note: split objective] is a sum over the
+# chunks, A sum_c t_c - B sum_c w_c, plus three maxima, G max_c t_c + H max_c w_c +
+# E max_c e_c ([Note: linear step time]); each chunk's memory binds its own rank alone,
+# and the degrees' sums per device type ([Note: per-stage tensor parallelism]) are a
+# count carried along the chunks. Under caps (T, W, E) on the three maxima, the least
+# sum g(T, W, E) is a shortest path over (chunk, end layer, the next chunk's degree,
+# the devices its type has used), exact: every chunk's mode, length and hand-off cost
+# are read from the tables as chunk_terms reads them. g falls as the caps rise, so
+# over a box of caps [T1, T2] x [W1, W2] x [E1, E2] every split whose maxima lie in
+# it costs at least G T1 + H W1 + E E1 + g(T2, W2, E2), and the split that attains
+# g(T2, W2, E2) is a real split whose objective is an upper bound. Branch and bound
+# over boxes of the caps' distinct values (bisecting the widest) then ends with the
+# optimum and its proof, or with no split below a cutoff. The candidate's objective
+# is the exact float of evaluate_split (CP-SAT's is rounded to ticks), ties going to
+# the split with fewest chunks that shard or recompute. Interleaved candidates
+# (v > 1: a rank's chunks share its memory and epilogue) stay with CP-SAT.
+@dataclass(frozen=True)
+class DpSplit:
+    """The optimum found, or None with ``exhausted`` when nothing fits (under the cutoff)."""
+
+    bounds: list[tuple[int, int]] | None
+    modes: list[int] | None
+
+
+def dp_eligible(tables: CostTables) -> bool:
+    """Whether ``solve_split_dp`` takes this candidate: one chunk per rank and option arrays of bounded size."""
+    cand = tables.candidate
+    K, L, C = tables.time_s.shape
+    T = len(cand.tp_degrees)
+    return cand.virtual_stages == 1 and K * T * L * min(L, L - C + 1) * C <= MAX_OPTIONS
+
+
+class _Options:
+    """Per chunk, every (mode, start, length) with its terms, and the hand-off cost per next degree."""
+
+    def __init__(self, tables: CostTables, fixed_sizes: tuple[int, ...] | None):
+        cand = tables.candidate
+        K, L, C = tables.time_s.shape
+        self.tables, self.K, self.L, self.C = tables, K, L, C
+        self.wt = wt = linear_step_weights(cand.schedule, num_stages=cand.pp, num_microbatches=cand.num_microbatches)
+        self.degrees = cand.tp_degrees
+        T = len(self.degrees)
+        self.span = span = L - C + 1
+        self.deg = np.array([tables.tp_index(k) for k in range(K)])
+        allowed = np.isfinite(tables.time_s) & np.isfinite(tables.memory_bytes)
+
+        def prefix(a: np.ndarray) -> np.ndarray:
+            a = np.where(allowed, a, 0.0)
+            return np.concatenate([np.zeros((K, 1, C)), np.cumsum(a, axis=1)], axis=1)
+
+        starts = np.arange(L)[:, None]
+        ends = np.minimum(starts + np.arange(1, span + 1)[None, :], L)  # [L, span]
+        inside = (starts + np.arange(1, span + 1)[None, :]) <= L
+
+        def run(a: np.ndarray) -> np.ndarray:
+            p = prefix(a)
+            return p[:, ends, :] - p[:, starts, :]  # [K, L, span, C]
+
+        bad = np.concatenate([np.zeros((K, 1, C)), np.cumsum(~allowed, axis=1)], axis=1)
+        bad = bad[:, ends, :] - bad[:, starts, :]
+        time = run(tables.time_s) + run(tables.gather_fwd_s) + run(tables.gather_bwd_s)
+        time += (tables.gather_fwd_latency_s + tables.gather_bwd_latency_s)[:, None, None, :]
+        self.time = time
+        self.weight = run(tables.weight_s)
+        self.epilogue = run(tables.epilogue_s) + tables.epilogue_latency_s[:, None, None, :]
+        memory = run(tables.memory_bytes) + _buffers(tables, span)[..., None]
+        ok = (memory <= tables.capacity_bytes[np.arange(C) % cand.pp] * (1 + _SLACK)) & (bad < 0.5) & inside[None, :, :, None]
+        if fixed_sizes:
+            pinned = np.zeros((L, span, C), dtype=bool)
+            first = 0
+            for c, size in enumerate(fixed_sizes):
+                pinned[first, size - 1, c] = True
+                first += size
+            ok &= pinned[None]
+        self.ok = ok
+        # cut[a, b]: [L, span, C] the hand-off after the chunk's last layer from degree a to the next chunk's b (none after the last)
+        last = ends - 1
+        self.cut = np.zeros((T, T, L, span, C))
+        if C > 1:
+            self.cut[..., : C - 1] = tables.cut_s[:, :, last, : C - 1]
+        plain = np.array([0.0 if (m.zero_stage == 0 and m.recompute == Recompute.NONE) else 1.0 for m in cand.modes])
+        self.plain = plain
+        # the budget of each type: its devices per replica, when the degrees differ ([Note: degree budget bound])
+        self.budget = len(self.degrees) > 1 and bool(cand.tp_sum)
+        self.types = tables.device_types
+        self.shares = dict(cand.tp_sum) if self.budget else {}
+
+    def values(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The distinct feasible t_c (hand-offs included), w_c and e_c, ascending."""
+        ts, ws, es = [], [], []
+        T = len(self.degrees)
+        for a in range(T):
+            ka = self.deg == a
+            for b in range(T):
+                t = self.time[ka] + self.cut[a, b][None]
+                ts.append(t[self.ok[ka]])
+        ws.append(self.weight[self.ok])
+        es.append(self.epilogue[self.ok])
+        return tuple(np.unique(np.concatenate(v)) for v in (ts, ws, es))
+
+
+class _Programme:
+    """g(T, W, E) of [Note: split by dynamic programming] and the split attaining it."""
+
+    def __init__(self, opts: _Options, epsilon: float):
+        self.o = opts
+        wt = opts.wt
+        self.epsilon = epsilon
+        self.value = wt.chunk_sum * opts.time - wt.weight_sum * opts.weight + epsilon * opts.plain[:, None, None, None]
+        self.cut_value = wt.chunk_sum * opts.cut
+        L, span = opts.L, opts.span
+        j = np.arange(L + 1)[:, None]
+        d = np.arange(1, span + 1)[None, :]
+        self.src = j - d  # [L + 1, span]: where a chunk of d layers ending before j starts
+        self.valid_src = self.src >= 0
+        self.src_clip = np.maximum(self.src, 0)
+        self.by_degree = [np.flatnonzero(opts.deg == a) for a in range(len(opts.degrees))]
+
+    def solve(self, caps: tuple[float, float, float], least: int | None = None) -> tuple[float, list | None, list | None, tuple]:
+        """(g(caps), the split's bounds, its modes, its (max t_c, max w_c, max e_c)); with ``least`` = 0, 1 or 2,
+        instead the least max t_c, w_c or e_c of any fitting split (caps ignored), and that split."""
+        o = self.o
+        L, C, span = o.L, o.C, o.span
+        T = len(o.degrees)
+        t_cap, w_cap, e_cap = caps if least is None else (math.inf,) * 3
+        base_ok = o.ok & (o.weight <= w_cap) & (o.epilogue <= e_cap)
+        # states: (degree index of the chunk about to start, devices its type used before it) -> best[j] over positions
+        budget = o.budget
+        states: dict[tuple[int, int], np.ndarray] = {}
+        for a in range(T):
+            if budget and o.degrees[a] > o.shares[o.types[0]]:
+                continue
+            start = np.full(L + 1, np.inf)
+            start[0] = 0.0
+            states[(a, 0)] = start
+        back: list[dict] = []
+        rows = np.arange(L + 1)
+        lengths = np.arange(span)[None, :]
+        for c in range(C):
+            last = c == C - 1
+            nexts = [None] if last else range(T)
+            new: dict[tuple[int, int], np.ndarray] = {}
+            trace: dict[tuple[int, int], tuple] = {}
+            for (a, used), best in states.items():
+                ka = self.by_degree[a]
+                if not len(ka):
+                    continue
+                used_after = used + o.degrees[a] if budget else 0
+                crossing = last or o.types[c + 1] != o.types[c]
+                if budget and (used_after > o.shares[o.types[c]] or (crossing and used_after != o.shares[o.types[c]])):
+                    continue
+                for b in nexts:
+                    t = o.time[ka, :, :, c] if b is None else o.time[ka, :, :, c] + o.cut[a, b, :, :, c]
+                    ok = base_ok[ka, :, :, c] & (t <= t_cap)
+                    if least is None:
+                        val = self.value[ka, :, :, c] if b is None else self.value[ka, :, :, c] + self.cut_value[a, b, :, :, c]
+                    else:
+                        val = (t, o.weight[ka, :, :, c], o.epilogue[ka, :, :, c])[least]
+                    val = np.where(ok, val, np.inf)
+                    pick = val.argmin(axis=0)  # [L, span]
+                    cost = np.take_along_axis(val, pick[None], axis=0)[0]
+                    # reach[j] = min over d of best[j - d] (+ or max) cost[j - d, d - 1]
+                    before, here = best[self.src_clip], cost[self.src_clip, lengths]
+                    total = before + here if least is None else np.maximum(before, here)
+                    total = np.where(self.valid_src, total, np.inf)
+                    if not last:
+                        total[L - (C - c - 1) + 1 :] = np.inf  # the later chunks need a layer each
+                    d_pick = total.argmin(axis=1)
+                    reach = total[rows, d_pick]
+                    k_pick = ka[pick[self.src_clip[rows, d_pick], d_pick]]
+                    key = (a if b is None else b, 0 if not budget or crossing else used_after)
+                    if key in new:
+                        better = reach < new[key]
+                        if not better.any():
+                            continue
+                        new[key] = np.where(better, reach, new[key])
+                        old = trace[key]
+                        trace[key] = (np.where(better, a, old[0]), np.where(better, used, old[1]), np.where(better, d_pick, old[2]),
+                                      np.where(better, k_pick, old[3]))
+                    else:
+                        new[key] = reach
+                        trace[key] = (np.full(L + 1, a), np.full(L + 1, used), d_pick, k_pick)
+            states = new
+            back.append(trace)
+            if not states:
+                return math.inf, None, None, ()
+        value, key = min(((best[L], key) for key, best in states.items()), key=lambda x: x[0])
+        if not math.isfinite(value):
+            return math.inf, None, None, ()
+        bounds, modes, degrees = [], [], []
+        j = L
+        for c in range(C - 1, -1, -1):
+            a_arr, used_arr, d_arr, k_arr = back[c][key]
+            d = int(d_arr[j]) + 1
+            bounds.append((j - d, j - 1))
+            modes.append(int(k_arr[j]))
+            degrees.append(int(a_arr[j]))
+            key = (int(a_arr[j]), int(used_arr[j]))
+            j -= d
+        bounds, modes, degrees = bounds[::-1], modes[::-1], degrees[::-1]
+        maxima = [0.0, 0.0, 0.0]
+        for c, ((first, end), k) in enumerate(zip(bounds, modes)):
+            d = end - first
+            t = o.time[k, first, d, c] + (o.cut[degrees[c], degrees[c + 1], first, d, c] if c + 1 < C else 0.0)
+            for i, x in enumerate((t, o.weight[k, first, d, c], o.epilogue[k, first, d, c])):
+                maxima[i] = max(maxima[i], float(x))
+        return float(value), bounds, modes, tuple(maxima)
+
+
+def solve_split_dp(tables: CostTables, cutoff_s: float | None = None,
+                   fixed_sizes: tuple[int, ...] | None = None) -> DpSplit:
+    """The optimum of [Note: split objective] for a candidate ``dp_eligible`` takes; see [Note: split by dynamic programming].
+
+    Args:
+        cutoff_s: only splits faster than this are of interest.
+        fixed_sizes: layers per chunk, when the split is pinned (the modes are still chosen).
+
+    Returns:
+        The best split and its modes, or both None when no split fits (below the cutoff).
+    """
+    opts = _Options(tables, fixed_sizes)
+    wt = opts.wt
+    t_vals, w_vals, e_vals = opts.values()
+    if not len(t_vals):
+        return DpSplit(None, None)
+    dims = [(wt.round_max, t_vals), (wt.weight_max, w_vals), (wt.epilogue_max, e_vals)]
+    active = [i for i, (weight, _) in enumerate(dims) if weight > 0]  # a maximum of weight 0 keeps its cap at its largest value
+    scale = float(wt.chunk_sum * t_vals[-1] * opts.C + sum(w * v[-1] for w, v in dims)) or 1.0
+    programme = _Programme(opts, _PLAINNESS * scale / opts.C)
+    solved: dict[tuple[int, int, int], tuple] = {}
+
+    def evaluate(hi: tuple[int, int, int]):
+        if hi not in solved:
+            solved[hi] = programme.solve(tuple(float(dims[i][1][hi[i]]) for i in range(3)))
+        return solved[hi]
+
+    def value(g: float, maxima: tuple) -> float:
+        """The objective times the schedule's scale, with the plainness term, of the split g's programme returned."""
+        return g + sum(dims[i][0] * maxima[i] for i in range(3))
+
+    def lower(lo: tuple[int, int, int], g: float) -> float:
+        return sum(dims[i][0] * float(dims[i][1][lo[i]]) for i in active) + g
+
+    top = tuple(len(v) - 1 for _, v in dims)
+    g, bounds, modes, maxima = evaluate(top)
+    if bounds is None:
+        return DpSplit(None, None)
+    best = (value(g, maxima), bounds, modes)
+    # Each maximum is at least the least any fitting split reaches: the box's lower corner
+    lo = tuple(int(np.searchsorted(dims[i][1], programme.solve((), least=i)[0])) if i in active else top[i] for i in range(3))
+    limit = best[0] if cutoff_s is None else min(best[0], cutoff_s * wt.scale)
+    heap = [(lower(lo, g), lo, top)]
+    while heap:
+        bound, lo, hi = heapq.heappop(heap)
+        if bound >= limit - _TOLERANCE * abs(limit):
+            break
+        widths = [(dims[i][0] * float(dims[i][1][hi[i]] - dims[i][1][lo[i]]), i) for i in active if hi[i] > lo[i]]
+        if not widths:
+            continue
+        _, axis = max(widths)
+        middle = (lo[axis] + hi[axis]) // 2
+        upper_lo = tuple(middle + 1 if i == axis else lo[i] for i in range(3))
+        heapq.heappush(heap, (lower(upper_lo, evaluate(hi)[0]), upper_lo, hi))
+        lower_hi = tuple(middle if i == axis else hi[i] for i in range(3))
+        g_low, b_low, m_low, maxima = evaluate(lower_hi)
+        if b_low is None:
+            continue
+        found = value(g_low, maxima)
+        if found < best[0]:
+            best = (found, b_low, m_low)
+            limit = min(limit, found)
+        heapq.heappush(heap, (lower(lo, g_low), lo, lower_hi))
+    if cutoff_s is not None and not evaluate_split(tables, best[1], best[2]).objective_s < cutoff_s:
+        return DpSplit(None, None)
+    return DpSplit(best[1], best[2])
+
+
+__all__ = ["DpSplit", "dp_eligible", "solve_split_dp"]

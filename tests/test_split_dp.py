@@ -1,0 +1,108 @@
+"""The split by dynamic programming ([Note: split by dynamic programming] in planner.search.split_dp)
+against brute force, under cutoffs and pins, and against CP-SAT on a traced model."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from hetpar.cost_models.cluster import parse_cluster
+from hetpar.planner.costing import CostTables, evaluate_split
+from hetpar.planner.options import SearchOptions
+from hetpar.planner.search import search
+from hetpar.planner.capture import trace_model
+from hetpar.planner.search.split_dp import dp_eligible, solve_split_dp
+from hetpar.runtime.model_file import load_model_file
+from tests.conftest import ROOT
+from tests.search_tables import PLAIN, RECOMPUTE, ZERO, brute_force, random_tables
+
+# (layers, pp, micro-batches, schedule, modes, memory, degrees, devices, unsplit): the cases CP-SAT's
+# brute-force tests do not reach: three ranks with stage degrees, zero-bubble with ZeRO, one micro-batch
+# (no pace term), a layer that a degree cannot split.
+CASES = [
+    (6, 3, 4, "1f1b", RECOMPUTE, 1.2, (1, 2), 5, ()),
+    (7, 3, 2, "zb", RECOMPUTE, 0.9, (1, 2, 4), 6, ((2, 4),)),
+    (6, 2, 1, "1f1b", ZERO, 1.0, (1,), None, ()),
+    (7, 3, 6, "zb", ZERO, 0.8, (1,), None, ()),
+    (8, 4, 8, "1f1b", PLAIN, 100, (1, 2), 6, ((0, 2), (5, 2))),
+    (5, 1, 3, "gpipe", ZERO, 0.7, (1,), None, ()),
+]
+
+
+def _brute(tables):
+    return brute_force(tables, accept=lambda modes: tables.tp_sum_ok(list(modes)))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"L{c[0]}-pp{c[1]}-m{c[2]}-{c[3]}-K{len(c[4])}-deg{len(c[6])}" for c in CASES])
+@pytest.mark.parametrize("seed", range(3))
+def test_programme_matches_brute_force(case, seed):
+    L, pp, m, schedule, modes, memory, degrees, devices, unsplit = case
+    rng = np.random.default_rng(100 * seed + len(CASES))
+    tables = random_tables(rng, L, pp, m, modes=modes, schedule=schedule, memory=memory, degrees=degrees, devices=devices,
+                           unsplit=unsplit)
+    assert dp_eligible(tables)
+    best = _brute(tables)
+    found = solve_split_dp(tables)
+    if best is None:
+        assert found.bounds is None
+        return
+    cost = evaluate_split(tables, found.bounds, found.modes)
+    assert cost.fits(tables)
+    assert cost.objective_s == pytest.approx(best[0], rel=1e-12)
+    # a cutoff above the optimum keeps it, one at or below it leaves nothing of interest
+    above = solve_split_dp(tables, cutoff_s=best[0] * (1 + 1e-9))
+    assert evaluate_split(tables, above.bounds, above.modes).objective_s == pytest.approx(best[0], rel=1e-12)
+    assert solve_split_dp(tables, cutoff_s=best[0]).bounds is None
+    assert solve_split_dp(tables, cutoff_s=best[0] * (1 - 1e-9)).bounds is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_pinned_split_keeps_its_sizes_and_takes_its_best_modes(seed):
+    rng = np.random.default_rng(seed)
+    tables = random_tables(rng, 7, 3, 4, modes=ZERO, memory=0.9)
+    sizes = [(3, 2, 2), (1, 1, 5), (2, 4, 1), (5, 1, 1)][seed]
+    edges = np.cumsum((0, *sizes))
+    bounds = [(int(edges[c]), int(edges[c + 1]) - 1) for c in range(3)]
+    fitting = [evaluate_split(tables, bounds, list(modes)) for modes in np.ndindex(*(len(ZERO),) * 3)]
+    fitting = [c for c in fitting if c.fits(tables)]
+    found = solve_split_dp(tables, fixed_sizes=sizes)
+    if not fitting:
+        assert found.bounds is None
+        return
+    assert found.bounds == bounds
+    best = min(c.objective_s for c in fitting)
+    assert evaluate_split(tables, found.bounds, found.modes).objective_s == pytest.approx(best, rel=1e-12)
+
+
+def test_equally_fast_modes_go_to_the_plainest():
+    """Full recompute costing exactly what no recompute costs (and keeping less): the programme keeps none."""
+    rng = np.random.default_rng(3)
+    tables = random_tables(rng, 6, 2, 4, modes=RECOMPUTE, memory=100)
+    same = {name: np.repeat(getattr(tables, name)[:1], 2, axis=0) for name in
+            ("time_s", "fwd_s", "weight_s", "gather_fwd_s", "gather_bwd_s", "epilogue_s", "gather_fwd_latency_s",
+             "gather_bwd_latency_s", "epilogue_latency_s")}
+    tied = CostTables(**{**tables.__dict__, **same})
+    found = solve_split_dp(tied)
+    assert [tied.candidate.modes[k].recompute for k in found.modes] == ["none", "none"]
+
+
+def test_interleaved_candidates_stay_with_cp_sat():
+    tables = random_tables(np.random.default_rng(0), 6, 2, 4, schedule="interleaved", virtual_stages=2)
+    assert not dp_eligible(tables)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return trace_model(load_model_file(ROOT / "examples" / "gpt.py", {"n_layers": 6, "hidden": 256, "heads": 4, "seq_len": 256}))
+
+
+@pytest.mark.parametrize("cluster", ["2x2xA100-80GB", "1x2xA100-80GB+1x2xV100-32GB"])
+def test_the_search_finds_what_cp_sat_finds_on_a_traced_model(gpt, cluster):
+    """The whole search on examples/gpt.py, each candidate of one chunk per rank by the programme, then by
+    CP-SAT alone: the same least objective (CP-SAT's to within its ticks), both proven optimal."""
+    options = SearchOptions(global_batch_size=16, dtype="fp32", max_virtual_stages=1)
+    by_programme = search(gpt, parse_cluster(cluster), options)
+    by_cp_sat = search(gpt, parse_cluster(cluster), replace(options, split_solver="cp-sat"))
+    assert by_programme.solver.status == by_cp_sat.solver.status == "optimal"
+    assert by_programme.solver.best_objective_s == pytest.approx(by_cp_sat.solver.best_objective_s, rel=1e-5)
+    assert by_programme.solver.best_objective_s <= by_cp_sat.solver.best_objective_s * (1 + 1e-12)
