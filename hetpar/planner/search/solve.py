@@ -42,7 +42,7 @@ from hetpar.planner.plan import ParallelPlan, SolverInfo
 from hetpar.planner.search.assemble import assemble_plan, explain_misfit, overflow
 from hetpar.planner.search.bounds import budget_may_beat, lower_bound_s, memory_may_fit
 from hetpar.planner.search.candidates import enumerate_candidates
-from hetpar.planner.search.split_dp import dp_eligible, solve_split_dp
+from hetpar.planner.search.split_dp import dp_eligible, dp_relaxes, solve_split_dp
 from hetpar.planner.search.split_model import (
     _TICKS_PER_OBJECTIVE,
     SplitModel,
@@ -83,19 +83,29 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
     fixed_sizes = fixed_sizes or options.stage_layers
     if not np.isfinite(tables.time_s).any(axis=0).all():
         return None  # a device lacks the training dtype, or no offered degree splits a layer
-    if options.split_solver == "auto" and dp_eligible(tables):  # [Note: split by dynamic programming]
-        found = solve_split_dp(tables, cutoff_s, fixed_sizes)
-        if found.bounds is None:
+    relaxed = None
+    if options.split_solver == "auto" and (dp_eligible(tables) or dp_relaxes(tables)):
+        # [Note: split by dynamic programming]; interleaved, [Note: interleaved relaxation]
+        relaxed = solve_split_dp(tables, cutoff_s, fixed_sizes)
+        if relaxed.exact:
+            if relaxed.bounds is None:
+                return None
+            cost = evaluate_split(tables, relaxed.bounds, relaxed.modes)
+            return SplitResult(bounds=relaxed.bounds, cost=cost, status="optimal", bound_s=cost.objective_s)
+        floor_s = relaxed.lower_s
+    else:
+        if cutoff_s is not None and not fixed_sizes and not may_beat(tables, cutoff_s):
             return None
-        cost = evaluate_split(tables, found.bounds, found.modes)
-        return SplitResult(bounds=found.bounds, cost=cost, status="optimal", bound_s=cost.objective_s)
-    if cutoff_s is not None and not fixed_sizes and not may_beat(tables, cutoff_s):
-        return None
-    floor_s = objective_floor(tables) if not fixed_sizes and cutoff_s is not None else None
-    if floor_s is not None and floor_s >= cutoff_s:
-        return None  # [Note: objective floor]
-    hint_bounds = bounds_from_sizes(fixed_sizes) if fixed_sizes else equal_split(tables.num_layers, tables.num_chunks)
-    hint_modes = greedy_modes(tables, hint_bounds)
+        floor_s = objective_floor(tables) if not fixed_sizes and cutoff_s is not None else None
+        if floor_s is not None and floor_s >= cutoff_s:
+            return None  # [Note: objective floor]
+    if relaxed is not None and relaxed.bounds is not None:
+        hint_bounds, hint_modes = relaxed.bounds, relaxed.modes  # the relaxation's best fitting split
+        # it beats the cutoff already, and CP-SAT proves an optimum faster without one
+        cutoff_s = None
+    else:
+        hint_bounds = bounds_from_sizes(fixed_sizes) if fixed_sizes else equal_split(tables.num_layers, tables.num_chunks)
+        hint_modes = greedy_modes(tables, hint_bounds)
     scale_s = evaluate_split(tables, hint_bounds, hint_modes).objective_s
     if not math.isfinite(scale_s):  # the hint holds a layer its degree cannot split: the least micro-batch time, m times
         scale_s = float(np.where(np.isfinite(tables.time_s), tables.time_s, np.inf).min(axis=(0, 2)).sum()) * tables.candidate.num_microbatches
@@ -106,20 +116,32 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
         split, solver, status = _solve_model(tables, options, tick_s, None, fixed_sizes, hint_bounds, hint_modes)
     if status != cp_model.OPTIMAL and floor_s is None and not fixed_sizes:
         floor_s = objective_floor(tables)  # [Note: objective floor]: often far above CP-SAT's bound
+    if status in (cp_model.UNKNOWN, cp_model.FEASIBLE) and relaxed is not None and relaxed.bounds is not None:
+        # stopped short: the relaxation's split stands where CP-SAT has none better
+        cost = evaluate_split(tables, relaxed.bounds, relaxed.modes)
+        if cost.objective_s < (cutoff_s or math.inf) and (
+                status == cp_model.UNKNOWN or cost.objective_s < evaluate_split(tables, *_solution(split, solver)).objective_s):
+            limit = limit_hit(solver, options.time_limit_s)
+            bound_s = min(cost.objective_s, max(solver.best_objective_bound * tick_s / split.weights.scale, floor_s or 0.0))
+            return SplitResult(bounds=relaxed.bounds, cost=cost, status="feasible", bound_s=bound_s, limit=limit)
     if status == cp_model.UNKNOWN:
         bound_s = max(0.0, solver.best_objective_bound * tick_s / split.weights.scale, floor_s or 0.0)
         raise Unresolved(bound_s, limit_hit(solver, options.time_limit_s))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-    starts = [solver.value(v) for v in split.start]
-    bounds = [(starts[c], starts[c + 1] - 1) for c in range(tables.num_chunks)]
-    modes = split.modes(solver)
+    bounds, modes = _solution(split, solver)
     cost = evaluate_split(tables, bounds, modes)
     optimal = status == cp_model.OPTIMAL
     bound_s = cost.objective_s if optimal else min(cost.objective_s, max(solver.best_objective_bound * tick_s / split.weights.scale,
                                                                          floor_s or 0.0))
     return SplitResult(bounds=bounds, cost=cost, status="optimal" if optimal else "feasible", bound_s=bound_s,
                        limit=None if optimal else limit_hit(solver, options.time_limit_s))
+
+
+def _solution(split: SplitModel, solver: cp_model.CpSolver) -> tuple[list[tuple[int, int]], list[int]]:
+    """The bounds and modes of the split model's solution."""
+    starts = [solver.value(v) for v in split.start]
+    return [(starts[c], starts[c + 1] - 1) for c in range(split.tables.num_chunks)], split.modes(solver)
 
 
 def solve_type_orders(tables: dict[str, CostTables], stages_per_type: dict[str, int], options: SearchOptions,

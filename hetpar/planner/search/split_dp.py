@@ -14,7 +14,7 @@ import numpy as np
 
 from hetpar.cost_models.pipeline import linear_step_weights
 from hetpar.planner.costing import CostTables, evaluate_split
-from hetpar.planner.search.split_bound import _buffers
+from hetpar.planner.search.split_bound import _buffers, _span
 from hetpar.vocabulary import Recompute
 
 # Candidates whose option arrays (modes x degrees x layers x chunk lengths x chunks)
@@ -28,6 +28,8 @@ _SLACK = 1e-9
 _PLAINNESS = 1e-9
 # Bound and incumbent closer than this fraction are equal (float rounding of the sums).
 _TOLERANCE = 1e-12
+# Programmes one interleaved candidate's relaxation solves before CP-SAT takes over ([Note: interleaved relaxation]).
+_RELAXATION_SOLVES = 32
 
 
 # [Note: split by dynamic programming]
@@ -49,18 +51,35 @@ _TOLERANCE = 1e-12
 # (v > 1: a rank's chunks share its memory and epilogue) stay with CP-SAT.
 @dataclass(frozen=True)
 class DpSplit:
-    """The optimum found, or None with ``exhausted`` when nothing fits (under the cutoff)."""
+    """The best fitting split found (None: none below the cutoff), a lower bound in seconds on every split's
+    objective, and whether the split is proven optimal (always where ``dp_eligible``)."""
 
     bounds: list[tuple[int, int]] | None
     modes: list[int] | None
+    lower_s: float = 0.0
+    exact: bool = True
 
 
 def dp_eligible(tables: CostTables) -> bool:
     """Whether ``solve_split_dp`` takes this candidate: one chunk per rank and option arrays of bounded size."""
     cand = tables.candidate
+    if cand.virtual_stages != 1:
+        return False
     K, L, C = tables.time_s.shape
-    T = len(cand.tp_degrees)
-    return cand.virtual_stages == 1 and K * T * L * min(L, L - C + 1) * C <= MAX_OPTIONS
+    return K * len(cand.tp_degrees) * L * max(_longest(tables), 1) * C <= MAX_OPTIONS
+
+
+def dp_relaxes(tables: CostTables) -> bool:
+    """Whether ``solve_split_dp`` gives an interleaved candidate its relaxation's bound ([Note: interleaved relaxation])."""
+    cand = tables.candidate
+    K, L, C = tables.time_s.shape
+    return cand.virtual_stages > 1 and len(cand.tp_degrees) == 1 and K * L * max(_longest(tables), 1) * C <= MAX_OPTIONS
+
+
+def _longest(tables: CostTables) -> int:
+    """The most layers one chunk can hold: split_bound's span, memory alone (0: some layer fits nowhere)."""
+    allowed = np.isfinite(tables.time_s) & np.isfinite(tables.memory_bytes)
+    return _span(tables, allowed, np.where(allowed, tables.time_s, 0.0), np.where(allowed, tables.memory_bytes, 0.0), None)
 
 
 class _Options:
@@ -70,10 +89,12 @@ class _Options:
         cand = tables.candidate
         K, L, C = tables.time_s.shape
         self.tables, self.K, self.L, self.C = tables, K, L, C
-        self.wt = wt = linear_step_weights(cand.schedule, num_stages=cand.pp, num_microbatches=cand.num_microbatches)
+        self.wt = linear_step_weights(cand.schedule, num_stages=cand.pp, num_microbatches=cand.num_microbatches,
+                                      virtual_stages=cand.virtual_stages)
+        self.P, self.v = cand.pp, cand.virtual_stages
         self.degrees = cand.tp_degrees
         T = len(self.degrees)
-        self.span = span = L - C + 1
+        self.span = span = max(_longest(tables), 1)
         self.deg = np.array([tables.tp_index(k) for k in range(K)])
         allowed = np.isfinite(tables.time_s) & np.isfinite(tables.memory_bytes)
 
@@ -102,7 +123,8 @@ class _Options:
             pinned = np.zeros((L, span, C), dtype=bool)
             first = 0
             for c, size in enumerate(fixed_sizes):
-                pinned[first, size - 1, c] = True
+                if size <= span:  # a longer chunk fits no memory
+                    pinned[first, size - 1, c] = True
                 first += size
             ok &= pinned[None]
         self.ok = ok
@@ -118,18 +140,20 @@ class _Options:
         self.types = tables.device_types
         self.shares = dict(cand.tp_sum) if self.budget else {}
 
-    def values(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The distinct feasible t_c (hand-offs included), w_c and e_c, ascending."""
-        ts, ws, es = [], [], []
+    def values(self) -> list[np.ndarray]:
+        """The distinct feasible t_c (hand-offs included) of each round's chunks, then w_c and e_c, ascending."""
         T = len(self.degrees)
-        for a in range(T):
-            ka = self.deg == a
-            for b in range(T):
-                t = self.time[ka] + self.cut[a, b][None]
-                ts.append(t[self.ok[ka]])
-        ws.append(self.weight[self.ok])
-        es.append(self.epilogue[self.ok])
-        return tuple(np.unique(np.concatenate(v)) for v in (ts, ws, es))
+        rounds = []
+        for j in range(self.v):
+            chunks = slice(j * self.P, (j + 1) * self.P)
+            ts = []
+            for a in range(T):
+                ka = self.deg == a
+                for b in range(T):
+                    t = self.time[ka][..., chunks] + self.cut[a, b][None, ..., chunks]
+                    ts.append(t[self.ok[ka][..., chunks]])
+            rounds.append(np.unique(np.concatenate(ts)))
+        return [*rounds, np.unique(self.weight[self.ok]), np.unique(self.epilogue[self.ok])]
 
 
 class _Programme:
@@ -140,6 +164,8 @@ class _Programme:
         wt = opts.wt
         self.epsilon = epsilon
         self.value = wt.chunk_sum * opts.time - wt.weight_sum * opts.weight + epsilon * opts.plain[:, None, None, None]
+        if opts.v > 1:  # [Note: interleaved relaxation]: E max_r e_r >= (E / P) sum_c e_c
+            self.value = self.value + wt.epilogue_max / opts.P * opts.epilogue
         self.cut_value = wt.chunk_sum * opts.cut
         L, span = opts.L, opts.span
         j = np.arange(L + 1)[:, None]
@@ -149,13 +175,16 @@ class _Programme:
         self.src_clip = np.maximum(self.src, 0)
         self.by_degree = [np.flatnonzero(opts.deg == a) for a in range(len(opts.degrees))]
 
-    def solve(self, caps: tuple[float, float, float], least: int | None = None) -> tuple[float, list | None, list | None, tuple]:
-        """(g(caps), the split's bounds, its modes, its (max t_c, max w_c, max e_c)); with ``least`` = 0, 1 or 2,
-        instead the least max t_c, w_c or e_c of any fitting split (caps ignored), and that split."""
+    def solve(self, caps: tuple[float, ...], least: int | None = None) -> tuple[float, list | None, list | None, tuple]:
+        """(g(caps), the split's bounds, its modes, its maxima), caps and maxima in ``_Options.values``' order
+        (each round's largest t_c, then w_c's and e_c's); with ``least``, instead the least that maximum
+        (the index into caps) reaches over every fitting split (caps ignored), and that split."""
         o = self.o
-        L, C, span = o.L, o.C, o.span
+        L, C, span, P, v = o.L, o.C, o.span, o.P, o.v
         T = len(o.degrees)
-        t_cap, w_cap, e_cap = caps if least is None else (math.inf,) * 3
+        if least is not None:
+            caps = (math.inf,) * (v + 2)
+        w_cap, e_cap = caps[v], caps[v + 1]
         base_ok = o.ok & (o.weight <= w_cap) & (o.epilogue <= e_cap)
         # states: (degree index of the chunk about to start, devices its type used before it) -> best[j] over positions
         budget = o.budget
@@ -179,16 +208,18 @@ class _Programme:
                 if not len(ka):
                     continue
                 used_after = used + o.degrees[a] if budget else 0
-                crossing = last or o.types[c + 1] != o.types[c]
+                crossing = last or o.types[(c + 1) % P] != o.types[c % P]
                 if budget and (used_after > o.shares[o.types[c]] or (crossing and used_after != o.shares[o.types[c]])):
                     continue
                 for b in nexts:
                     t = o.time[ka, :, :, c] if b is None else o.time[ka, :, :, c] + o.cut[a, b, :, :, c]
-                    ok = base_ok[ka, :, :, c] & (t <= t_cap)
+                    ok = base_ok[ka, :, :, c] & (t <= caps[c // P])
                     if least is None:
                         val = self.value[ka, :, :, c] if b is None else self.value[ka, :, :, c] + self.cut_value[a, b, :, :, c]
+                    elif least < v:  # this round's chunks' largest t_c; the other chunks' count nothing
+                        val = t if c // P == least else np.zeros_like(t)
                     else:
-                        val = (t, o.weight[ka, :, :, c], o.epilogue[ka, :, :, c])[least]
+                        val = (o.weight, o.epilogue)[least - v][ka, :, :, c]
                     val = np.where(ok, val, np.inf)
                     pick = val.argmin(axis=0)  # [L, span]
                     cost = np.take_along_axis(val, pick[None], axis=0)[0]
@@ -231,81 +262,100 @@ class _Programme:
             key = (int(a_arr[j]), int(used_arr[j]))
             j -= d
         bounds, modes, degrees = bounds[::-1], modes[::-1], degrees[::-1]
-        maxima = [0.0, 0.0, 0.0]
+        maxima = [0.0] * (v + 2)
         for c, ((first, end), k) in enumerate(zip(bounds, modes)):
             d = end - first
             t = o.time[k, first, d, c] + (o.cut[degrees[c], degrees[c + 1], first, d, c] if c + 1 < C else 0.0)
-            for i, x in enumerate((t, o.weight[k, first, d, c], o.epilogue[k, first, d, c])):
+            for i, x in ((c // P, t), (v, o.weight[k, first, d, c]), (v + 1, o.epilogue[k, first, d, c])):
                 maxima[i] = max(maxima[i], float(x))
         return float(value), bounds, modes, tuple(maxima)
 
 
 def solve_split_dp(tables: CostTables, cutoff_s: float | None = None,
                    fixed_sizes: tuple[int, ...] | None = None) -> DpSplit:
-    """The optimum of [Note: split objective] for a candidate ``dp_eligible`` takes; see [Note: split by dynamic programming].
+    """The optimum of [Note: split objective] for a candidate ``dp_eligible`` takes (see [Note: split by dynamic
+    programming]), or for one ``dp_relaxes`` takes, its relaxation's ([Note: interleaved relaxation]).
 
     Args:
         cutoff_s: only splits faster than this are of interest.
         fixed_sizes: layers per chunk, when the split is pinned (the modes are still chosen).
 
     Returns:
-        The best split and its modes, or both None when no split fits (below the cutoff).
+        The best fitting split found and its modes (None when none fits below the cutoff), with a proven lower
+        bound on every split's objective and whether the split attains it.
     """
     opts = _Options(tables, fixed_sizes)
-    wt = opts.wt
-    t_vals, w_vals, e_vals = opts.values()
-    if not len(t_vals):
-        return DpSplit(None, None)
-    dims = [(wt.round_max, t_vals), (wt.weight_max, w_vals), (wt.epilogue_max, e_vals)]
-    active = [i for i, (weight, _) in enumerate(dims) if weight > 0]  # a maximum of weight 0 keeps its cap at its largest value
-    scale = float(wt.chunk_sum * t_vals[-1] * opts.C + sum(w * v[-1] for w, v in dims)) or 1.0
+    wt, v = opts.wt, opts.v
+    vals = opts.values()
+    if not len(vals[0]):
+        return DpSplit(None, None, lower_s=math.inf)
+    n = v + 2
+    weights = [wt.round_max] * v + [wt.weight_max, wt.epilogue_max if v == 1 else 0]
+    active = [i for i in range(n) if weights[i] > 0]  # a maximum of weight 0 keeps its cap at its largest value
+    scale = float(wt.chunk_sum * max(x[-1] for x in vals[:v]) * opts.C + sum(w * x[-1] for w, x in zip(weights, vals))) or 1.0
     programme = _Programme(opts, _PLAINNESS * scale / opts.C)
-    solved: dict[tuple[int, int, int], tuple] = {}
+    solved: dict[tuple[int, ...], tuple] = {}
 
-    def evaluate(hi: tuple[int, int, int]):
+    def evaluate(hi: tuple[int, ...]):
         if hi not in solved:
-            solved[hi] = programme.solve(tuple(float(dims[i][1][hi[i]]) for i in range(3)))
+            solved[hi] = programme.solve(tuple(float(vals[i][hi[i]]) for i in range(n)))
         return solved[hi]
 
-    def value(g: float, maxima: tuple) -> float:
-        """The objective times the schedule's scale, with the plainness term, of the split g's programme returned."""
-        return g + sum(dims[i][0] * maxima[i] for i in range(3))
+    def lower(lo: tuple[int, ...], g: float) -> float:
+        return sum(weights[i] * float(vals[i][lo[i]]) for i in active) + g
 
-    def lower(lo: tuple[int, int, int], g: float) -> float:
-        return sum(dims[i][0] * float(dims[i][1][lo[i]]) for i in active) + g
+    true_best: list = [math.inf, None, None]  # the least objective (seconds) of a fitting split seen, its bounds and modes
 
-    top = tuple(len(v) - 1 for _, v in dims)
+    def consider(bounds, modes) -> None:
+        cost = evaluate_split(tables, bounds, modes)
+        if cost.fits(tables) and cost.objective_s < true_best[0]:
+            true_best[:] = [cost.objective_s, bounds, modes]
+
+    top = tuple(len(x) - 1 for x in vals)
     g, bounds, modes, maxima = evaluate(top)
     if bounds is None:
-        return DpSplit(None, None)
-    best = (value(g, maxima), bounds, modes)
-    # Each maximum is at least the least any fitting split reaches: the box's lower corner
-    lo = tuple(int(np.searchsorted(dims[i][1], programme.solve((), least=i)[0])) if i in active else top[i] for i in range(3))
-    limit = best[0] if cutoff_s is None else min(best[0], cutoff_s * wt.scale)
+        return DpSplit(None, None, lower_s=math.inf)
+    # the programme's objective of a split it returned (the plainness term included): exact for v = 1, a relaxation above
+    relaxed = g + sum(weights[i] * maxima[i] for i in range(n))
+    consider(bounds, modes)
+    # each maximum is at least the least any fitting split reaches: the root box's lower corner
+    lo = tuple(int(np.searchsorted(vals[i], programme.solve((), least=i)[0])) if i in active else top[i] for i in range(n))
+    cut = math.inf if cutoff_s is None else cutoff_s * wt.scale
     heap = [(lower(lo, g), lo, top)]
+    floor = relaxed  # the least bound of the boxes left: every split's relaxed objective is at least this
     while heap:
         bound, lo, hi = heapq.heappop(heap)
+        limit = min(relaxed, cut)
         if bound >= limit - _TOLERANCE * abs(limit):
+            floor = relaxed
             break
-        widths = [(dims[i][0] * float(dims[i][1][hi[i]] - dims[i][1][lo[i]]), i) for i in active if hi[i] > lo[i]]
+        if v > 1 and len(solved) > _RELAXATION_SOLVES:  # [Note: interleaved relaxation]: CP-SAT closes the rest
+            floor = bound
+            break
+        widths = [(weights[i] * float(vals[i][hi[i]] - vals[i][lo[i]]), i) for i in active if hi[i] > lo[i]]
         if not widths:
             continue
         _, axis = max(widths)
         middle = (lo[axis] + hi[axis]) // 2
-        upper_lo = tuple(middle + 1 if i == axis else lo[i] for i in range(3))
+        upper_lo = tuple(middle + 1 if i == axis else lo[i] for i in range(n))
         heapq.heappush(heap, (lower(upper_lo, evaluate(hi)[0]), upper_lo, hi))
-        lower_hi = tuple(middle if i == axis else hi[i] for i in range(3))
+        lower_hi = tuple(middle if i == axis else hi[i] for i in range(n))
         g_low, b_low, m_low, maxima = evaluate(lower_hi)
         if b_low is None:
             continue
-        found = value(g_low, maxima)
-        if found < best[0]:
-            best = (found, b_low, m_low)
-            limit = min(limit, found)
+        found = g_low + sum(weights[i] * maxima[i] for i in range(n))
+        if found < relaxed:
+            relaxed = found
+            consider(b_low, m_low)
         heapq.heappush(heap, (lower(lo, g_low), lo, lower_hi))
-    if cutoff_s is not None and not evaluate_split(tables, best[1], best[2]).objective_s < cutoff_s:
-        return DpSplit(None, None)
-    return DpSplit(best[1], best[2])
+    # every split costs at least the relaxation's optimum (less the plainness terms), or the cutoff where the
+    # search stopped there; for v = 1 the relaxation is the objective itself
+    lower_s = max(0.0, (min(floor, cut) - opts.C * programme.epsilon) / wt.scale)
+    exact = v == 1 or true_best[0] * wt.scale <= floor * (1 + 1e-9)
+    if cutoff_s is not None and not true_best[0] < cutoff_s:
+        # none below the cutoff: proven where the relaxation reached it, else undecided
+        return DpSplit(None, None, lower_s=lower_s, exact=v == 1 or floor >= cut * (1 - _TOLERANCE))
+    return DpSplit(true_best[1], true_best[2], lower_s=lower_s, exact=exact)
 
 
-__all__ = ["DpSplit", "dp_eligible", "solve_split_dp"]
+__all__ = ["DpSplit", "dp_eligible", "dp_relaxes", "solve_split_dp"]
