@@ -11,7 +11,7 @@ from hetpar.planner.costing import CostTables, evaluate_split
 from hetpar.planner.options import SearchOptions
 from hetpar.planner.search import search
 from hetpar.planner.capture import trace_model
-from hetpar.planner.search.split_dp import dp_eligible, solve_split_dp
+from hetpar.planner.search.split_dp import dp_eligible, dp_relaxes, solve_split_dp
 from hetpar.runtime.model_file import load_model_file
 from tests.conftest import ROOT
 from tests.search_tables import PLAIN, RECOMPUTE, ZERO, brute_force, random_tables
@@ -106,3 +106,26 @@ def test_the_search_finds_what_cp_sat_finds_on_a_traced_model(gpt, cluster):
     assert by_programme.solver.status == by_cp_sat.solver.status == "optimal"
     assert by_programme.solver.best_objective_s == pytest.approx(by_cp_sat.solver.best_objective_s, rel=1e-5)
     assert by_programme.solver.best_objective_s <= by_cp_sat.solver.best_objective_s * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_interleaved_relaxation_bounds_the_optimum_and_its_split_fits(seed):
+    """[Note: interleaved relaxation]: its bound is at most brute force's optimum, its split fits and costs at
+    least that, it claims the optimum only where it has it, and a cutoff at or below its bound rules out all."""
+    rng = np.random.default_rng(seed)
+    pp, v = (2, 2) if seed % 2 else (2, 3)
+    tables = random_tables(rng, 7, pp, 4, modes=RECOMPUTE, schedule="interleaved", virtual_stages=v,
+                           memory=[0.9, 1.4, 100][seed % 3])
+    assert dp_relaxes(tables)
+    best = brute_force(tables)
+    found = solve_split_dp(tables)
+    if best is None:
+        assert found.bounds is None
+        return
+    assert found.lower_s <= best[0] * (1 + 1e-12)
+    if found.bounds is not None:
+        cost = evaluate_split(tables, found.bounds, found.modes)
+        assert cost.fits(tables) and cost.objective_s >= best[0] * (1 - 1e-12)
+        assert not found.exact or cost.objective_s == pytest.approx(best[0], rel=1e-12)
+    ruled_out = solve_split_dp(tables, cutoff_s=found.lower_s * (1 - 1e-9))
+    assert ruled_out.bounds is None and ruled_out.exact

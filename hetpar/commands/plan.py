@@ -47,7 +47,7 @@ def plan(
     dtype: Annotated[Optional[DType], typer.Option(help="Training precision the costs assume \\[default: fp32 on cpu, bf16 else].")] = None,
     compiled: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="Plan for stages under torch.compile (fewer, fused kernels) \\[default: on where every device is an NVIDIA or AMD GPU].", show_default=False)] = None,
     max_tp: Annotated[int, typer.Option(help="Largest tensor-parallel degree to consider.")] = 8,
-    work_limit: Annotated[float, typer.Option(help="CP-SAT work limit per candidate, in deterministic seconds (about one second of one core, the same on every machine): the plan does not depend on the machine's speed or load.")] = 10.0,
+    work_limit: Annotated[float, typer.Option(help="CP-SAT work limit per interleaved candidate (the others are solved exactly by dynamic programming), in deterministic seconds (about one second of one core, the same on every machine): the plan does not depend on the machine's speed or load.")] = 10.0,
     time_limit: Annotated[Optional[float], typer.Option(help="Wall-clock safety net per candidate, seconds; a candidate it stops makes the plan depend on the machine (the status says so) \\[default: none].", show_default=False)] = None,
     leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
     objective: Annotated[ObjectiveKind, typer.Option(help="time: the fastest plan on all devices; cost: the fewest dollars per step over sub-clusters; energy: the fewest joules per step over sub-clusters (grams of CO2 reported where the cluster file gives carbon_g_per_kwh).")] = ObjectiveKind.TIME,

@@ -48,7 +48,24 @@ _RELAXATION_SOLVES = 32
 # optimum and its proof, or with no split below a cutoff. The candidate's objective
 # is the exact float of evaluate_split (CP-SAT's is rounded to ticks), ties going to
 # the split with fewest chunks that shard or recompute. Interleaved candidates
-# (v > 1: a rank's chunks share its memory and epilogue) stay with CP-SAT.
+# (v > 1: a rank's chunks share its memory and epilogue) stay with CP-SAT, which the
+# programme's relaxation spares where it can ([Note: interleaved relaxation]).
+#
+# [Note: interleaved relaxation]
+# With v chunks per rank the step is A sum_c t_c + G sum_j max_{c in round j} t_c +
+# E max_r e_r ([Note: linear step time]), and a rank's memory and epilogue sum over its
+# chunks, which lie apart in the layer order. The same programme then solves a
+# relaxation: each round's maximum is a dimension of the caps (v of them), each chunk
+# need only fit its rank's memory alone, and E max_r e_r >= (E / P) sum_c e_c joins the
+# sum. Its optimum is a lower bound on every split's objective. The search asks it
+# first: a bound at or above the cutoff rules the candidate out without CP-SAT (the
+# common case once a good plan is known); a relaxed split that fits and attains the
+# bound is the optimum; otherwise CP-SAT solves the candidate from the best fitting
+# split the relaxation saw (it already beats the cutoff, so CP-SAT runs without one,
+# which it proves faster) and reports the relaxation's bound where it stops short. The
+# relaxation stops after _RELAXATION_SOLVES programmes: the epilogues' imbalance across
+# ranks keeps it from closing on the optimum, so proving its own optimum would be
+# wasted; the least bound of its open boxes is still a bound.
 @dataclass(frozen=True)
 class DpSplit:
     """The best fitting split found (None: none below the cutoff), a lower bound in seconds on every split's
@@ -174,6 +191,41 @@ class _Programme:
         self.valid_src = self.src >= 0
         self.src_clip = np.maximum(self.src, 0)
         self.by_degree = [np.flatnonzero(opts.deg == a) for a in range(len(opts.degrees))]
+        self.lengths = np.arange(span)[None, :]
+        self.rounds = np.arange(opts.C) // opts.P  # each chunk's round
+        self._pairs: dict = {}
+
+    def _pair(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(t_c, the programme's value) of every option of degree a handing over to degree b: [|ka|, L, span, C]."""
+        key = (a, b)
+        if key not in self._pairs:
+            o, ka = self.o, self.by_degree[a]
+            self._pairs[key] = (o.time[ka] + o.cut[a, b][None], self.value[ka] + self.cut_value[a, b][None])
+        return self._pairs[key]
+
+    def _costs(self, caps: tuple[float, ...], least: int | None) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+        """(a, b) -> ([L, span, C] the cheapest option's cost per chunk, the mode giving it), every chunk at once."""
+        o = self.o
+        P, v = o.P, o.v
+        t_caps = np.array([caps[c // P] for c in range(o.C)])
+        base_ok = o.ok & (o.weight <= caps[v]) & (o.epilogue <= caps[v + 1])
+        out = {}
+        for a, ka in enumerate(self.by_degree):
+            if not len(ka):
+                continue
+            for b in range(len(o.degrees)):
+                t, value = self._pair(a, b)
+                ok = base_ok[ka] & (t <= t_caps)
+                if least is None:
+                    val = value
+                elif least < v:  # this round's chunks' largest t_c; the other chunks' count nothing
+                    val = np.where(self.rounds == least, t, 0.0)
+                else:
+                    val = (o.weight, o.epilogue)[least - v][ka]
+                val = np.where(ok, val, np.inf)
+                pick = val.argmin(axis=0)
+                out[a, b] = (np.take_along_axis(val, pick[None], axis=0)[0], ka[pick])
+        return out
 
     def solve(self, caps: tuple[float, ...], least: int | None = None) -> tuple[float, list | None, list | None, tuple]:
         """(g(caps), the split's bounds, its modes, its maxima), caps and maxima in ``_Options.values``' order
@@ -184,8 +236,7 @@ class _Programme:
         T = len(o.degrees)
         if least is not None:
             caps = (math.inf,) * (v + 2)
-        w_cap, e_cap = caps[v], caps[v + 1]
-        base_ok = o.ok & (o.weight <= w_cap) & (o.epilogue <= e_cap)
+        costs = self._costs(caps, least)
         # states: (degree index of the chunk about to start, devices its type used before it) -> best[j] over positions
         budget = o.budget
         states: dict[tuple[int, int], np.ndarray] = {}
@@ -197,42 +248,29 @@ class _Programme:
             states[(a, 0)] = start
         back: list[dict] = []
         rows = np.arange(L + 1)
-        lengths = np.arange(span)[None, :]
         for c in range(C):
             last = c == C - 1
-            nexts = [None] if last else range(T)
             new: dict[tuple[int, int], np.ndarray] = {}
             trace: dict[tuple[int, int], tuple] = {}
             for (a, used), best in states.items():
-                ka = self.by_degree[a]
-                if not len(ka):
+                if (a, a) not in costs:
                     continue
                 used_after = used + o.degrees[a] if budget else 0
                 crossing = last or o.types[(c + 1) % P] != o.types[c % P]
                 if budget and (used_after > o.shares[o.types[c]] or (crossing and used_after != o.shares[o.types[c]])):
                     continue
-                for b in nexts:
-                    t = o.time[ka, :, :, c] if b is None else o.time[ka, :, :, c] + o.cut[a, b, :, :, c]
-                    ok = base_ok[ka, :, :, c] & (t <= caps[c // P])
-                    if least is None:
-                        val = self.value[ka, :, :, c] if b is None else self.value[ka, :, :, c] + self.cut_value[a, b, :, :, c]
-                    elif least < v:  # this round's chunks' largest t_c; the other chunks' count nothing
-                        val = t if c // P == least else np.zeros_like(t)
-                    else:
-                        val = (o.weight, o.epilogue)[least - v][ka, :, :, c]
-                    val = np.where(ok, val, np.inf)
-                    pick = val.argmin(axis=0)  # [L, span]
-                    cost = np.take_along_axis(val, pick[None], axis=0)[0]
+                before = np.where(self.valid_src, best[self.src_clip], np.inf)  # [L + 1, span]
+                for b in [a] if last else range(T):  # nothing follows the last chunk: its hand-off costs nothing
+                    cost, modes = costs[a, b]
                     # reach[j] = min over d of best[j - d] (+ or max) cost[j - d, d - 1]
-                    before, here = best[self.src_clip], cost[self.src_clip, lengths]
+                    here = cost[self.src_clip, self.lengths, c]
                     total = before + here if least is None else np.maximum(before, here)
-                    total = np.where(self.valid_src, total, np.inf)
                     if not last:
                         total[L - (C - c - 1) + 1 :] = np.inf  # the later chunks need a layer each
                     d_pick = total.argmin(axis=1)
                     reach = total[rows, d_pick]
-                    k_pick = ka[pick[self.src_clip[rows, d_pick], d_pick]]
-                    key = (a if b is None else b, 0 if not budget or crossing else used_after)
+                    k_pick = modes[self.src_clip[rows, d_pick], d_pick, c]
+                    key = (b, 0 if not budget or crossing else used_after)
                     if key in new:
                         better = reach < new[key]
                         if not better.any():
