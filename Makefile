@@ -23,7 +23,7 @@ demo: install
 
 # The whole suite, multi-process torchrun tests included.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # The fast subset for local iteration: no multi-process runs.
 test-quick: install

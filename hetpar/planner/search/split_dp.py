@@ -157,22 +157,6 @@ class _Options:
         self.types = tables.device_types
         self.shares = dict(cand.tp_sum) if self.budget else {}
 
-    def values(self) -> list[np.ndarray]:
-        """The distinct feasible t_c (hand-offs included) of each round's chunks, then w_c and e_c, ascending."""
-        T = len(self.degrees)
-        rounds = []
-        for j in range(self.v):
-            chunks = slice(j * self.P, (j + 1) * self.P)
-            ts = []
-            for a in range(T):
-                ka = self.deg == a
-                for b in range(T):
-                    t = self.time[ka][..., chunks] + self.cut[a, b][None, ..., chunks]
-                    ts.append(t[self.ok[ka][..., chunks]])
-            rounds.append(np.unique(np.concatenate(ts)))
-        return [*rounds, np.unique(self.weight[self.ok]), np.unique(self.epilogue[self.ok])]
-
-
 class _Programme:
     """g(T, W, E) of [Note: split by dynamic programming] and the split attaining it."""
 
@@ -194,6 +178,20 @@ class _Programme:
         self.lengths = np.arange(span)[None, :]
         self.rounds = np.arange(opts.C) // opts.P  # each chunk's round
         self._pairs: dict = {}
+
+    def values(self, i: int, low: float, high: float) -> np.ndarray:
+        """The distinct values within [low, high], ascending, of maximum i (``solve``'s order) over the fitting options."""
+        o = self.o
+        if i >= o.v:
+            a = (o.weight, o.epilogue)[i - o.v][o.ok]
+            return np.unique(a[(a >= low) & (a <= high)])
+        parts = []
+        for a, ka in enumerate(self.by_degree):
+            for b in range(len(o.degrees)):
+                t = self._pair(a, b)[0][..., self.rounds == i]
+                t = t[o.ok[ka][..., self.rounds == i]]
+                parts.append(t[(t >= low) & (t <= high)])
+        return np.unique(np.concatenate(parts))
 
     def _pair(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(t_c, the programme's value) of every option of degree a handing over to degree b: [|ka|, L, span, C]."""
@@ -324,24 +322,15 @@ def solve_split_dp(tables: CostTables, cutoff_s: float | None = None,
     """
     opts = _Options(tables, fixed_sizes)
     wt, v = opts.wt, opts.v
-    vals = opts.values()
-    if not len(vals[0]):
-        return DpSplit(None, None, lower_s=math.inf)
     n = v + 2
     weights = [wt.round_max] * v + [wt.weight_max, wt.epilogue_max if v == 1 else 0]
-    active = [i for i in range(n) if weights[i] > 0]  # a maximum of weight 0 keeps its cap at its largest value
-    scale = float(wt.chunk_sum * max(x[-1] for x in vals[:v]) * opts.C + sum(w * x[-1] for w, x in zip(weights, vals))) or 1.0
+    active = [i for i in range(n) if weights[i] > 0]  # a maximum of weight 0 keeps no cap
+    # the scale of the plainness term: the objective's order, the longest fitting chunk's time in every term
+    scale = float(np.where(opts.ok, opts.time, 0.0).max(initial=0.0) * (wt.chunk_sum * opts.C + sum(weights))) or 1.0
     programme = _Programme(opts, _PLAINNESS * scale / opts.C)
-    solved: dict[tuple[int, ...], tuple] = {}
-
-    def evaluate(hi: tuple[int, ...]):
-        if hi not in solved:
-            solved[hi] = programme.solve(tuple(float(vals[i][hi[i]]) for i in range(n)))
-        return solved[hi]
-
-    def lower(lo: tuple[int, ...], g: float) -> float:
-        return sum(weights[i] * float(vals[i][lo[i]]) for i in active) + g
-
+    g, bounds, modes, maxima = programme.solve((math.inf,) * n)  # no caps: the least sum, and a first split
+    if bounds is None:
+        return DpSplit(None, None, lower_s=math.inf)
     true_best: list = [math.inf, None, None]  # the least objective (seconds) of a fitting split seen, its bounds and modes
 
     def consider(bounds, modes) -> None:
@@ -349,26 +338,52 @@ def solve_split_dp(tables: CostTables, cutoff_s: float | None = None,
         if cost.fits(tables) and cost.objective_s < true_best[0]:
             true_best[:] = [cost.objective_s, bounds, modes]
 
-    top = tuple(len(x) - 1 for x in vals)
-    g, bounds, modes, maxima = evaluate(top)
-    if bounds is None:
-        return DpSplit(None, None, lower_s=math.inf)
     # the programme's objective of a split it returned (the plainness term included): exact for v = 1, a relaxation above
     relaxed = g + sum(weights[i] * maxima[i] for i in range(n))
     consider(bounds, modes)
-    # each maximum is at least the least any fitting split reaches: the root box's lower corner
-    lo = tuple(int(np.searchsorted(vals[i], programme.solve((), least=i)[0])) if i in active else top[i] for i in range(n))
     cut = math.inf if cutoff_s is None else cutoff_s * wt.scale
+    # Each maximum is at least the least any fitting split reaches, and at most what leaves the others
+    # their least and the sum its least below the incumbent (or the cutoff): the caps' values lie between.
+    least = {i: programme.solve((), least=i)[0] for i in active}
+    limit = min(relaxed, cut)
+    vals = []
+    for i in range(n):
+        if i not in active:
+            vals.append(np.array([math.inf]))
+            continue
+        others = g + sum(weights[j] * least[j] for j in active if j != i)
+        vals.append(programme.values(i, least[i], (limit - others) / weights[i] * (1 + 1e-9)))
+    if any(not len(x) for x in vals):  # nothing can beat the incumbent (or the cutoff)
+        vals = [x if len(x) else np.array([least[i]]) for i, x in enumerate(vals)]
+    solved: dict[tuple[int, ...], tuple] = {}
+    incumbent = [relaxed]  # the least programme objective of a split returned so far
+
+    def evaluate(hi: tuple[int, ...]):
+        """The programme under the caps at ``hi``; its split, when better than any so far, is considered."""
+        if hi not in solved:
+            solved[hi] = found = programme.solve(tuple(float(vals[i][hi[i]]) for i in range(n)))
+            if found[1] is not None:
+                value = found[0] + sum(weights[i] * found[3][i] for i in range(n))
+                if value < incumbent[0]:
+                    incumbent[0] = value
+                    consider(found[1], found[2])
+        return solved[hi]
+
+    def lower(lo: tuple[int, ...], g: float) -> float:
+        return sum(weights[i] * float(vals[i][lo[i]]) for i in active) + g
+
+    top = tuple(len(x) - 1 for x in vals)
+    lo = (0,) * n
     heap = [(lower(lo, g), lo, top)]
-    floor = relaxed  # the least bound of the boxes left: every split's relaxed objective is at least this
+    floor = None  # the least bound of the boxes left where the relaxation stopped early
     while heap:
         bound, lo, hi = heapq.heappop(heap)
+        relaxed = incumbent[0]
         limit = min(relaxed, cut)
         if bound >= limit - _TOLERANCE * abs(limit):
-            floor = relaxed
             break
         if v > 1 and len(solved) > _RELAXATION_SOLVES:  # [Note: interleaved relaxation]: CP-SAT closes the rest
-            floor = bound
+            floor = min(bound, incumbent[0])
             break
         widths = [(weights[i] * float(vals[i][hi[i]] - vals[i][lo[i]]), i) for i in active if hi[i] > lo[i]]
         if not widths:
@@ -378,14 +393,11 @@ def solve_split_dp(tables: CostTables, cutoff_s: float | None = None,
         upper_lo = tuple(middle + 1 if i == axis else lo[i] for i in range(n))
         heapq.heappush(heap, (lower(upper_lo, evaluate(hi)[0]), upper_lo, hi))
         lower_hi = tuple(middle if i == axis else hi[i] for i in range(n))
-        g_low, b_low, m_low, maxima = evaluate(lower_hi)
-        if b_low is None:
-            continue
-        found = g_low + sum(weights[i] * maxima[i] for i in range(n))
-        if found < relaxed:
-            relaxed = found
-            consider(b_low, m_low)
-        heapq.heappush(heap, (lower(lo, g_low), lo, lower_hi))
+        g_low, b_low, _, _ = evaluate(lower_hi)
+        if b_low is not None:
+            heapq.heappush(heap, (lower(lo, g_low), lo, lower_hi))
+    relaxed = incumbent[0]
+    floor = relaxed if floor is None else floor  # every split's (relaxed) objective is at least this
     # every split costs at least the relaxation's optimum (less the plainness terms), or the cutoff where the
     # search stopped there; for v = 1 the relaxation is the objective itself
     lower_s = max(0.0, (min(floor, cut) - opts.C * programme.epsilon) / wt.scale)
