@@ -129,3 +129,26 @@ def test_the_interleaved_relaxation_bounds_the_optimum_and_its_split_fits(seed):
         assert not found.exact or cost.objective_s == pytest.approx(best[0], rel=1e-12)
     ruled_out = solve_split_dp(tables, cutoff_s=found.lower_s * (1 - 1e-9))
     assert ruled_out.bounds is None and ruled_out.exact
+
+
+def test_a_plan_the_programme_settles_never_imports_cp_sat(tmp_path):
+    """With the trace cached and no interleaved candidate, `hetpar plan` runs no CP-SAT model and so never
+    imports CP-SAT (a third of a second, with the pandas it imports), and still proves its plan optimal."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HETPAR_TRACE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    code = ("import sys\nfrom hetpar.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('cp-sat imported:', 'ortools.sat.python.cp_model' in sys.modules)\n")
+    args = ["plan", str(ROOT / "examples" / "gpt.py"), "-a", "n_layers=4", "-a", "hidden=64", "-a", "seq_len=32",
+            "-c", "1x4xcpu", "-b", "8", "--virtual-stages", "1"]
+    for run in range(2):
+        out = tmp_path / f"plan{run}.json"
+        done = subprocess.run([sys.executable, "-c", code, *args, "-o", str(out)], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+    assert "cp-sat imported: False" in done.stdout  # the second run, from the cache
+    assert json.loads(out.read_text())["solver"]["status"] == "optimal"

@@ -8,7 +8,10 @@ without importing each other.
 
 from __future__ import annotations
 
-from ortools.sat.python import cp_model
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # CP-SAT's module imports pandas (a third of a second): imported where a model is solved
+    from ortools.sat.python import cp_model
 
 
 def to_ticks(seconds: float, tick_s: float) -> int:
@@ -42,6 +45,8 @@ def cp_solver(*, work_limit_s: float, workers: int, seed: int, time_limit_s: flo
         seed: CP-SAT's random seed.
         time_limit_s: wall-clock seconds, when a safety net is wanted (None: none).
     """
+    from ortools.sat.python import cp_model
+
     solver = cp_model.CpSolver()
     solver.parameters.max_deterministic_time = work_limit_s
     solver.parameters.num_workers = workers

@@ -50,7 +50,6 @@ def enumerate_candidates(model: ModelGraph, cluster, options: SearchOptions) -> 
     Raises:
         PlanningError: the pins or the batch size rule out every candidate; says why.
     """
-    num_layers = len(model.layers)
     gbs = options.global_batch_size
     check_pins(model, cluster, options)
     tp_ok = any(l.tp_capable for l in model.layers)

@@ -230,7 +230,7 @@ class _Programme:
         (each round's largest t_c, then w_c's and e_c's); with ``least``, instead the least that maximum
         (the index into caps) reaches over every fitting split (caps ignored), and that split."""
         o = self.o
-        L, C, span, P, v = o.L, o.C, o.span, o.P, o.v
+        L, C, P, v = o.L, o.C, o.P, o.v
         T = len(o.degrees)
         if least is not None:
             caps = (math.inf,) * (v + 2)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-from ortools.sat.python import cp_model
 
 from hetpar.cost_models.memory import zero_runs
 from hetpar.cost_models.pipeline import linear_step_weights
@@ -18,6 +19,9 @@ from hetpar.planner.costing import CostTables, chunk_terms
 from hetpar.planner.search.split_bound import split_sum_bound
 from hetpar.planner.solver import to_ticks
 from hetpar.vocabulary import Recompute
+
+if TYPE_CHECKING:  # imported where a model is built ([Note: interleaved relaxation] spares most candidates one)
+    from ortools.sat.python import cp_model
 
 # Solver resolution: the objective's scale divided into this many ticks, the largest
 # device memory into this many units.
@@ -289,6 +293,8 @@ class SplitModel:
         # misjudged models with 1e11-byte coefficients (tests/test_search_space.py).
         self.byte_unit = max(1.0, float(tables.capacity_bytes.max()) / _MEMORY_UNITS)
         self._memo: dict = {}
+        from ortools.sat.python import cp_model
+
         model = self.model = cp_model.CpModel()
 
         # Variables
