@@ -28,8 +28,10 @@ _SLACK = 1e-9
 _PLAINNESS = 1e-9
 # Bound and incumbent closer than this fraction are equal (float rounding of the sums).
 _TOLERANCE = 1e-12
-# Programmes one interleaved candidate's relaxation solves before CP-SAT takes over ([Note: interleaved relaxation]).
+# Programmes one interleaved candidate's relaxation solves before CP-SAT takes over, in the first pass and in
+# the pass that tries to prove the best split it found optimal ([Note: interleaved relaxation]).
 _RELAXATION_SOLVES = 32
+_PROOF_SOLVES = 160
 
 
 # [Note: split by dynamic programming]
@@ -56,16 +58,18 @@ _RELAXATION_SOLVES = 32
 # E max_r e_r ([Note: linear step time]), and a rank's memory and epilogue sum over its
 # chunks, which lie apart in the layer order. The same programme then solves a
 # relaxation: each round's maximum is a dimension of the caps (v of them), each chunk
-# need only fit its rank's memory alone, and E max_r e_r >= (E / P) sum_c e_c joins the
-# sum. Its optimum is a lower bound on every split's objective. The search asks it
-# first: a bound at or above the cutoff rules the candidate out without CP-SAT (the
-# common case once a good plan is known); a relaxed split that fits and attains the
+# need only fit its rank's memory alone, and E max_r e_r >= E sum_r mu_r e_r for any
+# weights mu_r >= 0 summing to 1 joins the sum. Its optimum is a lower bound on every
+# split's objective. The first pass weighs the ranks alike (mu_r = 1/P) and stops after
+# _RELAXATION_SOLVES programmes (the least bound of its open boxes is still a bound);
+# where its best fitting split is not proven, a second pass puts all the weight on that
+# split's heaviest rank, which bounds it exactly, and tries (for _PROOF_SOLVES
+# programmes) to show that no split's relaxation falls below it. The search asks the
+# relaxation first: a bound at or above the cutoff rules the candidate out without
+# CP-SAT (the common case once a good plan is known); a fitting split that attains the
 # bound is the optimum; otherwise CP-SAT solves the candidate from the best fitting
 # split the relaxation saw (it already beats the cutoff, so CP-SAT runs without one,
-# which it proves faster) and reports the relaxation's bound where it stops short. The
-# relaxation stops after _RELAXATION_SOLVES programmes: the epilogues' imbalance across
-# ranks keeps it from closing on the optimum, so proving its own optimum would be
-# wasted; the least bound of its open boxes is still a bound.
+# which it proves faster) and reports the relaxation's bound where it stops short.
 @dataclass(frozen=True)
 class DpSplit:
     """The best fitting split found (None: none below the cutoff), a lower bound in seconds on every split's
@@ -160,13 +164,15 @@ class _Options:
 class _Programme:
     """g(T, W, E) of [Note: split by dynamic programming] and the split attaining it."""
 
-    def __init__(self, opts: _Options, epsilon: float):
+    def __init__(self, opts: _Options, epsilon: float, rank_share: np.ndarray | None = None):
+        """``rank_share``: with v > 1, the weights (summing to 1) of the ranks' epilogues in the relaxation's sum."""
         self.o = opts
         wt = opts.wt
         self.epsilon = epsilon
         self.value = wt.chunk_sum * opts.time - wt.weight_sum * opts.weight + epsilon * opts.plain[:, None, None, None]
-        if opts.v > 1:  # [Note: interleaved relaxation]: E max_r e_r >= (E / P) sum_c e_c
-            self.value = self.value + wt.epilogue_max / opts.P * opts.epilogue
+        if opts.v > 1:  # [Note: interleaved relaxation]: E max_r e_r >= E sum_r mu_r e_r
+            share = np.full(opts.P, 1.0 / opts.P) if rank_share is None else rank_share
+            self.value = self.value + wt.epilogue_max * share[np.arange(opts.C) % opts.P] * opts.epilogue
         self.cut_value = wt.chunk_sum * opts.cut
         L, span = opts.L, opts.span
         j = np.arange(L + 1)[:, None]
@@ -322,15 +328,10 @@ def solve_split_dp(tables: CostTables, cutoff_s: float | None = None,
     """
     opts = _Options(tables, fixed_sizes)
     wt, v = opts.wt, opts.v
-    n = v + 2
     weights = [wt.round_max] * v + [wt.weight_max, wt.epilogue_max if v == 1 else 0]
-    active = [i for i in range(n) if weights[i] > 0]  # a maximum of weight 0 keeps no cap
     # the scale of the plainness term: the objective's order, the longest fitting chunk's time in every term
     scale = float(np.where(opts.ok, opts.time, 0.0).max(initial=0.0) * (wt.chunk_sum * opts.C + sum(weights))) or 1.0
-    programme = _Programme(opts, _PLAINNESS * scale / opts.C)
-    g, bounds, modes, maxima = programme.solve((math.inf,) * n)  # no caps: the least sum, and a first split
-    if bounds is None:
-        return DpSplit(None, None, lower_s=math.inf)
+    epsilon = _PLAINNESS * scale / opts.C
     true_best: list = [math.inf, None, None]  # the least objective (seconds) of a fitting split seen, its bounds and modes
 
     def consider(bounds, modes) -> None:
@@ -338,14 +339,48 @@ def solve_split_dp(tables: CostTables, cutoff_s: float | None = None,
         if cost.fits(tables) and cost.objective_s < true_best[0]:
             true_best[:] = [cost.objective_s, bounds, modes]
 
-    # the programme's objective of a split it returned (the plainness term included): exact for v = 1, a relaxation above
-    relaxed = g + sum(weights[i] * maxima[i] for i in range(n))
-    consider(bounds, modes)
     cut = math.inf if cutoff_s is None else cutoff_s * wt.scale
+    floor, heaviest = _branch_and_bound(_Programme(opts, epsilon), weights, cut, consider)
+    if floor is None:
+        return DpSplit(None, None, lower_s=math.inf)
+    if v > 1 and heaviest is not None and not true_best[0] * wt.scale <= floor * (1 + 1e-9) and floor < cut:
+        # [Note: interleaved relaxation]: the heaviest epilogue's rank alone may bound tighter than the mean
+        share = np.zeros(opts.P)
+        share[heaviest] = 1.0
+        target = min(cut, true_best[0] * wt.scale)  # what it must prove every split reaches
+        proven = _branch_and_bound(_Programme(opts, epsilon, share), weights, target, consider, prove=True)[0]
+        floor = max(floor, proven if proven is not None else math.inf)
+    # every split costs at least the relaxation's optimum (less the plainness terms), or the cutoff where the
+    # search stopped there; for v = 1 the relaxation is the objective itself
+    lower_s = max(0.0, (min(floor, cut) - opts.C * epsilon) / wt.scale)
+    exact = v == 1 or true_best[0] * wt.scale <= floor * (1 + 1e-9)
+    if cutoff_s is not None and not true_best[0] < cutoff_s:
+        # none below the cutoff: proven where the relaxation reached it, else undecided
+        return DpSplit(None, None, lower_s=lower_s, exact=v == 1 or floor >= cut * (1 - _TOLERANCE))
+    return DpSplit(true_best[1], true_best[2], lower_s=lower_s, exact=exact)
+
+
+def _branch_and_bound(programme: _Programme, weights: list[float], cut: float, consider,
+                      prove: bool = False) -> tuple[float | None, int | None]:
+    """The least programme objective over every split (its relaxation's, with v > 1) and the rank whose epilogue is
+    heaviest in the split attaining it; each improving split goes to ``consider``. A bound at or above ``cut`` may
+    stop it there. (None, None) when no split fits. See [Note: split by dynamic programming].
+
+    With ``prove``, only whether every split reaches ``cut``: it stops, returning a lower bound below ``cut``,
+    as soon as a split below ``cut`` turns up ([Note: interleaved relaxation])."""
+    opts = programme.o
+    v = opts.v
+    n = v + 2
+    active = [i for i in range(n) if weights[i] > 0]  # a maximum of weight 0 keeps no cap
+    g, bounds, modes, maxima = programme.solve((math.inf,) * n)  # no caps: the least sum, and a first split
+    if bounds is None:
+        return None, None
+    incumbent = [g + sum(weights[i] * maxima[i] for i in range(n)), bounds, modes]
+    consider(bounds, modes)
     # Each maximum is at least the least any fitting split reaches, and at most what leaves the others
     # their least and the sum its least below the incumbent (or the cutoff): the caps' values lie between.
     least = {i: programme.solve((), least=i)[0] for i in active}
-    limit = min(relaxed, cut)
+    limit = min(incumbent[0], cut)
     vals = []
     for i in range(n):
         if i not in active:
@@ -356,7 +391,6 @@ def solve_split_dp(tables: CostTables, cutoff_s: float | None = None,
     if any(not len(x) for x in vals):  # nothing can beat the incumbent (or the cutoff)
         vals = [x if len(x) else np.array([least[i]]) for i, x in enumerate(vals)]
     solved: dict[tuple[int, ...], tuple] = {}
-    incumbent = [relaxed]  # the least programme objective of a split returned so far
 
     def evaluate(hi: tuple[int, ...]):
         """The programme under the caps at ``hi``; its split, when better than any so far, is considered."""
@@ -365,7 +399,7 @@ def solve_split_dp(tables: CostTables, cutoff_s: float | None = None,
             if found[1] is not None:
                 value = found[0] + sum(weights[i] * found[3][i] for i in range(n))
                 if value < incumbent[0]:
-                    incumbent[0] = value
+                    incumbent[:] = [value, found[1], found[2]]
                     consider(found[1], found[2])
         return solved[hi]
 
@@ -378,12 +412,11 @@ def solve_split_dp(tables: CostTables, cutoff_s: float | None = None,
     floor = None  # the least bound of the boxes left where the relaxation stopped early
     while heap:
         bound, lo, hi = heapq.heappop(heap)
-        relaxed = incumbent[0]
-        limit = min(relaxed, cut)
+        limit = min(incumbent[0], cut)
         if bound >= limit - _TOLERANCE * abs(limit):
             break
-        if v > 1 and len(solved) > _RELAXATION_SOLVES:  # [Note: interleaved relaxation]: CP-SAT closes the rest
-            floor = min(bound, incumbent[0])
+        if v > 1 and (len(solved) > (_PROOF_SOLVES if prove else _RELAXATION_SOLVES) or (prove and incumbent[0] < cut * (1 - 1e-9))):
+            floor = min(bound, incumbent[0])  # [Note: interleaved relaxation]: CP-SAT closes the rest
             break
         widths = [(weights[i] * float(vals[i][hi[i]] - vals[i][lo[i]]), i) for i in active if hi[i] > lo[i]]
         if not widths:
@@ -396,16 +429,13 @@ def solve_split_dp(tables: CostTables, cutoff_s: float | None = None,
         g_low, b_low, _, _ = evaluate(lower_hi)
         if b_low is not None:
             heapq.heappush(heap, (lower(lo, g_low), lo, lower_hi))
-    relaxed = incumbent[0]
-    floor = relaxed if floor is None else floor  # every split's (relaxed) objective is at least this
-    # every split costs at least the relaxation's optimum (less the plainness terms), or the cutoff where the
-    # search stopped there; for v = 1 the relaxation is the objective itself
-    lower_s = max(0.0, (min(floor, cut) - opts.C * programme.epsilon) / wt.scale)
-    exact = v == 1 or true_best[0] * wt.scale <= floor * (1 + 1e-9)
-    if cutoff_s is not None and not true_best[0] < cutoff_s:
-        # none below the cutoff: proven where the relaxation reached it, else undecided
-        return DpSplit(None, None, lower_s=lower_s, exact=v == 1 or floor >= cut * (1 - _TOLERANCE))
-    return DpSplit(true_best[1], true_best[2], lower_s=lower_s, exact=exact)
+    heaviest = None
+    if v > 1:
+        epilogue = np.zeros(opts.P)
+        for c, ((first, last), k) in enumerate(zip(incumbent[1], incumbent[2])):
+            epilogue[c % opts.P] += opts.epilogue[k, first, last - first, c]
+        heaviest = int(epilogue.argmax())
+    return (min(incumbent[0], cut) if floor is None else floor), heaviest
 
 
 __all__ = ["DpSplit", "dp_eligible", "dp_relaxes", "solve_split_dp"]
