@@ -119,26 +119,19 @@ class _Options:
         self.deg = np.array([tables.tp_index(k) for k in range(K)])
         allowed = np.isfinite(tables.time_s) & np.isfinite(tables.memory_bytes)
 
-        def prefix(a: np.ndarray) -> np.ndarray:
-            a = np.where(allowed, a, 0.0)
-            return np.concatenate([np.zeros((K, 1, C)), np.cumsum(a, axis=1)], axis=1)
-
         starts = np.arange(L)[:, None]
         ends = np.minimum(starts + np.arange(1, span + 1)[None, :], L)  # [L, span]
         inside = (starts + np.arange(1, span + 1)[None, :]) <= L
-
-        def run(a: np.ndarray) -> np.ndarray:
-            p = prefix(a)
-            return p[:, ends, :] - p[:, starts, :]  # [K, L, span, C]
-
-        bad = np.concatenate([np.zeros((K, 1, C)), np.cumsum(~allowed, axis=1)], axis=1)
-        bad = bad[:, ends, :] - bad[:, starts, :]
-        time = run(tables.time_s) + run(tables.gather_fwd_s) + run(tables.gather_bwd_s)
-        time += (tables.gather_fwd_latency_s + tables.gather_bwd_latency_s)[:, None, None, :]
-        self.time = time
-        self.weight = run(tables.weight_s)
-        self.epilogue = run(tables.epilogue_s) + tables.epilogue_latency_s[:, None, None, :]
-        memory = run(tables.memory_bytes) + _buffers(tables, span)[..., None]
+        # the sums over every run of layers, of the per-layer terms at once: [5, K, L, span, C]
+        per_layer = np.stack([tables.time_s + tables.gather_fwd_s + tables.gather_bwd_s, tables.weight_s, tables.epilogue_s,
+                              tables.memory_bytes, np.zeros_like(tables.time_s)])
+        per_layer = np.where(allowed, per_layer, 0.0)
+        per_layer[4] = ~allowed  # layers a mode cannot hold
+        prefix = np.concatenate([np.zeros((5, K, 1, C)), np.cumsum(per_layer, axis=2)], axis=2)
+        time, self.weight, epilogue, memory, bad = prefix[:, :, ends, :] - prefix[:, :, starts, :]
+        self.time = time + (tables.gather_fwd_latency_s + tables.gather_bwd_latency_s)[:, None, None, :]
+        self.epilogue = epilogue + tables.epilogue_latency_s[:, None, None, :]
+        memory = memory + _buffers(tables, span)[..., None]
         ok = (memory <= tables.capacity_bytes[np.arange(C) % cand.pp] * (1 + _SLACK)) & (bad < 0.5) & inside[None, :, :, None]
         if fixed_sizes:
             pinned = np.zeros((L, span, C), dtype=bool)
