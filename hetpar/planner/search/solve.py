@@ -1,9 +1,10 @@
 """The search: the fastest plan under the cost model, with proof of optimality.
 
-Outer enumeration covers what the CP-SAT model keeps fixed (data- and
-pipeline-parallel degrees, micro-batch size, schedule and its virtual stages, and how
-many stages each device type hosts); for each such candidate one CP-SAT model chooses
-the cut points of the layer sequence into stages, which may be uneven and which see
+Outer enumeration covers what the split keeps fixed (data- and pipeline-parallel
+degrees, micro-batch size, schedule and its virtual stages, and how many stages each
+device type hosts); for each such candidate an exact split solver (a dynamic programme,
+or CP-SAT where the schedule interleaves: ``solve_split``) chooses the cut points of the
+layer sequence into stages, which may be uneven and which see
 each stage's own device type, and each stage's mode: its tensor-parallel degree
 ([Note: per-stage tensor parallelism] in planner.costing.candidate), activation recomputation and
 ZeRO stage. The objective is [Note: split objective] in planner.costing.tables.
@@ -76,8 +77,10 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
                 cutoff_s: float | None = None) -> SplitResult | None:
     """The best split of layers into chunks, and the mode of each, for one candidate; None if none fits.
 
-    CP-SAT model of [Note: split objective] over the cut positions and the stage modes;
-    see [Note: cut formulation].
+    [Note: split objective] over the cut positions and the stage modes: solved by dynamic
+    programming where each rank holds one chunk ([Note: split by dynamic programming]);
+    interleaved, by CP-SAT ([Note: cut formulation]) after the programme's relaxation
+    ([Note: interleaved relaxation]), which settles many without it.
 
     Args:
         fixed_sizes: layers per chunk, when the split is pinned (the modes are still chosen).

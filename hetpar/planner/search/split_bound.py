@@ -52,10 +52,10 @@ def split_sum_bound(tables: CostTables, wt: LinearStepWeights, pace_s: float | N
     value = wt.chunk_sum * time - wt.weight_sum * tables.weight_s + wt.epilogue_max / P * tables.epilogue_s
     value = np.where(allowed, value, 0.0)
     prefix = {name: _prefix(a) for name, a in (("time", time), ("memory", memory), ("value", value), ("bad", (~allowed).astype(float)))}
-    span = _span(tables, allowed, time, memory, pace_s)
+    span = longest_chunk(tables, allowed, time, memory, pace_s)
     if span == 0:
         return np.inf
-    buffers = _buffers(tables, span)  # [K, L, span]
+    buffers = chunk_buffers(tables, span)  # [K, L, span]
     degree = np.array([tables.tp_index(k) for k in range(K)])
     cut = tables.cut_s.min(axis=1)[degree] if C > 1 else np.zeros((K, L, 1))  # [K, L, C]: the cheapest hand-off onwards
     starts = np.arange(L)[:, None]
@@ -92,7 +92,7 @@ def _prefix(a: np.ndarray) -> np.ndarray:
     return np.concatenate([np.zeros((a.shape[0], 1, a.shape[2])), np.cumsum(a, axis=1)], axis=1)
 
 
-def _span(tables: CostTables, allowed: np.ndarray, time: np.ndarray, memory: np.ndarray, pace_s: float | None) -> int:
+def longest_chunk(tables: CostTables, allowed: np.ndarray, time: np.ndarray, memory: np.ndarray, pace_s: float | None) -> int:
     """The most layers any chunk can hold: the longest run whose cheapest memory (over modes and chunks)
     fits the largest device and, with a pace, whose cheapest time stays within it."""
     L, C = tables.num_layers, tables.num_chunks
@@ -109,7 +109,7 @@ def _span(tables: CostTables, allowed: np.ndarray, time: np.ndarray, memory: np.
     return max(span, 0)
 
 
-def _buffers(tables: CostTables, span: int) -> np.ndarray:
+def chunk_buffers(tables: CostTables, span: int) -> np.ndarray:
     """[K, L, span]: the one-layer buffers (recompute's workspace, the widest gradient, ZeRO-3's gathered weights) of a chunk
     from layer i holding d + 1 layers in mode k; see [Note: split objective] in planner.costing.tables."""
     cand = tables.candidate
@@ -131,4 +131,4 @@ def _buffers(tables: CostTables, span: int) -> np.ndarray:
     return out
 
 
-__all__ = ["split_sum_bound"]
+__all__ = ["chunk_buffers", "longest_chunk", "split_sum_bound"]

@@ -14,7 +14,7 @@ import numpy as np
 
 from hetpar.cost_models.pipeline import linear_step_weights
 from hetpar.planner.costing import CostTables, evaluate_split
-from hetpar.planner.search.split_bound import _buffers, _span
+from hetpar.planner.search.split_bound import chunk_buffers, longest_chunk
 from hetpar.vocabulary import Recompute
 
 # Candidates whose option arrays (modes x degrees x layers x chunk lengths x chunks)
@@ -45,9 +45,12 @@ _PROOF_SOLVES = 160
 # are read from the tables as chunk_terms reads them. g falls as the caps rise, so
 # over a box of caps [T1, T2] x [W1, W2] x [E1, E2] every split whose maxima lie in
 # it costs at least G T1 + H W1 + E E1 + g(T2, W2, E2), and the split that attains
-# g(T2, W2, E2) is a real split whose objective is an upper bound. Branch and bound
-# over boxes of the caps' distinct values (bisecting the widest) then ends with the
-# optimum and its proof, or with no split below a cutoff. The candidate's objective
+# g(T2, W2, E2) is a real split whose objective is an upper bound. The root box runs
+# from the least each maximum reaches over every fitting split (a bottleneck path: max
+# in place of sum) to the most it can be in a split that beats the incumbent, the sum
+# and the other maxima at their least. Branch and bound over boxes of the caps'
+# distinct values (bisecting the widest) then ends with the optimum and its proof, or
+# with no split below a cutoff. The candidate's objective
 # is the exact float of evaluate_split (CP-SAT's is rounded to ticks), ties going to
 # the split with fewest chunks that shard or recompute. Interleaved candidates
 # (v > 1: a rank's chunks share its memory and epilogue) stay with CP-SAT, which the
@@ -100,7 +103,7 @@ def dp_relaxes(tables: CostTables) -> bool:
 def _longest(tables: CostTables) -> int:
     """The most layers one chunk can hold: split_bound's span, memory alone (0: some layer fits nowhere)."""
     allowed = np.isfinite(tables.time_s) & np.isfinite(tables.memory_bytes)
-    return _span(tables, allowed, np.where(allowed, tables.time_s, 0.0), np.where(allowed, tables.memory_bytes, 0.0), None)
+    return longest_chunk(tables, allowed, np.where(allowed, tables.time_s, 0.0), np.where(allowed, tables.memory_bytes, 0.0), None)
 
 
 class _Options:
@@ -131,7 +134,7 @@ class _Options:
         time, self.weight, epilogue, memory, bad = prefix[:, :, ends, :] - prefix[:, :, starts, :]
         self.time = time + (tables.gather_fwd_latency_s + tables.gather_bwd_latency_s)[:, None, None, :]
         self.epilogue = epilogue + tables.epilogue_latency_s[:, None, None, :]
-        memory = memory + _buffers(tables, span)[..., None]
+        memory = memory + chunk_buffers(tables, span)[..., None]
         ok = (memory <= tables.capacity_bytes[np.arange(C) % cand.pp] * (1 + _SLACK)) & (bad < 0.5) & inside[None, :, :, None]
         if fixed_sizes:
             pinned = np.zeros((L, span, C), dtype=bool)
@@ -153,6 +156,7 @@ class _Options:
         self.budget = len(self.degrees) > 1 and bool(cand.tp_sum)
         self.types = tables.device_types
         self.shares = dict(cand.tp_sum) if self.budget else {}
+
 
 class _Programme:
     """g(T, W, E) of [Note: split by dynamic programming] and the split attaining it."""
@@ -225,8 +229,8 @@ class _Programme:
         return out
 
     def solve(self, caps: tuple[float, ...], least: int | None = None) -> tuple[float, list | None, list | None, tuple]:
-        """(g(caps), the split's bounds, its modes, its maxima), caps and maxima in ``_Options.values``' order
-        (each round's largest t_c, then w_c's and e_c's); with ``least``, instead the least that maximum
+        """(g(caps), the split's bounds, its modes, its maxima), caps and maxima in one order (each round's
+        largest t_c, then the largest w_c and e_c); with ``least``, instead the least that maximum
         (the index into caps) reaches over every fitting split (caps ignored), and that split."""
         o = self.o
         L, C, P, v = o.L, o.C, o.P, o.v
