@@ -133,6 +133,13 @@ class ObjectiveKind(_Name):
     ENERGY = "energy"  # joules per step over sub-clusters
 
 
+class SplitSolver(_Name):
+    """How the search solves each candidate's layer split (``hetpar plan --split-solver``)."""
+
+    AUTO = "auto"  # a dynamic programme where each rank holds one chunk, CP-SAT where the schedule interleaves
+    CP_SAT = "cp-sat"  # CP-SAT for every candidate
+
+
 class Switch(_Name):
     """A choice the user may leave to hetpar: ``--hetero-dp``, the program's ``--compile``."""
 

@@ -118,10 +118,10 @@ def _without_timings(text: str) -> str:
 
 def test_plan_does_not_depend_on_machine_load(tmp_path):
     """[Note: deterministic search]: the same command gives the same plan JSON, byte for byte but for its
-    timings, also while another process keeps a core busy; the limit here stops candidates short of a proof
-    (interleaved ones, which CP-SAT solves: [Note: interleaved relaxation])."""
+    timings, also while another process keeps a core busy; the limit here stops CP-SAT's solves short of
+    a proof (every candidate CP-SAT's: the split programme has no limit to hit)."""
     args = ("plan", GPT, "-c", "1x4xcpu", "-b", "8", "-a", "n_layers=8", "-a", "hidden=64", "-a", "seq_len=16",
-            "--work-limit", "0.0005", "--virtual-stages", "2")
+            "--work-limit", "0.0005", "--split-solver", "cp-sat")
     quiet = hetpar(*args, "-o", str(tmp_path / "quiet.json"))
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

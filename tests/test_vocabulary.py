@@ -129,6 +129,7 @@ CLI_OPTIONS = {  # (command, parameter) -> the vocabulary name its choices must 
     ("plan", "dtype"): vocabulary.DType,
     ("plan", "objective"): vocabulary.ObjectiveKind,
     ("plan", "hetero_dp"): vocabulary.Switch,
+    ("plan", "split_solver"): vocabulary.SplitSolver,
     ("estimate", "schedule"): vocabulary.Schedule,
     ("estimate", "recompute"): vocabulary.Recompute,
     ("estimate", "dtype"): vocabulary.DType,

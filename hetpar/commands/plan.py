@@ -14,7 +14,7 @@ from hetpar.cost_models.devices import get_device
 from hetpar.commands.common import profiles_option
 from hetpar.commands.common import console, model_label, model_source, default_compiled, default_dtype, domain_errors, fail, gib, print_json, rank_ranges, seconds
 from hetpar.planner import ParallelPlan, SearchOptions, default_split, proof_scope
-from hetpar.vocabulary import AggregationKind, CompressionKind, DType, ObjectiveKind, Recompute, Schedule, Switch, SyncScope
+from hetpar.vocabulary import AggregationKind, CompressionKind, DType, ObjectiveKind, Recompute, Schedule, SplitSolver, Switch, SyncScope
 
 
 @domain_errors
@@ -48,6 +48,7 @@ def plan(
     compiled: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="Plan for stages under torch.compile (fewer, fused kernels) \\[default: on where every device is an NVIDIA or AMD GPU].", show_default=False)] = None,
     max_tp: Annotated[int, typer.Option(help="Largest tensor-parallel degree to consider.")] = 8,
     work_limit: Annotated[float, typer.Option(help="CP-SAT work limit per interleaved candidate (the others are solved exactly by dynamic programming), in deterministic seconds (about one second of one core, the same on every machine): the plan does not depend on the machine's speed or load.")] = 10.0,
+    split_solver: Annotated[SplitSolver, typer.Option(help="How each candidate's layer split is solved: auto, exactly by dynamic programming where every pipeline rank holds one chunk and by CP-SAT where the schedule interleaves; cp-sat, every candidate by CP-SAT (the search before the programme, for comparison).")] = SplitSolver.AUTO,
     time_limit: Annotated[Optional[float], typer.Option(help="Wall-clock safety net per candidate, seconds; a candidate it stops makes the plan depend on the machine (the status says so) \\[default: none].", show_default=False)] = None,
     leaf_module: Annotated[Optional[list[str]], typer.Option(help="Module path to keep opaque when tracing; repeatable.")] = None,
     objective: Annotated[ObjectiveKind, typer.Option(help="time: the fastest plan on all devices; cost: the fewest dollars per step over sub-clusters; energy: the fewest joules per step over sub-clusters (grams of CO2 reported where the cluster file gives carbon_g_per_kwh).")] = ObjectiveKind.TIME,
@@ -79,6 +80,7 @@ def plan(
         stage_devices=tuple(get_device(name.strip()).name for name in stage_devices.split(",")) if stage_devices else None,
         max_tp=max_tp,
         work_limit_s=work_limit,
+        split_solver=split_solver.value,
         time_limit_s=time_limit,
         compiled=default_compiled(the_cluster.device_types()) if compiled is None else compiled,
     )

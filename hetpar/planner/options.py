@@ -18,7 +18,7 @@ from hetpar.cost_models.layers import tp_misfit
 from hetpar.cost_models.offload import offload_refusal
 from hetpar.planner.errors import PlanningError
 from hetpar.planner.model_graph import ModelGraph
-from hetpar.vocabulary import DType, Optimizer, Recompute, Schedule, Switch, ZeroStage
+from hetpar.vocabulary import DType, Optimizer, Recompute, Schedule, SplitSolver, Switch, ZeroStage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +48,7 @@ class SearchOptions:
     workers: int = 1  # CP-SAT workers per solve; > 1 runs them in deterministic batches ([Note: deterministic search])
     # "auto": candidates of one chunk per rank by dynamic programming, the rest by CP-SAT; "cp-sat": every
     # candidate by CP-SAT ([Note: split by dynamic programming] in planner.search.split_dp)
-    split_solver: str = "auto"
+    split_solver: str = SplitSolver.AUTO
     seed: int = 0
     top_k: int = 3
     compiled: bool = False  # stages run under torch.compile ([Note: compiled stages] in cost_models.compute)
@@ -77,8 +77,8 @@ def check_pins(model: ModelGraph, cluster, options: SearchOptions) -> None:
     gbs = options.global_batch_size
     if gbs < 1:
         raise PlanningError(f"--global-batch must be positive, got {gbs}")
-    if options.split_solver not in ("auto", "cp-sat"):
-        raise PlanningError(f"split_solver {options.split_solver!r} must be 'auto' or 'cp-sat'")
+    if options.split_solver not in tuple(SplitSolver):
+        raise PlanningError(f"split_solver {options.split_solver!r} must be one of {', '.join(SplitSolver)}")
     if not options.work_limit_s > 0:
         raise PlanningError(f"--work-limit must be a positive number of deterministic seconds, got {options.work_limit_s:g}")
     if options.time_limit_s is not None and not options.time_limit_s > 0:

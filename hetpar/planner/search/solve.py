@@ -53,7 +53,7 @@ from hetpar.planner.search.split_model import (
     objective_floor,
 )
 from hetpar.planner.solver import cp_solver, limit_hit
-from hetpar.vocabulary import Switch
+from hetpar.vocabulary import SplitSolver, Switch
 
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
@@ -90,7 +90,7 @@ def solve_split(tables: CostTables, options: SearchOptions, fixed_sizes: tuple[i
     if not np.isfinite(tables.time_s).any(axis=0).all():
         return None  # a device lacks the training dtype, or no offered degree splits a layer
     relaxed = None
-    if options.split_solver == "auto" and (dp_eligible(tables) or dp_relaxes(tables)):
+    if options.split_solver == SplitSolver.AUTO and (dp_eligible(tables) or dp_relaxes(tables)):
         # [Note: split by dynamic programming]; interleaved, [Note: interleaved relaxation]
         relaxed = solve_split_dp(tables, cutoff_s, fixed_sizes)
         if relaxed.exact:
