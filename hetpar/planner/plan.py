@@ -38,6 +38,9 @@ class StagePlan:
     """One pipeline stage: a contiguous run of layers on ``data_parallel * tensor_parallel`` ranks.
 
     ``ranks[d][t]`` is the global rank of data-parallel replica d, tensor-parallel index t.
+    Replicas may differ in tensor-parallel degree (``len(ranks[d])``; [Note: replicas of
+    different degrees] in runtime/mixed_sync.py): ``tensor_parallel`` is then replica 0's,
+    and the stage runs ZeRO 0 without expert, context or sequence parallelism or offload.
     """
 
     index: int
@@ -96,12 +99,31 @@ class StagePlan:
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise PlanFileError(f"stage {self.index}: sequence_parallel needs tensor_parallel > 1 (it shards the "
                                 f"sequence over the tp ranks)")
-        widths = {len(r) for r in self.ranks}
-        if widths != {self.tensor_parallel}:
-            raise PlanFileError(
-                f"stage {self.index}: each replica needs tensor_parallel({self.tensor_parallel}) ranks, got {sorted(widths)}"
-            )
+        if not self.ranks or not all(self.ranks):
+            raise PlanFileError(f"stage {self.index}: every replica needs at least one rank")
+        if len(self.ranks[0]) != self.tensor_parallel:
+            raise PlanFileError(f"stage {self.index}: replica 0 needs tensor_parallel({self.tensor_parallel}) ranks, "
+                                f"got {len(self.ranks[0])}")
+        if self.mixed_degrees:
+            kept = [name for name, used in (("zero_stage > 0", self.zero_stage), ("expert_parallel",
+                    self.expert_parallel > 1), ("context_parallel", self.context_parallel > 1),
+                    ("sequence_parallel", self.sequence_parallel), ("offload", self.offload),
+                    ("a vocabulary split", any(getattr(k, "value", k) in (Sharding.VOCAB_EMBEDDING.value,
+                                              Sharding.VOCAB_HEAD.value) for k in self.tp_sharding.values()))) if used]
+            if kept:
+                raise PlanFileError(f"stage {self.index}: replicas of tensor-parallel degrees {self.replica_degrees} "
+                                    f"run without {', '.join(kept)}; give every replica one degree or drop them")
         self._check_parts()
+
+    @property
+    def replica_degrees(self) -> list[int]:
+        """The tensor-parallel degree of each replica: ``len(ranks[d])``."""
+        return [len(r) for r in self.ranks]
+
+    @property
+    def mixed_degrees(self) -> bool:
+        """Whether the stage's replicas differ in tensor-parallel degree."""
+        return len(set(self.replica_degrees)) > 1
 
     def _check_parts(self) -> None:
         for path, parts in self.tp_parts.items():
@@ -111,10 +133,11 @@ class StagePlan:
             if not isinstance(parts, list) or len(parts) < 2 or \
                     not all(type(p) is int and p > 0 for p in parts):
                 raise PlanFileError(f"{where} must be a list of two or more positive part sizes, got {parts!r}")
-            bad = [p for p in parts if p % self.tensor_parallel]
-            if bad:
-                raise PlanFileError(f"{where}: a part of {bad[0]} features does not divide by "
-                                    f"tensor_parallel({self.tensor_parallel})")
+            for tp in sorted(set(self.replica_degrees)):
+                bad = [p for p in parts if p % tp]
+                if bad:
+                    raise PlanFileError(f"{where}: a part of {bad[0]} features does not divide by "
+                                        f"tensor_parallel({tp})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,6 +234,9 @@ class ParallelPlan:
         tps = {s.tensor_parallel for s in physical}
         cp = self.context_parallel
         used = sum(self.data_parallel * cp * s.tensor_parallel for s in physical)
+        if any(s.mixed_degrees for s in physical):
+            used = sum(len(r) for s in physical for r in s.ranks)
+            tps = set()
         if used != world:
             tp_text = f"tp({tps.pop()})" if len(tps) == 1 else "sum of stage tp"
             cp_text = f" * cp({cp})" if cp > 1 else ""
@@ -233,6 +259,7 @@ class ParallelPlan:
         if layers != list(range(len(self.model.layer_names))):
             raise PlanFileError(f"stages cover layers {layers}, the model has {len(self.model.layer_names)} layers")
         self._check_data_parallel_options()
+        self._check_mixed_degrees()
         self._check_expert_parallel()
         self._check_context_parallel()
 
@@ -258,6 +285,15 @@ class ParallelPlan:
                 or self.replica_batch_shares is not None or self.rebalance_every):
             raise PlanFileError(f"context_parallel {cp} runs with plain data parallelism: no gradient compression, "
                                 f"robust aggregation, local SGD, uneven replica shares or rebalancing")
+
+    def _check_mixed_degrees(self) -> None:
+        """Replicas of different tensor-parallel degrees sync their gradients by a plain weighted all-reduce."""
+        mixed = [s.index for s in self.stages if s.mixed_degrees]
+        if mixed and (self.grad_compression != CompressionKind.NONE or self.aggregation != AggregationKind.MEAN
+                      or self.sync_every != 1):
+            raise PlanFileError(f"stage {mixed[0]} has replicas of tensor-parallel degrees "
+                                f"{self.stages[mixed[0]].replica_degrees}: they run with plain data parallelism (no "
+                                f"gradient compression, robust aggregation or local SGD)")
 
     def _check_expert_parallel(self) -> None:
         """Expert parallelism is one degree for the whole plan, on the program's plain data parallelism."""

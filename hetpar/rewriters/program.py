@@ -87,7 +87,7 @@ class Features:
             local_sgd=plan.sync_every > 1,
             node_scope=plan.sync_every > 1 and plan.sync_scope == SyncScope.NODE,
             powersgd=plan.grad_compression.startswith(CompressionKind.POWERSGD.value),
-            tensor_parallel=any(s.tensor_parallel > 1 for s in plan.stages),
+            tensor_parallel=any(max(s.replica_degrees) > 1 for s in plan.stages),
             expert_parallel=any(s.expert_parallel > 1 for s in plan.stages),
             context_parallel=plan.context_parallel > 1,
             sequence_parallel=any(s.sequence_parallel for s in plan.stages),
@@ -124,7 +124,8 @@ def stage_table(plan: ParallelPlan) -> str:
     ep = any(s.expert_parallel > 1 for s in plan.stages)
     header = ("stage", "layers", "ranks[d][t]", "device", "tp", *(("ep",) if ep else ()))
     rows = [
-        (str(s.index), _layer_summary(plan, s), str(s.ranks), s.device_type, str(s.tensor_parallel),
+        (str(s.index), _layer_summary(plan, s), str(s.ranks), s.device_type,
+         "/".join(map(str, sorted(set(s.replica_degrees)))),
          *((str(s.expert_parallel),) if ep else ()))
         for s in plan.stages
     ]
@@ -347,7 +348,7 @@ def _model_shard(plan: ParallelPlan, f: Features) -> str:
     ]
     recompute = "  # recompute: each layer under torch.utils.checkpoint"
     # tensor parallel: the stage's shape constants made local ([Note: local shape constants] in hetpar/runtime/parts.py)
-    local = ",\n                       tensor_parallel={0}.tensor_parallel, tp_sharding={0}.tp_sharding" \
+    local = ",\n                       tensor_parallel={0}.degree(me.replica), tp_sharding={0}.tp_sharding" \
         if f.tensor_parallel else ""
     # context parallel: cut for the rank's share of each sequence ([Note: context parallelism] in hetpar/runtime/context.py)
     local += ", cp_mesh=groups.cp_mesh" if f.context_parallel else ""
@@ -382,7 +383,8 @@ def _model_shard(plan: ParallelPlan, f: Features) -> str:
             "allocated yet)",
             *(["# (sequence_parallel: rowwise outputs reduce-scattered over the sequence, colwise inputs gathered)"]
               if f.sequence_parallel else []),
-            "if stage_plan.tensor_parallel > 1:",
+            "if stage_plan.degree(me.replica) > 1:  # this replica's degree (replicas may differ: "
+            "runtime/mixed_sync.py)",
             "    shard.apply_tensor_parallel(model_shard, groups.tp_mesh, stage_plan.tp_sharding, stage_plan.tp_parts)",
         ]
     if f.expert_parallel:

@@ -13,6 +13,8 @@
 - ``RobustAggregate`` (runtime.robust): trimmed mean, median or Krum of the gathered gradients.
 - ``LocalSGD`` (runtime.local_sgd): parameters and optimizer state averaged every K steps.
 - ``FullyShard``: ZeRO 1-3 through FSDP2; see [Note: ZeRO through FSDP2].
+- ``MixedDegreeSync`` (runtime.mixed_sync): a stage whose replicas differ in
+  tensor-parallel degree; see [Note: replicas of different degrees].
 - ``ExpertParallelSync``: a stage whose experts are split over its replicas
   (``expert_parallel`` > 1): the other parameters as ``AllReduce``, the experts'
   gradients over the replicas holding the same experts; see [Note: expert parallelism]
@@ -108,6 +110,7 @@ from hetpar.runtime.distributed import Groups, StageSpec
 from hetpar.runtime.experts import expert_parameters
 from hetpar.runtime.faults import from_environment as faults_from_environment
 from hetpar.runtime.local_sgd import LocalSGD
+from hetpar.runtime.mixed_sync import MixedDegreeSync
 from hetpar.runtime.recompute import graph_before_recompute
 from hetpar.runtime.robust import RobustAggregate
 from hetpar.runtime.sync_spec import check_sync, parse_aggregation, parse_compression
@@ -413,6 +416,11 @@ def _sync_method(module: nn.Module, stage: StageSpec, groups: Groups, compressio
     check_sync(compression, aggregation, sync_every, sync_scope, data_parallel=dp, zero_stages=[stage.zero_stage],
                equal_shares=True)
     check_expert_parallel(stage, compression, aggregation, sync_every)
+    if stage.mixed_degrees:  # replicas of different tensor-parallel degrees: [Note: replicas of different degrees]
+        if (comp.kind, agg.robust, sync_every) != (CompressionKind.NONE, False, 1):
+            raise ValueError("replicas of different tensor-parallel degrees sync with a plain all-reduce: no gradient "
+                             "compression, robust aggregation or local SGD")
+        return MixedDegreeSync(module, stage, groups)
     if groups.dp_group is None and not (stage.offload and groups.dp_mesh is not None):
         return GradientSync()
     params = list(module.parameters())

@@ -8,6 +8,10 @@ data-parallel group is the column ``ranks[*][t]`` (the ranks that hold the same 
 of the same stage). ``dist.new_group`` is collective over the whole world, so every
 rank creates every group, stage by stage, in the same order, and keeps its own.
 
+A stage whose replicas differ in tensor-parallel degree (``len(ranks[d])``) has no
+data-parallel columns: its one data-parallel group holds the replicas' first ranks
+``ranks[*][0]`` ([Note: replicas of different degrees] in runtime/mixed_sync.py).
+
 Pipeline peers are the ranks of the neighbouring stage in the same replica. When both
 stages have the same tensor-parallel degree, index t talks to index t. Otherwise a
 receiver with index t reads from the sender with index ``t % tp_sender`` (tensors
@@ -64,8 +68,13 @@ class StageSpec:
     offload: bool = False  # the ZeRO-3 shard in host memory (runtime.data_parallel, [Note: offload through FSDP2])
 
     def __post_init__(self) -> None:
-        if any(len(replica) != self.tensor_parallel for replica in self.ranks):
-            raise ValueError(f"stage with layers {self.layers}: every replica needs tensor_parallel({self.tensor_parallel}) ranks")
+        if not self.ranks or len(self.ranks[0]) != self.tensor_parallel or not all(self.ranks):
+            raise ValueError(f"stage with layers {self.layers}: replica 0 needs tensor_parallel({self.tensor_parallel}) "
+                             f"ranks and every replica at least one")
+        if self.mixed_degrees and (self.zero_stage or self.expert_parallel > 1 or self.context_parallel > 1
+                                   or self.sequence_parallel or self.offload):
+            raise ValueError(f"stage with layers {self.layers}: replicas of tensor-parallel degrees "
+                             f"{[len(r) for r in self.ranks]} run with ZeRO 0 and without ep, cp, sp or offload")
         if self.expert_parallel < 1 or len(self.ranks) % self.expert_parallel:
             raise ValueError(f"stage with layers {self.layers}: expert_parallel({self.expert_parallel}) must divide its "
                              f"{len(self.ranks)} data-parallel replicas")
@@ -76,6 +85,17 @@ class StageSpec:
             raise ValueError(f"stage with layers {self.layers}: sequence_parallel needs tensor_parallel > 1")
         if self.offload and self.zero_stage != 3:
             raise ValueError(f"stage with layers {self.layers}: offload needs zero_stage 3")
+
+
+    def degree(self, replica: int) -> int:
+        """Replica ``replica``'s tensor-parallel degree: ``len(ranks[replica])``."""
+        return len(self.ranks[replica])
+
+    @property
+    def mixed_degrees(self) -> bool:
+        """Whether the replicas differ in tensor-parallel degree ([Note: replicas of different degrees] in
+        runtime/mixed_sync.py)."""
+        return len({len(r) for r in self.ranks}) > 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,6 +213,8 @@ def build_groups(stages: list[StageSpec], me: Placement, device: torch.device, *
         return groups
     node_group = None
     for s, stage in enumerate(stages):
+        if stage.mixed_degrees:
+            continue  # synced by runtime.mixed_sync, over the whole stage every step
         for t in range(stage.tensor_parallel):
             column = [replica[t] for replica in stage.ranks]
             for node in sorted({r // ranks_per_node for r in column}):
@@ -212,6 +234,12 @@ def _stage_groups(stages: list[StageSpec], me: Placement, device: torch.device) 
                 group = dist.new_group(replica)
                 if (s, d) == (me.stage, me.replica):
                     tp_group = group
+        if stage.mixed_degrees:  # one group of the replicas' first ranks: [Note: replicas of different degrees]
+            leaders = [replica[0] for replica in stage.ranks]
+            group = dist.new_group(leaders)
+            if s == me.stage and me.tp_index == 0:
+                dp_group = group
+            continue
         for t in range(stage.tensor_parallel):
             column = [replica[t] for replica in stage.ranks]
             if len(column) > 1:
@@ -223,7 +251,7 @@ def _stage_groups(stages: list[StageSpec], me: Placement, device: torch.device) 
                 if (s, t) == (me.stage, me.tp_index):
                     alone = group
     mine = stages[me.stage]
-    column = [replica[me.tp_index] for replica in mine.ranks]
+    column = [replica[me.tp_index] for replica in mine.ranks if me.tp_index < len(replica)]
     fsdp_group = dp_group if dp_group is not None else alone  # what FSDP2 shards over (alone: no dp group)
     if tp_group is not None and fsdp_group is not None and mine.zero_stage > 0:
         mesh = DeviceMesh.from_group(
@@ -279,12 +307,12 @@ def _context_groups(stages: list[StageSpec], me: Placement, device: torch.device
 
 def peers_of(stages: list[StageSpec], me: Placement) -> Peers:
     """The pipeline peers of this rank; see [Note: rank layout]."""
-    tp = stages[me.stage].tensor_parallel
+    tp = stages[me.stage].degree(me.replica)
     prev = stages[me.stage - 1] if me.stage > 0 else None
     nxt = stages[me.stage + 1] if me.stage + 1 < len(stages) else None
 
     def reader(stage: StageSpec | None) -> int | None:
-        return None if stage is None else stage.ranks[me.replica][me.tp_index % stage.tensor_parallel]
+        return None if stage is None else stage.ranks[me.replica][me.tp_index % stage.degree(me.replica)]
 
     def readers_of_me(stage: StageSpec | None) -> tuple[int, ...]:
         if stage is None:

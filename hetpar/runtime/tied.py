@@ -143,7 +143,7 @@ def sync_groups(tied: list[TiedWeight], stages: list[StageSpec], aliases: dict[s
         holders = [stages[s] for s in weight.stages]
         _check(weight, holders, (aliases or {}).get(weight.name, [weight.name]))
         for d in range(len(holders[0].ranks)):
-            for t in range(holders[0].tensor_parallel):
+            for t in range(holders[0].degree(d)):
                 ranks = tuple(sorted({stage.ranks[d][t] for stage in holders}))
                 if len(ranks) > 1:
                     groups.setdefault(ranks, []).append(weight.name)
@@ -152,10 +152,10 @@ def sync_groups(tied: list[TiedWeight], stages: list[StageSpec], aliases: dict[s
 
 def _check(weight: TiedWeight, holders: list[StageSpec], names: list[str]) -> None:
     where = ", ".join(f"stage {s} (dp {len(h.ranks)}, tp {h.tensor_parallel})" for s, h in zip(weight.stages, holders))
-    if len({(len(h.ranks), h.tensor_parallel) for h in holders}) > 1:
+    if len({tuple(len(r) for r in h.ranks) for h in holders}) > 1:
         raise TiedWeightError(f"{weight.name} is tied across {where}: its stages need equal data- and tensor-parallel "
                               f"degrees to keep its copies equal; plan them so, or keep its uses in one stage")
-    if holders[0].tensor_parallel == 1:
+    if all(len(r) == 1 for r in holders[0].ranks):
         return
     modules = {name.rpartition(".")[0] for name in names}
     split = [{m: h.tp_sharding[m] for m in sorted(modules & set(h.tp_sharding))} for h in holders]

@@ -255,7 +255,8 @@ def announce(me: Placement, stage: StageSpec, grad_sync: object = "one replica")
         first, last = stage.layers
         cp = f", cp {stage.context_parallel}" if stage.context_parallel > 1 else ""
         sp = " (sequence-parallel)" if stage.sequence_parallel else ""  # [Note: sequence parallelism] in runtime/sequence.py
-        print(f"hetpar: stage {me.stage} (layers {first}-{last}): tp {stage.tensor_parallel}{sp}{cp}, {grad_sync}, "
+        tp = "/".join(map(str, sorted({len(r) for r in stage.ranks})))  # "1/2": replicas of different degrees
+        print(f"hetpar: stage {me.stage} (layers {first}-{last}): tp {tp}{sp}{cp}, {grad_sync}, "
               f"recompute {stage.recompute}", file=sys.stderr, flush=True)
 
 
