@@ -213,6 +213,23 @@ def test_checkpoint_of_tp_2_holds_the_users_tensors_and_resumes_at_tp_1(tmp_path
     assert_within_rounding("adamw", 4, exact_losses, again, reference, exact_losses, exact, sensitivity)
 
 
+@pytest.mark.slow
+def test_a_checkpoint_resumes_into_part_laid_linears_at_tp_2(tmp_path):
+    """The grouped-query GPT saved at tp 1 and resumed at tp 2, where its fused q/k/v and gate/up Linears are
+    part-laid: each rank holds its rows of every part ([Note: part-laid checkpoints]), as one process's 4 steps.
+    (Loading used to set the rank's tensors back to the user's row order after placing them.)"""
+    plan = _plan(GQA, 2)
+    assert plan.stages[0].tp_parts
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3"]
+    torch.manual_seed(1234)
+    init_state = load_model_file(GQA, {}).build_model().state_dict()
+    _run(_plan(GQA, 1, world=1), tmp_path / "tp1", init_state, ckpt + ["--steps", "3"])
+    again, stderr = _run(plan, tmp_path / "tp2", init_state, ckpt + ["--steps", "4"])
+    assert "step 3" in stderr, stderr[-2000:]  # resumed after the checkpoint of step 3
+    reference, exact_losses, exact, sensitivity = exact_references(plan, init_state, "adamw", 4)
+    assert_within_rounding("adamw", 4, exact_losses, again, reference, exact_losses, exact, sensitivity)
+
+
 def _run(plan: ParallelPlan, out: Path, init_state: dict, args: list[str]) -> tuple[dict, str]:
     """Compile ``plan`` into ``out`` and run it with AdamW from ``init_state``: its --save-final state and stderr."""
     from hetpar.rewriters import compile_plan

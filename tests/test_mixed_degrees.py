@@ -36,6 +36,16 @@ def gpt_plan() -> ParallelPlan:
                       num_microbatches=2)
 
 
+def gqa_plan() -> ParallelPlan:
+    """tests/models/gqa_fused.py planned at dp 2 x tp 2 (its fused projections part-laid), two micro-batches of 2."""
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.api import plan_model
+    from hetpar.planner.options import SearchOptions
+
+    options = SearchOptions(global_batch_size=8, dtype="fp32", schedule="1f1b", micro_batch_size=2, tp=2, dp=2, pp=1)
+    return plan_model(GQA, parse_cluster("1x4xcpu"), options, model_args={})
+
+
 def test_a_plan_of_mixed_degrees_round_trips_and_says_each_replicas_degree():
     plan = relaid(gpt_plan(), [[0], [1, 2]], [1, 3])
     (stage,) = plan.stages
@@ -79,12 +89,35 @@ def test_gpt_replicas_at_tp_1_and_tp_2_train_like_one_process(tmp_path):
 def test_fused_qkv_replicas_at_tp_2_and_tp_1_train_like_one_process_under_adamw(tmp_path):
     """A GPT whose one Linear makes q, k and v (part-laid at tp 2, whole at tp 1): the gradients meet in the
     user's layout ([Note: part-laid Linears] in hetpar/runtime/parts.py)."""
-    from hetpar.cost_models.cluster import parse_cluster
-    from hetpar.planner.api import plan_model
-    from hetpar.planner.options import SearchOptions
     from test_distributed import assert_trains_like_one_process
 
-    options = SearchOptions(global_batch_size=8, dtype="fp32", schedule="1f1b", micro_batch_size=2, tp=2, dp=2, pp=1)
-    plan = plan_model(GQA, parse_cluster("1x4xcpu"), options, model_args={})
+    plan = gqa_plan()
     assert plan.stages[0].tp_parts and plan.num_microbatches == 2
     assert_trains_like_one_process(relaid(plan, [[0, 1], [2]], [3, 1]), tmp_path, "adamw")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_mixed_degrees_holds_the_users_tensors_and_resumes_mixed(tmp_path):
+    """Replicas at tp 2 (part-laid) and tp 1 write one checkpoint of the model's own tensors (read by one
+    process it equals --save-final), and the same plan resumes from it as one process's 4 steps."""
+    import torch
+
+    from conftest import checkpoint_model_tensors
+    from hetpar.runtime.model_file import load_model_file
+    from test_distributed import assert_within_rounding, exact_references
+    from test_fused_projections import _run
+
+    plan = relaid(gqa_plan(), [[0, 1], [2]], [3, 1])
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3"]
+    torch.manual_seed(1234)
+    init_state = load_model_file(GQA, {}).build_model().state_dict()
+    final, _ = _run(plan, tmp_path / "first", init_state, ckpt + ["--steps", "3"])
+    (step,) = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")]
+    saved = checkpoint_model_tensors(step)
+    assert final.keys() <= saved.keys()  # the checkpoint also holds the buffers
+    for key in final:
+        assert torch.equal(saved[key], final[key]), key
+    again, stderr = _run(plan, tmp_path / "again", init_state, ckpt + ["--steps", "4"])
+    assert "step 3" in stderr, stderr[-2000:]  # resumed after the checkpoint of step 3
+    reference, exact_losses, exact, sensitivity = exact_references(plan, init_state, "adamw", 4)
+    assert_within_rounding("adamw", 4, exact_losses, again, reference, exact_losses, exact, sensitivity)

@@ -70,6 +70,7 @@ class Features:
     tied: bool
     rebalance: bool
     weighted: bool  # replicas' micro-batch sizes differ: each replica's loss is weighted
+    mixed_degrees: bool  # a stage's replicas differ in tensor-parallel degree (runtime/mixed_sync.py)
     autocast: bool
     fp16: bool
     tf32: bool = False
@@ -97,6 +98,7 @@ class Features:
             tied=tied,
             rebalance=plan.rebalance_every > 0,
             weighted=shares is not None and len(set(shares)) > 1,
+            mixed_degrees=any(s.mixed_degrees for s in plan.stages),
             autocast=dtype not in (DType.FP32, DType.TF32),
             fp16=dtype == DType.FP16,
             tf32=dtype == DType.TF32,
@@ -575,7 +577,9 @@ def _loop(f: Features) -> str:
         f"{_held_out_forward(f)})",
         "    if checkpoints.due(step, last=step == args.steps):",
         "        losses.flush()  # the metrics reach this step before its checkpoint does",
-        f"    checkpoints.maybe_save(step, model_shard, optimizer{scaler}, last=step == args.steps)",
+        f"    checkpoints.maybe_save(step, model_shard, optimizer{scaler}, last=step == args.steps"
+        + (", copy=me.replica > 0 and stage_plan.mixed_degrees)  # replica 0 writes a stage of mixed degrees"
+           if f.mixed_degrees else ")"),
         "losses.flush()",
         "training.report_stage_times(me, timer.steps, NUM_MICROBATCHES, logger)  # per micro-batch, for hetpar "
         "validate",

@@ -438,15 +438,17 @@ class Checkpointer:
                  "optim": _renamed(optim_state, chunked, optimizer=True),
                  "train": {"step": 0, "loss_scaler": scaler.state_dict()}}
         dcp.load(state, checkpoint_id=found.path, no_dist=not dist.is_initialized())
+        placed = {}  # part-laid tensors, put back in the rank's layout
         for k, (param, layout) in user.items():
             optimizer_key = k.startswith(("state.", "param_groups."))
             loaded = state["optim" if optimizer_key else "model"][_checkpoint_key(k, chunked, optimizer_key)]
             with torch.no_grad():
                 param.to_local().copy_(_in_order(loaded, layout.from_user).to_local())
-            (optim_state if optimizer_key else model_state)[k] = param
-        # DCP loads tensors in place and replaces other values; either way read them back under the module's keys
-        model_state = {k: state["model"][_checkpoint_key(k, chunked, False)] for k in model_state}
-        optim_state = {k: state["optim"][_checkpoint_key(k, chunked, True)] for k in optim_state}
+            placed[k] = param
+        # DCP loads tensors in place and replaces other values; either way read them back under the module's keys,
+        # but the part-laid ones as just placed (what DCP read is in the user's layout)
+        model_state = {k: placed.get(k, state["model"][_checkpoint_key(k, chunked, False)]) for k in model_state}
+        optim_state = {k: placed.get(k, state["optim"][_checkpoint_key(k, chunked, True)]) for k in optim_state}
         set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=_OPTIONS)
         scaler.load_state_dict(state["train"]["loss_scaler"])
         rng = found.path / f"rng-{_rank()}.pt"
@@ -467,10 +469,13 @@ class Checkpointer:
         return self.directory is not None and (step % self.every == 0 or last)
 
     def maybe_save(self, step: int, module: nn.Module, optimizer: torch.optim.Optimizer,
-                   scaler: LossScaler | None = None, *, last: bool = False) -> None:
+                   scaler: LossScaler | None = None, *, last: bool = False, copy: bool = False) -> None:
         """Save after ``step`` when it is due (collective); see [Note: atomic checkpoints].
         Without ``scaler`` (a plan without fp16) the checkpoint holds a disabled scaler's
-        state, as before, so any plan of the model can resume it."""
+        state, as before, so any plan of the model can resume it. A ``copy`` rank writes no
+        tensors: its replica holds what another replica of its stage writes, laid out
+        otherwise (replicas of different tensor-parallel degrees, whose pieces DCP cannot
+        merge: [Note: replicas of different degrees] in runtime/mixed_sync.py)."""
         if not self.due(step, last):
             return
         scaler = scaler or LossScaler(enabled=False)
@@ -480,6 +485,8 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         model_state, optim_state = self._state(module, optimizer)
+        if copy:
+            model_state, optim_state = {}, {k: v for k, v in optim_state.items() if not k.startswith("state.")}
         state = {"model": model_state, "optim": optim_state, "train": {"step": step, "loss_scaler": scaler.state_dict()}}
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=not dist.is_initialized())
         mine = self._write_rng(tmp)
