@@ -20,12 +20,10 @@ VOCAB = {Sharding.VOCAB_EMBEDDING, Sharding.VOCAB_HEAD}
 
 
 def relaid(plan: ParallelPlan, rows: list[list[int]], shares: list[int]) -> ParallelPlan:
-    """``plan`` (one stage, two replicas) with its replicas on ``rows`` of ranks and taking ``shares``; the
-    vocabulary splits dropped (a mixed stage keeps its embedding and head whole)."""
+    """``plan`` (one stage, two replicas) with its replicas on ``rows`` of ranks and taking ``shares``."""
     (stage,) = plan.stages
     world = sum(len(r) for r in rows)
-    stage = dataclasses.replace(stage, tensor_parallel=len(rows[0]), ranks=rows,
-                                tp_sharding={k: v for k, v in stage.tp_sharding.items() if v not in VOCAB})
+    stage = dataclasses.replace(stage, tensor_parallel=len(rows[0]), ranks=rows)
     cluster = dataclasses.replace(plan.cluster, spec=f"1x{world}xcpu", world_size=world, device_types=["cpu"] * world)
     return dataclasses.replace(plan, stages=[stage], cluster=cluster, replica_batch_shares=shares)
 
@@ -93,6 +91,7 @@ def test_fused_qkv_replicas_at_tp_2_and_tp_1_train_like_one_process_under_adamw(
 
     plan = gqa_plan()
     assert plan.stages[0].tp_parts and plan.num_microbatches == 2
+    assert VOCAB <= set(plan.stages[0].tp_sharding.values())  # embedding and head split over the vocabulary at tp 2
     assert_trains_like_one_process(relaid(plan, [[0, 1], [2]], [3, 1]), tmp_path, "adamw")
 
 

@@ -107,9 +107,7 @@ class StagePlan:
         if self.mixed_degrees:
             kept = [name for name, used in (("zero_stage > 0", self.zero_stage), ("expert_parallel",
                     self.expert_parallel > 1), ("context_parallel", self.context_parallel > 1),
-                    ("sequence_parallel", self.sequence_parallel), ("offload", self.offload),
-                    ("a vocabulary split", any(getattr(k, "value", k) in (Sharding.VOCAB_EMBEDDING.value,
-                                              Sharding.VOCAB_HEAD.value) for k in self.tp_sharding.values()))) if used]
+                    ("sequence_parallel", self.sequence_parallel), ("offload", self.offload)) if used]
             if kept:
                 raise PlanFileError(f"stage {self.index}: replicas of tensor-parallel degrees {self.replica_degrees} "
                                     f"run without {', '.join(kept)}; give every replica one degree or drop them")

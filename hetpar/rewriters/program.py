@@ -619,7 +619,7 @@ def _step(f: Features) -> list[str]:
         indent += "    "
     lines.append(f"{indent}(loss * scaler.scale).backward()  # fp16: backward from the scaled loss" if f.fp16
                  else f"{indent}loss.backward()")
-    lines.append("        local_loss += loss.detach().to_local()  # a replicated DTensor under loss_parallel"
+    lines.append("        local_loss += training.local(loss.detach())  # a replicated DTensor under loss_parallel"
                  if f.vocab_loss else "        local_loss += loss.detach()")
     return lines
 

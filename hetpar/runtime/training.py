@@ -216,12 +216,12 @@ class GradClipper:
         for grad, counted in grads:
             whole = _whole(grad)  # collective over a partial gradient's mesh: on every rank of it
             if counted and self._first_holder(whole):
-                squares[self.me.replica] += _local(whole).float().square().sum().to(device)
+                squares[self.me.replica] += local(whole).float().square().sum().to(device)
         dist.all_reduce(squares, op=dist.ReduceOp.SUM)
         norm = (squares[self.me.replica] if self.per_replica else squares.sum()).sqrt()
         factor = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
         for grad, _ in grads:
-            _local(grad).mul_(factor.to(grad.device, grad.dtype))
+            local(grad).mul_(factor.to(grad.device, grad.dtype))
         return norm
 
     def _first_holder(self, grad: torch.Tensor) -> bool:
@@ -243,8 +243,10 @@ def _whole(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (a loss under ``loss_parallel``); any other tensor as it is (a replica at tp 1)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
 
 
 def announce(me: Placement, stage: StageSpec, grad_sync: object = "one replica") -> None:
@@ -599,13 +601,13 @@ def gather_full_state(model: nn.Module, stage_module: nn.Module, me: Placement) 
     a key no stage holds (a parameter no layer uses) keeps rank 0's value. A part-laid
     tensor is written in the user's layout ([Note: part-laid Linears] in runtime/parts.py).
     """
-    local = {}
+    held = {}
     for chunk in chunk_modules(stage_module):  # the stage, or each chunk under the interleaved schedule
         layouts = layouts_of(chunk)
         for k, v in chunk.state_dict().items():
             full = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-            local[k] = layouts[k].to_user(full) if k in layouts else full
-    mine = local if (me.replica, me.tp_index) == (0, 0) else {}
+            held[k] = layouts[k].to_user(full) if k in layouts else full
+    mine = held if (me.replica, me.tp_index) == (0, 0) else {}
     gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] if me.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if me.rank != 0:
@@ -613,7 +615,7 @@ def gather_full_state(model: nn.Module, stage_module: nn.Module, me: Placement) 
     merged: dict[str, torch.Tensor] = {}
     for part in gathered:
         merged.update(part)
-    return {k: merged[k] if k in merged else _local(v).detach().cpu() for k, v in model.state_dict().items()}
+    return {k: merged[k] if k in merged else local(v).detach().cpu() for k, v in model.state_dict().items()}
 
 
 def save_atomic(obj: object, path: Path) -> None:
@@ -630,5 +632,5 @@ def save_atomic(obj: object, path: Path) -> None:
         raise
 
 
-__all__ = ["GradClipper", "HeldOut", "evaluate_stage", "LearningRate", "LossReport", "StepLogger", "announce", "decay_groups", "gather_full_state",
+__all__ = ["GradClipper", "HeldOut", "evaluate_stage", "LearningRate", "LossReport", "StepLogger", "announce", "decay_groups", "gather_full_state", "local",
            "loop_record", "make_optimizer", "read_metrics", "report_stage_times", "save_atomic", "tokens_per_sample"]
