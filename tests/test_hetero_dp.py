@@ -11,6 +11,7 @@ import pytest
 
 from conftest import ROOT
 from hetpar.cost_models.cluster import Cluster, parse_cluster
+from hetpar.cost_models.collectives import grad_sync_scale
 from hetpar.cost_models.devices import get_device
 from hetpar.planner.api import fastest_plan, plan_graph
 from hetpar.planner.capture import trace_model
@@ -143,25 +144,35 @@ def test_the_pruned_plan_is_the_best_of_every_layout_and_micro_batch_count(gpt, 
 
     cluster, opts = parse_cluster(spec), options(batch)
     plan = hetero_dp_plan(gpt, cluster, opts)
-    best = math.inf
-    for size in replica_sizes(cluster, opts):
-        classes = replica_classes(cluster, size)
+
+    def every_m(layout):
+        """(step, m, shares) of ``layout`` at its best m, every m balanced with full estimates."""
+        classes = replica_classes(cluster, layout.sizes())
         replica_class = [k for k, c in enumerate(classes) for _ in range(c.count)]
-        for layout in h._layouts(gpt, cluster, classes, opts):
-            runs: dict = {}
-            for m in divisors(batch):
-                if (batch // m) % len(replica_class):
-                    continue
+        runs, out = {}, (math.inf, None, None)
+        for m in divisors(batch):
+            if batch // m < len(replica_class):
+                continue
 
-                def time_s(k, b, m=m):
-                    run = h._replica_run(gpt, classes[k], layout, opts, b, m, runs)
-                    return math.inf if run is None else run.predicted.step_time_s - run.time.optimizer_s
+            def time_s(k, b, m=m):
+                run = h._replica_run(gpt, classes[k], layout, opts, b, m, runs)
+                return math.inf if run is None else run.predicted.step_time_s - run.time.optimizer_s
 
-                shares = balance_shares(time_s, replica_class, batch // m)
-                if shares is None or any(math.isinf(time_s(k, b)) for k, b in zip(replica_class, shares)):
-                    continue
-                chosen = {(k, b): h._replica_run(gpt, classes[k], layout, opts, b, m, runs) for k, b in zip(replica_class, shares)}
-                best = min(best, h._predicted(gpt, cluster, classes, layout, opts, replica_class, shares, chosen).step_time_s)
+            shares = balance_shares(time_s, replica_class, batch // m)
+            if shares is None or any(math.isinf(time_s(k, b)) for k, b in zip(replica_class, shares)):
+                continue
+            chosen = {(k, b): h._replica_run(gpt, classes[k], layout, opts, b, m, runs) for k, b in zip(replica_class, shares)}
+            step = h._predicted(gpt, cluster, classes, layout, opts, replica_class, shares, chosen).step_time_s
+            out = min(out, (step, m, shares), key=lambda o: o[0])
+        return out
+
+    uniform = [layout for size in replica_sizes(cluster, opts)
+               for layout in h._layouts(gpt, cluster, replica_classes(cluster, size), opts)]
+    step, m, shares = min((every_m(layout) for layout in uniform), key=lambda o: o[0])
+    # the layouts of mixed degrees tried from the best uniform plan's m and mean share ([Note: heterogeneous data
+    # parallelism], step 5), balanced the same way
+    mixed = h._mixed_layouts(gpt, cluster, [(layout, m, max(1, round(sum(shares) / len(shares)))) for layout in uniform], opts)
+    best = min([step] + [every_m(layout)[0] for layout in mixed])
     assert plan.predicted.step_time_s == pytest.approx(best, rel=1e-12)
 
 
@@ -181,8 +192,39 @@ def test_auto_is_never_slower_than_either_kind_and_records_the_other(gpt, spec, 
 def test_hetero_dp_on_a_single_type_cluster_is_one_clear_error(gpt):
     with pytest.raises(PlanningError, match="needs at least two device types"):
         plan_graph(gpt, parse_cluster("1x4xA100-80GB"), options(64), hetero_dp="on")
-    with pytest.raises(PlanningError, match="no replica size tiles every node group"):
-        hetero_dp_plan(gpt, parse_cluster("1x2xA100-80GB+1x1xV100-32GB"), options(64))
+    with pytest.raises(PlanningError, match="no replica size tiles every node group .* and dp = 2"):
+        hetero_dp_plan(gpt, parse_cluster("1x2xA100-80GB+1x1xV100-32GB"), options(64, dp=2, tp=1))
+
+
+def test_groups_run_their_replicas_at_different_degrees_where_that_is_faster(gpt):
+    """[Note: heterogeneous data parallelism], step 5: one A100 at tp 1 beside two V100s at tp 2 (dp 2), faster
+    here than every replica at one degree and than the pipelines across types; its prediction is the slowest
+    replica plus the whole-gradient sync of [Note: replicas of different degrees], and hetpar explain estimates
+    the plan to the same step."""
+    from hetpar.cost_models.collectives import all_gather_time_s, all_reduce_time_s, broadcast_time_s
+    from hetpar.cost_models.compute import dtype_bytes
+    from hetpar.planner.explain import estimate_config
+    from hetpar.planner.strategies import estimate_shares
+
+    cluster = parse_cluster("1x1xA100-80GB+1x2xV100-32GB")
+    plan = hetero_dp_plan(gpt, cluster, options(64))
+    (stage,) = plan.stages
+    assert stage.ranks == [[0], [1, 2]] and stage.mixed_degrees
+    assert plan.predicted.step_time_s < hetero_dp_plan(gpt, cluster, options(64, tp=1)).predicted.step_time_s
+    assert plan_graph(gpt, cluster, options(64)).predicted.step_time_s == plan.predicted.step_time_s
+    whole = sum(layer.params_at(1) for layer in gpt.layers) * dtype_bytes("fp16")
+    sync = all_reduce_time_s(whole, [0, 1], cluster) + all_gather_time_s(whole, [1, 2], cluster) \
+        + broadcast_time_s(whole, [1, 2], cluster)
+    assert plan.predicted.dp_comm_time_s == pytest.approx(sync * max(grad_sync_scale(g.device) for g in cluster.groups))
+    again = estimate_shares(gpt, cluster, estimate_config(plan, gpt))
+    assert again.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-12)
+
+
+def test_a_dp_pin_is_met_by_replicas_of_different_degrees(gpt):
+    """Two A100s and one V100 in two replicas: the A100s at tp 2, the V100 alone."""
+    plan = hetero_dp_plan(gpt, parse_cluster("1x2xA100-80GB+1x1xV100-32GB"), options(64, dp=2))
+    assert all(s.replica_degrees == [2, 1] for s in plan.stages)
+    assert plan.data_parallel == 2 and sum(plan.replica_batch_shares) * plan.num_microbatches == 64
 
 
 def slow_cpu_cluster() -> Cluster:

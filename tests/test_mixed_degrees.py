@@ -25,7 +25,9 @@ def relaid(plan: ParallelPlan, rows: list[list[int]], shares: list[int]) -> Para
     world = sum(len(r) for r in rows)
     stage = dataclasses.replace(stage, tensor_parallel=len(rows[0]), ranks=rows)
     cluster = dataclasses.replace(plan.cluster, spec=f"1x{world}xcpu", world_size=world, device_types=["cpu"] * world)
-    return dataclasses.replace(plan, stages=[stage], cluster=cluster, replica_batch_shares=shares)
+    return dataclasses.replace(plan, stages=[stage], cluster=cluster, replica_batch_shares=shares,
+                               global_batch_size=sum(shares) * plan.num_microbatches,
+                               micro_batch_size=sum(shares) // len(shares))
 
 
 def gpt_plan() -> ParallelPlan:
@@ -75,10 +77,12 @@ def test_ranks_must_cover_the_world_once_with_mixed_degrees():
 
 @pytest.mark.slow
 def test_gpt_replicas_at_tp_1_and_tp_2_train_like_one_process(tmp_path):
-    """Rank 0 alone (tp 1) takes one sample of every four, ranks 1-2 (tp 2) three."""
+    """Rank 0 alone (tp 1) takes one sample of every three, ranks 1-2 (tp 2) two: a global batch of 6 over two
+    replicas whose shares' sum is odd."""
     from test_distributed import assert_trains_like_one_process
 
-    plan = relaid(gpt_plan(), [[0], [1, 2]], [1, 3])
+    plan = relaid(gpt_plan(), [[0], [1, 2]], [1, 2])
+    assert (plan.global_batch_size, plan.micro_batch_size) == (6, 1)
     stderr = assert_trains_like_one_process(plan, tmp_path, "sgd")
     assert "tp 1/2, all-reduce over 2 replicas of tensor-parallel degrees [1, 2], gradients whole" in stderr
 
@@ -120,3 +124,25 @@ def test_a_checkpoint_of_mixed_degrees_holds_the_users_tensors_and_resumes_mixed
     assert "step 3" in stderr, stderr[-2000:]  # resumed after the checkpoint of step 3
     reference, exact_losses, exact, sensitivity = exact_references(plan, init_state, "adamw", 4)
     assert_within_rounding("adamw", 4, exact_losses, again, reference, exact_losses, exact, sensitivity)
+
+
+@pytest.mark.slow
+def test_a_searched_plan_of_mixed_degrees_trains_like_one_process(tmp_path):
+    """hetpar's own choice on a CPU worker beside two three times slower ones, in two replicas: the worker at
+    tp 1, the slow pair at tp 2 ([Note: heterogeneous data parallelism], step 5), run for real."""
+    from hetpar.cost_models.cluster import Cluster, parse_cluster
+    from hetpar.planner.api import plan_graph
+    from hetpar.planner.capture import trace_model
+    from hetpar.planner.options import SearchOptions
+    from hetpar.runtime.model_file import load_model_file
+    from test_distributed import assert_trains_like_one_process
+    from test_hetero_dp import slow_cpu_cluster
+
+    one = slow_cpu_cluster()
+    fast, slow = one.groups
+    cluster = Cluster(spec="1x1xcpu+1x2xcpu-slow", groups=(fast, dataclasses.replace(slow, devices_per_node=2)))
+    graph = trace_model(load_model_file(ROOT / "examples" / "gpt.py", GPT_ARGS))
+    plan = plan_graph(graph, cluster, SearchOptions(global_batch_size=8, dtype="fp32", workers=1, dp=2), hetero_dp="on")
+    assert [s.replica_degrees for s in plan.stages] == [[1, 2]] * len(plan.stages)
+    assert plan.replica_batch_shares[0] > plan.replica_batch_shares[1]
+    assert_trains_like_one_process(plan, tmp_path)

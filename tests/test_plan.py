@@ -100,6 +100,14 @@ def test_stage_options_are_checked(change, message):
         StagePlan(index=0, layers=[0], device_type="cpu", tensor_parallel=1, ranks=[[0]], **change)
 
 
+def test_replica_shares_need_not_sum_to_a_multiple_of_dp():
+    """Three samples of every five to replica 0: the global batch is num_microbatches * 5, micro_batch_size the
+    mean rounded down (a replica count that does not divide the batch, as heterogeneous clusters have)."""
+    plan = make_plan(replica_batch_shares=[3, 2], global_batch_size=10)
+    assert plan.replica_micro_batch_sizes == [3, 2]
+    assert ParallelPlan.from_dict(json.loads(plan.to_json())) == plan
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(grad_compression="int8"), r"grad_compression 'int8' must be one of none\|bf16\|fp16\|powersgd:R\|topk:F\|sign"),
     (dict(grad_compression="topk:0"), r"grad_compression 'topk:0' must be one of .* 0 < F <= 1"),
@@ -118,7 +126,9 @@ def test_stage_options_are_checked(change, message):
     (dict(rebalance_every=2), r"rebalance_every needs one pipeline stage \(the plan has 2\)"),
     (dict(replica_batch_shares=[3]), r"replica_batch_shares \[3\] must hold one micro-batch size >= 1 per replica"),
     (dict(replica_batch_shares=[4, 0]), r"must hold one micro-batch size >= 1 per replica, data_parallel is 2"),
-    (dict(replica_batch_shares=[3, 2]), r"sum to 5 != dp\(2\) \* micro_batch_size\(2\) = 4"),
+    (dict(replica_batch_shares=[3, 2]), r"sum\(replica_batch_shares \[3, 2\]\) \* num_microbatches\(\d+\) = \d+ != "
+                                        r"global_batch_size"),
+    (dict(replica_batch_shares=[5, 3], global_batch_size=16), r"micro_batch_size\(2\) must be their mean, rounded down"),
 ])
 def test_plan_options_are_checked(change, message):
     with pytest.raises(PlanError, match=message):

@@ -76,7 +76,7 @@ def _print_stages(plan: ParallelPlan, est) -> None:
     for s, e in zip(plan.stages, est.stages):
         m = e.memory
         layers = names[s.layers[0]] if len(s.layers) == 1 else f"{names[s.layers[0]]} .. {names[s.layers[-1]]}"
-        table.add_row(str(s.index), layers, s.device_type, f"{s.tensor_parallel}{' sp' if s.sequence_parallel else ''}", seconds(e.fwd_s), seconds(e.bwd_s),
+        table.add_row(str(s.index), layers, plan.stage_device_label(s), f"{s.degree_label}{' sp' if s.sequence_parallel else ''}", seconds(e.fwd_s), seconds(e.bwd_s),
                       gib(m.weights_bytes), gib(m.gradients_bytes), gib(m.optimizer_bytes), gib(m.activations_bytes),
                       gib(m.total_bytes) + ("" if e.fits else " (does not fit)"))
     console.print(table)

@@ -208,13 +208,13 @@ def print_summary(plan: ParallelPlan, output: Optional[Path], prices: Optional[d
         layers = names[s.layers[0]] if len(s.layers) == 1 else f"{names[s.layers[0]]} .. {names[s.layers[-1]]} ({len(s.layers)})"
         ranks = rank_ranges(s.ranks)
         memory = plan.predicted.peak_memory_bytes[s.index % plan.pipeline_parallel]
-        table.add_row(str(s.index), layers, s.device_type, f"{s.tensor_parallel}{' sp' if s.sequence_parallel else ''}", ranks, s.recompute, f"{s.zero_stage}{' offload' if s.offload else ''}", gib(memory))
+        table.add_row(str(s.index), layers, plan.stage_device_label(s), f"{s.degree_label}{' sp' if s.sequence_parallel else ''}", ranks, s.recompute, f"{s.zero_stage}{' offload' if s.offload else ''}", gib(memory))
     console.print(table)
     p = plan.predicted
     console.print(
         f"dp={plan.data_parallel}{f' ep={plan.stages[0].expert_parallel}' if plan.stages[0].expert_parallel > 1 else ''}"
         f"{f' cp={plan.context_parallel}' if plan.context_parallel > 1 else ''} "
-        f"tp={plan.stages[0].tensor_parallel}{' sp' if any(s.sequence_parallel for s in plan.stages) else ''} pp={plan.pipeline_parallel}  "
+        f"tp={plan.stages[0].degree_label}{' sp' if any(s.sequence_parallel for s in plan.stages) else ''} pp={plan.pipeline_parallel}  "
         f"micro-batch {plan.micro_batch_size} x {plan.num_microbatches}  schedule {plan.schedule.value}"
         f"{f' v={plan.virtual_stages}' if plan.virtual_stages > 1 else ''}  dtype {plan.dtype}{'  compiled' if plan.compiled else ''}"
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 from hetpar.cost_models.cluster import parse_cluster
 from hetpar.cost_models.compute import compiled_layer
 from hetpar.planner.errors import PlanFileError
-from hetpar.planner.estimate import Estimate, EstimateConfig, estimate, stage_devices_of
+from hetpar.planner.estimate import Estimate, EstimateConfig, EstimateError, estimate, stage_devices_of
 from hetpar.planner.plan import ParallelPlan
 from hetpar.planner.strategies import cost_method, estimate_shares, matrix_width
 from hetpar.planner.trace_cache import traced_model
@@ -40,7 +40,8 @@ def explain_plan(plan: ParallelPlan, profiles: dict | None = None) -> Explanatio
     graph = plan_graph_of(plan)
     cluster = parse_cluster(plan.cluster.spec, profiles=profiles)
     config = estimate_config(plan, graph)
-    predict = estimate if plan.replica_batch_shares is None else estimate_shares  # replicas of different device types
+    # replicas of different device types or tensor-parallel degrees: planner.strategies.hetero_dp
+    predict = estimate if config.replica_batch_shares is None and config.replica_tp is None else estimate_shares
     result = predict(graph, cluster, config)
     plain = result if config.sync.plain else predict(graph, cluster, replace(config, sync=replace(config.sync, kind=CompressionKind.NONE)))
     return Explanation(plan=plan, estimate=result, plain_dp_comm_s=plain.time.dp_comm_s)
@@ -67,6 +68,10 @@ def plan_graph_of(plan: ParallelPlan):
 def estimate_config(plan: ParallelPlan, graph) -> EstimateConfig:
     """``plan``'s configuration as ``estimate`` takes it (``graph``: the plan's model, traced)."""
     ranks = plan.stages[: plan.pipeline_parallel]  # with virtual stages, stages[s] runs on ranks[s % pp]
+    if any(s.replica_degrees != ranks[0].replica_degrees for s in ranks) and any(s.mixed_degrees for s in ranks):
+        raise EstimateError(f"the replicas' tensor-parallel degrees differ from stage to stage "
+                            f"({[s.replica_degrees for s in ranks]}): hetpar estimates replicas of different degrees "
+                            f"where each replica has one degree on every stage")
     return EstimateConfig(
         global_batch_size=plan.global_batch_size,
         dp=plan.data_parallel,
@@ -82,6 +87,7 @@ def estimate_config(plan: ParallelPlan, graph) -> EstimateConfig:
         stage_zero=tuple(s.zero_stage for s in ranks),
         stage_tp=tuple(s.tensor_parallel for s in ranks) if len({s.tensor_parallel for s in ranks}) > 1 else None,
         replica_batch_shares=tuple(plan.replica_batch_shares) if plan.replica_batch_shares is not None else None,
+        replica_tp=tuple(ranks[0].replica_degrees) if any(s.mixed_degrees for s in ranks) else None,
         sync=cost_method(plan.grad_compression, plan.aggregation, plan.sync_every, plan.sync_scope, optimizer=Optimizer.ADAMW,
                          width=matrix_width(graph.layers)),
         ep=max(s.expert_parallel for s in plan.stages),

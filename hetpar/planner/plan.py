@@ -123,6 +123,11 @@ class StagePlan:
         """Whether the stage's replicas differ in tensor-parallel degree."""
         return len(set(self.replica_degrees)) > 1
 
+    @property
+    def degree_label(self) -> str:
+        """The tensor-parallel degree as tables show it: ``2``, or each replica's distinct degree, ``1/2``."""
+        return "/".join(str(t) for t in dict.fromkeys(self.replica_degrees))
+
     def _check_parts(self) -> None:
         for path, parts in self.tp_parts.items():
             where = f"stage {self.index}: tp_parts[{path!r}]"
@@ -217,7 +222,9 @@ class ParallelPlan:
     sync_every: int = 1  # local SGD: replicas average parameters and optimizer state every K steps (1: every step's gradients)
     sync_scope: str = SyncScope.ALL  # "all", or "node": gradients all-reduced inside a node every step, across nodes every K
     rebalance_every: int = 0  # replica shares of the batch moved by measured speed every N steps (0: never)
-    replica_batch_shares: list[int] | None = None  # micro-batch size of each replica; None: micro_batch_size each
+    # micro-batch size of each replica; None: micro_batch_size each. With shares, global_batch_size is
+    # num_microbatches * sum(shares) and micro_batch_size their mean, rounded down
+    replica_batch_shares: list[int] | None = None
     virtual_stages: int = 1  # model chunks per pipeline rank; stages[s] runs on the ranks of stages[s % pp]
     compiled: bool = False  # stages run under torch.compile; the costs count fused kernels ([Note: compiled stages])
     expert_imbalance: float = 1.0  # the busiest expert-parallel rank's rows over the uniform share the costs assumed ([Note: expert load])
@@ -239,8 +246,15 @@ class ParallelPlan:
             tp_text = f"tp({tps.pop()})" if len(tps) == 1 else "sum of stage tp"
             cp_text = f" * cp({cp})" if cp > 1 else ""
             raise PlanFileError(f"dp({self.data_parallel}){cp_text} * {tp_text} * pp({pp}) = {used} != world_size({world})")
+        shares = self.replica_batch_shares
+        if isinstance(shares, list) and len(shares) == self.data_parallel and all(type(n) is int and n >= 1 for n in shares):
+            # (a share list of another shape: _check_data_parallel_options)
+            expected = sum(shares) * self.num_microbatches
+            if expected != self.global_batch_size:
+                raise PlanFileError(f"sum(replica_batch_shares {shares}) * num_microbatches({self.num_microbatches}) = "
+                                    f"{expected} != global_batch_size({self.global_batch_size})")
         expected = self.data_parallel * self.micro_batch_size * self.num_microbatches
-        if expected != self.global_batch_size:
+        if shares is None and expected != self.global_batch_size:
             raise PlanFileError(
                 f"dp({self.data_parallel}) * micro_batch_size({self.micro_batch_size}) * "
                 f"num_microbatches({self.num_microbatches}) = {expected} != global_batch_size({self.global_batch_size})"
@@ -337,7 +351,7 @@ class ParallelPlan:
                     f"stage {s.index} is chunk {s.index // pp} of pipeline rank {s.index % pp}: it needs the ranks, "
                     f"tensor_parallel and device_type of stage {owner.index}"
                 )
-        if any(s.zero_stage or s.tensor_parallel > 1 for s in self.stages):
+        if any(s.zero_stage or max(s.replica_degrees) > 1 for s in self.stages):
             raise PlanFileError("virtual_stages > 1 runs with zero_stage 0 and tensor_parallel 1 on every stage")
 
     def _check_data_parallel_options(self) -> None:
@@ -362,10 +376,10 @@ class ParallelPlan:
                 f"replica_batch_shares {shares} must hold one micro-batch size >= 1 per replica, data_parallel is "
                 f"{self.data_parallel}"
             )
-        if sum(shares) != self.data_parallel * self.micro_batch_size:
+        if sum(shares) // self.data_parallel != self.micro_batch_size:
             raise PlanFileError(
-                f"replica_batch_shares {shares} sum to {sum(shares)} != dp({self.data_parallel}) * "
-                f"micro_batch_size({self.micro_batch_size}) = {self.data_parallel * self.micro_batch_size}"
+                f"replica_batch_shares {shares}: micro_batch_size({self.micro_batch_size}) must be their mean, rounded "
+                f"down: sum {sum(shares)} // dp({self.data_parallel}) = {sum(shares) // self.data_parallel}"
             )
 
     def _check_rebalance(self) -> None:
@@ -381,6 +395,13 @@ class ParallelPlan:
                             f"pipeline buffers are sized for its micro-batch at start-up")
         if self.aggregation != AggregationKind.MEAN or self.sync_every > 1:
             raise PlanFileError("rebalance_every needs aggregation 'mean' and sync_every 1 (those need equal shares)")
+
+    def stage_device_label(self, stage: StagePlan) -> str:
+        """The device types of ``stage``'s replicas as tables show them: ``A100-80GB``, or ``A100-80GB+V100-32GB``
+        where replicas differ in type (heterogeneous data parallelism)."""
+        types = self.cluster.device_types
+        found = dict.fromkeys(types[row[0]] for row in stage.ranks if 0 <= row[0] < len(types))
+        return "+".join(found) or stage.device_type
 
     @property
     def replica_micro_batch_sizes(self) -> list[int]:

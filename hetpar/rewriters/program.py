@@ -92,7 +92,7 @@ class Features:
             expert_parallel=any(s.expert_parallel > 1 for s in plan.stages),
             context_parallel=plan.context_parallel > 1,
             sequence_parallel=any(s.sequence_parallel for s in plan.stages),
-            vocab_loss=any(s.tensor_parallel > 1 and Sharding.VOCAB_HEAD.value in {getattr(k, "value", k) for k in
+            vocab_loss=any(max(s.replica_degrees) > 1 and Sharding.VOCAB_HEAD.value in {getattr(k, "value", k) for k in
                                                                                  s.tp_sharding.values()}
                            for s in plan.stages),
             tied=tied,
@@ -126,7 +126,7 @@ def stage_table(plan: ParallelPlan) -> str:
     ep = any(s.expert_parallel > 1 for s in plan.stages)
     header = ("stage", "layers", "ranks[d][t]", "device", "tp", *(("ep",) if ep else ()))
     rows = [
-        (str(s.index), _layer_summary(plan, s), str(s.ranks), s.device_type,
+        (str(s.index), _layer_summary(plan, s), str(s.ranks), plan.stage_device_label(s),
          "/".join(map(str, sorted(set(s.replica_degrees)))),
          *((str(s.expert_parallel),) if ep else ()))
         for s in plan.stages
@@ -577,9 +577,10 @@ def _loop(f: Features) -> str:
         f"{_held_out_forward(f)})",
         "    if checkpoints.due(step, last=step == args.steps):",
         "        losses.flush()  # the metrics reach this step before its checkpoint does",
+        *(["    # a stage whose replicas differ in tp degree: replica 0 writes it (runtime/mixed_sync.py)"]
+          if f.mixed_degrees else []),
         f"    checkpoints.maybe_save(step, model_shard, optimizer{scaler}, last=step == args.steps"
-        + (", copy=me.replica > 0 and stage_plan.mixed_degrees)  # replica 0 writes a stage of mixed degrees"
-           if f.mixed_degrees else ")"),
+        + (",\n                           copy=me.replica > 0 and stage_plan.mixed_degrees)" if f.mixed_degrees else ")"),
         "losses.flush()",
         "training.report_stage_times(me, timer.steps, NUM_MICROBATCHES, logger)  # per micro-batch, for hetpar "
         "validate",

@@ -34,6 +34,9 @@ class EstimateConfig:
     stage_zero: tuple[int, ...] | None = None  # ZeRO stage per pipeline rank, p entries; ``zero_stage`` for all when None
     stage_tp: tuple[int, ...] | None = None  # tensor-parallel degree per pipeline rank, p entries; ``tp`` for all when None
     replica_batch_shares: tuple[int, ...] | None = None  # micro-batch size per replica (dp entries); ``micro_batch_size`` each when None
+    # tensor-parallel degree per replica (dp entries), where replicas differ ([Note: replicas of different degrees] in
+    # runtime/mixed_sync.py; planner.strategies.hetero_dp estimates such plans); ``tp`` each when None
+    replica_tp: tuple[int, ...] | None = None
     scatter_gather: bool = True  # Megatron's p2p optimisation (Narayanan et al. 2021, section 4.1)
     overlap_grad_reduce: bool = False
     kernel_efficiency: float | None = None  # None: each device's own (cost_models.compute.training_efficiency)
@@ -51,12 +54,11 @@ class EstimateConfig:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise EstimateError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         self._check_choices()
-        per_step = self.dp * self.micro_batch_size
+        per_step = self._per_step()
         if self.global_batch_size % per_step:
-            raise EstimateError(
-                f"global batch {self.global_batch_size} is not a multiple of dp({self.dp}) * "
-                f"micro_batch_size({self.micro_batch_size}) = {per_step}"
-            )
+            which = f"sum(replica_batch_shares) = {per_step}" if self.replica_batch_shares else \
+                f"dp({self.dp}) * micro_batch_size({self.micro_batch_size}) = {per_step}"
+            raise EstimateError(f"global batch {self.global_batch_size} is not a multiple of {which}")
         if self.schedule == Schedule.INTERLEAVED and self.num_microbatches % self.pp:
             raise EstimateError(
                 f"the interleaved schedule needs micro-batches ({self.num_microbatches}) to be a multiple of pp({self.pp})"
@@ -130,9 +132,15 @@ class EstimateConfig:
         if shares is not None:
             if len(shares) != self.dp or any(not isinstance(b, int) or b < 1 for b in shares):
                 raise EstimateError(f"replica_batch_shares {list(shares)}: one positive micro-batch size per replica, dp({self.dp}) needed")
-            if sum(shares) != self.dp * self.micro_batch_size:
-                raise EstimateError(f"replica_batch_shares {list(shares)} sum to {sum(shares)}, not dp({self.dp}) * "
-                                    f"micro_batch_size({self.micro_batch_size}) = {self.dp * self.micro_batch_size}")
+            if sum(shares) // self.dp != self.micro_batch_size:
+                raise EstimateError(f"replica_batch_shares {list(shares)}: micro_batch_size({self.micro_batch_size}) "
+                                    f"must be their mean, rounded down ({sum(shares) // self.dp})")
+        if self.replica_tp is not None:
+            if len(self.replica_tp) != self.dp or any(not isinstance(t, int) or t < 1 for t in self.replica_tp):
+                raise EstimateError(f"replica_tp {list(self.replica_tp)}: one positive degree per replica, dp({self.dp}) "
+                                    f"needed")
+            if self.replica_tp[0] != self.tp:
+                raise EstimateError(f"replica_tp {list(self.replica_tp)} starts with replica 0's degree, tp({self.tp})")
         if self.stage_tp is not None:
             if len(self.stage_tp) != self.pp:
                 raise EstimateError(f"stage_tp has {len(self.stage_tp)} entries, pp({self.pp}) needed")
@@ -182,4 +190,11 @@ class EstimateConfig:
     @property
     def num_microbatches(self) -> int:
         """Micro-batches per replica per step."""
-        return self.global_batch_size // (self.dp * self.micro_batch_size)
+        return self.global_batch_size // self._per_step()
+
+    def _per_step(self) -> int:
+        """Samples of one micro-batch over every replica: the shares' sum, or dp * micro_batch_size."""
+        shares = self.replica_batch_shares
+        if shares and all(isinstance(b, int) and b >= 1 for b in shares):
+            return sum(shares)
+        return self.dp * self.micro_batch_size

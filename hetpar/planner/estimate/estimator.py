@@ -54,7 +54,7 @@ def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig, *, bre
     check_against(model, cluster, config)
     whole = model
     model = model.at_context(config.cp)  # [Note: context parallelism costs] in cost_models/collectives.py
-    if config.replica_batch_shares is not None:  # hetero_dp builds on this module, so it estimates those plans
+    if config.replica_batch_shares is not None or config.replica_tp is not None:  # hetero_dp builds on this module
         raise EstimateError("replica_batch_shares: estimate the plan with planner.strategies.hetero_dp.estimate_shares")
     layouts = stage_layout(cluster, config)
     split = stage_split(model, config)

@@ -24,8 +24,9 @@ and the number of micro-batches m. So:
    T_g(b_d) seconds, predicted by planner.estimate on the replica's own devices (the
    schedule simulated action by action, memory checked). Shares minimise
    max_d T(b_d) subject to sum_d b_d = global batch / m, b_d >= 1 (``balance_shares``;
-   T is non-decreasing in b, so this is a bisection on the time). The plan's
-   micro_batch_size is the mean share, so dp must divide global batch / m. An m is
+   T is non-decreasing in b, so this is a bisection on the time). The plan's global
+   batch is m times the shares' sum (its micro_batch_size their mean, rounded down),
+   so any dp <= global batch / m will do. An m is
    not balanced when its step cannot beat the best found so far, of any layout: every
    replica takes at least one sample and some replica at least the mean share, so the
    step is at least max_g T_g(1) and min_g T_g(mean). The balancing estimates without
@@ -39,6 +40,15 @@ and the number of micro-batches m. So:
    then the slowest replica's optimizer step. The
    all-reduce moves the same bytes whatever the shares, so the shares minimise the
    first term alone.
+5. Node groups may run their replicas at different tensor-parallel degrees (replica
+   sizes tp_g * pp; [Note: replicas of different degrees] in runtime/mixed_sync.py):
+   after the layouts of one replica size, each layout tried is tried again with every
+   group at the degree whose replica trains the most samples per second per device at
+   the best plan's m and mean share (``_mixed_layouts``), where that differs between
+   groups. Its stages' gradients are synced whole (step 4 prices an all-gather and a
+   broadcast inside each replica and the all-reduce of the whole stage over the
+   replicas' first ranks), and each stage's sharding is its layers' (as the search
+   assembles a plan).
 
 ``StagePlan.device_type`` of such a plan is the type of the stage's first replica; the
 type of every rank is in ``plan.cluster.device_types``.
@@ -46,16 +56,18 @@ type of every rank is in ``plan.cluster.device_types``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from hetpar.cost_models.cluster import Cluster
-from hetpar.cost_models.collectives import all_reduce_time_s, grad_sync_scale
+from hetpar.cost_models.collectives import all_gather_time_s, all_reduce_time_s, broadcast_time_s, grad_sync_scale
 from hetpar.cost_models.grad_sync import collective_over, sync_seconds
 from hetpar.cost_models.compute import dtype_bytes
 from hetpar.cost_models.devices import ProfileError
+from hetpar.cost_models.layers import tp_misfit
 from hetpar.planner.errors import PlanningError
 from hetpar.planner.estimate import Estimate, EstimateConfig, EstimateError, estimate, stage_split
 from hetpar.planner.model_graph import ModelGraph
@@ -85,15 +97,25 @@ class ReplicaClass:
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """What every replica of a heterogeneous data-parallel plan shares."""
+    """What every replica of a heterogeneous data-parallel plan shares, and each node group's tensor-parallel
+    degree (one for all, or [Note: replicas of different degrees])."""
 
-    tp: int
+    tps: tuple[int, ...]  # tensor-parallel degree of the replicas of each node group, in group order
     pp: int
     stage_layers: tuple[int, ...]
     schedule: str
     stage_recompute: tuple[str, ...]  # per stage
     tp_sharding: tuple[dict, ...]  # per stage, from the search's plan
     tp_parts: tuple[dict, ...] = ()  # per stage, from the search's plan (none: no fused projection split)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the node groups' replicas differ in tensor-parallel degree."""
+        return len(set(self.tps)) > 1
+
+    def sizes(self) -> tuple[int, ...]:
+        """Devices per replica of each node group: tp * pp."""
+        return tuple(t * self.pp for t in self.tps)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,30 +128,30 @@ class _Choice:
     predicted: Predicted
 
 
-def replica_classes(cluster: Cluster, size: int) -> list[ReplicaClass] | None:
-    """The replicas of ``size`` devices each group hosts; None when ``size`` does not tile every group.
+def replica_classes(cluster: Cluster, size: int | Sequence[int]) -> list[ReplicaClass] | None:
+    """The replicas of ``size`` devices (one size, or one per node group) each group hosts; None when a size
+    does not tile its group.
 
     See [Note: heterogeneous data parallelism], step 1.
     """
-    out, first = [], 0
-    for index, g in enumerate(cluster.groups):
-        if g.num_devices % size or (g.devices_per_node % size and size % g.devices_per_node):
-            return None
-        nodes, per_node = (1, size) if size <= g.devices_per_node else (size // g.devices_per_node, g.devices_per_node)
-        one = replace(g, num_nodes=nodes, devices_per_node=per_node)
-        out.append(ReplicaClass(group=index, device_type=g.device.name, first_rank=first, count=g.num_devices // size,
-                                replica_cluster=Cluster(spec=shorthand([one]), groups=(one,))))
-        first += g.num_devices
-    return out
+    sizes = [size] * len(cluster.groups) if isinstance(size, int) else list(size)
+    if not all(_tiles(g, size) for g, size in zip(cluster.groups, sizes, strict=True)):
+        return None
+    return [_class_of_group(cluster, index, size) for index, size in enumerate(sizes)]
+
+
+def _tiles(g, size: int) -> bool:
+    """Whether replicas of ``size`` devices tile node group ``g``, each filling whole nodes or a divisor of one."""
+    return not (g.num_devices % size or (g.devices_per_node % size and size % g.devices_per_node))
 
 
 def replica_sizes(cluster: Cluster, options: SearchOptions) -> list[int]:
-    """Replica sizes R that tile every group, give dp = world / R >= 2 dividing the global batch, and meet a --dp pin."""
+    """Replica sizes R that tile every group, give 2 <= dp = world / R <= the global batch, and meet a --dp pin."""
     world = cluster.world_size
     out = []
     for size in divisors(world):
         dp = world // size
-        if dp < 2 or options.global_batch_size % dp or (options.dp is not None and options.dp != dp):
+        if dp < 2 or options.global_batch_size < dp or (options.dp is not None and options.dp != dp):
             continue
         if replica_classes(cluster, size) is not None:
             out.append(size)
@@ -221,21 +243,34 @@ def hetero_dp_plan(model: ModelGraph, cluster: Cluster, options: SearchOptions) 
         raise PlanningError("heterogeneous data parallelism runs ZeRO 0 and one model chunk per pipeline rank; "
                             "drop --zero and --virtual-stages")
     sizes = replica_sizes(cluster, options)
-    if not sizes:
+    mixing = options.tp is None and options.sync.plain  # step 5 of the Note
+    if not sizes and not mixing:
         raise PlanningError(
             f"heterogeneous data parallelism: no replica size tiles every node group of {cluster.spec} with "
-            f"dp dividing --global-batch {options.global_batch_size}" + (f" and dp = {options.dp}" if options.dp else "")
+            f"dp at most --global-batch {options.global_batch_size}" + (f" and dp = {options.dp}" if options.dp else "")
         )
     start = time.perf_counter()
     best: _Choice | None = None
     layouts = 0
+    tried: list[Layout] = []
     for size in sizes:
         classes = replica_classes(cluster, size)
         for layout in _layouts(model, cluster, classes, options):
             layouts += 1
+            tried.append(layout)
             choice = _best_choice(model, cluster, classes, layout, options, best.predicted.step_time_s if best else math.inf)
             if choice is not None and (best is None or choice.predicted.step_time_s < best.predicted.step_time_s):
                 best = choice
+    # step 5: at the best plan's m and mean share, or, where no replica size tiles every group, at each group's own
+    # replica layouts' (searched here)
+    bases = [(layout, best.num_microbatches, max(1, round(sum(best.shares) / len(best.shares)))) for layout in tried] \
+        if best is not None else _group_layouts(model, cluster, options) if mixing else []
+    for layout in _mixed_layouts(model, cluster, bases, options) if mixing else ():
+        layouts += 1
+        choice = _best_choice(model, cluster, replica_classes(cluster, layout.sizes()), layout, options,
+                              best.predicted.step_time_s if best else math.inf)
+        if choice is not None and (best is None or choice.predicted.step_time_s < best.predicted.step_time_s):
+            best = choice
     if best is None:
         raise PlanningError(f"heterogeneous data parallelism: no replica layout fits on every device type of {cluster.spec}")
     info = SolverInfo(status="heuristic", search_time_s=round(time.perf_counter() - start, 3), candidates=layouts,
@@ -255,14 +290,116 @@ def _layouts(model: ModelGraph, cluster: Cluster, classes: list[ReplicaClass], o
         except PlanningError:
             continue
         if plan.virtual_stages != 1 or plan.replica_batch_shares is not None or len({s.tensor_parallel for s in plan.stages}) > 1:
-            continue  # replicas share one degree for every stage (Layout.tp)
-        layout = Layout(tp=plan.stages[0].tensor_parallel, pp=plan.pipeline_parallel,
+            continue  # a replica has one degree on every stage (Layout.tps)
+        layout = Layout(tps=(plan.stages[0].tensor_parallel,) * len(cluster.groups), pp=plan.pipeline_parallel,
                         stage_layers=tuple(len(s.layers) for s in plan.stages), schedule=plan.schedule.value,
                         stage_recompute=tuple(s.recompute for s in plan.stages),
                         tp_sharding=tuple(dict(s.tp_sharding) for s in plan.stages),
                         tp_parts=tuple(dict(s.tp_parts) for s in plan.stages))
-        out.setdefault((layout.tp, layout.pp, layout.stage_layers, layout.schedule, layout.stage_recompute), layout)
+        out.setdefault((layout.tps, layout.pp, layout.stage_layers, layout.schedule, layout.stage_recompute), layout)
     return list(out.values())
+
+
+def _mixed_layouts(model: ModelGraph, cluster: Cluster, bases: list[tuple[Layout, int, int]], options: SearchOptions
+                   ) -> list[Layout]:
+    """Layouts whose node groups run their replicas at different tensor-parallel degrees ([Note: replicas of
+    different degrees] in runtime/mixed_sync.py): for each base layout with its number of micro-batches m and
+    micro-batch size b, the groups' degrees (each one that fits there) that train the most samples per second
+    over all devices, where the groups' degrees differ and the replicas number 2 to global batch / m (and meet
+    a --dp pin). Step 5 of [Note: heterogeneous data parallelism]."""
+    out: dict[tuple, Layout] = {}
+    for base, m, b in bases:
+        rates = [_degree_rates(model, cluster, g, base, options, b, m) for g in range(len(cluster.groups))]
+
+        def allowed(tps: tuple[int, ...]) -> bool:
+            dp = sum(g.num_devices // (t * base.pp) for g, t in zip(cluster.groups, tps))
+            return len(set(tps)) > 1 and 2 <= dp <= options.global_batch_size // m and options.dp in (None, dp)
+
+        combos = [tps for tps in itertools.product(*(sorted(r) for r in rates)) if allowed(tps)]
+        if not combos:
+            continue
+        # the most samples per second over all devices; ties to the lower degrees
+        tps = max(combos, key=lambda tps: (sum(g.num_devices * r[t] for g, r, t in zip(cluster.groups, rates, tps)),
+                                           [-t for t in tps]))
+        sharding, parts = _stage_shardings(model, base.stage_layers)
+        layout = replace(base, tps=tps, tp_sharding=sharding, tp_parts=parts)
+        out.setdefault((layout.tps, layout.pp, layout.stage_layers, layout.schedule, layout.stage_recompute), layout)
+    return list(out.values())
+
+
+def _group_layouts(model: ModelGraph, cluster: Cluster, options: SearchOptions) -> list[tuple[Layout, int, int]]:
+    """The best layout of one replica of each node group, at every size that tiles the group (alone), with the
+    searched plan's m and micro-batch size; the replica takes the batch in proportion to its devices' speed."""
+    rate = [cluster.profile(g.device.name).achievable_matmul_flops(options.dtype) for g in cluster.groups]
+    total = sum(r * g.num_devices for r, g in zip(rate, cluster.groups))
+    out: dict[tuple, tuple[Layout, int, int]] = {}
+    for index, g in enumerate(cluster.groups):
+        for size in divisors(g.num_devices):
+            if not _tiles(g, size):
+                continue
+            klass = _class_of_group(cluster, index, size)
+            batch = max(1, round(options.global_batch_size * size * rate[index] / total))
+            try:
+                plan = search(model, klass.replica_cluster, _replica_options(options, batch))
+            except PlanningError:
+                continue
+            if plan.virtual_stages != 1 or len({s.tensor_parallel for s in plan.stages}) > 1:
+                continue
+            layout = Layout(tps=(1,) * len(cluster.groups), pp=plan.pipeline_parallel,
+                            stage_layers=tuple(len(s.layers) for s in plan.stages), schedule=plan.schedule.value,
+                            stage_recompute=tuple(s.recompute for s in plan.stages), tp_sharding=(), tp_parts=())
+            key = (layout.pp, layout.stage_layers, layout.schedule, layout.stage_recompute)
+            out.setdefault(key, (layout, plan.num_microbatches, plan.micro_batch_size))
+    return list(out.values())
+
+
+def _degree_rates(model: ModelGraph, cluster: Cluster, group: int, base: Layout, options: SearchOptions, b: int,
+                  m: int) -> dict[int, float]:
+    """Samples per second per device of a replica of group ``group`` at each degree t that fits it (t * pp
+    devices, inside a node, tiling the group, every stage's layers split t ways), running m micro-batches of b."""
+    g = cluster.groups[group]
+    rates = {}
+    for t in divisors(g.devices_per_node):
+        size = t * base.pp
+        if not _tiles(g, size):
+            continue
+        first = 0
+        splits = True
+        for n in base.stage_layers:
+            splits = splits and tp_misfit(model.layers[first : first + n], t) is None
+            first += n
+        if not splits:
+            continue
+        klass = _class_of_group(cluster, group, size)
+        layout = replace(base, tps=tuple(t if k == group else 1 for k in range(len(cluster.groups))))
+        run = _replica_run(model, klass, layout, options, b, m, {}, breakdown=False)
+        if run is not None:
+            rates[t] = b / ((run.predicted.step_time_s - run.time.optimizer_s) * size)
+    return rates
+
+
+def _class_of_group(cluster: Cluster, group: int, size: int) -> ReplicaClass:
+    """Node group ``group``'s replicas of ``size`` devices (which tile it), ranks in cluster order."""
+    g = cluster.groups[group]
+    nodes, per_node = (1, size) if size <= g.devices_per_node else (size // g.devices_per_node, g.devices_per_node)
+    one = replace(g, num_nodes=nodes, devices_per_node=per_node)
+    return ReplicaClass(group=group, device_type=g.device.name, first_rank=sum(h.num_devices for h in cluster.groups[:group]),
+                        count=g.num_devices // size, replica_cluster=Cluster(spec=shorthand([one]), groups=(one,)))
+
+
+def _stage_shardings(model: ModelGraph, stage_layers: tuple[int, ...]) -> tuple[tuple[dict, ...], tuple[dict, ...]]:
+    """Each stage's tensor-parallel sharding and fused-projection parts, as the search assembles them
+    (planner/search/assemble.py): the union of its layers'."""
+    shardings, parts, first = [], [], 0
+    for n in stage_layers:
+        sharding, split = {}, {}
+        for l in range(first, first + n):
+            sharding.update(model.tp_sharding[l])
+            split.update({path: list(p) for path, p in (model.tp_parts[l] if model.tp_parts else {}).items()})
+        shardings.append(sharding)
+        parts.append(split)
+        first += n
+    return tuple(shardings), tuple(parts)
 
 
 def _replica_options(options: SearchOptions, batch: int) -> SearchOptions:
@@ -286,7 +423,7 @@ def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, op
 
     best: _Choice | None = None
     for m in divisors(gbs)[::-1]:  # many micro-batches first: short bubbles, a best plan early for the bound below
-        if (gbs // m) % dp or (layout.schedule == Schedule.INTERLEAVED and m % layout.pp):
+        if gbs // m < dp or (layout.schedule == Schedule.INTERLEAVED and m % layout.pp):
             continue
 
         def time_s(k: int, b: int, m: int = m) -> float:
@@ -314,8 +451,8 @@ def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, op
     return best
 
 
-def _replica_config(layout: Layout, options: SearchOptions, b: int, m: int) -> EstimateConfig:
-    return EstimateConfig(global_batch_size=b * m, dp=1, tp=layout.tp, pp=layout.pp, micro_batch_size=b, dtype=options.dtype,
+def _replica_config(layout: Layout, klass: ReplicaClass, options: SearchOptions, b: int, m: int) -> EstimateConfig:
+    return EstimateConfig(global_batch_size=b * m, dp=1, tp=layout.tps[klass.group], pp=layout.pp, micro_batch_size=b, dtype=options.dtype,
                           schedule=layout.schedule, optimizer=options.optimizer, stage_layers=layout.stage_layers,
                           stage_recompute=layout.stage_recompute)
 
@@ -326,7 +463,7 @@ def _replica_run(model, klass: ReplicaClass, layout: Layout, options: SearchOpti
     ``memos`` keeps each class's collective seconds across calls (``estimate``'s memo)."""
     key = (klass.group, b, m)
     if key not in cache:
-        config = _replica_config(layout, options, b, m)
+        config = _replica_config(layout, klass, options, b, m)
         try:
             run = estimate(model, klass.replica_cluster, config, breakdown=breakdown,
                            memo=memos.setdefault(klass.group, {}) if memos is not None else None)
@@ -338,9 +475,9 @@ def _replica_run(model, klass: ReplicaClass, layout: Layout, options: SearchOpti
 
 def _stage_ranks(classes: list[ReplicaClass], layout: Layout) -> list[list[list[int]]]:
     """ranks[s][d][t] of pipeline rank s, replica d, tensor-parallel index t, in each replica estimate's own order."""
-    size = layout.tp * layout.pp
-    firsts = [c.first_rank + i * size for c in classes for i in range(c.count)]
-    return [[[f + s * layout.tp + t for t in range(layout.tp)] for f in firsts] for s in range(layout.pp)]
+    firsts = [(c.first_rank + i * layout.tps[c.group] * layout.pp, layout.tps[c.group]) for c in classes
+              for i in range(c.count)]
+    return [[[f + s * tp + t for t in range(tp)] for f, tp in firsts] for s in range(layout.pp)]
 
 
 def _stage_params(model: ModelGraph, tp: int, first: int, last: int) -> float:
@@ -351,20 +488,32 @@ def _stage_params(model: ModelGraph, tp: int, first: int, last: int) -> float:
     return params
 
 
+def _mixed_sync_s(model: ModelGraph, cluster: Cluster, options: SearchOptions, rows: list[list[int]], first: int,
+                  last: int) -> float:
+    """The gradient sync of one stage whose replicas (``rows``: ranks[d]) differ in tensor-parallel degree, as
+    runtime.mixed_sync runs it ([Note: replicas of different degrees]): each replica's gradients made whole
+    (an all-gather over its tp group), all-reduced whole over the replicas' first ranks, broadcast back over
+    each tp group. The replicas' gathers and broadcasts run side by side: the slowest counts."""
+    whole = _stage_params(model, 1, first, last) * dtype_bytes(options.dtype)
+    inside = max(all_gather_time_s(whole, row, cluster) + broadcast_time_s(whole, row, cluster) for row in rows)
+    return all_reduce_time_s(whole, [row[0] for row in rows], cluster) + inside
+
+
 def _predicted(model, cluster, classes, layout: Layout, options, replica_class, shares, runs) -> Predicted:
     """The step of step 4 in the Note, broken down on the slowest replica."""
     slowest = max(runs.values(), key=lambda r: r.predicted.step_time_s - r.time.optimizer_s)
     ranks = _stage_ranks(classes, layout)
     sync_s, first = 0.0, 0
     for s, n in enumerate(layout.stage_layers):
-        params = _stage_params(model, layout.tp, first, first + n - 1)
         group = [rep[0] for rep in ranks[s]]
         # As planner/estimate/step_costs.py's data-parallel sync: what it costs inside a training step
         # (a measured profile's grad_sync_scale), set by the slowest device type taking part.
         scale = max(grad_sync_scale(cluster.group_of(rank).device) for rank in group)
-        narrowest = min((cluster.group_of(rank).device for rank in group), key=lambda d: d.mem_bw_bytes_per_s)
-        seconds = sync_seconds(options.sync, params, dtype_bytes(options.dtype), len(group), narrowest,
-                               collective_over(group, cluster, concurrent=layout.tp))
+        seconds = _mixed_sync_s(model, cluster, options, ranks[s], first, first + n - 1) if layout.mixed else \
+            sync_seconds(options.sync, _stage_params(model, layout.tps[0], first, first + n - 1),
+                         dtype_bytes(options.dtype), len(group),
+                         min((cluster.group_of(rank).device for rank in group), key=lambda d: d.mem_bw_bytes_per_s),
+                         collective_over(group, cluster, concurrent=layout.tps[0]))
         sync_s = max(sync_s, seconds * scale)
         first += n
     optimizer_s = max(r.time.optimizer_s for r in runs.values())
@@ -388,7 +537,7 @@ def _assemble(model: ModelGraph, cluster: Cluster, options: SearchOptions, choic
     stages, first = [], 0
     for s, n in enumerate(layout.stage_layers):
         stages.append(StagePlan(index=s, layers=list(range(first, first + n)), device_type=cluster.device_types()[ranks[s][0][0]],
-                                tensor_parallel=layout.tp, ranks=ranks[s], tp_sharding=dict(layout.tp_sharding[s]),
+                                tensor_parallel=len(ranks[s][0]), ranks=ranks[s], tp_sharding=dict(layout.tp_sharding[s]),
                                 tp_parts=dict(layout.tp_parts[s]) if layout.tp_parts else {},
                                 recompute=layout.stage_recompute[s]))
         first += n
@@ -416,25 +565,28 @@ def estimate_shares(model: ModelGraph, cluster: Cluster, config: EstimateConfig)
     Raises:
         EstimateError: the replicas do not tile the cluster as the Note lays them out, or one does not fit.
     """
-    pp, tp, m = config.pp, config.tp, config.num_microbatches
-    classes = replica_classes(cluster, tp * pp)
+    pp, m = config.pp, config.num_microbatches
+    tps = _group_degrees(cluster, config)
+    classes = replica_classes(cluster, [t * pp for t in tps]) if tps is not None else None
     if config.virtual_stages > 1 or config.stage_tp is not None or classes is None:
-        raise EstimateError(f"replica_batch_shares needs replicas of tp({tp}) * pp({pp}) devices of one type each, one "
-                            "chunk per rank and one degree for every stage")
+        degrees = f"tp({config.tp})" if config.replica_tp is None else f"their own tp ({list(config.replica_tp)})"
+        raise EstimateError(f"replica_batch_shares needs replicas of {degrees} * pp({pp}) devices of one type each, "
+                            "each node group's replicas of one degree, one chunk per rank and one degree for every stage")
     split = stage_split(model, config)
     layers = tuple(b - a + 1 for a, b in split.bounds)
-    layout = Layout(tp=tp, pp=pp, stage_layers=layers, schedule=config.schedule,
+    layout = Layout(tps=tuple(tps), pp=pp, stage_layers=layers, schedule=config.schedule,
                     stage_recompute=tuple(config.recompute_of(s) for s in range(pp)), tp_sharding=({},) * pp)
     replica_class = [k for k, c in enumerate(classes) for _ in range(c.count)]
     options = SearchOptions(global_batch_size=config.global_batch_size, dtype=config.dtype, optimizer=config.optimizer)
+    shares = list(config.replica_batch_shares or [config.micro_batch_size] * config.dp)
     runs: dict = {}
     chosen = {}
-    for d, (k, b) in enumerate(zip(replica_class, config.replica_batch_shares)):
+    for d, (k, b) in enumerate(zip(replica_class, shares)):
         run = _replica_run(model, classes[k], layout, options, b, m, runs)
         if run is None:
             raise EstimateError(f"replica {d} ({classes[k].device_type}) does not fit micro-batches of {b}")
         chosen[(k, b)] = run
-    predicted = _predicted(model, cluster, classes, layout, options, replica_class, list(config.replica_batch_shares), chosen)
+    predicted = _predicted(model, cluster, classes, layout, options, replica_class, shares, chosen)
     slowest = max(chosen.values(), key=lambda r: r.predicted.step_time_s - r.time.optimizer_s)
     ranks = _stage_ranks(classes, layout)
     flops = slowest.model_flops_per_step / (slowest.config.global_batch_size or 1) * config.global_batch_size
@@ -446,8 +598,25 @@ def estimate_shares(model: ModelGraph, cluster: Cluster, config: EstimateConfig)
                    tflops_per_device=flops / step / cluster.world_size / 1e12, mfu=flops / step / peak, layout=split.layout)
 
 
+def _group_degrees(cluster: Cluster, config: EstimateConfig) -> list[int] | None:
+    """Each node group's tensor-parallel degree from ``config.replica_tp`` (replicas in cluster order, each group
+    tiled by replicas of one degree; see [Note: heterogeneous data parallelism], step 1), or None where they do
+    not tile so."""
+    degrees = list(config.replica_tp or [config.tp] * config.dp)
+    out, d = [], 0
+    for g in cluster.groups:
+        if d >= len(degrees) or g.num_devices % (degrees[d] * config.pp):
+            return None
+        count = g.num_devices // (degrees[d] * config.pp)
+        if degrees[d : d + count] != [degrees[d]] * count:
+            return None
+        out.append(degrees[d])
+        d += count
+    return out if d == len(degrees) else None
+
+
 def _classes_of(cluster: Cluster, layout: Layout) -> list[ReplicaClass]:
-    classes = replica_classes(cluster, layout.tp * layout.pp)
+    classes = replica_classes(cluster, layout.sizes())
     assert classes is not None, "a chosen layout's replica size tiles the cluster"
     return classes
 
