@@ -420,6 +420,9 @@ def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, op
     runs: dict[tuple[int, int, int], Estimate | None] = {}
     quick: dict[tuple[int, int, int], Estimate | None] = {}
     memos: dict[int, dict] = {}  # per replica class: its collectives' seconds, kept across the estimates
+    sync_s = _sync_s(model, cluster, classes, layout, options)  # what every step of the layout adds
+    if sync_s >= to_beat_s:
+        return None
 
     best: _Choice | None = None
     for m in divisors(gbs)[::-1]:  # many micro-batches first: short bubbles, a best plan early for the bound below
@@ -432,8 +435,9 @@ def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, op
 
         # Every replica takes at least one sample per micro-batch, some replica at least the mean share, and
         # the pipeline time grows with the share, so the step is at least the slowest class at one and the
-        # quickest class at the mean: an m that cannot beat the best so far (of any layout) needs no balance.
-        to_beat = min(best.predicted.step_time_s if best else math.inf, to_beat_s)
+        # quickest class at the mean, plus the sync: an m that cannot beat the best so far (of any layout)
+        # needs no balance.
+        to_beat = min(best.predicted.step_time_s if best else math.inf, to_beat_s) - sync_s
         kinds, mean = set(replica_class), -(-(gbs // m) // dp)
         if max(time_s(k, 1) for k in kinds) >= to_beat or min(time_s(k, mean) for k in kinds) >= to_beat:
             continue
@@ -499,9 +503,8 @@ def _mixed_sync_s(model: ModelGraph, cluster: Cluster, options: SearchOptions, r
     return all_reduce_time_s(whole, [row[0] for row in rows], cluster) + inside
 
 
-def _predicted(model, cluster, classes, layout: Layout, options, replica_class, shares, runs) -> Predicted:
-    """The step of step 4 in the Note, broken down on the slowest replica."""
-    slowest = max(runs.values(), key=lambda r: r.predicted.step_time_s - r.time.optimizer_s)
+def _sync_s(model, cluster, classes, layout: Layout, options) -> float:
+    """The gradient sync of step 4 in the Note: the slowest stage's (the same bytes whatever the shares)."""
     ranks = _stage_ranks(classes, layout)
     sync_s, first = 0.0, 0
     for s, n in enumerate(layout.stage_layers):
@@ -516,6 +519,13 @@ def _predicted(model, cluster, classes, layout: Layout, options, replica_class, 
                          collective_over(group, cluster, concurrent=layout.tps[0]))
         sync_s = max(sync_s, seconds * scale)
         first += n
+    return sync_s
+
+
+def _predicted(model, cluster, classes, layout: Layout, options, replica_class, shares, runs) -> Predicted:
+    """The step of step 4 in the Note, broken down on the slowest replica."""
+    slowest = max(runs.values(), key=lambda r: r.predicted.step_time_s - r.time.optimizer_s)
+    sync_s = _sync_s(model, cluster, classes, layout, options)
     optimizer_s = max(r.time.optimizer_s for r in runs.values())
     step = slowest.predicted.step_time_s - slowest.time.optimizer_s + sync_s + optimizer_s
     t = slowest.time
