@@ -146,3 +146,20 @@ def test_a_searched_plan_of_mixed_degrees_trains_like_one_process(tmp_path):
     assert [s.replica_degrees for s in plan.stages] == [[1, 2]] * len(plan.stages)
     assert plan.replica_batch_shares[0] > plan.replica_batch_shares[1]
     assert_trains_like_one_process(plan, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_pipeline_of_replicas_at_tp_1_and_tp_2_trains_like_one_process_under_adamw(tmp_path):
+    """pp 2: replica 0 runs its two stages on ranks 0 and 1 at tp 1, replica 1 on ranks 2-3 and 4-5 at tp 2;
+    activations and gradients travel inside each replica ([Note: rank layout] in hetpar/runtime/distributed.py)."""
+    from test_distributed import assert_trains_like_one_process
+
+    plan = build_plan(ROOT / "examples" / "gpt.py", GPT_ARGS, splits=[[0, 1], [2, 3]], data_parallel=2, tensor_parallel=2,
+                      tp_blocks=True, num_microbatches=2)
+    rows = [[[0], [2, 3]], [[1], [4, 5]]]
+    stages = [dataclasses.replace(s, tensor_parallel=1, ranks=r) for s, r in zip(plan.stages, rows)]
+    cluster = dataclasses.replace(plan.cluster, spec="1x6xcpu", world_size=6, device_types=["cpu"] * 6)
+    plan = dataclasses.replace(plan, stages=stages, cluster=cluster, replica_batch_shares=[1, 2], global_batch_size=6,
+                               micro_batch_size=1)
+    stderr = assert_trains_like_one_process(plan, tmp_path, "adamw")
+    assert "stage 1 (layers 2-3): tp 1/2, all-reduce over 2 replicas of tensor-parallel degrees [1, 2]" in stderr
