@@ -251,4 +251,6 @@ def plan_summary(plan: ParallelPlan) -> dict[str, Any]:
     }
     if plan.replica_batch_shares is not None:
         out["replica_batch_shares"] = list(plan.replica_batch_shares)
+    if any(s.mixed_degrees for s in plan.stages):  # each replica's degree ([Note: replicas of different degrees])
+        out["tp"], out["replica_tp"] = None, plan.stages[0].replica_degrees
     return out
