@@ -196,21 +196,9 @@ def test_checkpoint_of_tp_2_holds_the_users_tensors_and_resumes_at_tp_1(tmp_path
     """A checkpoint saved at tp 2 holds mingpt's own tensors under its own names: read by
     one process it equals --save-final, and a tp 1 program resumes from it."""
 
-    plan = _plan(MINGPT, 2)
-    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3"]
-    torch.manual_seed(1234)
-    init_state = load_model_file(MINGPT, {}).build_model().state_dict()
-    final, _ = _run(plan, tmp_path / "tp2", init_state, ckpt + ["--steps", "3"])
-    (step,) = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")]
-    saved = checkpoint_model_tensors(step)
+    final, saved = save_then_resume(_plan(MINGPT, 2), _plan(MINGPT, 1, world=1), MINGPT, tmp_path)
     for key in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias", "lm_head.weight"):
         assert torch.equal(saved[key], final[key]), key
-    one = _plan(MINGPT, 1, world=1)
-    again, stderr = _run(one, tmp_path / "tp1", init_state, ckpt + ["--steps", "4"])
-    assert "step 3" in stderr, stderr[-2000:]  # resumed after the checkpoint of step 3
-    reference, exact_losses, exact, sensitivity = exact_references(plan, init_state, "adamw", 4)
-    # the resumed run's parameters as one process's 4 steps, within float32 rounding ([Note: float tolerance])
-    assert_within_rounding("adamw", 4, exact_losses, again, reference, exact_losses, exact, sensitivity)
 
 
 @pytest.mark.slow
@@ -220,14 +208,24 @@ def test_a_checkpoint_resumes_into_part_laid_linears_at_tp_2(tmp_path):
     (Loading used to set the rank's tensors back to the user's row order after placing them.)"""
     plan = _plan(GQA, 2)
     assert plan.stages[0].tp_parts
+    save_then_resume(_plan(GQA, 1, world=1), plan, GQA, tmp_path)
+
+
+def save_then_resume(saver: ParallelPlan, resumer: ParallelPlan, model: Path, tmp_path: Path) -> tuple[dict, dict]:
+    """``saver`` trains ``model`` 3 steps under AdamW with a checkpoint after the third, ``resumer`` resumes from it
+    to step 4, and its parameters are checked against one process's 4 steps within float32 rounding ([Note: float
+    tolerance]). Returns the saver's --save-final state and the checkpoint's model tensors read by one process."""
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3"]
     torch.manual_seed(1234)
-    init_state = load_model_file(GQA, {}).build_model().state_dict()
-    _run(_plan(GQA, 1, world=1), tmp_path / "tp1", init_state, ckpt + ["--steps", "3"])
-    again, stderr = _run(plan, tmp_path / "tp2", init_state, ckpt + ["--steps", "4"])
+    init_state = load_model_file(model, {}).build_model().state_dict()
+    final, _ = _run(saver, tmp_path / "saver", init_state, ckpt + ["--steps", "3"])
+    (step,) = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")]
+    saved = checkpoint_model_tensors(step)
+    again, stderr = _run(resumer, tmp_path / "resumer", init_state, ckpt + ["--steps", "4"])
     assert "step 3" in stderr, stderr[-2000:]  # resumed after the checkpoint of step 3
-    reference, exact_losses, exact, sensitivity = exact_references(plan, init_state, "adamw", 4)
+    reference, exact_losses, exact, sensitivity = exact_references(resumer, init_state, "adamw", 4)
     assert_within_rounding("adamw", 4, exact_losses, again, reference, exact_losses, exact, sensitivity)
+    return final, saved
 
 
 def _run(plan: ParallelPlan, out: Path, init_state: dict, args: list[str]) -> tuple[dict, str]:
