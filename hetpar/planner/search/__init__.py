@@ -7,6 +7,7 @@ cost tables of planner.costing; solve runs them and assemble turns the best into
 ParallelPlan ([Note: plan prediction]).
 """
 
+from hetpar.planner.search.assemble import stage_sharding
 from hetpar.planner.search.bounds import lower_bound_s, memory_may_fit
 from hetpar.planner.search.candidates import enumerate_candidates
 from hetpar.planner.search.solve import search, solve_candidate, solve_split, solve_type_orders
@@ -22,4 +23,5 @@ __all__ = [
     "solve_candidate",
     "solve_split",
     "solve_type_orders",
+    "stage_sharding",
 ]

@@ -56,6 +56,16 @@ def _explain_degree_misfit(model: ModelGraph, tables: CostTables, bounds, modes:
     )
 
 
+def stage_sharding(model: ModelGraph, first: int, last: int) -> tuple[dict, dict[str, list[int]]]:
+    """The tensor-parallel sharding and fused-projection parts of a stage of layers ``first``..``last``: the union
+    of its layers' (``StagePlan.tp_sharding``, ``tp_parts``)."""
+    sharding, parts = {}, {}
+    for l in range(first, last + 1):
+        sharding.update(model.tp_sharding[l])
+        parts.update({path: list(p) for path, p in (model.tp_parts[l] if model.tp_parts else {}).items()})
+    return sharding, parts
+
+
 def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: CostTables, bounds, info: SolverInfo, alternatives=(),
                   modes: list[int] | None = None) -> ParallelPlan:
     """Turn a solved split into a ParallelPlan with its predicted cost."""
@@ -65,11 +75,7 @@ def assemble_plan(model: ModelGraph, cluster, options: SearchOptions, tables: Co
     stages = []
     for c, (first, last) in enumerate(bounds):
         mode = cand.modes[modes[c]]
-        sharding, parts = {}, {}
-        if mode.tp > 1:
-            for l in range(first, last + 1):
-                sharding.update(model.tp_sharding[l])
-                parts.update({path: list(p) for path, p in (model.tp_parts[l] if model.tp_parts else {}).items()})
+        sharding, parts = stage_sharding(model, first, last) if mode.tp > 1 else ({}, {})
         slot = tables.slots[c % cand.pp][mode.tp]
         stages.append(
             StagePlan(

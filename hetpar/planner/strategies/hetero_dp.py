@@ -42,13 +42,18 @@ and the number of micro-batches m. So:
    first term alone.
 5. Node groups may run their replicas at different tensor-parallel degrees (replica
    sizes tp_g * pp; [Note: replicas of different degrees] in runtime/mixed_sync.py):
-   after the layouts of one replica size, each layout tried is tried again with every
-   group at the degree whose replica trains the most samples per second per device at
-   the best plan's m and mean share (``_mixed_layouts``), where that differs between
-   groups. Its stages' gradients are synced whole (step 4 prices an all-gather and a
+   after the layouts of one replica size, each layout tried is tried again with the
+   groups' degrees that train the most samples per second over all devices at the best
+   plan's m and mean share (each group's replica estimated at each degree that fits;
+   ``_mixed_layouts``), among the combinations whose degrees differ and whose replica
+   count is 2 to global batch / m (and meets a --dp pin). Where no one replica size
+   tiles every group, the layouts come from searching one replica of each group at
+   each size that tiles it, at its own m and micro-batch size (``_group_layouts``). A
+   stage's gradients are then synced whole (step 4 prices an all-gather and a
    broadcast inside each replica and the all-reduce of the whole stage over the
-   replicas' first ranks), and each stage's sharding is its layers' (as the search
-   assembles a plan).
+   replicas' first ranks), and its sharding is its layers' (``stage_sharding``, as
+   the search assembles a plan). This is a choice of degrees, not a search over every
+   combination.
 
 ``StagePlan.device_type`` of such a plan is the type of the stage's first replica; the
 type of every rank is in ``plan.cluster.device_types``.
@@ -73,7 +78,7 @@ from hetpar.planner.estimate import Estimate, EstimateConfig, EstimateError, est
 from hetpar.planner.model_graph import ModelGraph
 from hetpar.planner.options import SearchOptions
 from hetpar.planner.plan import ClusterRef, ModelRef, ParallelPlan, Predicted, SolverInfo, StagePlan
-from hetpar.planner.search import search
+from hetpar.planner.search import search, stage_sharding
 from hetpar.planner.solver import divisors
 from hetpar.planner.strategies.subcluster import shorthand
 from hetpar.vocabulary import Schedule
@@ -321,8 +326,9 @@ def _mixed_layouts(model: ModelGraph, cluster: Cluster, bases: list[tuple[Layout
         # the most samples per second over all devices; ties to the lower degrees
         tps = max(combos, key=lambda tps: (sum(g.num_devices * r[t] for g, r, t in zip(cluster.groups, rates, tps)),
                                            [-t for t in tps]))
-        sharding, parts = _stage_shardings(model, base.stage_layers)
-        layout = replace(base, tps=tps, tp_sharding=sharding, tp_parts=parts)
+        bounds = list(itertools.accumulate(base.stage_layers, initial=0))
+        split = [stage_sharding(model, a, b - 1) for a, b in zip(bounds, bounds[1:])]
+        layout = replace(base, tps=tps, tp_sharding=tuple(sh for sh, _ in split), tp_parts=tuple(p for _, p in split))
         out.setdefault((layout.tps, layout.pp, layout.stage_layers, layout.schedule, layout.stage_recompute), layout)
     return list(out.values())
 
@@ -363,12 +369,7 @@ def _degree_rates(model: ModelGraph, cluster: Cluster, group: int, base: Layout,
         size = t * base.pp
         if not _tiles(g, size):
             continue
-        first = 0
-        splits = True
-        for n in base.stage_layers:
-            splits = splits and tp_misfit(model.layers[first : first + n], t) is None
-            first += n
-        if not splits:
+        if tp_misfit(model.layers, t) is not None:  # every layer is in some stage
             continue
         klass = _class_of_group(cluster, group, size)
         layout = replace(base, tps=tuple(t if k == group else 1 for k in range(len(cluster.groups))))
@@ -385,21 +386,6 @@ def _class_of_group(cluster: Cluster, group: int, size: int) -> ReplicaClass:
     one = replace(g, num_nodes=nodes, devices_per_node=per_node)
     return ReplicaClass(group=group, device_type=g.device.name, first_rank=sum(h.num_devices for h in cluster.groups[:group]),
                         count=g.num_devices // size, replica_cluster=Cluster(spec=shorthand([one]), groups=(one,)))
-
-
-def _stage_shardings(model: ModelGraph, stage_layers: tuple[int, ...]) -> tuple[tuple[dict, ...], tuple[dict, ...]]:
-    """Each stage's tensor-parallel sharding and fused-projection parts, as the search assembles them
-    (planner/search/assemble.py): the union of its layers'."""
-    shardings, parts, first = [], [], 0
-    for n in stage_layers:
-        sharding, split = {}, {}
-        for l in range(first, first + n):
-            sharding.update(model.tp_sharding[l])
-            split.update({path: list(p) for path, p in (model.tp_parts[l] if model.tp_parts else {}).items()})
-        shardings.append(sharding)
-        parts.append(split)
-        first += n
-    return tuple(shardings), tuple(parts)
 
 
 def _replica_options(options: SearchOptions, batch: int) -> SearchOptions:
