@@ -257,7 +257,7 @@ def announce(me: Placement, stage: StageSpec, grad_sync: object = "one replica")
         first, last = stage.layers
         cp = f", cp {stage.context_parallel}" if stage.context_parallel > 1 else ""
         sp = " (sequence-parallel)" if stage.sequence_parallel else ""  # [Note: sequence parallelism] in runtime/sequence.py
-        tp = "/".join(map(str, sorted({len(r) for r in stage.ranks})))  # "1/2": replicas of different degrees
+        tp = "/".join(map(str, dict.fromkeys(len(r) for r in stage.ranks)))  # "1/2": replica 0's degree first
         print(f"hetpar: stage {me.stage} (layers {first}-{last}): tp {tp}{sp}{cp}, {grad_sync}, "
               f"recompute {stage.recompute}", file=sys.stderr, flush=True)
 
