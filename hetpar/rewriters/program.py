@@ -126,8 +126,7 @@ def stage_table(plan: ParallelPlan) -> str:
     ep = any(s.expert_parallel > 1 for s in plan.stages)
     header = ("stage", "layers", "ranks[d][t]", "device", "tp", *(("ep",) if ep else ()))
     rows = [
-        (str(s.index), _layer_summary(plan, s), str(s.ranks), plan.stage_device_label(s),
-         "/".join(map(str, sorted(set(s.replica_degrees)))),
+        (str(s.index), _layer_summary(plan, s), str(s.ranks), plan.stage_device_label(s), s.degree_label,
          *((str(s.expert_parallel),) if ep else ()))
         for s in plan.stages
     ]
