@@ -65,6 +65,42 @@ def test_balanced_shares_match_brute_force(seed):
         return
     assert sum(shares) == total and min(shares) >= 1
     assert max(time_s(k, b) for k, b in zip(classes, shares)) == pytest.approx(best)
+    # a limit at the optimum keeps it; any lower limit leaves no shares
+    within = balance_shares(time_s, classes, total, below_s=best)
+    assert within is not None and max(time_s(k, b) for k, b in zip(classes, within)) == pytest.approx(best)
+    assert balance_shares(time_s, classes, total, below_s=best * (1 - 1e-9)) is None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_balanced_shares_of_large_batches_match_a_scan_of_every_time(seed):
+    """Totals of hundreds, times with plateaus and curvature: the least slowest time equals the least
+    of every replica time at which each class's largest fitting size (found by scanning) covers the total."""
+    rng = random.Random(100 + seed)
+    kinds = rng.randint(2, 3)
+    coef = [(rng.uniform(0.0, 2.0), rng.uniform(0.2, 3.0), rng.uniform(0.0, 0.01), rng.choice([1, 2, 4])) for _ in range(kinds)]
+    limit = [rng.choice([math.inf, rng.randint(30, 120)]) for _ in range(kinds)]
+
+    def time_s(k, b):
+        fixed, per, curve, step = coef[k]
+        steps = -(-b // step) * step  # plateaus: sizes run in steps of ``step``
+        return math.inf if b > limit[k] else fixed + per * steps + curve * steps * steps
+
+    classes = [rng.randrange(kinds) for _ in range(rng.randint(2, 6))]
+    total = rng.randint(len(classes), 400)
+    most = total - len(classes) + 1
+
+    def covers(t):
+        caps = [max([b for b in range(1, most + 1) if time_s(k, b) <= t], default=0) for k in classes]
+        return min(caps) > 0 and sum(caps) >= total
+
+    times = sorted({time_s(k, b) for k in set(classes) for b in range(1, most + 1)} - {math.inf})
+    best = next((t for t in times if covers(t)), None)
+    shares = balance_shares(time_s, classes, total)
+    if best is None:
+        assert shares is None
+        return
+    assert sum(shares) == total and min(shares) >= 1
+    assert max(time_s(k, b) for k, b in zip(classes, shares)) == best
 
 
 def test_shares_are_proportional_to_speed():

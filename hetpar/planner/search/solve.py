@@ -253,7 +253,7 @@ def _search_pass(model: ModelGraph, cluster, options: SearchOptions, progress=No
     bounds = {cand: lower_bound_s(model, cluster, cand, options.dtype, cache, options.optimizer) for cand in candidates}
     # One degree for every stage first: those candidates solve fast and give a cutoff that
     # spares the rest ([Note: stage counts]); each pass in order of its bounds.
-    candidates.sort(key=lambda c: (c.tp is None, bounds[c]))
+    candidates.sort(key=lambda c: (c.tp is None, c.virtual_stages > 1, bounds[c]))
     solved: list[Solved] = []
     misfits: list[tuple[float, CostTables]] = []
     skipped: list[Candidate] = []  # cannot fit in memory whatever the split

@@ -184,7 +184,8 @@ def sync_floor_s(model: ModelGraph, cluster: Cluster, options: SearchOptions) ->
     return min(floors) * least_scale if floors else None
 
 
-def balance_shares(time_s: Callable[[int, int], float], classes: list[int], total: int) -> list[int] | None:
+def balance_shares(time_s: Callable[[int, int], float], classes: list[int], total: int,
+                   below_s: float = math.inf) -> list[int] | None:
     """Micro-batch sizes b_d >= 1 summing to ``total`` that minimise max_d time_s(classes[d], b_d).
 
     Args:
@@ -192,33 +193,61 @@ def balance_shares(time_s: Callable[[int, int], float], classes: list[int], tota
             where it does not fit.
         classes: the class of each replica.
         total: samples per micro-batch step over all replicas.
+        below_s: only shares whose slowest replica takes at most this long are of interest.
 
     Returns:
-        One size per replica, or None when no sizes fit.
+        One size per replica, or None when no sizes fit (within ``below_s``).
     """
     kinds = sorted(set(classes))
     count = {k: classes.count(k) for k in kinds}
     most = total - len(classes) + 1  # one replica takes at most this many, the others one each
     if most < 1:
         return None
+    # [Note: galloping caps]: each class's largest size within a time limit is searched from the size
+    # the last limit gave it, its replicas' equal share at first; the time is non-decreasing in the size,
+    # so the answer is the same as a bisection over [0, most] and the sizes estimated lie near it
+    near = {k: max(1, min(most, total // len(classes))) for k in kinds}
+
+    def fits(k: int, b: int, limit_s: float) -> bool:
+        t = time_s(k, b)
+        return t <= limit_s and not math.isinf(t)
 
     def cap(k: int, limit_s: float) -> int:
         """The largest size one replica of class k runs within ``limit_s`` (0 if none)."""
-        lo, hi = 0, most
+        b = near[k]
+        if fits(k, b, limit_s):
+            lo, step = b, 1  # lo fits: gallop up until a size does not
+            while lo < most:
+                up = min(most, lo + step)
+                if not fits(k, up, limit_s):
+                    hi = up - 1
+                    break
+                lo, step = up, 2 * step
+            else:
+                hi = lo
+        else:
+            hi, step = b - 1, 1  # hi + 1 does not fit: gallop down until a size does
+            lo = 0
+            while hi > 0:
+                down = max(1, hi + 1 - step)
+                if fits(k, down, limit_s):
+                    lo = down
+                    break
+                hi, step = down - 1, 2 * step
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            t = time_s(k, mid)
-            lo, hi = (mid, hi) if t <= limit_s and not math.isinf(t) else (lo, mid - 1)
+            lo, hi = (mid, hi) if fits(k, mid, limit_s) else (lo, mid - 1)
+        near[k] = max(1, lo)
         return lo
 
     def enough(limit_s: float) -> bool:
         caps = {k: cap(k, limit_s) for k in kinds}
         return all(caps.values()) and sum(count[k] * caps[k] for k in kinds) >= total
 
-    if not enough(math.inf):
+    if not enough(below_s):
         return None
     lo = max(time_s(k, 1) for k in kinds)
-    hi = max(time_s(k, max(1, cap(k, math.inf))) for k in kinds)
+    hi = min(below_s, max(time_s(k, max(1, cap(k, math.inf))) for k in kinds))
     if enough(lo):
         hi = lo
     while hi - lo > _TIME_TOLERANCE * hi:
@@ -427,7 +456,7 @@ def _best_choice(model, cluster, classes: list[ReplicaClass], layout: Layout, op
         kinds, mean = set(replica_class), -(-(gbs // m) // dp)
         if max(time_s(k, 1) for k in kinds) >= to_beat or min(time_s(k, mean) for k in kinds) >= to_beat:
             continue
-        shares = balance_shares(time_s, replica_class, gbs // m)
+        shares = balance_shares(time_s, replica_class, gbs // m, below_s=to_beat)
         if shares is None:
             continue
         # The trim in balance_shares leaves sizes its bisection never estimated: estimate them here.
