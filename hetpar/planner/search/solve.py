@@ -252,7 +252,9 @@ def _search_pass(model: ModelGraph, cluster, options: SearchOptions, progress=No
     cache: dict = {}
     bounds = {cand: lower_bound_s(model, cluster, cand, options.dtype, cache, options.optimizer) for cand in candidates}
     # One degree for every stage first: those candidates solve fast and give a cutoff that
-    # spares the rest ([Note: stage counts]); each pass in order of its bounds.
+    # spares the rest ([Note: stage counts]); within each, one chunk per rank before interleaved
+    # candidates, whose relaxation rules most of them out against a cutoff but leaves them to
+    # CP-SAT without one ([Note: interleaved relaxation]); each pass in order of its bounds.
     candidates.sort(key=lambda c: (c.tp is None, c.virtual_stages > 1, bounds[c]))
     solved: list[Solved] = []
     misfits: list[tuple[float, CostTables]] = []
