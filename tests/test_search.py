@@ -318,3 +318,44 @@ def test_on_a_mixed_cluster_the_plan_is_the_finalist_that_simulates_fastest():
     one_type = plan_model(gpt, parse_cluster("1x8xV100-16GB"),
                           SearchOptions(global_batch_size=16, dtype="fp16"), model_args=args)
     assert one_type.solver.finalists == 1 and one_type.solver.objective_s == one_type.solver.best_objective_s
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_partition_pace_is_the_least_slowest_run_over_every_split_and_type_order(seed):
+    """[Note: partition pace] against brute force: every split of the layers into pp runs of at least one
+    layer, every order of the types' blocks, each run's time its layers' least times on its rank's type."""
+    import itertools
+
+    from hetpar.planner.costing import Candidate, StageMode
+    from hetpar.planner.search.bounds import _BoundLayers, _partition_pace
+
+    rng = np.random.default_rng(seed)
+    num_layers = int(rng.integers(3, 9))
+    counts = {"A100-80GB": int(rng.integers(1, 3)), "V100-32GB": int(rng.integers(1, 3))}
+    pp = sum(counts.values())
+    # two offered degrees per type; a degree that cannot split a layer is infinite there
+    layers = {}
+    for device_type in counts:
+        times = rng.uniform(0.5, 2.0, (2, num_layers)) * (2.5 if device_type == "V100-32GB" else 1.0)
+        times[1, rng.integers(num_layers)] = np.inf
+        layers[device_type] = _BoundLayers(times=times, weights=np.zeros_like(times), device_s=times, epilogue=np.zeros(num_layers),
+                                           latency=0.0)
+    cand = Candidate(dp=1, pp=pp, micro_batch_size=1, num_microbatches=4, schedule="1f1b",
+                     modes=(StageMode(tp=1), StageMode(tp=2)), stages_per_type=tuple(counts.items()))
+    least = {t: b.times.min(axis=0) for t, b in layers.items()}
+    best = np.inf
+    for order in itertools.permutations(counts):
+        types = [t for t in order for _ in range(counts[t])]
+        for cuts in itertools.combinations(range(1, num_layers), pp - 1):
+            edges = (0, *cuts, num_layers)
+            best = min(best, max(float(least[t][a:b].sum()) for t, a, b in zip(types, edges, edges[1:])))
+    pace = _partition_pace(None, cand, layers, None, {})
+    if not np.isfinite(best):
+        assert pace == 0.0
+    else:
+        assert pace == pytest.approx(best, rel=1e-9) and pace <= best
+    # a pinned sequence is bounded on its own
+    pinned = tuple(t for t in reversed(list(counts)) for _ in range(counts[t]))
+    alone = min((max(float(least[t][a:b].sum()) for t, a, b in zip(pinned, (0, *c), (*c, num_layers)))
+                 for c in itertools.combinations(range(1, num_layers), pp - 1)), default=np.inf)
+    assert _partition_pace(None, cand, layers, pinned, {}) == pytest.approx(alone if np.isfinite(alone) else 0.0, rel=1e-9)

@@ -53,25 +53,29 @@ from hetpar.vocabulary import Optimizer, Recompute
 # device-seconds, D / S, with d_l = min over types and degrees of tp t_l, D = sum_l d_l and
 # S = sum over types of (devices per replica) * max_l d_l / min over degrees tp t_l(type)
 # (a stage of degree tp runs its layers on tp devices: it is what bounds a plan whose
-# stages must take small degrees; [Note: per-stage tensor parallelism]). The slowest
+# stages must take small degrees; [Note: per-stage tensor parallelism]); with one chunk
+# per rank, also the bottleneck split of whole layers ([Note: partition pace]). The slowest
 # epilogue is at least the average one, and each of the C - 1 cuts costs at least the
 # cheapest p2p of any boundary, split the most ways, to any other device. ZeRO-3's
 # exposed gathers and the one-layer buffers are left out (they only add). Candidates
 # are solved in order of this bound, and the search stops at the first whose bound is
 # no better than the best plan found, so the plan it returns is optimal over all of them.
-def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache: dict | None = None, optimizer: str = Optimizer.ADAMW) -> float:
+def lower_bound_s(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache: dict | None = None, optimizer: str = Optimizer.ADAMW,
+                  stage_devices: tuple[str, ...] | None = None) -> float:
     """A lower bound on the objective of any split of ``cand``; see [Note: candidate bound].
 
     Args:
         cache: reused across candidates: per-layer times depend only on (tp, micro-batch
             size, device type, the tensor-parallel group's placement).
+        stage_devices: the device type of each pipeline rank, where the search's options pin them.
     """
     cache = {} if cache is None else cache
-    rest, pace, wt = _bound_terms(model_variant(model, cache, cp=cand.cp), cluster, cand, dtype, cache, optimizer)
+    rest, pace, wt = _bound_terms(model_variant(model, cache, cp=cand.cp), cluster, cand, dtype, cache, optimizer, stage_devices)
     return (rest + wt.round_max * pace) / wt.scale
 
 
-def _bound_terms(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache: dict, optimizer: str):
+def _bound_terms(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache: dict, optimizer: str,
+                 stage_devices: tuple[str, ...] | None = None):
     """(every term of [Note: candidate bound] but the pace's, weighted; the pace bound; the schedule's weights)."""
     shares = memo(cache, ("shares", cand.dp, cand.tp_degrees, cand.stages_per_type, cand.tp_sum), lambda: _type_shares(cluster, cand))
     wt = linear_step_weights(cand.schedule, num_stages=cand.pp, num_microbatches=cand.num_microbatches, virtual_stages=cand.virtual_stages)
@@ -84,13 +88,67 @@ def _bound_terms(model: ModelGraph, cluster, cand: Candidate, dtype: str, cache:
         speed = sum(n * float(np.nanmax(fastest / b.times.min(axis=0))) for b, (_, n, _) in zip(layers.values(), shares.values()))
         device_speed = sum(d * float(np.nanmax(device_s / b.device_s.min(axis=0))) for b, (_, _, d) in zip(layers.values(), shares.values()))
     pace = max(float(fastest.max()), float(fastest.sum()) / speed if speed > 0 else 0.0,
-               float(device_s.sum()) / device_speed if device_speed > 0 else 0.0)
+               float(device_s.sum()) / device_speed if device_speed > 0 else 0.0,
+               _partition_pace(cluster, cand, layers, stage_devices, cache))
     sums = float((wt.chunk_sum * times - wt.weight_sum * weights).min(axis=0).sum())
     cuts = (cand.num_chunks - 1) * min(_cut_floor(model, cluster, cand, dtype, next(iter(slots.values()))) for slots, _, _ in shares.values())
     epilogues = np.min([b.epilogue for b in layers.values()], axis=0)
     epilogue = min(b.latency for b in layers.values()) + float(epilogues.sum()) / cand.pp
     rest = sums + wt.chunk_sum * cuts + wt.weight_max * float(weights.min(axis=0).max()) + wt.epilogue_max * epilogue
     return rest, pace, wt
+
+
+# [Note: partition pace]
+# With one chunk per pipeline rank, the pace of [Note: candidate bound] is the slowest
+# chunk, and a chunk is a run of whole layers on its rank's device type: so the pace is at
+# least the least, over the ranks' possible type sequences, of the bottleneck partition of
+# the layers into pp runs (each at least one layer), each run's time the sum of its layers'
+# least times on its rank's type (over the offered degrees; no cut, no memory). The
+# sequences are those the search solves: each order of the types' blocks
+# ([Note: stage device types]), the pinned --stage-devices, or Megatron's ranks of one
+# degree. A dynamic programme over the ranks (the least slowest run covering the first j
+# layers) gives it exactly in O(pp L^2); it depends only on the per-layer times and the
+# sequence, so candidates that differ in schedule or micro-batch count share it. Unlike
+# the averages W / R and D / S it sees that layers are indivisible: with few layers per
+# stage the slowest stage carries a whole layer more than the average.
+def _partition_pace(cluster, cand: Candidate, layers: dict[str, "_BoundLayers"], stage_devices: tuple[str, ...] | None,
+                    cache: dict) -> float:
+    """The bound of [Note: partition pace]; 0 where it does not apply (interleaved, several degrees on Megatron's ranks)."""
+    if cand.virtual_stages != 1 or cand.pp < 2:
+        return 0.0
+    if cand.stages_per_type:
+        counts = dict(cand.stages_per_type)
+        sequences = [list(stage_devices)] if stage_devices is not None else [
+            type_sequence(list(order), counts) for order in itertools.permutations(counts)]
+    elif len(cand.tp_degrees) == 1:
+        tp = cand.tp_degrees[0]
+        sequences = [[slots[tp].device_type for slots in stage_slots(cluster, cand)]]
+    else:
+        return 0.0
+    key = ("partition pace", tuple(tuple(seq) for seq in sequences), tuple((t, id(b)) for t, b in layers.items()))
+    if key in cache:
+        return cache[key]
+    segments = {}
+    for device_type, bound in layers.items():
+        least = bound.times.min(axis=0)
+        prefix = np.concatenate([[0.0], np.cumsum(least)])
+        with np.errstate(invalid="ignore"):
+            seg = prefix[None, :] - prefix[:, None]  # seg[i, j]: layers i .. j - 1
+        seg[np.tril_indices(len(prefix))] = np.inf  # a run holds one layer at least
+        segments[device_type] = np.where(np.isnan(seg), np.inf, seg)
+    L = len(next(iter(layers.values())).times[0])
+    best = np.inf
+    for seq in sequences:
+        if len(seq) > L or any(t not in segments for t in seq):
+            continue
+        reach = np.full(L + 1, np.inf)
+        reach[0] = 0.0
+        for device_type in seq:
+            reach = np.maximum(reach[:, None], segments[device_type]).min(axis=0)
+        best = min(best, float(reach[L]))
+    # prefix differences round: a hair below, so the bound never exceeds a split's own sum
+    cache[key] = out = best * (1 - 1e-12) if np.isfinite(best) else 0.0
+    return out
 
 
 # [Note: degree budget bound]
@@ -110,7 +168,7 @@ def budget_may_beat(model: ModelGraph, cluster, cand: Candidate, options: Search
     if len(cand.tp_degrees) == 1 or not cand.tp_sum or cand.virtual_stages > 1:
         return True
     model = model_variant(model, cache, cp=cand.cp)
-    rest, _, wt = _bound_terms(model, cluster, cand, options.dtype, cache, options.optimizer)
+    rest, _, wt = _bound_terms(model, cluster, cand, options.dtype, cache, options.optimizer, options.stage_devices)
     if wt.round_max == 0:
         return True
     pace = (cutoff_s * wt.scale - rest) / wt.round_max * (1 + 1e-9)

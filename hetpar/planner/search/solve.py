@@ -250,7 +250,8 @@ def _search_pass(model: ModelGraph, cluster, options: SearchOptions, progress=No
     start = time.perf_counter()
     candidates = enumerate_candidates(model, cluster, options)
     cache: dict = {}
-    bounds = {cand: lower_bound_s(model, cluster, cand, options.dtype, cache, options.optimizer) for cand in candidates}
+    bounds = {cand: lower_bound_s(model, cluster, cand, options.dtype, cache, options.optimizer, options.stage_devices)
+              for cand in candidates}
     # One degree for every stage first: those candidates solve fast and give a cutoff that
     # spares the rest ([Note: stage counts]); within each, one chunk per rank before interleaved
     # candidates, whose relaxation rules most of them out against a cutoff but leaves them to

@@ -385,7 +385,7 @@ def _search_bound_s(model: ModelGraph, cluster: Cluster, options: SearchOptions)
     except PlanningError:
         return math.inf
     cache: dict = {}
-    return min((lower_bound_s(model, cluster, c, options.dtype, cache) for c in cands
+    return min((lower_bound_s(model, cluster, c, options.dtype, cache, options.optimizer, options.stage_devices) for c in cands
                 if memory_may_fit(model, cluster, c, options)), default=math.inf)
 
 
