@@ -111,6 +111,7 @@ build one ring or tree over all ranks and do not know the zones.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -156,6 +157,12 @@ class _GroupLinks:
 
 def _links(ranks: Sequence[int], cluster: Cluster, concurrent: int) -> _GroupLinks:
     """Summarise the slowest links of ``ranks`` (see [Note: collective model])."""
+    return _group_links(tuple(ranks), cluster, concurrent)
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_links(ranks: tuple[int, ...], cluster: Cluster, concurrent: int) -> _GroupLinks:
+    """``_links``, kept per group: a planner prices the same groups' collectives at many sizes."""
     if concurrent < 1:
         raise ValueError(f"concurrent must be >= 1, got {concurrent}")
     if len(set(ranks)) != len(ranks):

@@ -401,28 +401,57 @@ class TimedAction(NamedTuple):
     end_s: float
 
 
-@dataclass(frozen=True, kw_only=True)
 class TimedRun:
-    """What ``simulate_timed`` found: every action's start and end, rank by rank."""
+    """What ``simulate_timed`` found: every action's start and end, rank by rank.
 
-    ranks: list[list[TimedAction]]
+    Kept as columns (each rank's actions, starts and ends); a rank's ``TimedAction`` list is built the
+    first time it is read: a planner's estimate reads one rank's, of thousands of actions.
+    """
+
+    def __init__(self, ranks: list[list[TimedAction]] | None = None, *, actions: list[list[Action]] | None = None,
+                 starts: list[list[float]] | None = None, ends: list[list[float]] | None = None):
+        if ranks is not None:
+            actions = [[t.action for t in run] for run in ranks]
+            starts = [[t.start_s for t in run] for run in ranks]
+            ends = [[t.end_s for t in run] for run in ranks]
+        self._actions, self._starts, self._ends = actions or [], starts or [], ends or []
+        self._rows: dict[int, list[TimedAction]] = {}
+
+    def rank(self, r: int) -> list[TimedAction]:
+        """Rank r's actions as it ran them, in order."""
+        if r not in self._rows:
+            self._rows[r] = [TimedAction(action=a, start_s=b, end_s=e) for a, b, e in zip(self._actions[r], self._starts[r], self._ends[r])]
+        return self._rows[r]
+
+    @property
+    def ranks(self) -> list[list[TimedAction]]:
+        """Every rank's ``rank(r)``."""
+        return [self.rank(r) for r in range(len(self._actions))]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TimedRun):
+            return NotImplemented
+        return (self._actions, self._starts, self._ends) == (other._actions, other._starts, other._ends)
+
+    def __repr__(self) -> str:
+        return f"TimedRun(ranks={self.ranks!r})"
 
     @property
     def makespan_s(self) -> float:
         """From the first action's start to the last action's end, over all ranks."""
-        return max((run[-1].end_s for run in self.ranks if run), default=0.0)
+        return max((ends[-1] for ends in self._ends if ends), default=0.0)
 
     def busy_s(self, rank: int) -> float:
         """Seconds rank ``rank`` computes."""
-        return sum(t.end_s - t.start_s for t in self.ranks[rank])
+        return sum(e - b for b, e in zip(self._starts[rank], self._ends[rank]))
 
     def end_s(self, rank: int) -> float:
         """When rank ``rank`` finishes its last action."""
-        return self.ranks[rank][-1].end_s if self.ranks[rank] else 0.0
+        return self._ends[rank][-1] if self._ends[rank] else 0.0
 
     def peak_in_flight(self, rank: int) -> int:
         """The most micro-batches rank ``rank`` holds activations for (F done, B not)."""
-        return max_in_flight([t.action for t in self.ranks[rank]])
+        return max_in_flight(self._actions[rank])
 
 
 # [Note: late receives]
@@ -583,7 +612,7 @@ def _simulate_in_order(
         position[r], free[r] = i, start
     if any(position[r] < len(schedule[r]) for r in range(len(schedule))):
         raise _deadlock(schedule, position, num_stages)
-    return TimedRun(ranks=[[TimedAction(action=a, start_s=b, end_s=e) for a, b, e in zip(*lists)] for lists in zip(schedule, begin, end)])
+    return TimedRun(actions=schedule, starts=begin, ends=end)
 
 
 def draw(timeline: list[list[Action | None]]) -> str:
@@ -610,7 +639,6 @@ __all__ = [
     "forwards_only",
     "Kind",
     "ScheduleError",
-    "tuple(Schedule)",
     "TimedAction",
     "TimedRun",
     "build_schedule",

@@ -94,10 +94,10 @@ def _assemble(model, cluster, config, layouts, split: StageSplit, played: Played
     pipeline_end = max(run.end_s(r) for r in range(c.pp))
     dp = max(run.end_s(r) + dp_s[r] for r in range(c.pp)) - pipeline_end
     busiest = max(range(c.pp), key=run.busy_s)
-    compute, tp, zero3 = (sum(played.parts[t.action.stage, t.action.kind][i] for t in run.ranks[busiest]) for i in range(3))
-    ep = sum(costs[t.action.stage].ep_seconds(t.action.kind) for t in run.ranks[busiest])
-    cp = sum(costs[t.action.stage].cp_seconds(t.action.kind) for t in run.ranks[busiest])
-    host = sum(costs[t.action.stage].host_seconds(t.action.kind) for t in run.ranks[busiest])
+    compute, tp, zero3 = (sum(played.parts[t.action.stage, t.action.kind][i] for t in run.rank(busiest)) for i in range(3))
+    ep = sum(costs[t.action.stage].ep_seconds(t.action.kind) for t in run.rank(busiest))
+    cp = sum(costs[t.action.stage].cp_seconds(t.action.kind) for t in run.rank(busiest))
+    host = sum(costs[t.action.stage].host_seconds(t.action.kind) for t in run.rank(busiest))
     tp -= ep + cp
     alone = played.run_without_transfers
     pp = max(0.0, run.end_s(busiest) - alone.end_s(busiest)) if alone is not None else 0.0
@@ -140,5 +140,5 @@ def _exposed_dp_s(sync_s: float, played: Played, r: int, config: EstimateConfig)
     """What of a rank's gradient synchronisation the step waits for; the last backward hides some with overlap."""
     if not config.overlap_grad_reduce:
         return sync_s
-    last = next(t for t in reversed(played.run.ranks[r]) if t.action.kind is not Kind.FORWARD)
+    last = next(t for t in reversed(played.run.rank(r)) if t.action.kind is not Kind.FORWARD)
     return max(0.0, sync_s - (last.end_s - last.start_s))
