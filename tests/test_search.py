@@ -359,3 +359,28 @@ def test_partition_pace_is_the_least_slowest_run_over_every_split_and_type_order
     alone = min((max(float(least[t][a:b].sum()) for t, a, b in zip(pinned, (0, *c), (*c, num_layers)))
                  for c in itertools.combinations(range(1, num_layers), pp - 1)), default=np.inf)
     assert _partition_pace(None, cand, layers, pinned, {}) == pytest.approx(alone if np.isfinite(alone) else 0.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("cluster_spec", ["1x2xV100-16GB", "1x2xA100-80GB+1x2xV100-32GB"])
+def test_bounds_hold_where_sequence_parallelism_is_cheaper_than_tensor_parallelism_alone(cluster_spec):
+    """Sequence parallelism divides the repeated elementwise work's memory traffic by tp, so a stage under it
+    can be faster than at tp alone: the candidate bound and the degree budget bound must hold for such
+    splits too (they once took tp alone's times and pruned a faster plan)."""
+    from hetpar.cost_models.cluster import parse_cluster
+    from hetpar.planner.capture import trace_model
+    from hetpar.planner.search import enumerate_candidates, lower_bound_s, solve_candidate
+    from hetpar.planner.search.bounds import budget_may_beat
+    from hetpar.runtime.model_file import load_model_file
+
+    graph = trace_model(load_model_file("examples/gpt.py", {"n_layers": 4, "hidden": 256, "heads": 4, "seq_len": 256}))
+    cluster = parse_cluster(cluster_spec)
+    options = SearchOptions(global_batch_size=16, dtype="fp32", workers=1)
+    with_sp = 0
+    for cand in enumerate_candidates(graph, cluster, options):
+        _, split = solve_candidate(graph, cluster, cand, options)
+        if split is None:
+            continue
+        with_sp += any(cand.modes[k].sp for k in split.modes)
+        assert lower_bound_s(graph, cluster, cand, options.dtype) <= split.cost.objective_s * (1 + 1e-9), cand.describe()
+        assert budget_may_beat(graph, cluster, cand, options, {}, split.cost.objective_s * (1 + 1e-9)), cand.describe()
+    assert with_sp  # some candidate's best split runs sequence parallelism

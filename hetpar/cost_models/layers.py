@@ -21,8 +21,11 @@ test_sequence_parallel.py). Each all-reduce becomes a reduce-scatter and an all-
 of the same tensor, which move what a ring all-reduce moves; without recompute the
 backward adds one all-gather per colwise input (per backward all-reduce); with recompute
 the forward's collectives run again instead, as they do for tensor parallelism alone.
-The elementwise work of the repeated part also divides by t, which the costs leave
-out (a small, favourable error). So under recompute it holds less and moves the same
+The elementwise work of the repeated part also divides by t: its flops are left out (a
+small, favourable error), its memory traffic, priced from the saved bytes (compute.py's
+layer time), divides, so a layer under sequence parallelism can take less time than at
+tp alone and the search's bounds take the least of the two (planner/search/bounds.py).
+So under recompute it holds less and moves the same
 bytes, and the search takes it on every stage with t > 1 whose tokens split; without
 recompute it moves more in backward, and the search weighs it against tp alone (``--sp
 on`` or ``off`` pins it).

@@ -15,6 +15,8 @@ step_costs, schedule_play, memory, report ([Note: estimate time breakdown]).
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from hetpar.cost_models.cluster import Cluster
 from hetpar.planner.estimate.config import EstimateConfig, EstimateError
 from hetpar.planner.estimate.layer_split import StageSplit
@@ -60,7 +62,11 @@ def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig, *, bre
     split = stage_split(model, config)
     bounds = split.bounds
     memo = {} if memo is None else memo
-    costs = [chunk_cost(model, cluster, config, b, layouts[k % config.pp], k, memo) for k, b in enumerate(bounds)]
+    # a chunk's action seconds depend on everything but the number of micro-batches: kept across a caller's calls
+    shape = ("chunk costs", tuple((f.name, repr(getattr(config, f.name))) for f in fields(config) if f.name != "global_batch_size"))
+    if shape not in memo:
+        memo[shape] = [chunk_cost(model, cluster, config, b, layouts[k % config.pp], k, memo) for k, b in enumerate(bounds)]
+    costs = memo[shape]
     played = play(model, cluster, config, layouts, bounds, costs, breakdown)
     stages = [_stage_estimate(model, config, layouts, bounds, played, r) for r in range(config.pp)]
     return _assemble(model, cluster, config, layouts, split, played, stages, costs, whole)

@@ -43,7 +43,8 @@ from hetpar.vocabulary import Optimizer, Recompute
 #      + E (min latency + sum_l min e_l / pp)) / scale
 # with A, B, G, H, E, scale the schedule's weights (cost_models.pipeline.linear_step_weights),
 # where k runs over device types and offered degrees, t_l(k) is layer l's micro-batch
-# time (tensor-parallel all-reduces included, recomputation only if every offered mode
+# time (tensor-parallel all-reduces included, or sequence parallelism's collectives where
+# they are offered and cost less; recomputation only if every offered mode
 # recomputes), t_l = min_k t_l(k), w_l(k) its weight-gradient part, e_l the least epilogue
 # (gradient sync and optimizer step) of the layer over the offered modes and types. The
 # pace (the slowest chunk, or round) is at least max_l t_l and two averages: W / R, with
@@ -198,12 +199,16 @@ def _reach(model: ModelGraph, cluster, cand: Candidate, options: SearchOptions, 
     for mode in cand.modes:
         if mode.tp != tp:
             continue
-        # sequence parallelism: less memory, no less time ([Note: sequence parallelism costs])
-        held = layer_columns(model_variant(model, cache, sequence_parallel=True), cluster, device_type, tp,
-                             cand.micro_batch_size, options.dtype, cache) if mode.sp else cols
         full, selective = mode.recompute == Recompute.FULL, mode.recompute == Recompute.SELECTIVE
-        time_s = np.minimum(time_s, (cols.fwd + tp_fwd) * (2 if full else 1) + cols.b_input + cols.weight + tp_bwd
-                            + (cols.refwd if selective else 0.0))
+        # each mode as the tables cost it: sequence parallelism holds less and runs other collectives and less
+        # elementwise work ([Note: sequence parallelism costs])
+        held, (mode_fwd, mode_bwd) = cols, (tp_fwd, tp_bwd)
+        if mode.sp:
+            variant = model_variant(model, cache, sequence_parallel=True, regather=mode.recompute == Recompute.NONE)
+            held = layer_columns(variant, cluster, device_type, tp, cand.micro_batch_size, options.dtype, cache)
+            mode_fwd, mode_bwd = tp_collectives(variant, cluster, slot, held, tp, cache)
+        time_s = np.minimum(time_s, (held.fwd + mode_fwd) * (2 if full else 1) + held.b_input + held.weight + mode_bwd
+                            + (held.refwd if selective else 0.0))
         state = sum(sharded_state_bytes_per_param(options.dtype, options.optimizer, dp=cand.dp, zero_stage=mode.zero_stage,
                                                     offload=mode.offload))
         memory = np.minimum(memory, FRAGMENTATION_MARGIN * (held.held(cand.ep) * state + in_flight * (held.inputs if full else held.kept if selective else held.saved)))
@@ -232,8 +237,9 @@ def _bound_layers(model: ModelGraph, cluster, cand: Candidate, device_type: str,
                   optimizer: str, cache: dict) -> _BoundLayers:
     full_only = all(m.recompute == Recompute.FULL for m in cand.modes)
     zeros = tuple(sorted({m.zero_stage for m in cand.modes}))
+    sp = any(m.sp for m in cand.modes)
     key = ("bound", model_token(model, cache), device_type, cand.dp, cand.micro_batch_size, tuple(sorted((tp, id(s)) for tp, s in slots.items())), full_only, zeros,
-           dtype, optimizer)
+           dtype, optimizer, sp)
     if key in cache:
         return cache[key]
     times, weights, device_s, epilogues, latencies = [], [], [], [], []
@@ -241,6 +247,12 @@ def _bound_layers(model: ModelGraph, cluster, cand: Candidate, device_type: str,
         cols = layer_columns(model, cluster, device_type, tp, cand.micro_batch_size, dtype, cache)
         tp_fwd, tp_bwd = tp_collectives(model, cluster, slot, cols, tp, cache)
         t = (cols.fwd + tp_fwd) * (2 if full_only else 1) + cols.b_input + cols.weight + tp_bwd
+        if sp and tp > 1:  # a stage under sequence parallelism runs other collectives: the least of either
+            for regather in (True, False):
+                variant = model_variant(model, cache, sequence_parallel=True, regather=regather)
+                sp_cols = layer_columns(variant, cluster, device_type, tp, cand.micro_batch_size, dtype, cache)
+                sp_fwd, sp_bwd = tp_collectives(variant, cluster, slot, sp_cols, tp, cache)
+                t = np.minimum(t, (sp_cols.fwd + sp_fwd) * (2 if full_only else 1) + sp_cols.b_input + sp_cols.weight + sp_bwd)
         t = np.where(cols.splits, t, np.inf)
         times.append(t)
         weights.append(cols.weight)

@@ -29,7 +29,10 @@ and the number of micro-batches m. So:
    so any dp <= global batch / m will do. An m is
    not balanced when its step cannot beat the best found so far, of any layout: every
    replica takes at least one sample and some replica at least the mean share, so the
-   step is at least max_g T_g(1) and min_g T_g(mean). The balancing estimates without
+   step is at least max_g T_g(1) and min_g T_g(mean); nor when no shares bring the
+   slowest replica under the best step less the sync (the balance's first test, at that
+   limit). Each class's largest size within a time limit is searched from the size it
+   took at the last limit ([Note: galloping caps]). The balancing estimates without
    the transfer breakdown (the same step time, one simulation instead of two) and
    keeps each class's collective times across its estimates; the chosen shares are
    estimated in full (a test holds the result equal to balancing every m in full).
