@@ -56,8 +56,9 @@ def test_programme_matches_brute_force(case, seed):
     assert cost.fits(tables)
     assert cost.objective_s == pytest.approx(best[0], rel=1e-12)
     # a cutoff above the optimum keeps it, one at or below it leaves nothing of interest
-    above = solve_split_dp(tables, cutoff_s=best[0] * (1 + 1e-9))
-    assert evaluate_split(tables, above.bounds, above.modes).objective_s == pytest.approx(best[0], rel=1e-12)
+    for slack in (1e-9, 1e-3, 1e-2, 5e-2, 0.2, 1.0):  # however close above: the caps may leave one point to solve
+        above = solve_split_dp(tables, cutoff_s=best[0] * (1 + slack))
+        assert evaluate_split(tables, above.bounds, above.modes).objective_s == pytest.approx(best[0], rel=1e-12), slack
     assert solve_split_dp(tables, cutoff_s=best[0]).bounds is None
     assert solve_split_dp(tables, cutoff_s=best[0] * (1 - 1e-9)).bounds is None
 
@@ -156,3 +157,31 @@ def test_a_plan_the_programme_settles_never_imports_cp_sat(tmp_path):
         assert done.returncode == 0, done.stderr
     assert "cp-sat imported: False" in done.stdout  # the second run, from the cache
     assert json.loads(out.read_text())["solver"]["status"] == "optimal"
+
+
+def test_a_cutoff_above_the_optimum_keeps_it_where_the_caps_leave_one_point():
+    """One micro-batch (no pace term) and a cut across a WAN that outweighs the layers: under a cutoff a
+    little above the optimum each maximum keeps one value, and that point of the caps must still be solved
+    (it was once dropped, and a faster plan with it)."""
+    from hetpar.planner.costing import build_tables
+    from hetpar.planner.search import enumerate_candidates
+    from tests.test_zones import WIDE_GPT, zoned
+
+    graph = trace_model(load_model_file(ROOT / "examples" / "gpt.py", WIDE_GPT))
+    cluster = zoned(("eu", "1x4xA100-40GB"), ("us", "1x4xA100-40GB"), gbps=10, latency_ms=20)
+    options = SearchOptions(global_batch_size=8, dtype="fp16", workers=1)
+    checked = 0
+    for cand in enumerate_candidates(graph, cluster, options):
+        if cand.virtual_stages != 1 or cand.pp < 2:
+            continue
+        tables = build_tables(graph, cluster, cand, options.dtype, options.optimizer, cache={})
+        best = solve_split_dp(tables)
+        if best.bounds is None:
+            continue
+        optimum = evaluate_split(tables, best.bounds, best.modes).objective_s
+        for slack in (1e-6, 1e-3, 1e-2, 5e-2):
+            above = solve_split_dp(tables, cutoff_s=optimum * (1 + slack))
+            assert above.bounds is not None, (cand.describe(), slack)
+            assert evaluate_split(tables, above.bounds, above.modes).objective_s == pytest.approx(optimum, rel=1e-12)
+        checked += 1
+    assert checked

@@ -416,7 +416,8 @@ def _branch_and_bound(programme: _Programme, weights: list[float], cut: float, c
             floor = min(bound, incumbent[0])  # [Note: interleaved relaxation]: CP-SAT closes the rest
             break
         widths = [(weights[i] * float(vals[i][hi[i]] - vals[i][lo[i]]), i) for i in active if hi[i] > lo[i]]
-        if not widths:
+        if not widths:  # one point of the caps: the programme there gives the box's best split, which closes it
+            evaluate(hi)
             continue
         _, axis = max(widths)
         middle = (lo[axis] + hi[axis]) // 2
