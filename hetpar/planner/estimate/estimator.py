@@ -42,9 +42,10 @@ def estimate(model: ModelGraph, cluster: Cluster, config: EstimateConfig, *, bre
             simulation of the schedule without them; False counts them in the bubble
             (``pp_comm_s`` 0) and leaves the step time as it is, for callers that
             compare step times by the thousand (planner.strategies.hetero_dp).
-        memo: the tensor-parallel collectives' seconds by layer kind, group and size,
-            kept across calls on one ``cluster`` (and ``model``) by a caller that makes
-            many; a fresh one per call by default.
+        memo: the tensor-parallel collectives' seconds by layer kind, group and size, and
+            the chunks' action seconds by configuration (but the number of micro-batches),
+            kept across calls on one ``cluster`` and ``model`` by a caller that makes many;
+            a fresh one per call by default.
 
     Returns:
         The estimate; ``fits`` says whether every stage fits its devices' memory.
