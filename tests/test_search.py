@@ -338,6 +338,8 @@ def test_partition_pace_is_the_least_slowest_run_over_every_split_and_type_order
     for device_type in counts:
         times = rng.uniform(0.5, 2.0, (2, num_layers)) * (2.5 if device_type == "V100-32GB" else 1.0)
         times[1, rng.integers(num_layers)] = np.inf
+        if device_type == "V100-32GB" and seed % 2:  # a layer this type cannot hold at any degree
+            times[:, rng.integers(num_layers)] = np.inf
         layers[device_type] = _BoundLayers(times=times, weights=np.zeros_like(times), device_s=times, epilogue=np.zeros(num_layers),
                                            latency=0.0)
     cand = Candidate(dp=1, pp=pp, micro_batch_size=1, num_microbatches=4, schedule="1f1b",

@@ -132,11 +132,13 @@ def _partition_pace(cluster, cand: Candidate, layers: dict[str, "_BoundLayers"],
     segments = {}
     for device_type, bound in layers.items():
         least = bound.times.min(axis=0)
-        prefix = np.concatenate([[0.0], np.cumsum(least)])
-        with np.errstate(invalid="ignore"):
-            seg = prefix[None, :] - prefix[:, None]  # seg[i, j]: layers i .. j - 1
+        held = np.isfinite(least)  # a layer the type cannot hold makes every run through it infinite, and only those
+        prefix = np.concatenate([[0.0], np.cumsum(np.where(held, least, 0.0))])
+        missing = np.concatenate([[0], np.cumsum(~held)])
+        seg = prefix[None, :] - prefix[:, None]  # seg[i, j]: layers i .. j - 1
+        seg[(missing[None, :] - missing[:, None]) > 0] = np.inf
         seg[np.tril_indices(len(prefix))] = np.inf  # a run holds one layer at least
-        segments[device_type] = np.where(np.isnan(seg), np.inf, seg)
+        segments[device_type] = seg
     L = len(next(iter(layers.values())).times[0])
     best = np.inf
     for seq in sequences:
