@@ -21,13 +21,18 @@ install: $(VENV)/.installed
 demo: install
 	PATH=$(abspath $(VENV))/bin:$$PATH sh scripts/demo.sh $(DEMO_DIR) $(DEMO_NPROC)
 
+# Test processes for the single-process tests (pytest-xdist). The multi-process torchrun
+# tests run one at a time after them: each already keeps every core busy.
+TEST_WORKERS ?= 2
+
 # The whole suite, multi-process torchrun tests included.
 test: install
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m 'not slow' --durations=15
+	$(PY) -m pytest -q -m slow --durations=15
 
 # The fast subset for local iteration: no multi-process runs.
 test-quick: install
-	$(PY) -m pytest -q -m 'not slow'
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m 'not slow'
 
 clean:
 	rm -rf $(VENV) out build *.egg-info

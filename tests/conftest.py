@@ -118,6 +118,119 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+class _Zygote:
+    """The client of tests/zygote.py ([Note: workers forked from a zygote]): one per test process, started at
+    the first launch and ended with the session."""
+
+    _one: "_Zygote | None | bool" = None  # False: could not start, workers start as their own processes
+
+    def __init__(self) -> None:
+        import json
+        import selectors
+
+        self._json = json
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=subprocess_env(), cwd=ROOT)
+        self.fd = self.proc.stdout.fileno()
+        os.set_blocking(self.fd, False)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.fd, selectors.EVENT_READ)
+        self.pending, self.pids, self.exited = b"", [], {}
+        self._read_until(lambda msg: msg.get("ready"), timeout_s=TORCHRUN_TIMEOUT_S)
+
+    @classmethod
+    def get(cls) -> "_Zygote | None":
+        if cls._one is None:
+            cls._one = False
+            if os.environ.get("HETPAR_TEST_ZYGOTE", "1") != "0" and hasattr(os, "fork"):
+                try:
+                    cls._one = _Zygote()
+                except (OSError, RuntimeError, TimeoutError):
+                    cls._one = False
+        return cls._one or None
+
+    @classmethod
+    def close(cls) -> None:
+        if isinstance(cls._one, _Zygote):
+            cls._one.proc.stdin.close()
+            cls._one.proc.wait(timeout=30)
+        cls._one = None
+
+    def _read(self, timeout_s: float) -> list[dict]:
+        """Messages the zygote has written, waiting up to ``timeout_s`` for the first."""
+        if b"\n" not in self.pending:
+            if not self.selector.select(timeout_s):
+                return []
+            data = os.read(self.fd, 1 << 16)
+            if not data:
+                raise RuntimeError("the test zygote ended")
+            self.pending += data
+        *lines, self.pending = self.pending.split(b"\n")
+        messages = [self._json.loads(line) for line in lines]
+        for msg in messages:
+            if "exited" in msg:
+                self.exited[msg["exited"]] = msg["rc"]
+            if "pid" in msg:
+                self.pids.append(msg["pid"])
+        return messages
+
+    def _read_until(self, done, timeout_s: float) -> dict:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for msg in self._read(max(0.0, deadline - time.monotonic())):
+                if done(msg):
+                    return msg
+        raise TimeoutError("the test zygote did not answer")
+
+    def start(self, argv: list[str], cwd: Path, env: dict[str, str], stdout: str, stderr: str) -> "_ForkedWorker":
+        request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": stdout, "stderr": stderr}
+        self.proc.stdin.write((self._json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        return _ForkedWorker(self, self._read_until(lambda msg: "pid" in msg, timeout_s=60)["pid"])
+
+    def returncode(self, pid: int) -> int | None:
+        while self._read(0):
+            pass
+        return self.exited.get(pid)
+
+
+class _ForkedWorker:
+    """What ``_run_workers`` uses of a ``subprocess.Popen``, for a worker the zygote forked."""
+
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self.zygote, self.pid, self.returncode = zygote, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.returncode(self.pid)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self) -> int:
+        import time
+
+        while self.poll() is None:
+            time.sleep(0.02)
+        return self.returncode
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    _Zygote.close()
+
+
 # [Note: workers without torchrun's agent]
 # Without restarts, ``run_torchrun`` starts the workers itself, with the environment
 # torchrun's static rendezvous gives them (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
@@ -129,7 +242,9 @@ def subprocess_env() -> dict[str, str]:
 # stops the others (SIGTERM, then SIGKILL after 30 s), and the run's exit status is then
 # 1. torchrun itself runs every test with restarts (tests/test_elastic.py,
 # tests/test_checkpoint.py), the launch files' tests and the README demo (``launch.sh``);
-# HETPAR_TEST_TORCHRUN=1 runs every launch under torchrun.
+# HETPAR_TEST_TORCHRUN=1 runs every launch under torchrun. The workers are forked from a
+# process that has imported torch already ([Note: workers forked from a zygote] in
+# tests/zygote.py); HETPAR_TEST_ZYGOTE=0 starts each as its own interpreter.
 def _run_workers(program: Path, nproc: int, args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     import signal
     import tempfile
@@ -140,41 +255,46 @@ def _run_workers(program: Path, nproc: int, args: list[str], timeout_s: float) -
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the agent's
     port = store.port
     cmd = [sys.executable, str(program), *args]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        workers = []
-        for rank in range(nproc):
-            env = {**subprocess_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                   "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank),
-                   "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                   "TORCHELASTIC_USE_AGENT_STORE": "True"}
-            workers.append(subprocess.Popen(cmd, cwd=program.parent, env=env, stdout=out, stderr=err, text=True))
-        deadline, kill_at = time.monotonic() + timeout_s, None
-        try:
-            while any(w.poll() is None for w in workers):
-                now = time.monotonic()
-                if now > deadline:
-                    raise subprocess.TimeoutExpired(cmd, timeout_s)
-                if kill_at is None and any(w.returncode not in (None, 0) for w in workers):
-                    kill_at = now + 30
-                    for w in workers:
-                        if w.poll() is None:
-                            w.send_signal(signal.SIGTERM)
-                if kill_at is not None and now > kill_at:
-                    for w in workers:
-                        if w.poll() is None:
-                            w.kill()
-                time.sleep(0.05)
-        finally:
-            for w in workers:
-                if w.poll() is None:
-                    w.kill()
-                    w.wait()
-        out.seek(0)
-        err.seek(0)
+    zygote = _Zygote.get()
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            workers = []
+            for rank in range(nproc):
+                env = {**subprocess_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                       "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank),
+                       "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                       "TORCHELASTIC_USE_AGENT_STORE": "True"}
+                if zygote is not None:
+                    workers.append(zygote.start([str(program), *args], program.parent, env, out_path, err_path))
+                else:
+                    workers.append(subprocess.Popen(cmd, cwd=program.parent, env=env, stdout=out, stderr=err, text=True))
+            deadline, kill_at = time.monotonic() + timeout_s, None
+            try:
+                while any(w.poll() is None for w in workers):
+                    now = time.monotonic()
+                    if now > deadline:
+                        raise subprocess.TimeoutExpired(cmd, timeout_s)
+                    if kill_at is None and any(w.returncode not in (None, 0) for w in workers):
+                        kill_at = now + 30
+                        for w in workers:
+                            if w.poll() is None:
+                                w.send_signal(signal.SIGTERM)
+                    if kill_at is not None and now > kill_at:
+                        for w in workers:
+                            if w.poll() is None:
+                                w.kill()
+                    time.sleep(0.05)
+            finally:
+                for w in workers:
+                    if w.poll() is None:
+                        w.kill()
+                        w.wait()
         code = 0 if all(w.returncode == 0 for w in workers) else 1
         del store
-        return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
+        with open(out_path) as out, open(err_path) as err:
+            return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
 
 
 def run_torchrun(program: Path, nproc: int, args: list[str], *, timeout_s: float = TORCHRUN_TIMEOUT_S,
