@@ -266,10 +266,16 @@ def _run_workers(program: Path, nproc: int, args: list[str], timeout_s: float) -
                        "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
                        "TORCHELASTIC_USE_AGENT_STORE": "True"}
-                if zygote is not None:
-                    workers.append(zygote.start([str(program), *args], program.parent, env, out_path, err_path))
-                else:
-                    workers.append(subprocess.Popen(cmd, cwd=program.parent, env=env, stdout=out, stderr=err, text=True))
+                worker = None
+                if zygote is not None and not workers:  # the first worker decides: all forked, or none
+                    try:
+                        worker = zygote.start([str(program), *args], program.parent, env, out_path, err_path)
+                    except (OSError, RuntimeError, TimeoutError):  # the zygote is gone: interpreters from here on
+                        _Zygote._one, zygote = False, None
+                elif zygote is not None:
+                    worker = zygote.start([str(program), *args], program.parent, env, out_path, err_path)
+                workers.append(worker or subprocess.Popen(cmd, cwd=program.parent, env=env, stdout=out, stderr=err,
+                                                          text=True))
             deadline, kill_at = time.monotonic() + timeout_s, None
             try:
                 while any(w.poll() is None for w in workers):

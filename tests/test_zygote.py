@@ -88,3 +88,16 @@ def test_a_signalled_worker_reports_the_signal(zygote, program, tmp_path):
     assert worker.poll() is None
     worker.send_signal(signal.SIGTERM)
     assert worker.wait() == -signal.SIGTERM
+
+
+def test_launches_after_the_zygote_died_start_interpreters(zygote, program):
+    from conftest import run_torchrun
+
+    zygote.proc.kill()
+    zygote.proc.wait()
+    try:
+        result = run_torchrun(program, 2, ["ok"])
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.count('"name": "__main__"') == 2 and _Zygote._one is False
+    finally:
+        _Zygote._one = None  # the next launch starts a zygote again
