@@ -1,12 +1,11 @@
 """Running the hetpar command as a user does, and checking its one-line errors."""
 
-import subprocess
-import sys
-
-
 def hetpar(*args, cwd=None):
-    """``python -m hetpar ARGS`` in a subprocess, output captured, bounded."""
-    return subprocess.run([sys.executable, "-m", "hetpar", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    """``python -m hetpar ARGS`` in a process of its own, output captured, bounded (forked from the
+    tests' zygote: [Note: workers forked from a zygote] in tests/zygote.py)."""
+    from conftest import run_python
+
+    return run_python(["-m", "hetpar", *map(str, args)], cwd=cwd, timeout_s=300)
 
 
 def assert_one_line_error(result, *fragments):

@@ -227,6 +227,36 @@ class _ForkedWorker:
         return self.returncode
 
 
+def run_python(argv: list[str], *, cwd: Path | str | None = None, env: dict[str, str] | None = None,
+               timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """``python ARGV`` (a program or ``-m MODULE``, then its arguments), output captured as text, bounded by
+    ``timeout_s``: forked from the zygote where there is one, else an interpreter of its own."""
+    import tempfile
+    import time
+
+    cwd, env = str(cwd or os.getcwd()), dict(os.environ if env is None else env)
+    cmd = [sys.executable, *argv]
+    zygote = _Zygote.get()
+    if zygote is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+            try:
+                worker = zygote.start(list(argv), Path(cwd), env, out, err)
+            except (OSError, RuntimeError, TimeoutError):
+                _Zygote._one = False
+            else:
+                deadline = time.monotonic() + timeout_s
+                while worker.poll() is None:
+                    if time.monotonic() > deadline:
+                        worker.kill()
+                        worker.wait()
+                        raise subprocess.TimeoutExpired(cmd, timeout_s)
+                    time.sleep(0.01)
+                texts = [Path(path).read_text() if os.path.exists(path) else "" for path in (out, err)]
+                return subprocess.CompletedProcess(cmd, worker.returncode, *texts)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout_s)
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     _Zygote.close()
 

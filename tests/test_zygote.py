@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _Zygote, subprocess_env
+from conftest import _Zygote, run_python, subprocess_env
 
 PROGRAM = '''
 import json, os, sys
@@ -101,3 +101,15 @@ def test_launches_after_the_zygote_died_start_interpreters(zygote, program):
         assert result.stdout.count('"name": "__main__"') == 2 and _Zygote._one is False
     finally:
         _Zygote._one = None  # the next launch starts a zygote again
+
+
+def test_python_dash_m_runs_the_module_from_the_working_directory(zygote, tmp_path):
+    """``run_python(["-m", MODULE, ...])`` (the hetpar command's tests) as ``python -m``: argv[0] the module's
+    file, the working directory first on the import path, its exit status."""
+    (tmp_path / "mymod.py").write_text("import sys, os\nprint(__name__, os.path.basename(sys.argv[0]), sys.argv[1:])\n"
+                                       "sys.exit(int(sys.argv[1]))\n")
+    plain = subprocess.run([sys.executable, "-m", "mymod", "4", "b"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120)
+    forked = run_python(["-m", "mymod", "4", "b"], cwd=tmp_path)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    assert forked.returncode == 4 and forked.stdout == "__main__ mymod.py ['4', 'b']\n"

@@ -10,12 +10,13 @@ started), then, for each request on its stdin, forks a child that takes the requ
 environment, working directory, argv and output files and runs the program as
 ``python PROGRAM ARGS`` would (``runpy`` as ``__main__``, the program's folder first on
 ``sys.path``, atexit handlers at the end, the exit status from ``SystemExit`` or an
-uncaught exception). The workers still meet through torch.distributed over real
+uncaught exception), or ``python -m MODULE ARGS`` (tests/cli_helpers.py runs the hetpar
+command so). The workers still meet through torch.distributed over real
 sockets, exactly as before; only the interpreter start is shared. Nothing of hetpar is
 imported here, so every module that reads the environment at import reads the worker's.
 
 Protocol: one JSON object per line on stdin, ``{"argv", "cwd", "env", "stdout",
-"stderr"}``; the zygote answers ``{"pid"}`` on stdout, and ``{"exited", "rc"}`` when
+"stderr"}`` (argv without the interpreter: ``[PROGRAM, ARGS...]`` or ``["-m", MODULE, ARGS...]``); the zygote answers ``{"pid"}`` on stdout, and ``{"exited", "rc"}`` when
 that child ends (rc as ``subprocess.Popen.returncode``: negative for a signal). A
 closed stdin ends the zygote. HETPAR_TEST_ZYGOTE=0 starts every worker as its own
 process instead.
@@ -69,11 +70,17 @@ def _child(request: dict) -> None:
             out = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             os.dup2(out, fd)
             os.close(out)
-        program = os.path.abspath(request["argv"][0])
-        sys.argv = list(request["argv"])
-        sys.path[0] = os.path.dirname(program)
+        argv = list(request["argv"])
         try:
-            runpy.run_path(program, run_name="__main__")
+            if argv[0] == "-m":  # python -m MODULE ARGS: the working directory first on sys.path
+                sys.argv = argv[1:]
+                sys.path[0] = os.getcwd()
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                program = os.path.abspath(argv[0])
+                sys.argv = argv
+                sys.path[0] = os.path.dirname(program)
+                runpy.run_path(program, run_name="__main__")
             code = 0
         except SystemExit as exc:
             if exc.code is None:
