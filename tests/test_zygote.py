@@ -64,7 +64,7 @@ def _both(zygote, program: Path, args: list[str], tmp_path: Path) -> tuple[tuple
     return (plain.returncode, plain.stdout, plain.stderr), (worker.returncode, out.read_text(), err.read_text())
 
 
-@pytest.mark.parametrize("args", [["ok", "x y"], ["exit", "3"], ["exit", "0"], ["message"]])
+@pytest.mark.parametrize("args", [["ok", "x y"], ["exit", "3"], ["exit", "0"], ["exit", "-1"], ["exit", "257"], ["message"]])
 def test_a_forked_worker_exits_prints_and_sees_what_the_interpreter_does(zygote, program, tmp_path, args):
     plain, forked = _both(zygote, program, args, tmp_path)
     assert forked == plain

@@ -100,7 +100,7 @@ def _child(request: dict) -> None:
                 stream.flush()
             except Exception:
                 pass
-        os._exit(code & 0xFF if code >= 0 else 1)
+        os._exit(code & 0xFF)  # as the interpreter passes sys.exit's number to exit(3)
 
 
 def main() -> None:
