@@ -135,7 +135,7 @@ class _Zygote:
         os.set_blocking(self.fd, False)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.fd, selectors.EVENT_READ)
-        self.pending, self.pids, self.exited = b"", [], {}
+        self.pending, self.exited = b"", {}
         self._read_until(lambda msg: msg.get("ready"), timeout_s=TORCHRUN_TIMEOUT_S)
 
     @classmethod
@@ -148,6 +148,19 @@ class _Zygote:
                 except (OSError, RuntimeError, TimeoutError):
                     cls._one = False
         return cls._one or None
+
+    @classmethod
+    def fork(cls, argv: list[str], cwd: Path, env: dict[str, str], stdout: str, stderr: str) -> "_ForkedWorker | None":
+        """``python ARGV`` forked from the zygote, or None where there is none (it could not start, or it has died:
+        interpreters of their own from then on)."""
+        zygote = cls.get()
+        if zygote is None:
+            return None
+        try:
+            return zygote.start(argv, cwd, env, stdout, stderr)
+        except (OSError, RuntimeError, TimeoutError):
+            cls._one = False
+            return None
 
     @classmethod
     def close(cls) -> None:
@@ -170,8 +183,6 @@ class _Zygote:
         for msg in messages:
             if "exited" in msg:
                 self.exited[msg["exited"]] = msg["rc"]
-            if "pid" in msg:
-                self.pids.append(msg["pid"])
         return messages
 
     def _read_until(self, done, timeout_s: float) -> dict:
@@ -236,24 +247,19 @@ def run_python(argv: list[str], *, cwd: Path | str | None = None, env: dict[str,
 
     cwd, env = str(cwd or os.getcwd()), dict(os.environ if env is None else env)
     cmd = [sys.executable, *argv]
-    zygote = _Zygote.get()
-    if zygote is not None:
-        with tempfile.TemporaryDirectory() as tmp:
-            out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-            try:
-                worker = zygote.start(list(argv), Path(cwd), env, out, err)
-            except (OSError, RuntimeError, TimeoutError):
-                _Zygote._one = False
-            else:
-                deadline = time.monotonic() + timeout_s
-                while worker.poll() is None:
-                    if time.monotonic() > deadline:
-                        worker.kill()
-                        worker.wait()
-                        raise subprocess.TimeoutExpired(cmd, timeout_s)
-                    time.sleep(0.01)
-                texts = [Path(path).read_text() if os.path.exists(path) else "" for path in (out, err)]
-                return subprocess.CompletedProcess(cmd, worker.returncode, *texts)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        worker = _Zygote.fork(list(argv), Path(cwd), env, out, err)
+        if worker is not None:
+            deadline = time.monotonic() + timeout_s
+            while worker.poll() is None:
+                if time.monotonic() > deadline:
+                    worker.kill()
+                    worker.wait()
+                    raise subprocess.TimeoutExpired(cmd, timeout_s)
+                time.sleep(0.01)
+            texts = [Path(path).read_text() if os.path.exists(path) else "" for path in (out, err)]
+            return subprocess.CompletedProcess(cmd, worker.returncode, *texts)
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout_s)
 
 
@@ -285,7 +291,6 @@ def _run_workers(program: Path, nproc: int, args: list[str], timeout_s: float) -
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the agent's
     port = store.port
     cmd = [sys.executable, str(program), *args]
-    zygote = _Zygote.get()
     with tempfile.TemporaryDirectory() as tmp:
         out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
         with open(out_path, "w") as out, open(err_path, "w") as err:
@@ -296,14 +301,13 @@ def _run_workers(program: Path, nproc: int, args: list[str], timeout_s: float) -
                        "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
                        "TORCHELASTIC_USE_AGENT_STORE": "True"}
-                worker = None
-                if zygote is not None and not workers:  # the first worker decides: all forked, or none
-                    try:
-                        worker = zygote.start([str(program), *args], program.parent, env, out_path, err_path)
-                    except (OSError, RuntimeError, TimeoutError):  # the zygote is gone: interpreters from here on
-                        _Zygote._one, zygote = False, None
-                elif zygote is not None:
-                    worker = zygote.start([str(program), *args], program.parent, env, out_path, err_path)
+                argv = [str(program), *args]
+                if not workers:  # the first worker decides: all forked, or none
+                    worker = _Zygote.fork(argv, program.parent, env, out_path, err_path)
+                elif isinstance(workers[0], _ForkedWorker):
+                    worker = workers[0].zygote.start(argv, program.parent, env, out_path, err_path)
+                else:
+                    worker = None
                 workers.append(worker or subprocess.Popen(cmd, cwd=program.parent, env=env, stdout=out, stderr=err,
                                                           text=True))
             deadline, kill_at = time.monotonic() + timeout_s, None
