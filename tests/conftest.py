@@ -238,14 +238,14 @@ class _ForkedWorker:
         return self.returncode
 
 
-def run_python(argv: list[str], *, cwd: Path | str | None = None, env: dict[str, str] | None = None,
-               timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """``python ARGV`` (a program or ``-m MODULE``, then its arguments), output captured as text, bounded by
-    ``timeout_s``: forked from the zygote where there is one, else an interpreter of its own."""
+def run_python(argv: list[str], *, cwd: Path | str | None = None, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """``python ARGV`` (a program or ``-m MODULE``, then its arguments) in this process's environment, output
+    captured as text, bounded by ``timeout_s``: forked from the zygote where there is one, else an interpreter of
+    its own."""
     import tempfile
     import time
 
-    cwd, env = str(cwd or os.getcwd()), dict(os.environ if env is None else env)
+    cwd, env = str(cwd or os.getcwd()), dict(os.environ)
     cmd = [sys.executable, *argv]
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
