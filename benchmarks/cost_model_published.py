@@ -92,7 +92,11 @@ class Row:
 
 
 def _megatron_model(layers: int, hidden: int, heads: int) -> dict:
-    return dict(n_layers=layers, hidden=hidden, heads=heads, vocab=51200, seq_len=2048, bias=True, dropout=0.1)
+    """Megatron-LM's GPT as the 2021 runs ran it: attention written out (``ParallelAttention``:
+    baddbmm, fused scale-mask-softmax, dropout, bmm; no fused attention kernel existed), which
+    keeps the s x s scores and probabilities for backward (``attention=unfused``)."""
+    return dict(n_layers=layers, hidden=hidden, heads=heads, vocab=51200, seq_len=2048, bias=True, dropout=0.1,
+                attention="unfused")
 
 
 def _megatron_flops(batch: int, layers: int, hidden: int) -> float:
@@ -144,7 +148,7 @@ _MOSAIC = [
 
 def published_rows() -> list[Row]:
     """Every row, in table order; every other row of each table is in the fitting set, except
-    the DeepSpeed ZeRO-3 rows, which no compute constant can describe (docs/benchmarks/cost-model-published_cpu-2core_2026-12-05.md)."""
+    the DeepSpeed ZeRO-3 rows, which no compute constant can describe (docs/benchmarks/cost-model-published_cpu-2core_2026-12-07.md)."""
     rows = []
     for i, (label, heads, hidden, layers, t, p, gpus, batch, tflops, mb, v) in enumerate(_TABLE_1):
         rows.append(Row(

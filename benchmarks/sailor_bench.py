@@ -17,11 +17,17 @@ in stage order (Megatron's rank order puts stage s's replicas after stage s - 1'
 stage whose replicas are of two types spans both and runs at the slower's pace), 1F1B,
 no recompute, ZeRO off, AdamW, eager. The model: benchmarks/published/gpt.py at OPT-350M's
 shape (24 blocks, hidden 1024, 16 heads, sequence 2048, vocabulary 50688: GPT-2's 50257
-padded by Megatron to a multiple of 128 x tp). Precision: fp32 as the runs (no --fp16 or
---bf16); torch runs fp32 matmuls at the FP32 rate unless a program turns TF32 on, which
-these runs' scripts do not show, so GH200's rows are given at both rates. Then each run
-is calibrated on alone (``hetpar calibrate``'s fit to its measured step) and every other
-run of its set predicted with the result. Links: Clariden's nodes on 4 x 200 Gb/s
+padded by Megatron to a multiple of 128 x tp). As the runs ran ("as ran"): attention
+written out (Sailor's Megatron-DeepSpeed ``OPTParallelAttention``: baddbmm, the scale-mask-
+softmax, which falls back to separate torch ops for fp32 inputs, and bmm; no dropout in the
+layer), ``attention=unfused dropout=0``; fp32 (no --fp16 or --bf16) in Sailor's container,
+built FROM nvcr.io/nvidia/pytorch:24.10-py3 (its Dockerfile and README), and NGC's PyTorch
+containers set ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``, so cuBLAS runs the fp32 matmuls in
+TF32 (MONAI's "Precision and Accelerating" documents the variable and the NGC default): the
+GH200 rows are typed ``--dtype tf32``; Turing has no TF32, so the RTX rows stay fp32. The
+column "fused, FP32 rate" is the reading before: one fused attention call and every
+matmul at the FP32 rate. Then each run is calibrated on alone (``hetpar calibrate``'s fit
+to its measured step, as ran) and every other run of its set predicted with the result. Links: Clariden's nodes on 4 x 200 Gb/s
 Slingshot ("@200gx4", CSCS's published node design, not in Sailor's repository); the RTX
 machines on 1 Gb/s Ethernet ("@1gx1", issue 34's description; Sailor's fitted bandwidth
 between a TITAN RTX and an RTX 2080 Ti machine is 0.94 Gb/s).
@@ -47,6 +53,7 @@ from hetpar.runtime.model_file import load_model_file  # noqa: E402
 DATA = ROOT / "benchmarks" / "published" / "sailor_dev.json"
 GPT = ROOT / "benchmarks" / "published" / "gpt.py"
 OPT_350M = dict(n_layers=24, hidden=1024, heads=16, seq_len=2048, vocab=50688)
+AS_RAN = dict(attention="unfused", dropout=0.0)  # Sailor's OPT layer: attention written out, no dropout
 DEVICES = {"GH-96": "GH200-96GB@200gx4", "Titan-RTX": "TitanRTX-24GB@1gx1", "RTX-2080": "RTX2080Ti-11GB@1gx1"}
 GPUS_PER_ENTRY = 4
 
@@ -61,6 +68,11 @@ def cluster_spec(run: dict) -> str:
         else:
             groups.append([vm, 1])
     return "+".join(f"{n}x{GPUS_PER_ENTRY}x{DEVICES[vm]}" for vm, n in groups)
+
+
+def as_ran_dtype(run: dict) -> str:
+    """TF32 matmuls on the GH200s (NGC's cuBLAS override; see the module docstring), fp32 on Turing."""
+    return "tf32" if run["set"].startswith("clariden") else "fp32"
 
 
 def config_of(run: dict, dtype: str) -> EstimateConfig:
@@ -86,18 +98,18 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return num / den if den else 0.0
 
 
-def rows(graph) -> list[dict]:
+def rows(graph, fused) -> list[dict]:
+    """Each measurement with its prediction as ran (``graph``: attention written out) and as read before
+    (``fused``: one fused attention call, matmuls at the FP32 rate)."""
     data = json.loads(DATA.read_text())
     out = []
     for run in data["runs"]:
         for measurement, measured in run["iter_time_s"].items():
             if not measured:
                 continue  # Sailor's RTX N1_D1 recorded memory only
-            gh200 = run["set"].startswith("clariden")
             row = {"set": run["set"], "run": run["run"].split("/")[-1], "measurement": measurement, "cluster": cluster_spec(run),
                    "dp": run["dp"], "tp": run["tp"], "pp": run["pp"], "mbs": run["mbs"], "gbs": run["gbs"], "measured_s": measured,
-                   "fp32_s": predict(graph, run, "fp32")}
-            row["tf32_s"] = predict(graph, run, "tf32") if gh200 else row["fp32_s"]  # Turing has no TF32: the same
+                   "as_ran_s": predict(graph, run, as_ran_dtype(run)), "fused_fp32_s": predict(fused, run, "fp32")}
             row["_run"] = run
             out.append(row)
     return out
@@ -112,14 +124,14 @@ def leave_one_out(graph, rs: list[dict]) -> list[dict]:
     for key in sets:
         members = [r for r in rs if (r["set"], r["measurement"]) == key]
         for c in members:
-            run = Run(name=c["run"], graph=graph, cluster_spec=c["cluster"], config=config_of(c["_run"], "fp32"),
+            run = Run(name=c["run"], graph=graph, cluster_spec=c["cluster"], config=config_of(c["_run"], as_ran_dtype(c["_run"])),
                       step_s=c["measured_s"])
             fitted, fits = calibrate([run])
             for r in members:
                 if r is not c:
                     pairs.append({"set": key, "on": c["run"], "run": r["run"], "gbs": r["gbs"], "measured_s": r["measured_s"],
                                   "same_mbs": c["mbs"] == r["mbs"],
-                                  "calibrated_s": predict(graph, r["_run"], "fp32", fitted),
+                                  "calibrated_s": predict(graph, r["_run"], as_ran_dtype(r["_run"]), fitted),
                                   "flagged": any(f.fixed_cost_bound for f in fits)})
     return pairs
 
@@ -134,23 +146,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     ns = parser.parse_args()
-    graph = trace_model(load_model_file(str(GPT), OPT_350M))
-    rs = rows(graph)
+    graph = trace_model(load_model_file(str(GPT), {**OPT_350M, **AS_RAN}))
+    rs = rows(graph, trace_model(load_model_file(str(GPT), OPT_350M)))
     pairs = leave_one_out(graph, rs)
     if ns.json:
         print(json.dumps({"rows": [{k: v for k, v in r.items() if k != "_run"} for r in rs], "calibrated": pairs}, indent=1))
         return
-    print("| set | run | measured as | cluster | dp, tp, pp | mbs x gbs | measured s | fp32 s | error | tf32 s | error |")
+    print("| set | run | measured as | cluster | dp, tp, pp | mbs x gbs | measured s | as ran s | error | fused, FP32 rate s | error |")
     print("|---|---|---|---|---|---|---:|---:|---:|---:|---:|")
     for r in rs:
         print(f"| {r['set']} | {r['run']} | {r['measurement']} | {r['cluster']} | {r['dp']}, {r['tp']}, {r['pp']} | "
-              f"{r['mbs']} x {r['gbs']} | {r['measured_s']:.4g} | {r['fp32_s']:.4g} | {r['fp32_s'] / r['measured_s'] - 1:+.1%} | "
-              f"{r['tf32_s']:.4g} | {r['tf32_s'] / r['measured_s'] - 1:+.1%} |")
+              f"{r['mbs']} x {r['gbs']} | {r['measured_s']:.4g} | {r['as_ran_s']:.4g} | {r['as_ran_s'] / r['measured_s'] - 1:+.1%} | "
+              f"{r['fused_fp32_s']:.4g} | {r['fused_fp32_s'] / r['measured_s'] - 1:+.1%} |")
     print()
     for name, pick in (("all", lambda r: True), ("GH200", lambda r: r["set"].startswith("clariden")),
                        ("TITAN RTX + RTX 2080 Ti", lambda r: not r["set"].startswith("clariden"))):
         sel = [r for r in rs if pick(r)]
-        print(f"- {name}: fp32 {summary(sel, 'fp32_s')}; tf32 on GH200 {summary(sel, 'tf32_s')}")
+        print(f"- {name}: as ran {summary(sel, 'as_ran_s')}; fused at the FP32 rate {summary(sel, 'fused_fp32_s')}")
     print()
     print("Calibrated on one run of the set, every other run of the set predicted (all choices of the one run):")
     print()
