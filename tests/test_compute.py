@@ -146,6 +146,31 @@ def test_a_compiled_layer_launches_a_kernel_per_matmul_and_one_per_gap_between_t
     assert eager.bwd_s - compiled.bwd_s == pytest.approx(2 * saved)
 
 
+def test_an_eager_layer_takes_no_less_than_its_kernels_bytes_take_to_move():
+    """[Note: bytes bound]: where the kernels' bytes take longer to move than the floor
+    (FLOPs, the saved activations once forward, twice backward), the layer takes that long,
+    the backward's excess on B; where they take less, nothing changes; a compiled layer has
+    no bound; tensor parallelism splits the bytes as it splits the saved activations."""
+    from dataclasses import replace
+
+    from hetpar.cost_models.compute import compiled_layer
+
+    byte_rate = 2.039e12 * HBM_STREAM_EFFICIENCY * 0.5
+    base = block(num_ops=0)
+    floor = layer_timing(base, A100, tp=1, micro_batch_size=2, dtype="bf16", kernel_efficiency=0.5)
+    light = replace(base, fwd_bytes_accessed=1e6, bwd_bytes_accessed=2e6)
+    assert layer_timing(light, A100, tp=1, micro_batch_size=2, dtype="bf16", kernel_efficiency=0.5) == floor
+    heavy = replace(base, fwd_bytes_accessed=1e12, bwd_bytes_accessed=3e12)  # per sample, fp32
+    t = layer_timing(heavy, A100, tp=1, micro_batch_size=2, dtype="bf16", kernel_efficiency=0.5)
+    assert t.fwd_s == pytest.approx(1e12 * 2 / 2 / byte_rate)  # two samples, bf16 halves the bytes
+    assert t.bwd_s == pytest.approx(3e12 * 2 / 2 / byte_rate)
+    assert t.bwd_weight_s == floor.bwd_weight_s and t.bwd_input_s > floor.bwd_input_s
+    assert layer_timing(compiled_layer(heavy), A100, tp=1, micro_batch_size=2, dtype="bf16", kernel_efficiency=0.5) == floor
+    half = layer_timing(heavy, A100, tp=2, micro_batch_size=2, dtype="bf16", kernel_efficiency=0.5)
+    keep = base.saved_bytes_at(2) / base.saved_activation_bytes  # block() splits half its saved bytes
+    assert half.fwd_s == pytest.approx(1e12 * keep / byte_rate)
+
+
 def test_tf32_runs_matmuls_at_the_tf32_rate_on_float32_bytes():
     """[Note: TF32]: a tf32 layer is an fp32 layer on a device whose fp32 rate is its TF32
     tensor-core rate (A100: 156 against 19.5 TFLOP/s); without TF32 (V100) it is fp32."""

@@ -69,6 +69,44 @@ def test_totals_are_torch_flop_counters_with_causal_attention_on_its_unmasked_pa
     assert linear.fwd_bytes == 4 * (16 * 64 + 64 * 64 + 16 * 64)  # reads input and weight, writes output
 
 
+def _measured_node(model: torch.nn.Module, inputs: list[torch.Tensor], op: str):
+    gm = torch.fx.symbolic_trace(model)
+    return next(c for name, c in measure(gm, inputs).nodes.items() if op in name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_an_attention_call_moves_the_bytes_of_one_fused_kernel(causal):
+    """[Note: fused attention bytes]: q, k, v read and the output and its row log-sum-exp
+    written; backward, those and the output's gradient read, q's, k's and v's gradients
+    written. The math path's s x s scores move nothing; its FLOPs stay counted."""
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    batch, heads, length, dim = 2, 4, 256, 16
+    qkv = [torch.empty(batch, heads, length, dim, device="meta", requires_grad=True) for _ in range(3)]
+    node = _measured_node(Attend(), qkv, "scaled_dot_product")
+    tensor = 4 * batch * heads * length * dim  # fp32 bytes of q, k, v or the output
+    lse = 4 * batch * heads * length
+    assert node.fwd_bytes == 3 * tensor + tensor + lse
+    assert node.bwd_bytes == (3 * tensor + tensor + lse) + tensor + 3 * tensor
+    assert node.fwd_bytes < 4 * batch * heads * length * length  # not even one s x s matrix of scores
+    share = causal_fraction(length, length) if causal else 1.0
+    assert node.fwd_flops == pytest.approx(4 * batch * heads * length * length * dim * share)
+
+
+def test_an_embedding_lookup_moves_its_rows_not_its_table():
+    """An embedding of 50,000 rows looked up 64 times reads 64 rows and writes them, and reads
+    the indices; backward reads their gradients and adds them into the table's."""
+    table = torch.nn.Embedding(50_000, 32, device="meta")
+    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    node = _measured_node(torch.nn.Sequential(table), [tokens], "_0")
+    rows = 4 * 2 * 32 * 32
+    assert node.fwd_bytes == 2 * rows + 8 * 2 * 32
+    assert node.bwd_bytes == 2 * rows + 8 * 2 * 32
+
+
 def test_causal_fraction_counts_the_pairs_a_top_left_causal_mask_lets_through():
     for queries, keys in ((1, 1), (16, 16), (5, 9), (9, 5), (4096, 4096)):
         mask = torch.ones(queries, keys, dtype=torch.bool).tril()  # torch's is_causal: query i sees keys 0..i

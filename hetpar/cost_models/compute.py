@@ -27,6 +27,22 @@ public per-op measurement in the GPU datasheet profiles, docs/devices.md; what
 the layer pays it in the forward, in the input gradient and in the weight gradient, so
 work made of many small kernels costs what its launches cost.
 
+[Note: bytes bound]
+The floor above is what fused kernels move. An eager layer runs each op as its own
+kernel, which reads its operands from memory and writes its outputs back: the trace
+counts those bytes per pass (``fwd_bytes_accessed``, ``bwd_bytes_accessed``; [Note: what
+a kernel costs] in planner/capture/measure.py, an attention call as one fused kernel),
+and the layer takes no less than they take to move at the rate above. So the forward is
+the larger of its floor time and its bytes' time, and the backward's excess over its
+bytes' time falls on B. It binds where kernels are bound by memory: elementwise chains
+in fp32, an attention written out (the scale, the mask and the softmax each reading and
+writing the s x s scores; the batched matmuls over narrow heads), small hidden sizes;
+for matmul-heavy layers in half precision the floor binds. Tensor parallelism splits the
+bytes as it splits the saved activations. A compiled layer drops the bound ([Note:
+compiled stages]). Sailor's GH200 runs (TF32, attention written out in fp32, eager) and
+hetpar's own eager programs on an H100 and an H200 are the data it was checked on:
+docs/benchmarks/sailor-dev_cpu-2core_2026-12-07.md.
+
 Zero-bubble schedules need the backward in two parts ([Note: zero-bubble split] in
 runtime/schedule.py): W, the weight gradients, costs as many FLOPs as the layer's
 forward matmuls (each weight is used once per token either way); B, the input
@@ -109,12 +125,14 @@ class LayerTime:
 # 2 * matmuls + 1 per pass, never more than the eager ops. The launch term of
 # [Note: layer time] then counts those kernels instead of the eager ops; the
 # elementwise traffic is already charged at its floor (the saved activations), which
-# fusion does not lower. The saving this predicts against a compiled program's measured
+# fusion does not lower, and the eager kernels' bytes no longer bound it ([Note: bytes
+# bound]): fusion keeps what passes between the fused ops on chip. The saving this predicts against a compiled program's measured
 # step: docs/benchmarks/gpu-validate_h200_2026-12-04.md.
 def compiled_layer(layer: LayerProfile) -> LayerProfile:
-    """``layer`` as a compiled stage runs it: its kernel count after fusion ([Note: compiled stages])."""
+    """``layer`` as a compiled stage runs it: its kernel count after fusion, and no eager
+    kernels' bytes to bound it ([Note: compiled stages], [Note: bytes bound])."""
     kernels = 2 * layer.matmul_ops + 1
-    return replace(layer, num_ops=min(layer.num_ops, kernels))
+    return replace(layer, num_ops=min(layer.num_ops, kernels), fwd_bytes_accessed=0.0, bwd_bytes_accessed=0.0)
 
 
 def layer_timing(
@@ -153,6 +171,7 @@ def layer_timing(
     flop_rate /= matmul_rows_slowdown(layer, device, micro_batch_size, "forward")
     bwd_flop_rate /= matmul_rows_slowdown(layer, device, micro_batch_size, "backward")
     saved = layer.saved_bytes_at(tp) * micro_batch_size * dtype_bytes(dtype) / 4
+    moved_fwd, moved_bwd = (b * micro_batch_size * dtype_bytes(dtype) / 4 for b in layer.bytes_at(tp))
     launch = (getattr(device, "op_overhead_s", None) or DEFAULT_OP_OVERHEAD_S) * layer.num_ops
     weight_flops = min(fwd_flops, bwd_flops / 2) if layer.params_at(tp) > 0 else 0.0
     # [Note: tensor-parallel dispatch]: a third forward, two thirds input gradient.
@@ -163,12 +182,17 @@ def layer_timing(
     bwd_weights = weights / bwd_scale
     fwd_ratio, bwd_ratio = (1.0, 1.0) if explicit or tp > 1 else layer_correction(layer, device, micro_batch_size)
     rerun_flops = layer.selective_rerun_flops * micro_batch_size * (fwd_flops / (layer.fwd_flops * micro_batch_size) if layer.fwd_flops else 0.0)
+    fwd = fwd_flops / flop_rate + weights + saved / byte_rate
+    bwd_input = (bwd_flops - weight_flops) / bwd_flop_rate + bwd_weights + 2 * saved / bwd_byte_rate
+    bwd_weight = weight_flops / bwd_flop_rate + 2 * bwd_weights
+    # [Note: bytes bound]: no faster than its kernels' bytes move; the backward's excess falls on B
+    fwd = max(fwd, moved_fwd / byte_rate)
+    bwd_input += max(0.0, moved_bwd / bwd_byte_rate - bwd_input - bwd_weight)
     return LayerTime(
-        fwd_s=(fwd_flops / flop_rate + weights + saved / byte_rate + launch + sharded / 3) * fwd_ratio,
+        fwd_s=(fwd + launch + sharded / 3) * fwd_ratio,
         selective_rerun_s=(rerun_flops / flop_rate + saved / byte_rate + launch) * fwd_ratio,
-        bwd_input_s=((bwd_flops - weight_flops) / bwd_flop_rate + bwd_weights + 2 * saved / bwd_byte_rate + launch
-                     + 2 * sharded / 3) * bwd_ratio,
-        bwd_weight_s=(weight_flops / bwd_flop_rate + 2 * bwd_weights + launch) * bwd_ratio,
+        bwd_input_s=(bwd_input + launch + 2 * sharded / 3) * bwd_ratio,
+        bwd_weight_s=(bwd_weight + launch) * bwd_ratio,
     )
 
 

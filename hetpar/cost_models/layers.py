@@ -165,6 +165,15 @@ class LayerProfile:
         """Activation bytes one tensor-parallel rank saves for backward, per sample."""
         return self.saved_activation_bytes - self.tp_split_saved_bytes * (1.0 - 1.0 / tp)
 
+    def bytes_at(self, tp: int) -> tuple[float, float]:
+        """(forward, backward) bytes one tensor-parallel rank's kernels move, per sample: the
+        layer's, split over tp as its saved activations are ([Note: bytes bound] in
+        cost_models/compute.py)."""
+        if self.saved_activation_bytes <= 0:
+            return self.fwd_bytes_accessed, self.bwd_bytes_accessed
+        keep = self.saved_bytes_at(tp) / self.saved_activation_bytes
+        return self.fwd_bytes_accessed * keep, self.bwd_bytes_accessed * keep
+
     def kept_bytes_at(self, tp: int) -> float:
         """Activation bytes one tensor-parallel rank keeps under selective recompute, per
         sample, its layer input aside: the matmul and attention outputs, split over tp as

@@ -13,7 +13,11 @@ runs under saved-tensor hooks that see every tensor autograd keeps.
   element of the largest operand: a floor, since these kernels are bound by memory
   traffic, which the byte counts give.
 - Bytes: a kernel reads each tensor operand once and writes each output once; views
-  move nothing. Fusion would lower the real traffic.
+  move nothing. Fusion would lower the real traffic. Two kernels are counted as they run,
+  not as the meta device decomposes them: an attention call (``scaled_dot_product_attention``)
+  as one fused kernel ([Note: fused attention bytes]), and an embedding lookup, which
+  reads the rows it returns, not the whole table (its backward adds those rows into
+  the table's gradient).
 - Backward kernels are charged to the forward node that created the autograd node
   running them (``torch._C._current_autograd_node``); the accumulation of parameter
   and input gradients is charged to no node but counted in the totals.
@@ -153,6 +157,10 @@ class _KernelCounter(TorchDispatchMode):
         self.keep: list[Any] = []  # the autograd nodes themselves, so their ids stay unique
         self.scale = 1.0  # the share of the kernels now running that real kernels compute ([Note: causal attention FLOPs])
         self.scales: dict[int, float] = {}  # id(autograd node) -> that share of its backward
+        # [Note: fused attention bytes]: inside an attention call the meta device's kernels move no bytes of their
+        # own; the call charges its fused kernel's
+        self.fused = False
+        self.fused_backward: set[int] = set()  # id(autograd node) of those calls' backward
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -183,12 +191,20 @@ class _KernelCounter(TorchDispatchMode):
             moved = 0.0
         elif packet.__name__ in _ALLOCATING:
             moved = written
+        elif packet.__name__ == "embedding":  # the rows looked up, and the indices
+            moved = 2 * written + _nbytes(args[1])
+        elif packet.__name__ == "embedding_dense_backward":  # those rows' gradients read and added into the table
+            moved = 2 * _nbytes(args[0]) + _nbytes(args[1])
         else:
             moved = float(sum(_nbytes(t) for t in _tensors((args, kwargs)))) + written
         scale = self.scale
         if self.backward:
             autograd_node = torch._C._current_autograd_node()
             scale = self.scales.get(id(autograd_node), 1.0) if autograd_node is not None else 1.0
+            if autograd_node is not None and id(autograd_node) in self.fused_backward:
+                moved = 0.0
+        elif self.fused:
+            moved = 0.0
         flops, elementwise = flops * scale, elementwise * scale
         if self.backward:
             counts.bwd_flops += flops
@@ -550,9 +566,19 @@ def causal_fraction(queries: int, keys: int) -> float:
     return seen / (queries * keys)
 
 
+# [Note: fused attention bytes]
+# On meta an attention call runs the math path, whose kernels write and read the s x s
+# scores; the fused kernel a device runs (flash attention, torch's fused CPU kernel)
+# keeps them on chip. So the kernel pass charges an attention call the bytes of one
+# fused kernel, not its math kernels': forward, q, k, v and the mask (where one is
+# passed and counted, [Note: causal masks]) read, the output and the row log-sum-exp
+# (float32) written; backward, those and the output's gradient read, the gradients of
+# q, k and v written. Its FLOPs stay the math path's ([Note: causal attention FLOPs]).
+# An attention written out as matmuls and a softmax is no such call and moves its scores.
 class _CausalAttention(TorchFunctionMode):
-    """Charges a causal attention call's kernels, forward and backward, the share of
-    them a causal kernel computes ([Note: causal attention FLOPs])."""
+    """Charges an attention call's kernels as one fused kernel runs them: the share of the
+    math path's FLOPs a causal kernel computes ([Note: causal attention FLOPs]) and the
+    fused kernel's bytes ([Note: fused attention bytes])."""
 
     def __init__(self, counter: _KernelCounter, masks: bool):
         super().__init__()
@@ -560,27 +586,36 @@ class _CausalAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _SDPA:
+        if func not in _SDPA or self.counter.fused:
             return func(*args, **kwargs)
-        query, key = args[0], args[1]
+        query, key, value = args[0], args[1], args[2]
         mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
         causal = bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False)) or (
             isinstance(mask, torch.Tensor) and not self.masks)
-        if not causal:
-            return func(*args, **kwargs)
-        share = causal_fraction(int(query.shape[-2]), int(key.shape[-2]))
-        self.counter.scale = share
+        share = causal_fraction(int(query.shape[-2]), int(key.shape[-2])) if causal else 1.0
+        counts = self.counter.result.nodes[self.counter.current]
+        self.counter.scale, self.counter.fused = share, True
         try:
             out = func(*args, **kwargs)
         finally:
-            self.counter.scale = 1.0
+            self.counter.scale, self.counter.fused = 1.0, False
+        inputs = float(_nbytes(query) + _nbytes(key) + _nbytes(value))
+        if isinstance(mask, torch.Tensor) and self.masks:
+            inputs += _nbytes(mask)
+        output = float(sum(_nbytes(t) for t in _tensors(out)))
+        written = output + query[..., 0].numel() * 4  # and the row log-sum-exp
+        counts.fwd_bytes += inputs + written
+        if any(t.requires_grad for t in (query, key, value)):  # the output's gradient read too, q's, k's and v's written
+            counts.bwd_bytes += inputs + written + output + float(_nbytes(query) + _nbytes(key) + _nbytes(value))
         stop = {id(t.grad_fn) for t in _tensors(args[:3]) if t.grad_fn is not None}
         stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
         while stack:  # the autograd nodes the call made: from its output back to q, k and v
             fn = stack.pop()
-            if fn is None or id(fn) in stop or id(fn) in self.counter.scales or type(fn).__name__ == "AccumulateGrad":
+            if fn is None or id(fn) in stop or id(fn) in self.counter.fused_backward or type(fn).__name__ == "AccumulateGrad":
                 continue
-            self.counter.scales[id(fn)] = share
+            self.counter.fused_backward.add(id(fn))
+            if causal:
+                self.counter.scales[id(fn)] = share
             self.counter.keep.append(fn)
             stack.extend(next_fn for next_fn, _ in fn.next_functions)
         return out
