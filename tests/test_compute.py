@@ -149,8 +149,9 @@ def test_a_compiled_layer_launches_a_kernel_per_matmul_and_one_per_gap_between_t
 def test_an_eager_layer_takes_no_less_than_its_kernels_bytes_take_to_move():
     """[Note: bytes bound]: where the kernels' bytes take longer to move than the floor
     (FLOPs, the saved activations once forward, twice backward), the layer takes that long,
-    the backward's excess on B; where they take less, nothing changes; a compiled layer has
-    no bound; tensor parallelism splits the bytes as it splits the saved activations."""
+    the backward's excess on B; where they take less, nothing changes; a compiled layer and
+    a CPU worker have no bound; tensor parallelism splits the bytes as it splits the saved
+    activations."""
     from dataclasses import replace
 
     from hetpar.cost_models.compute import compiled_layer
@@ -169,6 +170,8 @@ def test_an_eager_layer_takes_no_less_than_its_kernels_bytes_take_to_move():
     half = layer_timing(heavy, A100, tp=2, micro_batch_size=2, dtype="bf16", kernel_efficiency=0.5)
     keep = base.saved_bytes_at(2) / base.saved_activation_bytes  # block() splits half its saved bytes
     assert half.fwd_s == pytest.approx(1e12 * keep / byte_rate)
+    cpu = get_device("cpu")  # a CPU worker's caches hold what small layers' kernels hand on: no bound
+    assert layer_timing(heavy, cpu, tp=1, micro_batch_size=2, dtype="fp32") == layer_timing(base, cpu, tp=1, micro_batch_size=2, dtype="fp32")
 
 
 def test_tf32_runs_matmuls_at_the_tf32_rate_on_float32_bytes():

@@ -39,7 +39,11 @@ in fp32, an attention written out (the scale, the mask and the softmax each read
 writing the s x s scores; the batched matmuls over narrow heads), small hidden sizes;
 for matmul-heavy layers in half precision the floor binds. Tensor parallelism splits the
 bytes as it splits the saved activations. A compiled layer drops the bound ([Note:
-compiled stages]). Sailor's GH200 runs (TF32, attention written out in fp32, eager) and
+compiled stages]), and so does a CPU worker (the ``cpu`` profile and those `hetpar
+profile` measures from it): the layers a CPU trains are small enough for its caches to
+hold what one kernel hands the next, so the copy bandwidth its profile states would
+overprice them (the README's plan came out 85% slower), and a measured host's layer
+timings carry what the floor misses ([Note: measured layers]). Sailor's GH200 runs (TF32, attention written out in fp32, eager) and
 hetpar's own eager programs on an H100 and an H200 are the data it was checked on:
 docs/benchmarks/sailor-dev_cpu-2core_2026-12-07.md.
 
@@ -171,7 +175,9 @@ def layer_timing(
     flop_rate /= matmul_rows_slowdown(layer, device, micro_batch_size, "forward")
     bwd_flop_rate /= matmul_rows_slowdown(layer, device, micro_batch_size, "backward")
     saved = layer.saved_bytes_at(tp) * micro_batch_size * dtype_bytes(dtype) / 4
-    moved_fwd, moved_bwd = (b * micro_batch_size * dtype_bytes(dtype) / 4 for b in layer.bytes_at(tp))
+    # [Note: bytes bound]; none on a CPU worker
+    moved_fwd, moved_bwd = (0.0, 0.0) if getattr(device, "cpu_host", False) else (
+        b * micro_batch_size * dtype_bytes(dtype) / 4 for b in layer.bytes_at(tp))
     launch = (getattr(device, "op_overhead_s", None) or DEFAULT_OP_OVERHEAD_S) * layer.num_ops
     weight_flops = min(fwd_flops, bwd_flops / 2) if layer.params_at(tp) > 0 else 0.0
     # [Note: tensor-parallel dispatch]: a third forward, two thirds input gradient.

@@ -190,6 +190,11 @@ class DeviceProfile:
         return hash(self.name)
 
     @property
+    def cpu_host(self) -> bool:
+        """A CPU training worker: the ``cpu`` profile, or one `hetpar profile` measured from it."""
+        return self.name.strip().lower().startswith("cpu")
+
+    @property
     def node_link_bw_bytes_per_s(self) -> float:
         """What one device sends to the others of its node, one direction: the staged rate
         through host memory on a card without peer-to-peer, else ``intra_node_bw_bytes_per_s``."""

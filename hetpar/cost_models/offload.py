@@ -39,7 +39,7 @@ from hetpar.vocabulary import Optimizer
 
 def offload_refusal(device) -> str | None:
     """Why a stage on ``device`` (a DeviceProfile) cannot offload its state; None where it can."""
-    if device.name.strip().lower().startswith("cpu"):  # the cpu profile, or one `hetpar profile` measured from it
+    if device.cpu_host:
         return f"{device.name} workers keep their training state in host memory already"
     missing = [k for k in ("host_link_bw_bytes_per_s", "host_mem_bw_bytes_per_s") if getattr(device, k) is None]
     if missing:
