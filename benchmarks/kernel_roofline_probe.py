@@ -1,34 +1,29 @@
-"""What if every eager kernel cost the larger of its FLOP time and its byte time? A probe on Sailor's GH200 runs.
+"""Three readings of an eager layer's memory traffic, on Sailor's GH200 runs and on hetpar's own runs on one H100 and one H200.
 
-    .venv/bin/python benchmarks/kernel_roofline_probe.py      # about 40 s on 2 cores
+    .venv/bin/python benchmarks/kernel_roofline_probe.py      # about 20 s on 2 cores
 
 hetpar's layer time ([Note: layer time] in hetpar/cost_models/compute.py) charges a layer's
-matmul FLOPs at the matmul rate and its elementwise traffic at a floor: the bytes it saves
-for backward, written once and read once. Sailor's GH200 runs (benchmarks/sailor_bench.py,
-typed as they ran: TF32 matmuls, attention written out in fp32, eager) are predicted about
-twice too fast that way. This probe prices the same runs with each layer's forward and
-input-gradient time replaced by a sum over the layer's traced kernels (planner.capture's
-per-node counts, [Note: what a kernel costs]): each kernel takes max(FLOPs / matmul rate,
-bytes read and written / memory rate), both rates at the profile's efficiencies, plus the
-launches as before; the weight-gradient time stays. Tensor parallelism scales each
-kernel's FLOPs as the layer's FLOPs scale and its bytes as the layer's saved bytes do (an
-approximation: which kernels split is not recorded per node). No fusion: the program of
-those runs was eager. Three readings are printed: hetpar's (the floor), the roofline sum,
-and the roofline with every byte of matmul operands left out ("elementwise only").
+matmul FLOPs at the matmul rate and its elementwise traffic at a floor, the bytes it saves
+for backward written once and read once; an eager layer also takes no less than the bytes
+its kernels read and write take to move ([Note: bytes bound]). The probe prices the same
+runs three ways:
 
-The same three readings for the runs of hetpar's own eager programs on one H100 and one
-H200 (docs/benchmarks/gpu-validate_h100_2026-12-05.md and gpu-validate_h200_2026-12-04.md:
-examples/gpt.py at 350M and 1.3B, bf16, one fused attention call), a check that the
-roofline does not break what the floor gets right. Two of the trace's per-node byte counts
-describe the meta device's path, not the kernel a GPU runs, and the probe replaces them:
-``scaled_dot_product_attention`` is counted on meta as its math path (the s x s scores
-written and read), while the fused kernel reads q, k, v and writes the output (four
-outputs' worth forward, eight backward: the output and its gradient read again, the
-three input gradients written); an embedding lookup (these models' ``tok_emb`` and ``pos_emb``) is counted as reading the whole
-table, while it reads the rows it returns (twice its output).
+- "floor only": without the bound, as hetpar did before 2026-12-07;
+- "hetpar": as hetpar does now, the floor or the bound, whichever is longer;
+- "roofline per kernel": each traced node (planner.capture's per-node counts, [Note: what a
+  kernel costs]) at the larger of its FLOPs at the matmul rate and its bytes at the memory
+  rate, summed over the layer's nodes for the forward and the input gradient, plus the
+  launches; the weight-gradient time stays. Tensor parallelism scales each node's FLOPs as
+  the layer's FLOPs scale and its bytes as the layer's saved bytes do (which nodes split
+  is not recorded per node). A stricter reading than the bound: a layer's memory-bound
+  kernels cannot borrow the time its compute-bound ones leave over.
 
-It replaces ``layer_timing`` inside planner.estimate.step_costs for the probe's runs only; it
-is a measurement of what the model misses, not hetpar's cost model.
+Sailor's runs are typed as benchmarks/sailor_bench.py types them (TF32 matmuls, attention
+written out in fp32, eager); hetpar's own runs are those of
+docs/benchmarks/gpu-validate_h100_2026-12-05.md and gpu-validate_h200_2026-12-04.md
+(examples/gpt.py at 350M and 1.3B, bf16, one fused attention call, eager), a check that a
+reading does not break what the floor gets right. The readings replace ``layer_timing``
+inside planner.estimate.step_costs for the probe's runs only.
 """
 
 from __future__ import annotations
@@ -51,12 +46,18 @@ from hetpar.planner.estimate import EstimateConfig, estimate, step_costs  # noqa
 from hetpar.runtime.model_file import load_model_file  # noqa: E402
 
 
-def roofline_timing(kernels: dict[str, list[tuple[float, float, float, float]]], elementwise_only: bool):
-    """A ``layer_timing`` whose forward and input gradient sum their kernels' rooflines."""
-    floor = compute.layer_timing
+def floor_timing(layer, device, *, tp, micro_batch_size, dtype, kernel_efficiency=None):
+    """``layer_timing`` without [Note: bytes bound]: the layer's kernels' bytes left out."""
+    return compute.layer_timing(replace(layer, fwd_bytes_accessed=0.0, bwd_bytes_accessed=0.0), device, tp=tp,
+                                micro_batch_size=micro_batch_size, dtype=dtype, kernel_efficiency=kernel_efficiency)
+
+
+def roofline_timing(kernels: dict[str, list[tuple[float, float, float, float]]]):
+    """A ``layer_timing`` whose forward and input gradient sum their nodes' rooflines."""
 
     def timing(layer, device, *, tp, micro_batch_size, dtype, kernel_efficiency=None):
-        base = floor(layer, device, tp=tp, micro_batch_size=micro_batch_size, dtype=dtype, kernel_efficiency=kernel_efficiency)
+        base = floor_timing(layer, device, tp=tp, micro_batch_size=micro_batch_size, dtype=dtype,
+                            kernel_efficiency=kernel_efficiency)
         efficiency = kernel_efficiency or compute.training_efficiency(device)
         flop_rate = device.peak_flops(dtype) * device.matmul_efficiency * efficiency
         byte_rate = device.mem_bw_bytes_per_s * compute.HBM_STREAM_EFFICIENCY * efficiency
@@ -66,8 +67,6 @@ def roofline_timing(kernels: dict[str, list[tuple[float, float, float, float]]],
         m = micro_batch_size
 
         def seconds(flops: float, nbytes: float) -> float:
-            if elementwise_only and flops > 0:
-                return flops * flops_scale * m / flop_rate
             return max(flops * flops_scale * m / flop_rate, nbytes * bytes_scale * m / byte_rate)
 
         launch = (getattr(device, "op_overhead_s", None) or compute.DEFAULT_OP_OVERHEAD_S) * layer.num_ops
@@ -90,22 +89,16 @@ GPU_MODELS = {"350M": dict(n_layers=24, hidden=1024, heads=16, seq_len=1024, voc
 
 
 def kernels_of(graph) -> dict[str, list[tuple[float, float, float, float]]]:
-    """Per layer, each traced node's (forward FLOPs, bytes, backward FLOPs, bytes), fused attention and
-    embedding lookups at what their kernels move (the module docstring)."""
+    """Per layer, each traced node's (forward FLOPs, bytes, backward FLOPs, bytes)."""
     kernels: dict[str, list[tuple[float, float, float, float]]] = {}
     for node in graph.nodes:
-        fwd_bytes, bwd_bytes = node.fwd_bytes_accessed, node.bwd_bytes_accessed
-        if "scaled_dot_product_attention" in node.op:
-            fwd_bytes, bwd_bytes = 4 * node.output_bytes, 8 * node.output_bytes
-        elif node.op in ("tok_emb", "pos_emb"):
-            fwd_bytes, bwd_bytes = 2 * node.output_bytes, 2 * node.output_bytes
-        kernels.setdefault(graph.layers[node.layer].name, []).append((node.fwd_flops, fwd_bytes, node.bwd_flops, bwd_bytes))
+        kernels.setdefault(graph.layers[node.layer].name, []).append(
+            (node.fwd_flops, node.fwd_bytes_accessed, node.bwd_flops, node.bwd_bytes_accessed))
     return kernels
 
 
 def readings_of(kernels) -> dict:
-    return {"hetpar (floor)": compute.layer_timing, "roofline per kernel": roofline_timing(kernels, False),
-            "elementwise only": roofline_timing(kernels, True)}
+    return {"floor only": floor_timing, "hetpar": compute.layer_timing, "roofline per kernel": roofline_timing(kernels)}
 
 
 def summarise(errors: dict[str, list[float]]) -> None:

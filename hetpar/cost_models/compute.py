@@ -98,9 +98,9 @@ HBM_STREAM_EFFICIENCY = 0.83
 # `benchmarks/cost_model_published.py --fit` on 15 published A100 runs: every other
 # row of Narayanan et al. 2021 Tables 1 and 2 (Megatron-LM, PTD-P) and of MosaicML
 # llm-foundry's A100-80GB MPT table; tested on the other rows (a refit on today's
-# rows, the Megatron ones typed with attention written out as they ran, gives 0.777;
-# the constant is kept, the reason beside the rows). The rows, the measured and
-# predicted step times and the errors:
+# rows, the Megatron ones typed as they ran, attention written out and their fused
+# kernels as compiled stages, gives 0.769; the constant is kept, the reason beside the
+# rows). The rows, the measured and predicted step times and the errors:
 # docs/benchmarks/cost-model-published_cpu-2core_2026-12-07.md.
 TRAINING_KERNEL_EFFICIENCY = 0.75
 
