@@ -74,14 +74,16 @@ def _measured_node(model: torch.nn.Module, inputs: list[torch.Tensor], op: str):
     return next(c for name, c in measure(gm, inputs).nodes.items() if op in name)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_an_attention_call_moves_the_bytes_of_one_fused_kernel(causal):
+@pytest.mark.parametrize("causal,keywords", [(False, False), (True, False), (True, True)])
+def test_an_attention_call_moves_the_bytes_of_one_fused_kernel(causal, keywords):
     """[Note: fused attention bytes]: q, k, v read and the output and its row log-sum-exp
     written; backward, those and the output's gradient read, q's, k's and v's gradients
     written. The math path's s x s scores move nothing; its FLOPs stay counted."""
 
     class Attend(torch.nn.Module):
         def forward(self, q, k, v):
+            if keywords:
+                return F.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=causal)
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     batch, heads, length, dim = 2, 4, 256, 16

@@ -43,9 +43,9 @@ compiled stages]), and so does a CPU worker (the ``cpu`` profile and those `hetp
 profile` measures from it): the layers a CPU trains are small enough for its caches to
 hold what one kernel hands the next, so the copy bandwidth its profile states would
 overprice them (the README's plan came out 85% slower), and a measured host's layer
-timings carry what the floor misses ([Note: measured layers]). Sailor's GH200 runs (TF32, attention written out in fp32, eager) and
-hetpar's own eager programs on an H100 and an H200 are the data it was checked on:
-docs/benchmarks/sailor-dev_cpu-2core_2026-12-07.md.
+timings carry what the floor misses ([Note: measured layers]). Sailor's GH200 runs
+(TF32, attention written out in fp32, eager) and hetpar's own eager programs on an H100
+and an H200 are the data it was checked on: docs/benchmarks/sailor-dev_cpu-2core_2026-12-07.md.
 
 Zero-bubble schedules need the backward in two parts ([Note: zero-bubble split] in
 runtime/schedule.py): W, the weight gradients, costs as many FLOPs as the layer's
@@ -130,8 +130,9 @@ class LayerTime:
 # [Note: layer time] then counts those kernels instead of the eager ops; the
 # elementwise traffic is already charged at its floor (the saved activations), which
 # fusion does not lower, and the eager kernels' bytes no longer bound it ([Note: bytes
-# bound]): fusion keeps what passes between the fused ops on chip. The saving this predicts against a compiled program's measured
-# step: docs/benchmarks/gpu-validate_h200_2026-12-04.md.
+# bound]): fusion keeps what passes between the fused ops on chip. The saving this
+# predicts against a compiled program's measured step:
+# docs/benchmarks/gpu-validate_h200_2026-12-04.md.
 def compiled_layer(layer: LayerProfile) -> LayerProfile:
     """``layer`` as a compiled stage runs it: its kernel count after fusion, and no eager
     kernels' bytes to bound it ([Note: compiled stages], [Note: bytes bound])."""

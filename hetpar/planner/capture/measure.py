@@ -588,7 +588,7 @@ class _CausalAttention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in _SDPA or self.counter.fused:
             return func(*args, **kwargs)
-        query, key, value = args[0], args[1], args[2]
+        query, key, value = (args[i] if len(args) > i else kwargs[name] for i, name in enumerate(("query", "key", "value")))
         mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
         causal = bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False)) or (
             isinstance(mask, torch.Tensor) and not self.masks)
