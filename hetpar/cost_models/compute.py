@@ -47,8 +47,8 @@ timings carry what the floor misses ([Note: measured layers]). Sailor's GH200 ru
 (TF32, attention written out in fp32, eager) and hetpar's own eager programs on an H100
 and an H200 are the data it was checked on: docs/benchmarks/sailor-dev_cpu-2core_2026-12-07.md.
 On a GPU the bound still prices every byte as if it left the L2 cache, which overprices
-layers small enough to stay in it when run eager (a 256-wide GPT on V100s comes out
-40% slower than compiled; NVIDIA GPUs plan compiled by default).
+layers small enough to stay in it when run eager (a 256-wide GPT on an A100 and two
+V100s: 16% slower with the bound; NVIDIA GPUs plan compiled by default).
 
 Zero-bubble schedules need the backward in two parts ([Note: zero-bubble split] in
 runtime/schedule.py): W, the weight gradients, costs as many FLOPs as the layer's
