@@ -29,7 +29,8 @@ Megatron-LM fused its elementwise chains by hand (scale-mask-softmax, bias-GeLU,
 bias-dropout-add kernels), so its rows are estimated with compiled stages, hetpar's model
 of fused elementwise chains ([Note: compiled stages] in cost_models/compute.py) and the
 CLI's default on NVIDIA GPUs; DeepSpeed's ZeRO-3 rows are Megatron's model too. MosaicML's
-rows stay eager (``--no-compile``), as they were estimated before: the table does not say they were compiled.
+rows stay eager (``--no-compile``), as they were estimated before: the table does not say
+they were compiled.
 
 Megatron splits the word embedding and the output layer over tensor-parallel ranks
 (vocabulary-parallel; Shoeybi et al. 2019, section 3); hetpar's tracer splits the

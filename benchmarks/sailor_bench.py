@@ -27,8 +27,8 @@ TF32 (MONAI's "Precision and Accelerating" documents the variable and the NGC de
 GH200 rows are typed ``--dtype tf32``; Turing has no TF32, so the RTX rows stay fp32. The
 column "fused, FP32 rate" is the reading before: one fused attention call and every
 matmul at the FP32 rate. Then each run is calibrated on alone (``hetpar calibrate``'s fit
-to its measured step, as ran) and every other run of its set predicted with the result. Links: Clariden's nodes on 4 x 200 Gb/s
-Slingshot ("@200gx4", CSCS's published node design, not in Sailor's repository); the RTX
+to its measured step, as ran) and every other run of its set predicted with the result.
+Links: Clariden's nodes on 4 x 200 Gb/s Slingshot ("@200gx4", CSCS's published node design, not in Sailor's repository); the RTX
 machines on 1 Gb/s Ethernet ("@1gx1", issue 34's description; Sailor's fitted bandwidth
 between a TITAN RTX and an RTX 2080 Ti machine is 0.94 Gb/s).
 """

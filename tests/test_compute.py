@@ -174,6 +174,21 @@ def test_an_eager_layer_takes_no_less_than_its_kernels_bytes_take_to_move():
     assert layer_timing(heavy, cpu, tp=1, micro_batch_size=2, dtype="fp32") == layer_timing(base, cpu, tp=1, micro_batch_size=2, dtype="fp32")
 
 
+def test_the_bytes_bound_moves_the_weights_once_per_micro_batch():
+    """The trace counts one sample with the weights it reads ([Note: bytes bound]): at a
+    micro-batch of 8 the activations' bytes are moved 8 times, the weights' once (read
+    forward; read and their gradients written backward)."""
+    from dataclasses import replace
+
+    byte_rate = 2.039e12 * HBM_STREAM_EFFICIENCY * 0.5
+    weights = 4.0 * 1e9  # fp32 bytes of a billion parameters
+    layer = replace(block(params=10**9, fwd=1e6, bwd=2e6, saved=1e3, num_ops=0),
+                    fwd_bytes_accessed=weights + 1e6, bwd_bytes_accessed=2 * weights + 3e6)
+    t = layer_timing(layer, A100, tp=1, micro_batch_size=8, dtype="fp32", kernel_efficiency=0.5)
+    assert t.fwd_s == pytest.approx((weights + 8 * 1e6) / byte_rate)
+    assert t.bwd_s == pytest.approx((2 * weights + 8 * 3e6) / byte_rate)
+
+
 def test_tf32_runs_matmuls_at_the_tf32_rate_on_float32_bytes():
     """[Note: TF32]: a tf32 layer is an fp32 layer on a device whose fp32 rate is its TF32
     tensor-core rate (A100: 156 against 19.5 TFLOP/s); without TF32 (V100) it is fp32."""

@@ -38,17 +38,19 @@ bytes' time falls on B. It binds where kernels are bound by memory: elementwise 
 in fp32, an attention written out (the scale, the mask and the softmax each reading and
 writing the s x s scores; the batched matmuls over narrow heads), small hidden sizes;
 for matmul-heavy layers in half precision the floor binds. Tensor parallelism splits the
-bytes as it splits the saved activations. A compiled layer drops the bound ([Note:
+bytes of activations as it splits the saved ones; the weights' bytes are moved once per
+micro-batch, not once per sample (``LayerProfile.bytes_at``). A compiled layer drops the bound ([Note:
 compiled stages]), and so does a CPU worker (the ``cpu`` profile and those `hetpar
 profile` measures from it): the layers a CPU trains are small enough for its caches to
 hold what one kernel hands the next, so the copy bandwidth its profile states would
-overprice them (the README's plan came out 85% slower), and a measured host's layer
+overprice them (it would make the README's CPU plan 17% slower), and a measured host's layer
 timings carry what the floor misses ([Note: measured layers]). Sailor's GH200 runs
 (TF32, attention written out in fp32, eager) and hetpar's own eager programs on an H100
 and an H200 are the data it was checked on: docs/benchmarks/sailor-dev_cpu-2core_2026-12-07.md.
 On a GPU the bound still prices every byte as if it left the L2 cache, which overprices
 layers small enough to stay in it when run eager (a 256-wide GPT on an A100 and two
-V100s: 16% slower with the bound; NVIDIA GPUs plan compiled by default).
+V100s: 4% slower with the bound, enough to change its plan; NVIDIA GPUs plan compiled by
+default).
 
 Zero-bubble schedules need the backward in two parts ([Note: zero-bubble split] in
 runtime/schedule.py): W, the weight gradients, costs as many FLOPs as the layer's
@@ -181,7 +183,7 @@ def layer_timing(
     saved = layer.saved_bytes_at(tp) * micro_batch_size * dtype_bytes(dtype) / 4
     # [Note: bytes bound]; none on a CPU worker
     moved_fwd, moved_bwd = (0.0, 0.0) if getattr(device, "cpu_host", False) else (
-        b * micro_batch_size * dtype_bytes(dtype) / 4 for b in layer.bytes_at(tp))
+        b * dtype_bytes(dtype) / 4 for b in layer.bytes_at(tp, micro_batch_size))
     launch = (getattr(device, "op_overhead_s", None) or DEFAULT_OP_OVERHEAD_S) * layer.num_ops
     weight_flops = min(fwd_flops, bwd_flops / 2) if layer.params_at(tp) > 0 else 0.0
     # [Note: tensor-parallel dispatch]: a third forward, two thirds input gradient.

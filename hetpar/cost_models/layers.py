@@ -165,14 +165,18 @@ class LayerProfile:
         """Activation bytes one tensor-parallel rank saves for backward, per sample."""
         return self.saved_activation_bytes - self.tp_split_saved_bytes * (1.0 - 1.0 / tp)
 
-    def bytes_at(self, tp: int) -> tuple[float, float]:
-        """(forward, backward) bytes one tensor-parallel rank's kernels move, per sample: the
-        layer's, split over tp as its saved activations are ([Note: bytes bound] in
-        cost_models/compute.py)."""
-        if self.saved_activation_bytes <= 0:
-            return self.fwd_bytes_accessed, self.bwd_bytes_accessed
-        keep = self.saved_bytes_at(tp) / self.saved_activation_bytes
-        return self.fwd_bytes_accessed * keep, self.bwd_bytes_accessed * keep
+    def bytes_at(self, tp: int, micro_batch_size: int) -> tuple[float, float]:
+        """(forward, backward) bytes one tensor-parallel rank's kernels move per micro-batch, fp32
+        ([Note: bytes bound] in cost_models/compute.py). The trace counts one sample, the weights
+        with it: the activations' bytes grow with the micro-batch and split over tp as the saved
+        activations do; the weights' (read forward; read, and their gradients written, backward)
+        are moved once per micro-batch, split as the parameters are."""
+        whole = (self.params + self.tied_params) * 4.0
+        held = (self.params_at(tp) + self.tied_at(tp)) * 4.0
+        keep = self.saved_bytes_at(tp) / self.saved_activation_bytes if self.saved_activation_bytes > 0 else 1.0
+        fwd = max(0.0, self.fwd_bytes_accessed - whole) * keep * micro_batch_size + min(self.fwd_bytes_accessed, held)
+        bwd = max(0.0, self.bwd_bytes_accessed - 2 * whole) * keep * micro_batch_size + min(self.bwd_bytes_accessed, 2 * held)
+        return fwd, bwd
 
     def kept_bytes_at(self, tp: int) -> float:
         """Activation bytes one tensor-parallel rank keeps under selective recompute, per
