@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -16,7 +17,8 @@ from hetpar.cost_models.cluster import parse_cluster
 from hetpar.cost_models.compute import training_efficiency
 from hetpar.cost_models.devices import get_device, load_profile
 from hetpar.planner.api import plan_model
-from hetpar.planner.calibrate import CalibrationError, calibrate, describe, read_run
+from hetpar.planner.calibrate import (KERNEL_RATE_SPREAD, OP_OVERHEAD_SPREAD, CalibrationError, Run, calibrate, describe,
+                                     read_run)
 from hetpar.planner.estimate import estimate
 from hetpar.planner.explain import estimate_config, plan_graph_of
 from hetpar.planner.options import SearchOptions
@@ -127,17 +129,29 @@ def test_the_cli_writes_a_profile_that_plan_and_estimate_read(tmp_path):
     assert not (tmp_path / "x.toml").exists()
 
 
-def test_a_run_with_only_its_steps_gives_one_factor_back(tmp_path):
+def _slowed(device, rate: float, overhead: float):
+    """``device`` with its training kernels ``rate`` times slower and its per-op overhead ``overhead`` times longer."""
+    e = training_efficiency(device)
+    return dataclasses.replace(device, kernel_efficiency=e / rate, backward_kernel_efficiency=e / rate,
+                               op_overhead_s=device.op_overhead_s * overhead,
+                               sources={**device.sources, "kernel_efficiency": "test", "backward_kernel_efficiency": "test"})
+
+
+def _step_run(name: str, graph, cluster: str, config, profiles) -> Run:
+    step = estimate(graph, parse_cluster(cluster, profiles=profiles), config).predicted.step_time_s
+    return Run(name=name, graph=graph, cluster_spec=cluster, config=config, step_s=step)
+
+
+def test_a_run_with_only_its_steps_is_met_by_the_least_change(tmp_path):
     """A metrics file without stage times: the median step after the first is fitted by one factor on both
-    efficiencies; a run slowed by 1.25 on both passes gives 1/1.25 back."""
+    efficiencies and one on the per-op overhead. One run cannot tell them apart: the fit meets its step
+    exactly, and of all such fits takes the least change in units of each one's spread ([Note: fitting
+    steps]), where the change is parallel to the gradient of the step's log-ratio (Lagrange's condition)."""
     plan, plan_path, _, _ = _run_files(tmp_path, "1x4xA100-80GB", {"A100-80GB": (1.0, 1.0)}, pp=2, dp=2, tp=1)
     device = get_device("A100-80GB")
-    e = training_efficiency(device)
-    slowed = dataclasses.replace(device, kernel_efficiency=e / 1.25, backward_kernel_efficiency=e / 1.25,
-                                 sources={**device.sources, "kernel_efficiency": "test", "backward_kernel_efficiency": "test"})
     graph = plan_graph_of(plan)
-    step = estimate(graph, parse_cluster(plan.cluster.spec, profiles={device.name: slowed}),
-                    estimate_config(plan, graph)).predicted.step_time_s
+    config = estimate_config(plan, graph)
+    step = _step_run("x", graph, plan.cluster.spec, config, {device.name: _slowed(device, 1.25, 1.0)}).step_s
     metrics = tmp_path / "steps.jsonl"
     metrics.write_text("".join(json.dumps({"kind": "step", "step": i, "loss": 1.0, "step_time_s": t}) + "\n"
                                for i, t in enumerate([10 * step, step, step * 1.01, step * 0.99], start=1)))
@@ -145,6 +159,44 @@ def test_a_run_with_only_its_steps_gives_one_factor_back(tmp_path):
     assert run.step_s == pytest.approx(step) and not run.measured  # the first step (warm-up) left out
     fitted, fits = calibrate([run])
     assert {f.what for f in fits} == {"steps"}
-    assert fitted["A100-80GB"].kernel_efficiency == pytest.approx(e / 1.25, rel=1e-6)
-    assert fitted["A100-80GB"].backward_kernel_efficiency == pytest.approx(e / 1.25, rel=1e-6)
-    assert 0 < fits[0].sensitivity <= 1.0 + 1e-6 and "per-step measured/fitted 1.000-1.000" in describe(fits[0])
+    assert [f.field for f in fits] == ["kernel_efficiency", "backward_kernel_efficiency", "op_overhead_s"]
+    a100 = fitted["A100-80GB"]
+    assert a100.kernel_efficiency == pytest.approx(a100.backward_kernel_efficiency, rel=1e-12)
+    assert "per-step measured/fitted 1.000-1.000" in describe(fits[0]) and "x" in a100.sources["op_overhead_s"]
+    again = estimate(graph, parse_cluster(plan.cluster.spec, profiles=fitted), config).predicted.step_time_s
+    assert again == pytest.approx(step, rel=1e-6)
+    # slower steps: the kernels slower and the overhead longer, both
+    assert a100.kernel_efficiency < training_efficiency(device) and a100.op_overhead_s > device.op_overhead_s
+    u = (math.log(a100.kernel_efficiency / training_efficiency(device)) / KERNEL_RATE_SPREAD,
+         math.log(a100.op_overhead_s / device.op_overhead_s) / OP_OVERHEAD_SPREAD)
+
+    def log_step(du: float, dv: float) -> float:
+        trial = dataclasses.replace(a100, kernel_efficiency=a100.kernel_efficiency * math.exp(du * KERNEL_RATE_SPREAD),
+                                    backward_kernel_efficiency=a100.kernel_efficiency * math.exp(du * KERNEL_RATE_SPREAD),
+                                    op_overhead_s=a100.op_overhead_s * math.exp(dv * OP_OVERHEAD_SPREAD))
+        return math.log(estimate(graph, parse_cluster(plan.cluster.spec, profiles={trial.name: trial}), config)
+                        .predicted.step_time_s)
+
+    h = 1e-4
+    grad = ((log_step(h, 0) - log_step(-h, 0)) / (2 * h), (log_step(0, h) - log_step(0, -h)) / (2 * h))
+    assert abs(u[0] * grad[1] - u[1] * grad[0]) <= 1e-3 * math.hypot(*u) * math.hypot(*grad)
+
+
+def test_steps_at_two_micro_batch_sizes_give_both_factors_back():
+    """Runs whose steps mix the two in different shares (eight micro-batches of one sample, one of eight) tell
+    the kernels' rate from the per-op overhead: slowed by 1.25 and 3 on a V100 pair, both come back."""
+    from hetpar.planner.capture import trace_model
+    from hetpar.planner.estimate import EstimateConfig
+    from hetpar.runtime.model_file import load_model_file
+
+    graph = trace_model(load_model_file(str(GPT), ARGS))
+    device = get_device("V100-32GB")
+    cluster = "1x2xV100-32GB"
+    truth = {device.name: _slowed(device, 1.25, 3.0)}
+    runs = [_step_run(f"mbs{m}", graph, cluster, EstimateConfig(global_batch_size=16, dp=2, tp=1, pp=1, micro_batch_size=m,
+                                                                  dtype="fp16"), truth) for m in (1, 8)]
+    fitted, fits = calibrate(runs)
+    v100 = fitted[device.name]
+    assert v100.kernel_efficiency == pytest.approx(training_efficiency(device) / 1.25, rel=1e-3)
+    assert v100.op_overhead_s == pytest.approx(device.op_overhead_s * 3.0, rel=1e-3)
+    assert all(r == pytest.approx(1.0, abs=1e-6) for r in fits[0].ratios)

@@ -12,22 +12,45 @@ stage times (the layers, their tensor-parallel collectives and ZeRO-3's gathers)
 For each device type some run's stages ran on, the fit finds the training kernel
 efficiency under which the estimate's stage times on that type add up to the measured
 ones, over every stage of every run on it: forward times fix ``kernel_efficiency``,
-backward times then ``backward_kernel_efficiency``. A type that only runs without
-stage times cover (a published run records its step alone) gets one factor on both of
-its efficiencies, shared by every such type, under which the estimated steps of those
-runs add up to the measured ones. Each trial re-estimates the runs with the trial
-profiles, so the model's other parts (memory-bound ops, per-op overheads, collectives,
-the pipeline's bubble) stay as they are and only that rate moves; the estimate's time
-falls as the efficiency rises, and bisection on its logarithm finds it. One number per
-type and pass, fitted to a sum over all its stages or steps, so a single stage or run
-cannot pull it beyond its share; the report shows the spread of the per-stage (or
-per-step) ratios left, measured over predicted with the fit, and says when a type
-comes from one run only, and when the times fitted to are mostly fixed costs (under
-half of the time moves with the rate, SENSITIVITY_FLOOR): a run of one tiny batch is
-launches and latencies, and stretching the kernels' rate to cover them misleads every
-other plan (benchmarks/sailor_bench.py measures how much). The fit never sets an efficiency that would put a matmul above
-the device's peak (``matmul_efficiency * efficiency <= 1``): measured times faster than
-that are reported and the efficiency capped.
+backward times then ``backward_kernel_efficiency``. Each trial re-estimates the runs
+with the trial profiles, so the model's other parts (memory-bound ops, per-op
+overheads, collectives, the pipeline's bubble) stay as they are and only that rate
+moves; the estimate's time falls as the efficiency rises, and bisection on its
+logarithm finds it. One number per type and pass, fitted to a sum over all its stages,
+so a single stage or run cannot pull it beyond its share; the report shows the spread
+of the per-stage ratios left, measured over predicted with the fit, and says when a
+type comes from one run only, and when the times fitted to are mostly fixed costs
+(under half of the time moves with the rate, SENSITIVITY_FLOOR). The fit never sets an
+efficiency that would put a matmul above the device's peak (``matmul_efficiency *
+efficiency <= 1``): measured times faster than that are reported and the efficiency
+capped. Types that only runs without stage times cover are fitted as [Note: fitting
+steps] says.
+
+[Note: fitting steps]
+A run that records its step alone (a published run, a metrics file without stage
+times) mixes two things the datasheets know unequally: the kernels' rate, which the
+published runs pin to within about 10% (TRAINING_KERNEL_EFFICIENCY), and the per-op
+overhead (``op_overhead_s``: dispatch, launch and the framework's Python per op and
+pass, charged for every micro-batch), which depends on the host and the framework
+and is known to a factor of a few. Sailor's GH200 runs (Megatron-DeepSpeed, fp32 with
+TF32 matmuls) show the second is what a datasheet prediction misses: fitted to any
+one of them alone, the overhead comes out 1.6 to 4.2 times the profile's 8 us and the
+other runs then follow within a few percent at every micro-batch size, where one
+factor on the kernels' rate fitted to a run of one micro-batch size misses the others
+by up to 2x (docs/benchmarks/sailor-dev_*). So the step-only fit moves both: one
+factor on both efficiencies and one on the per-op overhead, shared by every type the
+step-only runs pace. It minimises the squared log-ratios of the estimated to the
+measured steps; where the runs cannot tell the two apart (one run; runs that all mix
+them in the same shares) it takes, of the fits that meet them equally well, the least
+change measured in each quantity's prior spread (KERNEL_RATE_SPREAD,
+OP_OVERHEAD_SPREAD): a prior of weight falling to 0 (PRIOR_WEIGHTS), solved by
+Gauss-Newton on the factors' logarithms with finite-difference derivatives. Runs that
+mix them in different shares (micro-batches of different sizes, so a different count
+of launches per sample) give both back as they are. One run is thus met exactly, and
+which of the two took how much is the prior's choice, which the report shows; the
+kernels' rate keeps its cap at the peak and the overhead stays within a factor of
+OVERHEAD_RANGE. The report flags a fit whose steps are mostly neither (under half
+moves with the two: links and latencies), as with stage times.
 
 What it does not fit: links (data-parallel synchronisation, pipeline sends) apart from
 what a step-time fit absorbs, and the per-degree tensor-parallel costs, which the stage
@@ -44,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from hetpar.cost_models.cluster import parse_cluster
-from hetpar.cost_models.compute import training_efficiency
+from hetpar.cost_models.compute import DEFAULT_OP_OVERHEAD_S, training_efficiency
 from hetpar.cost_models.devices import DeviceProfile
 from hetpar.planner.estimate import EstimateConfig, estimate
 from hetpar.planner.explain import estimate_config, plan_graph_of
@@ -57,6 +80,20 @@ FIELDS = ("kernel_efficiency", "backward_kernel_efficiency")
 # fixed costs: a fit to them is reported as such (``Fit.fixed_cost_bound``). A documented
 # choice: half the time moving with the rate.
 SENSITIVITY_FLOOR = 0.5
+# [Note: fitting steps]: how far each quantity a step-only fit moves is believed to be off before any run,
+# as a standard deviation of its logarithm. The kernels' rate: the spread of the published runs about the
+# fitted TRAINING_KERNEL_EFFICIENCY (its test rows' mean |error| 7.9%, docs/benchmarks/cost-model-published_*).
+# The per-op overhead: published per-op times span a factor of 4 (2 us for a bare op without autograd,
+# pytorch/pytorch issue 41383; 8 us for torch.add on an A100, the A100 profile's source), and a framework's
+# modules add their own; a factor of 4 either way is one spread.
+KERNEL_RATE_SPREAD = 0.1
+OP_OVERHEAD_SPREAD = math.log(4.0)
+# The prior only chooses among fits the runs cannot tell apart: its weight falls stage by stage towards 0.
+PRIOR_WEIGHTS = (1e-3, 1e-6, 1e-9)
+OVERHEAD_RANGE = 1e3  # the overhead factor stays within [1/1000, 1000]
+_FIT_ITERATIONS = 40
+_FIT_STEP = 1e-4  # finite-difference step in spread units
+_BACKTRACKS = 30
 
 
 class CalibrationError(ValueError):
@@ -96,8 +133,8 @@ class Fit:
 
     @property
     def fixed_cost_bound(self) -> bool:
-        """Whether the times fitted to are mostly fixed costs, which the efficiency cannot explain
-        (SENSITIVITY_FLOOR): the fit then moves the rate far to cover them."""
+        """Whether the times fitted to are mostly fixed costs that the fitted quantities cannot explain
+        (SENSITIVITY_FLOOR): the fit then moves them far to cover those costs."""
         return self.sensitivity < SENSITIVITY_FLOOR
 
 
@@ -251,38 +288,108 @@ def _fit_stages(runs: list[Run], paced: dict, profiles: dict[str, DeviceProfile]
 
 def _fit_steps(runs: list[Run], profiles: dict[str, DeviceProfile], types: list[str], before: dict
                ) -> tuple[list[Fit], dict[str, DeviceProfile]]:
-    """One factor on both efficiencies of every type in ``types``, fitted to the runs' steps."""
+    """Two factors shared by every type in ``types``, fitted to the runs' steps: one on both efficiencies and one
+    on the per-op overhead; see [Note: fitting steps]."""
+    overhead_before = {t: profiles[t].op_overhead_s or DEFAULT_OP_OVERHEAD_S for t in types}
+    cap = min(1.0 / (profiles[t].matmul_efficiency * max(before[t, f] for f in FIELDS)) for t in types)
 
-    def trial(factor: float) -> dict[str, DeviceProfile]:
+    def trial(rate: float, overhead: float, sources: tuple[str, str] | None = None) -> dict[str, DeviceProfile]:
         out = dict(profiles)
         for t in types:
             for f in FIELDS:
-                out[t] = _with(out[t], f, before[t, f] * factor)
+                out[t] = _with(out[t], f, before[t, f] * rate, source=sources and sources[0])
+            out[t] = _with(out[t], "op_overhead_s", overhead_before[t] * overhead, source=sources and sources[1])
         return out
 
-    def steps(factor: float) -> list[float]:
-        fitted = trial(factor)
+    def steps(rate: float, overhead: float) -> list[float]:
+        fitted = trial(rate, overhead)
         return [estimate(run.graph, parse_cluster(run.cluster_spec, profiles=fitted), run.config).predicted.step_time_s
                 for run in runs]
 
+    rate, overhead, capped = _least_change(runs, steps, cap)
     measured = sum(run.step_s for run in runs)
-    cap = min(1.0 / (profiles[t].matmul_efficiency * max(before[t, f] for f in FIELDS)) for t in types)
-    factor, capped = _bisect(lambda x: sum(steps(x)), measured, cap)
-    predicted_before = sum(steps(1.0))
-    ratios = [run.step_s / p for run, p in zip(runs, steps(factor))]
-    sensitivity = _sensitivity(lambda x: sum(steps(x)), factor)
+    predicted_before = sum(steps(1.0, 1.0))
+    ratios = [run.step_s / p for run, p in zip(runs, steps(rate, overhead))]
+    # the share of the steps the two factors move: the rest (links, latencies) they cannot explain
+    sensitivity = _sensitivity(lambda x: sum(steps(x, overhead)), rate) + _sensitivity(lambda x: sum(steps(rate, overhead / x)), 1.0)
     names = [run.name for run in runs]
-    out, fits = dict(profiles), []
+    what = (f"from the steps of {len(runs)} run(s) ({', '.join(names)}), {measured:.4g} s measured against "
+            f"{predicted_before:.4g} s predicted" + ("; capped at the device's peak" if capped else ""))
+    on = ", ".join(types)
+    out = trial(rate, overhead, (f"[fitted] hetpar calibrate: x{rate:.4g} on both passes of {on} {what}",
+                                 f"[fitted] hetpar calibrate: x{overhead:.4g} on the per-op overhead of {on} {what}"))
+    fits = []
     for t in types:
-        for f in FIELDS:
-            source = (f"[fitted] hetpar calibrate: x{factor:.4g} on both passes of {', '.join(types)} from the steps of "
-                      f"{len(runs)} run(s) ({', '.join(names)}), {measured:.4g} s measured against {predicted_before:.4g} s "
-                      f"predicted" + ("; capped at the device's peak" if capped else ""))
-            out[t] = _with(out[t], f, before[t, f] * factor, source=source)
-            fits.append(Fit(device_type=t, field=f, before=before[t, f], after=before[t, f] * factor, measured_s=measured,
-                            predicted_before_s=predicted_before, what="steps", count=len(runs), runs=names,
-                            ratios=ratios, capped=capped, sensitivity=sensitivity))
+        for f, old, new in [(f, before[t, f], before[t, f] * rate) for f in FIELDS] + [
+                ("op_overhead_s", overhead_before[t], overhead_before[t] * overhead)]:
+            fits.append(Fit(device_type=t, field=f, before=old, after=new, measured_s=measured, predicted_before_s=predicted_before,
+                            what="steps", count=len(runs), runs=names, ratios=ratios, capped=capped and f in FIELDS,
+                            sensitivity=sensitivity))
     return fits, out
+
+
+def _least_change(runs: list[Run], steps, cap: float) -> tuple[float, float, bool]:
+    """(rate factor, overhead factor, capped): the factors under which ``steps`` meets the runs' measured steps
+    best, and of those the least change in units of each quantity's prior spread ([Note: fitting steps])."""
+    measured = [run.step_s for run in runs]
+    spreads = (KERNEL_RATE_SPREAD, OP_OVERHEAD_SPREAD)
+    lo, hi = (math.log(EFFICIENCY_FLOOR), math.log(1 / OVERHEAD_RANGE)), (math.log(cap), math.log(OVERHEAD_RANGE))
+
+    def residuals(u: list[float]) -> list[float]:
+        times = steps(*(math.exp(x * s) for x, s in zip(u, spreads)))
+        return [math.log(t / m) for t, m in zip(times, measured)]
+
+    u = [0.0, 0.0]  # each factor's logarithm over its spread
+    r = residuals(u)
+    for weight in PRIOR_WEIGHTS:
+        for _ in range(_FIT_ITERATIONS):
+            def objective(u: list[float], r: list[float]) -> float:
+                return sum(x * x for x in r) + weight * sum(x * x for x in u)
+
+            columns = []
+            for k in range(2):
+                shifted = list(u)
+                shifted[k] += _FIT_STEP
+                columns.append([(a - b) / _FIT_STEP for a, b in zip(residuals(shifted), r)])
+            step = _damped_step(columns, r, u, weight)
+            cost = objective(u, r)
+            for _ in range(_BACKTRACKS):  # halve a step that does not lower the objective (the model is not linear)
+                new = [min(max(x + d, lo[k] / spreads[k]), hi[k] / spreads[k]) for k, (x, d) in enumerate(zip(u, step))]
+                new_r = residuals(new)
+                if objective(new, new_r) <= cost:
+                    break
+                step = [d / 2 for d in step]
+            else:
+                break  # no step lowers it: converged to rounding
+            moved = max(abs(x - y) for x, y in zip(new, u))
+            u, r = new, new_r
+            if moved < 1e-10:
+                break
+    rate, overhead = (math.exp(x * s) for x, s in zip(u, spreads))
+    return rate, overhead, u[0] * spreads[0] >= hi[0] - 1e-9
+
+
+def _damped_step(columns: list[list[float]], r: list[float], u: list[float], weight: float) -> list[float]:
+    """The Gauss-Newton step d of |r + J d|^2 + weight |u + d|^2 for J's two ``columns``: -(J'J + weight I)^-1
+    (J'r + weight u), through J'J's eigenvectors, so a direction the runs cannot see (eigenvalue 0) moves by
+    -u's part along it exactly."""
+    a = sum(x * x for x in columns[0])
+    b = sum(x * y for x, y in zip(*columns))
+    c = sum(y * y for y in columns[1])
+    g = [sum(x * y for x, y in zip(col, r)) for col in columns]
+    half, mean = math.hypot((a - c) / 2, b), (a + c) / 2
+    if half == 0.0:
+        vectors = [(1.0, 0.0), (0.0, 1.0)]
+    else:  # the eigenvector of the larger eigenvalue, and its normal
+        angle = math.atan2(b, (a - c) / 2) / 2
+        vectors = [(math.cos(angle), math.sin(angle)), (-math.sin(angle), math.cos(angle))]
+    values = [mean + half, max(0.0, mean - half)]
+    step = [0.0, 0.0]
+    for (v0, v1), value in zip(vectors, values):
+        along = -(v0 * (g[0] + weight * u[0]) + v1 * (g[1] + weight * u[1])) / (value + weight)
+        step[0] += along * v0
+        step[1] += along * v1
+    return step
 
 
 def _with(profile: DeviceProfile, field_name: str, value: float, source: str | None = None) -> DeviceProfile:
@@ -299,9 +406,12 @@ def describe(fit: Fit) -> str:
     spread = f"per-{fit.what[:-1]} measured/fitted {min(fit.ratios):.3f}-{max(fit.ratios):.3f}" if fit.ratios else ""
     one = " (from 1 run: check it on another)" if len(fit.runs) == 1 else ""
     cap = "; capped: the runs were faster than the device's peak allows" if fit.capped else ""
-    if fit.fixed_cost_bound:
+    if fit.fixed_cost_bound and fit.what == "stages":
         cap += (f"; only {fit.sensitivity:.0%} of these times moves with the kernels' rate (the rest is fixed costs), "
                 "so the fit stretches it to cover them: calibrate on a run of a typical batch")
+    elif fit.fixed_cost_bound:
+        cap += (f"; only {fit.sensitivity:.0%} of these steps moves with the kernels' rate and the per-op overhead (the "
+                "rest is links and latencies, which calibrate does not fit), so the fit stretches them to cover it")
     unit = "ms measured per micro-batch" if fit.what == "stages" else "ms measured per step"
     return (f"{fit.device_type} {fit.field}: {fit.before:.4g} -> {fit.after:.4g} (x{fit.after / fit.before:.3f}) from "
             f"{fit.count} {fit.what[:-1]}(s) of {len(fit.runs)} run(s){one}: {fit.measured_s * 1e3:.4g} {unit}, "
