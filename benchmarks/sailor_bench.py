@@ -117,7 +117,7 @@ def rows(graph, fused) -> list[dict]:
 
 def leave_one_out(graph, rs: list[dict]) -> list[dict]:
     """For each run c of a set (one cluster, one measurement), ``hetpar calibrate``'s fit to c's measured step
-    alone ([Note: calibrating from runs]: one factor on every device type's efficiencies), then every other
+    alone ([Note: fitting steps]: one factor on the kernels' rate, one on the per-op overhead), then every other
     run of the set predicted with it: (calibrated on, predicted, measured, predicted seconds)."""
     pairs = []
     sets = sorted({(r["set"], r["measurement"]) for r in rs})
@@ -127,12 +127,14 @@ def leave_one_out(graph, rs: list[dict]) -> list[dict]:
             run = Run(name=c["run"], graph=graph, cluster_spec=c["cluster"], config=config_of(c["_run"], as_ran_dtype(c["_run"])),
                       step_s=c["measured_s"])
             fitted, fits = calibrate([run])
+            factors = {f.field: f.after / f.before for f in fits}
             for r in members:
                 if r is not c:
                     pairs.append({"set": key, "on": c["run"], "run": r["run"], "gbs": r["gbs"], "measured_s": r["measured_s"],
                                   "same_mbs": c["mbs"] == r["mbs"],
                                   "calibrated_s": predict(graph, r["_run"], as_ran_dtype(r["_run"]), fitted),
-                                  "flagged": any(f.fixed_cost_bound for f in fits)})
+                                  "flagged": any(f.fixed_cost_bound for f in fits),
+                                  "rate_factor": factors["kernel_efficiency"], "overhead_factor": factors["op_overhead_s"]})
     return pairs
 
 
@@ -173,6 +175,9 @@ def main() -> None:
                       for on in sorted({p["on"] for p in sel})]
         print(f"- {key[0]} ({key[1]}): median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} over "
               f"{len(sel)} predictions; the median per calibration run ranges {min(per_choice):.1%}-{max(per_choice):.1%}")
+        rates, overheads = [p["rate_factor"] for p in sel], [p["overhead_factor"] for p in sel]
+        print(f"  - fitted: kernels' rate x{min(rates):.3g}-{max(rates):.3g}, per-op overhead x{min(overheads):.3g}-"
+              f"{max(overheads):.3g} over the choices of the run")
         same = [abs(p["calibrated_s"] / p["measured_s"] - 1) for p in sel if p["same_mbs"]]
         if same:
             print(f"  - where the run calibrated on has the predicted run's micro-batch size: median |error| "

@@ -21,7 +21,7 @@ def calibrate(
     profile: Annotated[Optional[list[Path]], typer.Option(help="Start from this device profile instead of the built-in one of its name (repeatable).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print what moved as JSON on stdout.")] = False,
 ) -> None:
-    """Fit each device type's training kernel efficiency (forward and backward) to the stage times your runs measured; plan and estimate with the result through --profile."""
+    """Fit each device type's training kernel efficiency (forward and backward) to the stage times your runs measured (from steps alone: the kernels' rate and the per-op overhead); plan and estimate with the result through --profile."""
     if len(runs) % 2:
         raise PlanningError(f"hetpar calibrate takes PLAN METRICS pairs; got {len(runs)} paths, an odd count")
     from hetpar.planner.calibrate import CalibrationError, calibrate as fit_runs, describe, read_run  # torch, the solver
