@@ -200,3 +200,28 @@ def test_steps_at_two_micro_batch_sizes_give_both_factors_back():
     assert v100.kernel_efficiency == pytest.approx(training_efficiency(device) / 1.25, rel=1e-3)
     assert v100.op_overhead_s == pytest.approx(device.op_overhead_s * 3.0, rel=1e-3)
     assert all(r == pytest.approx(1.0, abs=1e-6) for r in fits[0].ratios)
+
+
+def test_the_cli_takes_a_run_of_another_framework_as_a_plan_and_its_seconds_per_step(tmp_path):
+    """A run hetpar did not make: a plan of its configuration and the seconds per step it measured, given as a
+    number where a metrics file would go. The fitted profile meets that step; a number that is not seconds is
+    refused in one line and writes nothing."""
+    plan, plan_path, _, _ = _run_files(tmp_path, "1x4xA100-80GB", {"A100-80GB": (1.0, 1.0)}, pp=2, dp=2, tp=1)
+    device = get_device("A100-80GB")
+    graph = plan_graph_of(plan)
+    config = estimate_config(plan, graph)
+    step = _step_run("x", graph, plan.cluster.spec, config, {device.name: _slowed(device, 1.0, 3.0)}).step_s
+    out = tmp_path / "a100.toml"
+    run = subprocess.run([sys.executable, "-m", "hetpar", "calibrate", str(plan_path), repr(step), "-o", str(out)],
+                         capture_output=True, text=True, env=subprocess_env(), cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "A100-80GB op_overhead_s" in run.stderr + run.stdout
+    profile = load_profile(out)
+    assert "[fitted] hetpar calibrate" in profile.sources["op_overhead_s"] and profile.op_overhead_s > device.op_overhead_s
+    again = estimate(graph, parse_cluster(plan.cluster.spec, profiles={profile.name: profile}), config).predicted.step_time_s
+    assert again == pytest.approx(step, rel=1e-6)
+    for bad in ("0", "nan"):
+        refused = subprocess.run([sys.executable, "-m", "hetpar", "calibrate", str(plan_path), bad, "-o", str(tmp_path / "b.toml")],
+                                 capture_output=True, text=True, env=subprocess_env(), cwd=ROOT)
+        assert refused.returncode != 0 and "Traceback" not in refused.stderr and "seconds per step" in refused.stderr
+        assert not (tmp_path / "b.toml").exists()

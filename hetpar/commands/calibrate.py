@@ -16,7 +16,7 @@ from hetpar.planner import PlanningError, write_text_atomic
 
 @domain_errors
 def calibrate(
-    runs: Annotated[list[Path], typer.Argument(help="PLAN METRICS pairs: a plan file and the --metrics file its program wrote (2 or more steps; its per-stage times, else its steps), one pair per run.", show_default=False)],
+    runs: Annotated[list[Path], typer.Argument(help="PLAN METRICS pairs, one per run: a plan file and the --metrics file its program wrote (2 or more steps; its per-stage times, else its steps), or, for a run of another framework, a plan of its configuration (hetpar plan with every choice pinned) and the seconds per step it measured.", show_default=False)],
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the fitted profile: a .toml or .json file when the runs used one device type, else a directory that gets one <device>.toml each.")],
     profile: Annotated[Optional[list[Path]], typer.Option(help="Start from this device profile instead of the built-in one of its name (repeatable).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print what moved as JSON on stdout.")] = False,
@@ -24,11 +24,12 @@ def calibrate(
     """Fit each device type's training kernel efficiency (forward and backward) to the stage times your runs measured (from steps alone: the kernels' rate and the per-op overhead); plan and estimate with the result through --profile."""
     if len(runs) % 2:
         raise PlanningError(f"hetpar calibrate takes PLAN METRICS pairs; got {len(runs)} paths, an odd count")
-    from hetpar.planner.calibrate import CalibrationError, calibrate as fit_runs, describe, read_run  # torch, the solver
+    from hetpar.planner.calibrate import CalibrationError, calibrate as fit_runs, describe, read_run, read_step_run
 
     pairs = [(runs[i], runs[i + 1]) for i in range(0, len(runs), 2)]
     try:
-        loaded = [read_run(plan, metrics) for plan, metrics in pairs]
+        loaded = [read_step_run(plan, seconds) if (seconds := _seconds(measured)) is not None else read_run(plan, measured)
+                  for plan, measured in pairs]
         fitted, fits = fit_runs(loaded, profiles_option(profile))
     except CalibrationError as exc:
         raise PlanningError(str(exc)) from None
@@ -54,3 +55,13 @@ def calibrate(
         console.print(describe(fit), soft_wrap=True)
     for name, path in targets.items():
         console.print(f"wrote {path}: plan with --profile {path}", soft_wrap=True)
+
+
+def _seconds(measured: Path) -> float | None:
+    """The seconds per step a METRICS argument gives as a number (no file of that name), else None."""
+    if measured.exists():
+        return None
+    try:
+        return float(str(measured))
+    except ValueError:
+        return None

@@ -2,7 +2,9 @@
 
 [Note: calibrating from runs]
 A run is a configuration the estimate can score (a plan, or a published run typed in:
-benchmarks/sailor_bench.py) and what it measured. A hetpar program's metrics file
+benchmarks/sailor_bench.py) and what it measured. A run of another framework is a plan
+of its configuration (``hetpar plan`` with every choice pinned) and its measured
+seconds per step (``read_step_run``). A hetpar program's metrics file
 (``--metrics``) gives both kinds of measurement: its ``stages`` record holds each
 pipeline rank's measured seconds per micro-batch, forward and backward, receive waits
 left out (``runtime.training.report_stage_times``), comparable with the estimate's
@@ -178,6 +180,25 @@ def read_run(plan_path: Path, metrics_path: Path) -> Run:
         raise CalibrationError(f"{metrics_path} holds no per-stage times and fewer than 2 steps; run the program with "
                                "--metrics FILE for at least 2 steps")
     return Run(**base, step_s=statistics.median(steps[1:]))  # the first step warms up
+
+
+def read_step_run(plan_path: Path, step_s: float) -> Run:
+    """A run from a plan file of the configuration that ran (``hetpar plan`` with every choice pinned, for a run
+    of another framework) and its measured seconds per step.
+
+    Raises:
+        CalibrationError: ``step_s`` is not a positive number of seconds, or the plan has no per-stage prediction.
+        PlanFileError: the plan file is not a plan, or its model file changed since planning.
+    """
+    if not (math.isfinite(step_s) and step_s > 0):
+        raise CalibrationError(f"a measured step of {step_s:g} s: give the seconds per step the run measured, > 0")
+    plan = ParallelPlan.load(plan_path)
+    if len(plan.predicted.stage_fwd_s) != plan.pipeline_parallel:
+        raise CalibrationError(f"{plan_path} has no per-stage prediction (a heterogeneous data-parallel plan); "
+                               "calibrate from pipeline plans")
+    graph = plan_graph_of(plan)
+    return Run(name=f"{plan_path} ({step_s:g} s per step)", graph=graph, cluster_spec=plan.cluster.spec,
+               config=estimate_config(plan, graph), step_s=float(step_s))
 
 
 def calibrate(runs: list[Run], profiles: dict[str, DeviceProfile] | None = None) -> tuple[dict[str, DeviceProfile], list[Fit]]:
@@ -418,4 +439,4 @@ def describe(fit: Fit) -> str:
             f"{fit.predicted_before_s * 1e3:.4g} ms predicted before; {spread}{cap}")
 
 
-__all__ = ["CalibrationError", "Fit", "Run", "calibrate", "describe", "read_run"]
+__all__ = ["CalibrationError", "Fit", "Run", "calibrate", "describe", "read_run", "read_step_run"]
