@@ -28,9 +28,16 @@ GH200 rows are typed ``--dtype tf32``; Turing has no TF32, so the RTX rows stay 
 column "fused, FP32 rate" is the reading before: one fused attention call and every
 matmul at the FP32 rate. Then each run is calibrated on alone (``hetpar calibrate``'s fit
 to its measured step, as ran) and every other run of its set predicted with the result.
-Links: Clariden's nodes on 4 x 200 Gb/s Slingshot ("@200gx4", CSCS's published node design, not in Sailor's repository); the RTX
-machines on 1 Gb/s Ethernet ("@1gx1", issue 34's description; Sailor's fitted bandwidth
-between a TITAN RTX and an RTX 2080 Ti machine is 0.94 Gb/s).
+Links: Clariden's nodes on 4 x 200 Gb/s Slingshot ("@200gx4", CSCS's published node design, not in Sailor's
+repository); the TITAN RTX and RTX 2080 Ti machines on one 25 Gb/s link each ("@25gx1"). Issue 34 describes the
+consumer cluster as joined by 1 GbE, which holds for its RTX 3090 machines but not between these two: Sailor's
+measured link between a 4-GPU TITAN RTX machine and a 4-GPU RTX 2080 Ti machine reaches 2.87 GB/s at a
+data-parallel bucket's size (sailor/providers/multizone_bandwidths_het.json, added in Sailor's commit b54fa6d:
+pair "Titan-RTX/4" to "RTX-2080/4", a quadratic in log2 of the message's MB), a 25 Gb/s link's rate, where every
+pair it did not measure (the RTX 3090s, one or eight GPUs per machine) shares one entry of 0.11 GB/s, 1 GbE; and
+the runs' own times leave no room for 1 GbE (N2_D2 measured 16.2 s in all, where its 350 MB gradient all-reduce
+per rank, four ranks to a NIC, takes 11 s at 1 Gb/s beside at least 14 s of compute). Only the link's class is
+taken from that file, as a user would type their NICs; no Sailor profile goes into a prediction.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ DATA = ROOT / "benchmarks" / "published" / "sailor_dev.json"
 GPT = ROOT / "benchmarks" / "published" / "gpt.py"
 OPT_350M = dict(n_layers=24, hidden=1024, heads=16, seq_len=2048, vocab=50688)
 AS_RAN = dict(attention="unfused", dropout=0.0)  # Sailor's OPT layer: attention written out, no dropout
-DEVICES = {"GH-96": "GH200-96GB@200gx4", "Titan-RTX": "TitanRTX-24GB@1gx1", "RTX-2080": "RTX2080Ti-11GB@1gx1"}
+DEVICES = {"GH-96": "GH200-96GB@200gx4", "Titan-RTX": "TitanRTX-24GB@25gx1", "RTX-2080": "RTX2080Ti-11GB@25gx1"}
 GPUS_PER_ENTRY = 4
 
 
