@@ -216,3 +216,17 @@ def test_blocks_that_do_not_divide_by_the_stages_fall_back_to_the_even_split():
 def test_given_stage_layers_are_kept_and_named():
     e = estimate(gpt_like(8), parse_cluster("1x4xA100-80GB"), config(pp=4, stage_layers=(4, 2, 2, 2)))
     assert [b - a + 1 for s in e.stages for a, b in s.chunks] == [4, 2, 2, 2] and e.layout == "--stage-layers"
+
+
+def test_layers_of_one_kind_are_timed_once_and_a_layer_that_differs_apart():
+    """The estimate and the search time each kind of layer once (``ModelGraph.layer_kinds``: equal in every field
+    but the name); a layer that differs in one number is its own kind and costs its own time."""
+    model = graph(4)
+    assert model.layer_kinds == [0, 0, 0, 0]
+    heavy = LayerProfile(**{**model.layers[2].__dict__, "fwd_flops": 3 * model.layers[2].fwd_flops})
+    mixed = ModelGraph(file="synthetic.py", args={}, fingerprint="", layers=[*model.layers[:2], heavy, model.layers[3]])
+    assert mixed.layer_kinds == [0, 0, 2, 0]
+    e = estimate(mixed, parse_cluster("1x1xA100-80GB"), config(global_batch_size=1, pp=1))
+    each = [layer_timing(l, A100, tp=1, micro_batch_size=1, dtype="bf16") for l in mixed.layers]
+    assert e.time.compute_s == pytest.approx(sum(t.fwd_s + t.bwd_s for t in each))
+    assert each[2].fwd_s > each[0].fwd_s

@@ -241,3 +241,18 @@ _LATER_FIELDS = ("attention_kv_bytes", "selective_kept_bytes", "selective_rerun_
 def tp_misfit(layers, tp: int) -> LayerProfile | None:
     """The first layer that cannot be split ``tp`` ways, or None when all can."""
     return next((l for l in layers if not l.splits_at(tp)), None)
+
+
+def layer_kinds(layers) -> list[int]:
+    """For each layer, the index of the first layer equal to it in every field but its name: layers of
+    one kind (the blocks of a transformer) cost the same on any device, so a caller times each kind once."""
+    bare = [replace(l, name="") for l in layers]
+    firsts: list[int] = []
+    kinds = []
+    for i, b in enumerate(bare):
+        kind = next((j for j in firsts if bare[j] == b), None)
+        if kind is None:
+            firsts.append(i)
+            kind = i
+        kinds.append(kind)
+    return kinds

@@ -6,10 +6,11 @@ tables, the estimate, the search, the strategies): a leaf, plain data, no torch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hetpar.cost_models.layers import LayerProfile
+from hetpar.cost_models.layers import LayerProfile, layer_kinds
 from hetpar.vocabulary import Sharding
 
 
@@ -60,6 +61,11 @@ class ModelGraph:
     nodes: list[NodeProfile] = field(default_factory=list)
     measured_layers: int = 0  # layers measured; the others reused a twin's numbers
     sequence_length: int = 0  # tokens per sample when the first input is token ids, else 0
+
+    @functools.cached_property
+    def layer_kinds(self) -> list[int]:
+        """For each layer, the first layer of its kind (``cost_models.layers.layer_kinds``), found once per graph."""
+        return layer_kinds(self.layers)
 
     def at_context(self, cp: int) -> "ModelGraph":
         """The model as one of ``cp`` context-parallel ranks runs it ([Note: context

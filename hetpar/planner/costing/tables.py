@@ -170,13 +170,16 @@ def layer_columns(model: ModelGraph, cluster, device_type: str, tp: int, mbs: in
     if key not in cache:
         device = cluster.profile(device_type)
         scale = dtype_bytes(dtype) / 4 * mbs
-        times = []
-        for layer in model.layers:
-            try:
-                times.append(layer_timing(layer.with_expert_load(expert_load), device, tp=tp, micro_batch_size=mbs,
-                                          dtype=dtype))
-            except (KeyError, ValueError):
-                times.append(None)
+        kinds = model.layer_kinds  # each kind of layer timed once
+        by_kind: dict = {}
+        for layer, kind in zip(model.layers, kinds):
+            if kind not in by_kind:
+                try:
+                    by_kind[kind] = layer_timing(layer.with_expert_load(expert_load), device, tp=tp, micro_batch_size=mbs,
+                                                 dtype=dtype)
+                except (KeyError, ValueError):
+                    by_kind[kind] = None
+        times = [by_kind[kind] for kind in kinds]
         inf = float("inf")
         boundary = np.array([l.boundary_bytes for l in model.layers]) * scale
         cache[key] = LayerColumns(

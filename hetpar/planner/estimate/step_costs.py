@@ -11,7 +11,7 @@ from hetpar.cost_models.collectives import (
     EXCHANGES_PER_DISPATCH, all_gather_time_s, all_to_all_time_s, context_exchange_s, grad_sync_scale,
     reduce_scatter_time_s, tensor_parallel_pass_s,
 )
-from hetpar.cost_models.compute import dtype_bytes, layer_timing, optimizer_rates
+from hetpar.cost_models.compute import LayerTime, dtype_bytes, layer_timing, optimizer_rates
 from hetpar.cost_models.devices import DeviceProfile
 from hetpar.cost_models.grad_sync import collective_over, sync_seconds
 from hetpar.cost_models.layers import LayerProfile
@@ -84,8 +84,13 @@ def chunk_cost(model: ModelGraph, cluster: Cluster, config: EstimateConfig, boun
     device = cluster.profile(layout.device_type)
     tp = config.tp_of(chunk % config.pp)
     load = config.expert_imbalance if config.ep > 1 else 1.0  # [Note: expert load]
-    times = [layer_timing(l.with_expert_load(load), device, tp=tp, micro_batch_size=config.micro_batch_size, dtype=config.dtype,
-                          kernel_efficiency=config.kernel_efficiency) for l in layers]
+    kinds = model.layer_kinds[first : last + 1]  # each kind of layer timed once
+    by_kind: dict[int, LayerTime] = {}
+    for l, kind in zip(layers, kinds):
+        if kind not in by_kind:
+            by_kind[kind] = layer_timing(l.with_expert_load(load), device, tp=tp, micro_batch_size=config.micro_batch_size,
+                                         dtype=config.dtype, kernel_efficiency=config.kernel_efficiency)
+    times = [by_kind[kind] for kind in kinds]
     scale = config.micro_batch_size * dtype_bytes(config.dtype) / 4
     group = tuple(layout.ranks[0])
 
