@@ -61,8 +61,19 @@ DATA = ROOT / "benchmarks" / "published" / "sailor_dev.json"
 GPT = ROOT / "benchmarks" / "published" / "gpt.py"
 OPT_350M = dict(n_layers=24, hidden=1024, heads=16, seq_len=2048, vocab=50688)
 AS_RAN = dict(attention="unfused", dropout=0.0)  # Sailor's OPT layer: attention written out, no dropout
-DEVICES = {"GH-96": "GH200-96GB@200gx4", "Titan-RTX": "TitanRTX-24GB@25gx1", "RTX-2080": "RTX2080Ti-11GB@25gx1"}
-GPUS_PER_ENTRY = 4
+# Sailor's GPT-Neo as it ran (its run_gpt_neo.slurm and megatron/model/gpt_neo_model.py, read for the held-out
+# check): 32 blocks of 2560, 20 heads, GPT-2's vocabulary padded to 50688 at tp 4, attention written out (the
+# fused softmax falls back to torch's in fp32; the local window is computed but never applied), dropout 0.1 on
+# the embedding and the residual branches and none on the attention probabilities, no output layer (the last
+# stage ends in the final norm)
+GPT_NEO = dict(n_layers=32, hidden=2560, heads=20, seq_len=2048, vocab=50688)
+GPT_NEO_AS_RAN = dict(attention="unfused", dropout=0.1, attention_dropout=0.0, head=0)
+# set name prefix -> (the model's shape, how it ran)
+MODELS = {"clariden_OPT-350": (OPT_350M, AS_RAN), "mit": (OPT_350M, AS_RAN), "clariden_GPT-NEO": (GPT_NEO, GPT_NEO_AS_RAN)}
+# the RTX 3090 machines reach every other machine at 0.11 GB/s in Sailor's measurements: 1 GbE
+DEVICES = {"GH-96": "GH200-96GB@200gx4", "Titan-RTX": "TitanRTX-24GB@25gx1", "RTX-2080": "RTX2080Ti-11GB@25gx1",
+           "RTX-3090": "RTX3090-24GB@1gx1"}
+GPUS_PER_ENTRY = 4  # a machine's GPUs, unless the run says otherwise ("gpus_per_machine")
 
 
 def cluster_spec(run: dict) -> str:
@@ -74,7 +85,8 @@ def cluster_spec(run: dict) -> str:
             groups[-1][1] += 1
         else:
             groups.append([vm, 1])
-    return "+".join(f"{n}x{GPUS_PER_ENTRY}x{DEVICES[vm]}" for vm, n in groups)
+    gpus = run.get("gpus_per_machine", GPUS_PER_ENTRY)
+    return "+".join(f"{n}x{gpus}x{DEVICES[vm]}" for vm, n in groups)
 
 
 def as_ran_dtype(run: dict) -> str:
@@ -105,24 +117,40 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return num / den if den else 0.0
 
 
-def rows(graph, fused) -> list[dict]:
-    """Each measurement with its prediction as ran (``graph``: attention written out) and as read before
-    (``fused``: one fused attention call, matmuls at the FP32 rate)."""
-    data = json.loads(DATA.read_text())
+def model_of(run: dict) -> tuple[dict, dict]:
+    """The run's model shape and how it ran (MODELS, by the set's name)."""
+    return next(v for prefix, v in MODELS.items() if run["set"].startswith(prefix))
+
+
+def graphs_of(data: dict) -> dict:
+    """For each model the runs use: (as ran, the fused FP32 reading's model) traced once."""
+    out = {}
+    for run in data["runs"]:
+        shape, as_ran = model_of(run)
+        key = json.dumps(shape, sort_keys=True)
+        if key not in out:
+            out[key] = (trace_model(load_model_file(str(GPT), {**shape, **as_ran})), trace_model(load_model_file(str(GPT), shape)))
+    return out
+
+
+def rows(data: dict, graphs: dict) -> list[dict]:
+    """Each measurement with its prediction as ran (the model as it ran: attention written out) and as read
+    before (one fused attention call, matmuls at the FP32 rate)."""
     out = []
     for run in data["runs"]:
+        graph, fused = graphs[json.dumps(model_of(run)[0], sort_keys=True)]
         for measurement, measured in run["iter_time_s"].items():
             if not measured:
                 continue  # Sailor's RTX N1_D1 recorded memory only
             row = {"set": run["set"], "run": run["run"].split("/")[-1], "measurement": measurement, "cluster": cluster_spec(run),
                    "dp": run["dp"], "tp": run["tp"], "pp": run["pp"], "mbs": run["mbs"], "gbs": run["gbs"], "measured_s": measured,
                    "as_ran_s": predict(graph, run, as_ran_dtype(run)), "fused_fp32_s": predict(fused, run, "fp32")}
-            row["_run"] = run
+            row["_run"], row["_graph"] = run, graph
             out.append(row)
     return out
 
 
-def leave_one_out(graph, rs: list[dict]) -> list[dict]:
+def leave_one_out(rs: list[dict]) -> list[dict]:
     """For each run c of a set (one cluster, one measurement), ``hetpar calibrate``'s fit to c's measured step
     alone ([Note: fitting steps]: one factor on the kernels' rate, one on the per-op overhead), then every other
     run of the set predicted with it: (calibrated on, predicted, measured, predicted seconds)."""
@@ -131,7 +159,7 @@ def leave_one_out(graph, rs: list[dict]) -> list[dict]:
     for key in sets:
         members = [r for r in rs if (r["set"], r["measurement"]) == key]
         for c in members:
-            run = Run(name=c["run"], graph=graph, cluster_spec=c["cluster"], config=config_of(c["_run"], as_ran_dtype(c["_run"])),
+            run = Run(name=c["run"], graph=c["_graph"], cluster_spec=c["cluster"], config=config_of(c["_run"], as_ran_dtype(c["_run"])),
                       step_s=c["measured_s"])
             fitted, fits = calibrate([run])
             factors = {f.field: f.after / f.before for f in fits}
@@ -139,7 +167,7 @@ def leave_one_out(graph, rs: list[dict]) -> list[dict]:
                 if r is not c:
                     pairs.append({"set": key, "on": c["run"], "run": r["run"], "gbs": r["gbs"], "measured_s": r["measured_s"],
                                   "same_mbs": c["mbs"] == r["mbs"],
-                                  "calibrated_s": predict(graph, r["_run"], as_ran_dtype(r["_run"]), fitted),
+                                  "calibrated_s": predict(r["_graph"], r["_run"], as_ran_dtype(r["_run"]), fitted),
                                   "flagged": any(f.fixed_cost_bound for f in fits),
                                   "rate_factor": factors["kernel_efficiency"], "overhead_factor": factors["op_overhead_s"]})
     return pairs
@@ -154,12 +182,15 @@ def summary(rs: list[dict], key: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--data", type=Path, default=DATA, help="a runs file (benchmarks/sailor_extract.py writes one; "
+                                                                  "default: the development set)")
     ns = parser.parse_args()
-    graph = trace_model(load_model_file(str(GPT), {**OPT_350M, **AS_RAN}))
-    rs = rows(graph, trace_model(load_model_file(str(GPT), OPT_350M)))
-    pairs = leave_one_out(graph, rs)
+    data = json.loads(ns.data.read_text())
+    rs = rows(data, graphs_of(data))
+    pairs = leave_one_out(rs)
     if ns.json:
-        print(json.dumps({"rows": [{k: v for k, v in r.items() if k != "_run"} for r in rs], "calibrated": pairs}, indent=1))
+        print(json.dumps({"rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rs], "calibrated": pairs},
+                         indent=1))
         return
     print("| set | run | measured as | cluster | dp, tp, pp | mbs x gbs | measured s | as ran s | error | fused, FP32 rate s | error |")
     print("|---|---|---|---|---|---|---:|---:|---:|---:|---:|")
@@ -168,9 +199,8 @@ def main() -> None:
               f"{r['mbs']} x {r['gbs']} | {r['measured_s']:.4g} | {r['as_ran_s']:.4g} | {r['as_ran_s'] / r['measured_s'] - 1:+.1%} | "
               f"{r['fused_fp32_s']:.4g} | {r['fused_fp32_s'] / r['measured_s'] - 1:+.1%} |")
     print()
-    for name, pick in (("all", lambda r: True), ("GH200", lambda r: r["set"].startswith("clariden")),
-                       ("TITAN RTX + RTX 2080 Ti", lambda r: not r["set"].startswith("clariden"))):
-        sel = [r for r in rs if pick(r)]
+    labels = {"clariden_OPT-350": "GH200", "mit_TitanRTX_RTX2080Ti_replaced": "TITAN RTX + RTX 2080 Ti"}
+    for name, sel in [("all", rs)] + [(labels.get(k, k), [r for r in rs if r["set"] == k]) for k in sorted({r["set"] for r in rs})]:
         print(f"- {name}: as ran {summary(sel, 'as_ran_s')}; fused at the FP32 rate {summary(sel, 'fused_fp32_s')}")
     print()
     print("Calibrated on one run of the set, every other run of the set predicted (all choices of the one run):")

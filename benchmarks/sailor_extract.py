@@ -57,20 +57,27 @@ def run_of(plan: dict, name: str) -> dict:
     if len(plan["pipeline_list"]) != 1:
         raise ExtractError(f"{name}: {len(plan['pipeline_list'])} pipelines; one expected")
     pipe = plan["pipeline_list"][0]
-    stages, tps = [], set()
+    stages, tps, gpus = [], set(), set()
     for layers, replicas in zip(pipe["layers_per_stage"], pipe["tmp_per_stage"], strict=True):
         machines = []
         for vms, tp in replicas:
             tps.add(tp)
             machines.append([vm for vm, _gpus, _zone in vms])
+            gpus.update(g for _vm, g, _zone in vms)
         stages.append({"layers": len(layers), "replicas": machines})
+    if len(gpus) != 1:
+        raise ExtractError(f"{name}: machines of {sorted(gpus)} GPUs; sailor_bench.py types one count")
     if len(tps) != 1 or len(set(pipe["dp"])) != 1:
         raise ExtractError(f"{name}: tensor-parallel degrees {sorted(tps)}, data-parallel degrees {pipe['dp']}: "
                            "sailor_bench.py types one of each")
     if any(len(s["replicas"]) != pipe["dp"][0] for s in stages):
         raise ExtractError(f"{name}: a stage's replicas do not number its dp {pipe['dp'][0]}")
-    return {"dp": pipe["dp"][0], "tp": tps.pop(), "pp": pipe["num_stages"], "gbs": plan["gbs"], "mbs": plan["mbs"],
-            "stages": stages}
+    run = {"dp": pipe["dp"][0], "tp": tps.pop(), "pp": pipe["num_stages"], "gbs": plan["gbs"], "mbs": plan["mbs"],
+           "stages": stages}
+    count = gpus.pop()
+    if count != 4:  # sailor_bench.py's default
+        run["gpus_per_machine"] = count
+    return run
 
 
 def extract(git_dir: str, sets: list[tuple[str, str, list[tuple[str, str]]]], held_out: bool) -> list[dict]:

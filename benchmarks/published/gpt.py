@@ -19,7 +19,11 @@ it ([Note: fused attention on meta] in planner/capture/measure.py).
 ``--model-arg attention=unfused`` writes attention out as Megatron-LM did in 2022
 (``CoreAttention``: Q K^T scaled, the causal mask filled, softmax, dropout, times V;
 batched matmuls over heads), which keeps the s x s scores and probabilities for backward:
-the model of Korthikanti et al.'s selective recompute.
+the model of Korthikanti et al.'s selective recompute. ``attention_dropout`` sets the
+attention probabilities' dropout apart from the others' (default: ``dropout``).
+``--model-arg head=0`` leaves out the output layer (the model returns the final norm's
+output): how Sailor's GPT-Neo ran (its ``GPTNeoModelPipe`` ends in the norm), for costing
+those runs, not for training.
 
     hetpar trace benchmarks/published/gpt.py --model-arg n_layers=96 --model-arg hidden=12288 \\
         --model-arg heads=96 --model-arg vocab=51200 --model-arg seq_len=2048
@@ -30,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 DEFAULTS = dict(n_layers=2, hidden=128, heads=4, vocab=512, seq_len=64, bias=True, dropout=0.1, fused_qkv=False,
-                attention="sdpa")
+                attention="sdpa", attention_dropout=None, head=True)
 
 
 def core_attention(q, k, v, *, causal: torch.Tensor | None, dropout: float, training: bool):
@@ -84,10 +88,11 @@ class FusedAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, bias: bool, dropout: float, fused_qkv: bool, causal: torch.Tensor | None):
+    def __init__(self, hidden: int, heads: int, bias: bool, dropout: float, fused_qkv: bool, causal: torch.Tensor | None,
+                 attention_dropout: float):
         super().__init__()
         self.ln1 = nn.LayerNorm(hidden, bias=bias)
-        self.attn = (FusedAttention if fused_qkv else Attention)(hidden, heads, bias, dropout, causal)
+        self.attn = (FusedAttention if fused_qkv else Attention)(hidden, heads, bias, attention_dropout, causal)
         self.drop1 = nn.Dropout(dropout)
         self.ln2 = nn.LayerNorm(hidden, bias=bias)
         self.fc = nn.Linear(hidden, 4 * hidden, bias=bias)
@@ -100,7 +105,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, n_layers, hidden, heads, vocab, seq_len, bias, dropout, fused_qkv, attention):
+    def __init__(self, n_layers, hidden, heads, vocab, seq_len, bias, dropout, fused_qkv, attention, attention_dropout, head):
         super().__init__()
         if attention not in ("sdpa", "unfused"):
             raise ValueError(f"attention={attention!r}: choose sdpa or unfused")
@@ -108,10 +113,14 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(vocab, hidden)
         self.pos_emb = nn.Embedding(seq_len, hidden)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(hidden, heads, bias, dropout, fused_qkv, causal) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(hidden, heads, bias, dropout, fused_qkv, causal, attention_dropout)
+                                    for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(hidden, bias=bias)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
-        self.lm_head.weight = self.tok_emb.weight  # output layer tied to the word embedding
+        if head:
+            self.lm_head = nn.Linear(hidden, vocab, bias=False)
+            self.lm_head.weight = self.tok_emb.weight  # output layer tied to the word embedding
+        else:
+            self.lm_head = nn.Identity()
 
     def forward(self, idx):
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -123,8 +132,10 @@ class GPT(nn.Module):
 
 def build_model(n_layers=DEFAULTS["n_layers"], hidden=DEFAULTS["hidden"], heads=DEFAULTS["heads"], vocab=DEFAULTS["vocab"],
                 seq_len=DEFAULTS["seq_len"], bias=DEFAULTS["bias"], dropout=DEFAULTS["dropout"],
-                fused_qkv=DEFAULTS["fused_qkv"], attention=DEFAULTS["attention"]):
-    return GPT(n_layers, hidden, heads, vocab, seq_len, bias, dropout, bool(fused_qkv), attention)
+                fused_qkv=DEFAULTS["fused_qkv"], attention=DEFAULTS["attention"],
+                attention_dropout=DEFAULTS["attention_dropout"], head=DEFAULTS["head"]):
+    return GPT(n_layers, hidden, heads, vocab, seq_len, bias, dropout, bool(fused_qkv), attention,
+               dropout if attention_dropout is None else attention_dropout, bool(head))
 
 
 def example_inputs(batch_size, vocab=DEFAULTS["vocab"], seq_len=DEFAULTS["seq_len"], **_):
