@@ -142,16 +142,23 @@ def _step_run(name: str, graph, cluster: str, config, profiles) -> Run:
     return Run(name=name, graph=graph, cluster_spec=cluster, config=config, step_s=step)
 
 
+def _a100_plan_and_step(tmp_path, rate: float, overhead: float):
+    """A pp 2, dp 2 plan on four A100s and the step it takes with kernels ``rate`` times slower and the per-op
+    overhead ``overhead`` times longer: (plan, its path, its graph, its estimate config, the device, the step)."""
+    plan, plan_path, _, _ = _run_files(tmp_path, "1x4xA100-80GB", {"A100-80GB": (1.0, 1.0)}, pp=2, dp=2, tp=1)
+    device = get_device("A100-80GB")
+    graph = plan_graph_of(plan)
+    config = estimate_config(plan, graph)
+    step = _step_run("x", graph, plan.cluster.spec, config, {device.name: _slowed(device, rate, overhead)}).step_s
+    return plan, plan_path, graph, config, device, step
+
+
 def test_a_run_with_only_its_steps_is_met_by_the_least_change(tmp_path):
     """A metrics file without stage times: the median step after the first is fitted by one factor on both
     efficiencies and one on the per-op overhead. One run cannot tell them apart: the fit meets its step
     exactly, and of all such fits takes the least change in units of each one's spread ([Note: fitting
     steps]), where the change is parallel to the gradient of the step's log-ratio (Lagrange's condition)."""
-    plan, plan_path, _, _ = _run_files(tmp_path, "1x4xA100-80GB", {"A100-80GB": (1.0, 1.0)}, pp=2, dp=2, tp=1)
-    device = get_device("A100-80GB")
-    graph = plan_graph_of(plan)
-    config = estimate_config(plan, graph)
-    step = _step_run("x", graph, plan.cluster.spec, config, {device.name: _slowed(device, 1.25, 1.0)}).step_s
+    plan, plan_path, graph, config, device, step = _a100_plan_and_step(tmp_path, 1.25, 1.0)
     metrics = tmp_path / "steps.jsonl"
     metrics.write_text("".join(json.dumps({"kind": "step", "step": i, "loss": 1.0, "step_time_s": t}) + "\n"
                                for i, t in enumerate([10 * step, step, step * 1.01, step * 0.99], start=1)))
@@ -206,11 +213,7 @@ def test_the_cli_takes_a_run_of_another_framework_as_a_plan_and_its_seconds_per_
     """A run hetpar did not make: a plan of its configuration and the seconds per step it measured, given as a
     number where a metrics file would go. The fitted profile meets that step; a number that is not seconds is
     refused in one line and writes nothing."""
-    plan, plan_path, _, _ = _run_files(tmp_path, "1x4xA100-80GB", {"A100-80GB": (1.0, 1.0)}, pp=2, dp=2, tp=1)
-    device = get_device("A100-80GB")
-    graph = plan_graph_of(plan)
-    config = estimate_config(plan, graph)
-    step = _step_run("x", graph, plan.cluster.spec, config, {device.name: _slowed(device, 1.0, 3.0)}).step_s
+    plan, plan_path, graph, config, device, step = _a100_plan_and_step(tmp_path, 1.0, 3.0)
     out = tmp_path / "a100.toml"
     run = subprocess.run([sys.executable, "-m", "hetpar", "calibrate", str(plan_path), repr(step), "-o", str(out)],
                          capture_output=True, text=True, env=subprocess_env(), cwd=ROOT)
