@@ -112,14 +112,18 @@ def test_bad_runs_are_refused_in_one_line(tmp_path):
         read_run(plan_path, wrong)
 
 
-def test_the_cli_writes_a_profile_that_plan_and_estimate_read(tmp_path):
-    plan, plan_path, metrics, (fwd0, _) = _run_files(tmp_path, "1x4xA100-80GB", {"A100-80GB": (1.5, 1.5)}, pp=2, dp=2, tp=1)
-    out = tmp_path / "a100.toml"
-    run = subprocess.run([sys.executable, "-m", "hetpar", "calibrate", str(plan_path), str(metrics), "-o", str(out)],
+def _calibrate_cli(plan_path, measured: str, out, reported: str):
+    """``hetpar calibrate PLAN MEASURED -o OUT`` as a user runs it: it succeeds and reports ``reported``; the profile."""
+    run = subprocess.run([sys.executable, "-m", "hetpar", "calibrate", str(plan_path), measured, "-o", str(out)],
                          capture_output=True, text=True, env=subprocess_env(), cwd=ROOT)
     assert run.returncode == 0, run.stderr
-    assert "A100-80GB kernel_efficiency" in run.stderr + run.stdout
-    profile = load_profile(out)
+    assert reported in run.stderr + run.stdout
+    return load_profile(out)
+
+
+def test_the_cli_writes_a_profile_that_plan_and_estimate_read(tmp_path):
+    plan, plan_path, metrics, (fwd0, _) = _run_files(tmp_path, "1x4xA100-80GB", {"A100-80GB": (1.5, 1.5)}, pp=2, dp=2, tp=1)
+    profile = _calibrate_cli(plan_path, str(metrics), tmp_path / "a100.toml", "A100-80GB kernel_efficiency")
     assert "[fitted] hetpar calibrate" in profile.sources["kernel_efficiency"]
     fwd, _ = _stage_times(plan, {profile.name: profile})
     assert fwd == pytest.approx(fwd0, rel=1e-6)
@@ -214,12 +218,7 @@ def test_the_cli_takes_a_run_of_another_framework_as_a_plan_and_its_seconds_per_
     number where a metrics file would go. The fitted profile meets that step; a number that is not seconds is
     refused in one line and writes nothing."""
     plan, plan_path, graph, config, device, step = _a100_plan_and_step(tmp_path, 1.0, 3.0)
-    out = tmp_path / "a100.toml"
-    run = subprocess.run([sys.executable, "-m", "hetpar", "calibrate", str(plan_path), repr(step), "-o", str(out)],
-                         capture_output=True, text=True, env=subprocess_env(), cwd=ROOT)
-    assert run.returncode == 0, run.stderr
-    assert "A100-80GB op_overhead_s" in run.stderr + run.stdout
-    profile = load_profile(out)
+    profile = _calibrate_cli(plan_path, repr(step), tmp_path / "a100.toml", "A100-80GB op_overhead_s")
     assert "[fitted] hetpar calibrate" in profile.sources["op_overhead_s"] and profile.op_overhead_s > device.op_overhead_s
     again = estimate(graph, parse_cluster(plan.cluster.spec, profiles={profile.name: profile}), config).predicted.step_time_s
     assert again == pytest.approx(step, rel=1e-6)
