@@ -1,7 +1,8 @@
 """Predicted against measured on Sailor's development runs (issue 34): OPT-350M on GH200 and on TITAN RTX + RTX 2080 Ti.
 
-    .venv/bin/python benchmarks/sailor_bench.py            # the table, about 1 minute on 2 cores
+    .venv/bin/python benchmarks/sailor_bench.py            # the table, about 100 s on 2 cores
     .venv/bin/python benchmarks/sailor_bench.py --json     # the rows as JSON
+    .venv/bin/python benchmarks/sailor_bench.py --data RUNS.json   # runs benchmarks/sailor_extract.py wrote
 
 Sailor (Strati et al., SOSP'25, github.com/eth-easl/sailor) trained OPT-350M with its
 Megatron-DeepSpeed fork and recorded each plan with its measured iteration time
@@ -17,7 +18,7 @@ in stage order (Megatron's rank order puts stage s's replicas after stage s - 1'
 stage whose replicas are of two types spans both and runs at the slower's pace), 1F1B,
 no recompute, ZeRO off, AdamW, eager. The model: benchmarks/published/gpt.py at OPT-350M's
 shape (24 blocks, hidden 1024, 16 heads, sequence 2048, vocabulary 50688: GPT-2's 50257
-padded by Megatron to a multiple of 128 x tp). As the runs ran ("as ran"): attention
+padded by Megatron to a multiple of 128 x tp; another set's model is its entry in MODELS). As the runs ran ("as ran"): attention
 written out (Sailor's Megatron-DeepSpeed ``OPTParallelAttention``: baddbmm, the scale-mask-
 softmax, which falls back to separate torch ops for fp32 inputs, and bmm; no dropout in the
 layer), ``attention=unfused dropout=0``; fp32 (no --fp16 or --bf16) in Sailor's container,
@@ -68,7 +69,8 @@ AS_RAN = dict(attention="unfused", dropout=0.0)  # Sailor's OPT layer: attention
 # stage ends in the final norm)
 GPT_NEO = dict(n_layers=32, hidden=2560, heads=20, seq_len=2048, vocab=50688)
 GPT_NEO_AS_RAN = dict(attention="unfused", dropout=0.1, attention_dropout=0.0, head=0)
-# set name prefix -> (the model's shape, how it ran)
+# set name prefix -> (the model's shape, how it ran); "mit" covers the replacing consumer set (mit_v2) too, its
+# model taken to be OPT-350M as in the set it replaced: check Sailor's scripts_mit/ before the held-out run
 MODELS = {"clariden_OPT-350": (OPT_350M, AS_RAN), "mit": (OPT_350M, AS_RAN), "clariden_GPT-NEO": (GPT_NEO, GPT_NEO_AS_RAN)}
 # the RTX 3090 machines reach every other machine at 0.11 GB/s in Sailor's measurements: 1 GbE
 DEVICES = {"GH-96": "GH200-96GB@200gx4", "Titan-RTX": "TitanRTX-24GB@25gx1", "RTX-2080": "RTX2080Ti-11GB@25gx1",
@@ -85,6 +87,9 @@ def cluster_spec(run: dict) -> str:
             groups[-1][1] += 1
         else:
             groups.append([vm, 1])
+    unknown = sorted({vm for vm, _ in groups} - set(DEVICES))
+    if unknown:
+        sys.exit(f"{run['run']}: machines {unknown} have no device in DEVICES; add their profile and link")
     gpus = run.get("gpus_per_machine", GPUS_PER_ENTRY)
     return "+".join(f"{n}x{gpus}x{DEVICES[vm]}" for vm, n in groups)
 
@@ -119,7 +124,10 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def model_of(run: dict) -> tuple[dict, dict]:
     """The run's model shape and how it ran (MODELS, by the set's name)."""
-    return next(v for prefix, v in MODELS.items() if run["set"].startswith(prefix))
+    found = next((v for prefix, v in MODELS.items() if run["set"].startswith(prefix)), None)
+    if found is None:
+        sys.exit(f"set {run['set']!r}: no model for it in MODELS; add its shape and how it ran")
+    return found
 
 
 def graphs_of(data: dict) -> dict:

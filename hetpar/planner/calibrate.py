@@ -119,7 +119,7 @@ class Fit:
     """What moved for one device type, and from what."""
 
     device_type: str
-    field: str  # "kernel_efficiency" or "backward_kernel_efficiency"
+    field: str  # "kernel_efficiency", "backward_kernel_efficiency" or, fitted to steps, "op_overhead_s"
     before: float
     after: float
     measured_s: float  # the measured seconds fitted to, summed
@@ -129,8 +129,9 @@ class Fit:
     runs: list[str]
     ratios: list[float]  # measured over predicted with the fit, per stage or step
     capped: bool  # the fit wanted matmuls above the peak
-    # how much of the fitted time moves with the efficiency: -d ln(time) / d ln(efficiency) at the fit,
-    # 1 where all of it is kernels, near 0 where fixed costs (launches, collectives' latency) dominate
+    # how much of the fitted time moves with what was fitted, at the fit: -d ln(time) / d ln(efficiency) for
+    # stage times; for steps that plus d ln(time) / d ln(op_overhead) ([Note: fitting steps]). 1 or more where
+    # all of it is kernels and launches, near 0 where other fixed costs (links, collectives' latency) dominate
     sensitivity: float = 1.0
 
     @property
@@ -163,11 +164,7 @@ def read_run(plan_path: Path, metrics_path: Path) -> Run:
             stages.append(record["stages"])
         elif isinstance(record, dict) and record.get("kind") == "step" and isinstance(record.get("step_time_s"), (int, float)):
             steps.append(float(record["step_time_s"]))
-    if len(plan.predicted.stage_fwd_s) != plan.pipeline_parallel:
-        raise CalibrationError(f"{plan_path} has no per-stage prediction (a heterogeneous data-parallel plan); "
-                               "calibrate from pipeline plans")
-    graph = plan_graph_of(plan)
-    base = dict(name=str(metrics_path), graph=graph, cluster_spec=plan.cluster.spec, config=estimate_config(plan, graph))
+    base = dict(name=str(metrics_path), **_configuration(plan, plan_path))
     if stages:
         measured = stages[-1]
         pp = plan.pipeline_parallel
@@ -193,12 +190,16 @@ def read_step_run(plan_path: Path, step_s: float) -> Run:
     if not (math.isfinite(step_s) and step_s > 0):
         raise CalibrationError(f"a measured step of {step_s:g} s: give the seconds per step the run measured, > 0")
     plan = ParallelPlan.load(plan_path)
+    return Run(name=f"{plan_path} ({step_s:g} s per step)", **_configuration(plan, plan_path), step_s=float(step_s))
+
+
+def _configuration(plan: ParallelPlan, plan_path: Path) -> dict[str, Any]:
+    """``Run``'s graph, cluster_spec and config from ``plan``, which must be a pipeline plan."""
     if len(plan.predicted.stage_fwd_s) != plan.pipeline_parallel:
         raise CalibrationError(f"{plan_path} has no per-stage prediction (a heterogeneous data-parallel plan); "
                                "calibrate from pipeline plans")
     graph = plan_graph_of(plan)
-    return Run(name=f"{plan_path} ({step_s:g} s per step)", graph=graph, cluster_spec=plan.cluster.spec,
-               config=estimate_config(plan, graph), step_s=float(step_s))
+    return dict(graph=graph, cluster_spec=plan.cluster.spec, config=estimate_config(plan, graph))
 
 
 def calibrate(runs: list[Run], profiles: dict[str, DeviceProfile] | None = None) -> tuple[dict[str, DeviceProfile], list[Fit]]:
