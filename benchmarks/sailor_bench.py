@@ -69,8 +69,9 @@ AS_RAN = dict(attention="unfused", dropout=0.0)  # Sailor's OPT layer: attention
 # stage ends in the final norm)
 GPT_NEO = dict(n_layers=32, hidden=2560, heads=20, seq_len=2048, vocab=50688)
 GPT_NEO_AS_RAN = dict(attention="unfused", dropout=0.1, attention_dropout=0.0, head=0)
-# set name prefix -> (the model's shape, how it ran); "mit" covers the replacing consumer set (mit_v2) too, its
-# model taken to be OPT-350M as in the set it replaced: check Sailor's scripts_mit/ before the held-out run
+# set name prefix -> (the model's shape, how it ran); "mit" covers the replacing consumer set (mit_v2) too: it
+# trained OPT-350M as the set it replaced did (Sailor's sailor/Planner/baselines/Aceso/scripts_mit/
+# aceso_opt_execute.sh sets model_name=OPT-350 for the RTX 3090, TITAN RTX and RTX 2080 Ti machines run_mit.sh names)
 MODELS = {"clariden_OPT-350": (OPT_350M, AS_RAN), "mit": (OPT_350M, AS_RAN), "clariden_GPT-NEO": (GPT_NEO, GPT_NEO_AS_RAN)}
 # the RTX 3090 machines reach every other machine at 0.11 GB/s in Sailor's measurements: 1 GbE
 DEVICES = {"GH-96": "GH200-96GB@200gx4", "Titan-RTX": "TitanRTX-24GB@25gx1", "RTX-2080": "RTX2080Ti-11GB@25gx1",
