@@ -9,7 +9,8 @@ Megatron-DeepSpeed fork and recorded each plan with its measured iteration time
 (benchmarks/published/sailor_dev.json says which files, commits and fields). Issue 34 sets
 these runs apart for development: the Clariden set (GH200, 4 per node, 15 plans, measured
 twice) and the TITAN RTX + RTX 2080 Ti set the authors later replaced (10 plans, one with no
-time). The rest of Sailor's validation data is the held-out check and is not read here.
+time). The rest of Sailor's validation data is the held-out check, read only through --data and
+an extraction of it (docs/benchmarks/sailor-heldout_cpu-2core_2026-12-07.md, run once).
 
 Each run is typed into ``planner.estimate`` as it ran: its dp, tp (4 everywhere), pp,
 micro-batch and global batch, its layers per stage (Sailor's layer 0 is the embedding, 25
@@ -101,8 +102,11 @@ def as_ran_dtype(run: dict) -> str:
 
 
 def config_of(run: dict, dtype: str) -> EstimateConfig:
+    """The run's configuration; one stage holds every layer, whatever its file counts (Sailor's GPT-Neo plan of
+    one stage records OPT-350M's 26)."""
+    layers = tuple(s["layers"] for s in run["stages"]) if run["pp"] > 1 else None
     return EstimateConfig(global_batch_size=run["gbs"], dp=run["dp"], tp=run["tp"], pp=run["pp"], micro_batch_size=run["mbs"],
-                          dtype=dtype, stage_layers=tuple(s["layers"] for s in run["stages"]))
+                          dtype=dtype, stage_layers=layers)
 
 
 def predict(graph, run: dict, dtype: str, profiles=None) -> float:

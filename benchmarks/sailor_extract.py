@@ -12,7 +12,8 @@ commit and keeps, per plan, its degrees, micro-batch and global batch, each stag
 count and its replicas' machines, and its measured step (``real``: the mean iteration time
 of 10 iterations, the first 3 dropped) under LABEL. Issue 34 keeps all but two parts of
 that data for the held-out check: a directory other than those two (DEVELOPMENT) is read
-only with ``--held-out``, the flag of the one run that checks the finished model.
+only with ``--held-out``, the flag of the one run that checks the finished model; a file there
+that is byte for byte a development run's is skipped, and said so.
 """
 
 from __future__ import annotations
@@ -42,9 +43,19 @@ def git(git_dir: str, *args: str) -> str:
     return subprocess.run(["git", "--git-dir", git_dir, *args], capture_output=True, text=True, check=True).stdout
 
 
-def plan_files(git_dir: str, commit: str, directory: str) -> list[str]:
-    listed = git(git_dir, "ls-tree", "-r", "--name-only", commit, f"{VALIDATION}/{directory}")
-    return sorted(p for p in listed.splitlines() if Path(p).name.startswith("plan_config_") and p.endswith(".json"))
+def plan_files(git_dir: str, commit: str, directory: str) -> dict[str, str]:
+    """The plan files under ``directory`` at ``commit``, path -> blob id."""
+    listed = git(git_dir, "ls-tree", "-r", commit, f"{VALIDATION}/{directory}")
+    files = (line.split(None, 3)[2:] for line in listed.splitlines())
+    return {path: blob for blob, path in sorted(files, key=lambda f: f[1])
+            if Path(path).name.startswith("plan_config_") and path.endswith(".json")}
+
+
+def development_copies(git_dir: str) -> dict[str, str]:
+    """Blob id -> the development run it holds: a held-out file with one of these ids is a copy of a development
+    run (Sailor's clariden/GPT-NEO/N4/plan_config_N4_D4.json is clariden/OPT-350's, byte for byte)."""
+    return {blob: f"{directory}@{commit}/{Path(path).name}" for directory, commit in DEVELOPMENT
+            for path, blob in plan_files(git_dir, commit, directory).items()}
 
 
 def run_of(plan: dict, name: str) -> dict:
@@ -89,13 +100,21 @@ def extract(git_dir: str, sets: list[tuple[str, str, list[tuple[str, str]]]], he
             differs between commits in anything but its measurement.
     """
     runs: dict[tuple[str, str], dict] = {}
+    copies: dict[str, str] | None = None
     for set_name, directory, measurements in sets:
         for commit, label in measurements:
-            if not held_out and not any(directory == d and commit.startswith(c[: len(commit)]) and len(commit) >= 7
-                                        for d, c in DEVELOPMENT):
+            development = any(directory == d and commit.startswith(c[: len(commit)]) and len(commit) >= 7
+                              for d, c in DEVELOPMENT)
+            if not held_out and not development:
                 raise ExtractError(f"{directory}@{commit} is held out (issue 34); pass --held-out for the final check")
-            for path in plan_files(git_dir, commit, directory):
+            for path, blob in plan_files(git_dir, commit, directory).items():
                 relative = path[len(VALIDATION) + 1:]
+                if not development:
+                    copies = development_copies(git_dir) if copies is None else copies
+                    if blob in copies:
+                        print(f"sailor_extract: skipped {relative}@{commit}: the same file as development run "
+                              f"{copies[blob]}", file=sys.stderr)
+                        continue
                 plan = json.loads(git(git_dir, "show", f"{commit}:{path}"))
                 run = {"set": set_name, "run": relative, **run_of(plan, relative)}
                 key = (set_name, relative)
