@@ -6,7 +6,7 @@ For each case, the search (``planner.api.plan_graph``, the library's defaults) r
 ``--offload off`` and with the default ``auto`` ([Note: offload search] in
 hetpar/planner/search/solve.py): without offload it returns a plan or the one-line misfit,
 with it the plan, which stages offload their ZeRO-3 shard, the predicted step and how
-much of it is the host link (the offload transfers, in the data-parallel time) and the
+much of it is data-parallel communication, the host link (the offload transfers) and the
 optimizer step on the host CPUs ([Note: offload costs] in hetpar/cost_models/offload.py).
 Predictions for clusters this project does not have; only the wall times depend on the
 machine.
@@ -52,9 +52,9 @@ def describe(plan) -> str:
 
 
 def main() -> None:
-    print("| model | cluster | batch | without offload | with `--offload auto` | predicted step | dp comm (with host link) | "
+    print("| model | cluster | batch | without offload | with `--offload auto` | predicted step | dp comm | host link | "
           "optimizer on host | peak per device | wall s |")
-    print("|---|---|---:|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|")
     graphs = {}
     for name, cluster_spec, batch in CASES:
         graph = graphs.setdefault(name, trace_model(load_model_file(str(GPT), SHAPES[name])))
@@ -70,7 +70,7 @@ def main() -> None:
         wall = time.perf_counter() - t0
         breakdown = estimate(graph, cluster, estimate_config(plan, graph)).time
         print(f"| {name} | {cluster_spec} | {batch} | {without} | {describe(plan)} | {plan.predicted.step_time_s:.3f} s | "
-              f"{breakdown.dp_comm_s:.3f} s | {breakdown.optimizer_s:.3f} s | "
+              f"{breakdown.dp_comm_s:.3f} s | {breakdown.host_comm_s:.3f} s | {breakdown.optimizer_s:.3f} s | "
               f"{max(plan.predicted.peak_memory_bytes) / 2**30:.1f} GiB | {wall:.1f} |", flush=True)
 
 
