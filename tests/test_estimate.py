@@ -1,7 +1,7 @@
 """planner.estimate on synthetic layers (hand-derived values) and on a traced GPT."""
 
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 
@@ -56,8 +56,8 @@ def test_equal_stages_give_the_closed_form_bubble(schedule, v):
 
 def test_time_breakdown_sums_to_the_step_and_fills_the_predicted_block():
     model = graph(8, boundary=4e6, tp_split=True)
-    model = ModelGraph(**{**model.__dict__, "layers": [
-        LayerProfile(**{**l.__dict__, "tp_collectives": (("forward", "all_reduce", 8e6), ("backward", "all_reduce", 8e6))}) for l in model.layers]})
+    model = replace(model, layers=[
+        replace(l, tp_collectives=(("forward", "all_reduce", 8e6), ("backward", "all_reduce", 8e6))) for l in model.layers])
     e = estimate(model, parse_cluster("2x8xA100-80GB"), config(global_batch_size=16, dp=2, tp=2, pp=4))
     t, p = e.time, e.predicted
     assert t.step_s == pytest.approx(p.step_time_s)
@@ -223,7 +223,7 @@ def test_layers_of_one_kind_are_timed_once_and_a_layer_that_differs_apart():
     but the name); a layer that differs in one number is its own kind and costs its own time."""
     model = graph(4)
     assert model.layer_kinds == [0, 0, 0, 0]
-    heavy = LayerProfile(**{**model.layers[2].__dict__, "fwd_flops": 3 * model.layers[2].fwd_flops})
+    heavy = replace(model.layers[2], fwd_flops=3 * model.layers[2].fwd_flops)
     mixed = ModelGraph(file="synthetic.py", args={}, fingerprint="", layers=[*model.layers[:2], heavy, model.layers[3]])
     assert mixed.layer_kinds == [0, 0, 2, 0]
     e = estimate(mixed, parse_cluster("1x1xA100-80GB"), config(global_batch_size=1, pp=1))
