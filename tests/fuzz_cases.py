@@ -363,10 +363,19 @@ def check_plan(plan, case: Case, cluster, options, workdir: Path, *, compile_pla
     world = plan.cluster.world_size
     ranks = plan.stages[: plan.pipeline_parallel]
     cp = plan.context_parallel
-    used = sum(plan.data_parallel * cp * s.tensor_parallel for s in ranks)
-    _require(used == world == len(plan.cluster.device_types),
-             f"dp({plan.data_parallel}) * cp({cp}) * tp{[s.tensor_parallel for s in ranks]} summed over "
-             f"pp({plan.pipeline_parallel}) = {used} != world_size({world})")
+    mixed = any(len(replica) != s.tensor_parallel for s in ranks for replica in s.ranks)
+    if mixed:  # replicas of different tensor-parallel degrees (no context parallelism): each its own
+        used = sum(len(replica) for s in ranks for replica in s.ranks)
+        _require(cp == 1 and used == world == len(plan.cluster.device_types),
+                 f"replicas of {[[len(r) for r in s.ranks] for s in ranks]} ranks (cp {cp}) over pp({plan.pipeline_parallel}) "
+                 f"= {used} != world_size({world})")
+    else:
+        used = sum(plan.data_parallel * cp * s.tensor_parallel for s in ranks)
+        _require(used == world == len(plan.cluster.device_types),
+                 f"dp({plan.data_parallel}) * cp({cp}) * tp{[s.tensor_parallel for s in ranks]} summed over "
+                 f"pp({plan.pipeline_parallel}) = {used} != world_size({world})")
+    every = sorted(r for s in ranks for replica in s.ranks for r in replica)
+    _require(cp > 1 or every == list(range(world)), f"the stages' ranks {every} are not each of the {world} devices once")
     if case.objective == "time":
         _require(world == cluster.world_size and plan.cluster.device_types == cluster.device_types(),
                  f"the plan's cluster ({plan.cluster.spec}) is not the cluster asked for ({cluster.spec})")
@@ -384,6 +393,12 @@ def check_plan(plan, case: Case, cluster, options, workdir: Path, *, compile_pla
              f"throughput {p.throughput_samples_per_s} != global batch / step {plan.global_batch_size / p.step_time_s}")
     _require(len(p.peak_memory_bytes) == plan.pipeline_parallel and all(math.isfinite(m) and m >= 0 for m in p.peak_memory_bytes),
              f"predicted peak memory {p.peak_memory_bytes}")
+    # Work that happens is counted, and no prediction beats the devices' peak: the model's FLOPs per step over the
+    # predicted step are at most the cluster's peak rate at the plan's precision (MFU <= 1).
+    _require(p.model_flops_per_step > 0 and p.peak_flops_per_s > 0,
+             f"predicted model FLOPs per step {p.model_flops_per_step}, peak {p.peak_flops_per_s}: zero for work that happens")
+    _require(p.model_flops_per_step / p.step_time_s <= p.peak_flops_per_s * (1 + 1e-9),
+             f"predicted {p.model_flops_per_step / p.step_time_s:.4g} FLOP/s, above the cluster's peak {p.peak_flops_per_s:.4g}")
     _require(p.throughput_samples_per_s >= case.min_throughput,
              f"throughput {p.throughput_samples_per_s:.4g} below --min-throughput {case.min_throughput:g}")
     _check_pins(plan, case, options)

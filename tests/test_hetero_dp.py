@@ -225,6 +225,22 @@ def test_auto_is_never_slower_than_either_kind_and_records_the_other(gpt, spec, 
     assert plan_graph(gpt, cluster, options(batch), hetero_dp="off").replica_batch_shares is None
 
 
+def _plan_summary(graph, spec: str, batch: int):
+    plan = fastest_plan(graph, parse_cluster(spec), options(batch))
+    return plan.predicted.step_time_s, plan.replica_batch_shares, [s.ranks for s in plan.stages], plan.alternatives[0]["kind"]
+
+
+def test_a_pool_worker_plans_as_the_caller_does(gpt):
+    """A multiprocessing.Pool worker is daemonic and may not start the process the heterogeneous data-parallel
+    plan runs in beside the search ([Note: both cores] in planner/api.py): there the two run one after the other,
+    to the same plan."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        in_worker = pool.apply(_plan_summary, (gpt, MIXED, 64))
+    assert in_worker == _plan_summary(gpt, MIXED, 64)
+
+
 def test_hetero_dp_on_a_single_type_cluster_is_one_clear_error(gpt):
     with pytest.raises(PlanningError, match="needs at least two device types"):
         plan_graph(gpt, parse_cluster("1x4xA100-80GB"), options(64), hetero_dp="on")

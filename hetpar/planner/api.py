@@ -229,10 +229,13 @@ def _hetero_dp_or_error(graph: ModelGraph, cluster: Cluster, options: SearchOpti
 # and each deterministic, so the second runs in a forked process beside the first when
 # the machine has a core to spare, and the faster is kept exactly as if they had run one
 # after the other: the plan does not depend on how many cores there are, only the wall time.
+# A daemonic process (a multiprocessing.Pool worker calling the planner) may not start
+# children, so there the two run one after the other.
 @contextlib.contextmanager
 def _beside(fn: Callable, *args: Any):
     """Start ``fn(*args)`` in another process where a core is free; yields a call that returns its result."""
-    if (os.cpu_count() or 1) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+    if (os.cpu_count() or 1) < 2 or "fork" not in multiprocessing.get_all_start_methods() \
+            or multiprocessing.current_process().daemon:
         yield lambda: fn(*args)
         return
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork")) as pool:
