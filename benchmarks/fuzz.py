@@ -9,7 +9,7 @@ explained and compiled, by ``fuzz_cases.run_case`` in a worker process, with
 ``hetpar plan``'s CP-SAT work limit per candidate (10 deterministic seconds, so the
 outcomes do not depend on the machine's speed or load). A case that runs past
 ``--case-timeout`` seconds (20 minutes by default, far above the slowest case that
-finishes: docs/benchmarks/fuzz_cpu-2core_2026-12-04.md) is a
+finishes: docs/benchmarks/fuzz_cpu-2core_2026-12-07.md) is a
 hang: its worker is killed and a fresh one takes the next case. The report counts plans, one-line errors and failures (broken
 invariants, crashes, hangs), lists each failure with its command line, and gives the
 wall time. Exits 1 on any failure.
