@@ -216,13 +216,14 @@ def test_steps_at_two_micro_batch_sizes_give_both_factors_back():
 def test_the_cli_takes_a_run_of_another_framework_as_a_plan_and_its_seconds_per_step(tmp_path):
     """A run hetpar did not make: a plan of its configuration and the seconds per step it measured, given as a
     number where a metrics file would go. The fitted profile meets that step; a number that is not seconds is
-    refused in one line and writes nothing."""
+    refused in one line and writes nothing, as is a step no overhead within x1000 meets (milliseconds given as
+    seconds; a step shorter than the kernels at the peak allow)."""
     plan, plan_path, graph, config, device, step = _a100_plan_and_step(tmp_path, 1.0, 3.0)
     profile = _calibrate_cli(plan_path, repr(step), tmp_path / "a100.toml", "A100-80GB op_overhead_s")
     assert "[fitted] hetpar calibrate" in profile.sources["op_overhead_s"] and profile.op_overhead_s > device.op_overhead_s
     again = estimate(graph, parse_cluster(plan.cluster.spec, profiles={profile.name: profile}), config).predicted.step_time_s
     assert again == pytest.approx(step, rel=1e-6)
-    for bad in ("0", "nan"):
+    for bad in ("0", "nan", repr(step * 1000), repr(step / 1e4)):
         refused = subprocess.run([sys.executable, "-m", "hetpar", "calibrate", str(plan_path), bad, "-o", str(tmp_path / "b.toml")],
                                  capture_output=True, text=True, env=subprocess_env(), cwd=ROOT)
         assert refused.returncode != 0 and "Traceback" not in refused.stderr and "seconds per step" in refused.stderr

@@ -51,7 +51,10 @@ mix them in different shares (micro-batches of different sizes, so a different c
 of launches per sample) give both back as they are. One run is thus met exactly, and
 which of the two took how much is the prior's choice, which the report shows; the
 kernels' rate keeps its cap at the peak and the overhead stays within a factor of
-OVERHEAD_RANGE. The report flags a fit whose steps are mostly neither (under half
+OVERHEAD_RANGE; a factor held at its bound stays there while the other moves. Runs that
+would take the overhead to OVERHEAD_RANGE are refused (a step in milliseconds given as
+seconds is 1000x; a plan that is not the run's configuration): such a profile would
+price every plan by them. The report flags a fit whose steps are mostly neither (under half
 moves with the two: links and latencies), as with stage times.
 
 What it does not fit: links (data-parallel synchronisation, pipeline sends) apart from
@@ -331,6 +334,12 @@ def _fit_steps(runs: list[Run], profiles: dict[str, DeviceProfile], types: list[
     rate, overhead, capped = _least_change(runs, steps, cap)
     measured = sum(run.step_s for run in runs)
     predicted_before = sum(steps(1.0, 1.0))
+    if not 1.0001 / OVERHEAD_RANGE < overhead < OVERHEAD_RANGE / 1.0001:
+        raise CalibrationError(
+            f"the runs' steps ({measured:.4g} s measured against {predicted_before:.4g} s predicted) would take the "
+            f"per-op overhead of {', '.join(types)} past x{OVERHEAD_RANGE if overhead > 1 else 1 / OVERHEAD_RANGE:g}"
+            + (": give the seconds per step (not milliseconds)" if overhead > 1 else
+               ", the kernels at the devices' peak: give the seconds per step") + " of a run whose configuration the plan pins")
     ratios = [run.step_s / p for run, p in zip(runs, steps(rate, overhead))]
     # the share of the steps the two factors move: the rest (links, latencies) they cannot explain
     sensitivity = _sensitivity(lambda x: sum(steps(x, overhead)), rate) + _sensitivity(lambda x: sum(steps(rate, overhead / x)), 1.0)
@@ -373,7 +382,12 @@ def _least_change(runs: list[Run], steps, cap: float) -> tuple[float, float, boo
                 shifted = list(u)
                 shifted[k] += _FIT_STEP
                 columns.append([(a - b) / _FIT_STEP for a, b in zip(residuals(shifted), r)])
-            step = _damped_step(columns, r, u, weight)
+            # a factor at its bound that the step pushes further out stays there; the other moves alone
+            held = [k for k in range(2) if (u[k] <= lo[k] / spreads[k] + 1e-12 and _grad_sign(columns[k], r, u[k], weight) > 0)
+                    or (u[k] >= hi[k] / spreads[k] - 1e-12 and _grad_sign(columns[k], r, u[k], weight) < 0)]
+            step = _damped_step([[0.0] * len(r) if k in held else col for k, col in enumerate(columns)], r,
+                                [0.0 if k in held else x for k, x in enumerate(u)], weight)
+            step = [0.0 if k in held else d for k, d in enumerate(step)]
             cost = objective(u, r)
             for _ in range(_BACKTRACKS):  # halve a step that does not lower the objective (the model is not linear)
                 new = [min(max(x + d, lo[k] / spreads[k]), hi[k] / spreads[k]) for k, (x, d) in enumerate(zip(u, step))]
@@ -389,6 +403,11 @@ def _least_change(runs: list[Run], steps, cap: float) -> tuple[float, float, boo
                 break
     rate, overhead = (math.exp(x * s) for x, s in zip(u, spreads))
     return rate, overhead, u[0] * spreads[0] >= hi[0] - 1e-9
+
+
+def _grad_sign(column: list[float], r: list[float], x: float, weight: float) -> float:
+    """Which way one factor lowers the objective: the negative of its gradient, -(column . r + weight x)."""
+    return -(sum(c * e for c, e in zip(column, r)) + weight * x)
 
 
 def _damped_step(columns: list[list[float]], r: list[float], u: list[float], weight: float) -> list[float]:
