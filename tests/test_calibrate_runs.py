@@ -193,6 +193,26 @@ def test_a_run_with_only_its_steps_is_met_by_the_least_change(tmp_path):
     assert abs(u[0] * grad[1] - u[1] * grad[0]) <= 1e-3 * math.hypot(*u) * math.hypot(*grad)
 
 
+@pytest.mark.parametrize("kernels_s,overhead_s,measured_s", [(1.0, 1.0, 1.5), (1.0, 1e-3, 3.0)])
+def test_a_factor_at_its_bound_leaves_the_other_to_meet_the_step(kernels_s, overhead_s, measured_s):
+    """The fit's two factors on a step of kernels_s / rate + overhead_s * overhead, the rate capped at 1.
+    A step shorter than the kernels at the cap allow holds the rate there and leaves the overhead to meet it (the
+    overhead comes down to 0.5); a slower one is met however the prior splits it. Either way the step is met,
+    which a step pushed against a bound and clipped does not do."""
+    import types
+
+    from hetpar.planner.calibrate import _least_change
+
+    def steps(rate: float, overhead: float) -> list[float]:
+        return [kernels_s / rate + overhead_s * overhead]
+
+    rate, overhead, capped = _least_change([types.SimpleNamespace(step_s=measured_s)], steps, cap=1.0)
+    assert steps(rate, overhead)[0] == pytest.approx(measured_s, rel=1e-6)
+    assert rate <= 1.0 + 1e-12 and capped == (measured_s < kernels_s + overhead_s)
+    if capped:
+        assert overhead == pytest.approx((measured_s - kernels_s) / overhead_s, rel=1e-6)
+
+
 def test_steps_at_two_micro_batch_sizes_give_both_factors_back():
     """Runs whose steps mix the two in different shares (eight micro-batches of one sample, one of eight) tell
     the kernels' rate from the per-op overhead: slowed by 1.25 and 3 on a V100 pair, both come back."""

@@ -383,8 +383,8 @@ def _least_change(runs: list[Run], steps, cap: float) -> tuple[float, float, boo
                 shifted[k] += _FIT_STEP
                 columns.append([(a - b) / _FIT_STEP for a, b in zip(residuals(shifted), r)])
             # a factor at its bound that the step pushes further out stays there; the other moves alone
-            held = [k for k in range(2) if (u[k] <= lo[k] / spreads[k] + 1e-12 and _grad_sign(columns[k], r, u[k], weight) > 0)
-                    or (u[k] >= hi[k] / spreads[k] - 1e-12 and _grad_sign(columns[k], r, u[k], weight) < 0)]
+            held = [k for k in range(2) if (u[k] <= lo[k] / spreads[k] + 1e-12 and _descent(columns[k], r, u[k], weight) < 0)
+                    or (u[k] >= hi[k] / spreads[k] - 1e-12 and _descent(columns[k], r, u[k], weight) > 0)]
             step = _damped_step([[0.0] * len(r) if k in held else col for k, col in enumerate(columns)], r,
                                 [0.0 if k in held else x for k, x in enumerate(u)], weight)
             step = [0.0 if k in held else d for k, d in enumerate(step)]
@@ -405,8 +405,8 @@ def _least_change(runs: list[Run], steps, cap: float) -> tuple[float, float, boo
     return rate, overhead, u[0] * spreads[0] >= hi[0] - 1e-9
 
 
-def _grad_sign(column: list[float], r: list[float], x: float, weight: float) -> float:
-    """Which way one factor lowers the objective: the negative of its gradient, -(column . r + weight x)."""
+def _descent(column: list[float], r: list[float], x: float, weight: float) -> float:
+    """Which way one factor lowers the objective (> 0: up): the negative of its gradient, -(column . r + weight x)."""
     return -(sum(c * e for c, e in zip(column, r)) + weight * x)
 
 
