@@ -12,7 +12,6 @@ Hugging Face's Mixtral (module stages).
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from hetpar.rewriters import compile_plan
 from hetpar.rewriters.program import program_source
 from hetpar.runtime.distributed import StageSpec
 from hetpar.runtime.experts import (ExpertParallelError, ExpertParallelForward, RoutingLoad, apply_expert_parallel,
-                                    expert_parameters, experts_modules, route)
+                                    expert_parameters, route)
 from hetpar.runtime.model_file import load_model_file
 from hetpar.runtime.training import read_metrics
 from test_distributed import LR, assert_matches_reference, assert_within_rounding, exact_references, run_compiled

@@ -402,13 +402,12 @@ def test_a_row_curve_outside_zero_to_one_is_refused(tmp_path):
 def test_the_reference_step_through_the_runtime_scales_both_efficiencies():
     from dataclasses import replace
     from hetpar.cost_models.compute import layer_timing
-    from hetpar.cost_models.memory import OPTIMIZER_BYTES_PER_PARAM
     layers = [LayerProfile(name=f"l{i}", fwd_flops=4e6 * (i + 1), bwd_flops=8e6 * (i + 1), params=1000,
                            saved_activation_bytes=2e4, boundary_bytes=1e3, num_ops=12, param_tensors=2) for i in range(3)]
     data = record()
     data["optimizer"] = {"optimizer": "adamw", "tensor_s": 2e-5, "param_s": 1e-9}
     plain = fit_profile(data, get_device("cpu"))
-    batch, m, fwd_eff, bwd_eff, scale = 4, 2, 0.6, 0.35, 0.8
+    batch, fwd_eff, bwd_eff, scale = 4, 0.6, 0.35, 0.8
     at = lambda eff: [layer_timing(l, plain, tp=1, micro_batch_size=batch, dtype="fp32", kernel_efficiency=eff) for l in layers]
     fwd_s = sum(t.fwd_s for t in at(fwd_eff))
     bwd_s = sum(t.bwd_s for t in at(bwd_eff))

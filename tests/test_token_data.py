@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import ROOT, TORCHRUN_TIMEOUT_S, run_torchrun, subprocess_env
+from conftest import TORCHRUN_TIMEOUT_S, run_torchrun, subprocess_env
 from test_distributed import assert_within_rounding
 
 from hetpar.models import HF_CAUSAL_LM

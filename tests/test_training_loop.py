@@ -5,7 +5,6 @@ slow ones run compiled programs (one process, or torchrun) and compare with one 
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
