@@ -362,20 +362,11 @@ def check_plan(plan, case: Case, cluster, options, workdir: Path, *, compile_pla
     # Degrees: every device runs one stage replica.
     world = plan.cluster.world_size
     ranks = plan.stages[: plan.pipeline_parallel]
-    cp = plan.context_parallel
-    mixed = any(len(replica) != s.tensor_parallel for s in ranks for replica in s.ranks)
-    if mixed:  # replicas of different tensor-parallel degrees (no context parallelism): each its own
-        used = sum(len(replica) for s in ranks for replica in s.ranks)
-        _require(cp == 1 and used == world == len(plan.cluster.device_types),
-                 f"replicas of {[[len(r) for r in s.ranks] for s in ranks]} ranks (cp {cp}) over pp({plan.pipeline_parallel}) "
-                 f"= {used} != world_size({world})")
-    else:
-        used = sum(plan.data_parallel * cp * s.tensor_parallel for s in ranks)
-        _require(used == world == len(plan.cluster.device_types),
-                 f"dp({plan.data_parallel}) * cp({cp}) * tp{[s.tensor_parallel for s in ranks]} summed over "
-                 f"pp({plan.pipeline_parallel}) = {used} != world_size({world})")
+    # each stage's rows (dp x cp replicas, each of its own tensor-parallel degree) hold every device once
     every = sorted(r for s in ranks for replica in s.ranks for r in replica)
-    _require(cp > 1 or every == list(range(world)), f"the stages' ranks {every} are not each of the {world} devices once")
+    _require(every == list(range(world)) and world == len(plan.cluster.device_types),
+             f"the stages' ranks {every} (replicas of {[[len(r) for r in s.ranks] for s in ranks]} over "
+             f"pp({plan.pipeline_parallel})) are not each of the {world} devices once")
     if case.objective == "time":
         _require(world == cluster.world_size and plan.cluster.device_types == cluster.device_types(),
                  f"the plan's cluster ({plan.cluster.spec}) is not the cluster asked for ({cluster.spec})")

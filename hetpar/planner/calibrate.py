@@ -334,7 +334,7 @@ def _fit_steps(runs: list[Run], profiles: dict[str, DeviceProfile], types: list[
     rate, overhead, capped = _least_change(runs, steps, cap)
     measured = sum(run.step_s for run in runs)
     predicted_before = sum(steps(1.0, 1.0))
-    if not 1.0001 / OVERHEAD_RANGE < overhead < OVERHEAD_RANGE / 1.0001:
+    if abs(math.log(overhead)) >= math.log(OVERHEAD_RANGE) - 1e-9:  # at its bound, as _least_change's cap
         raise CalibrationError(
             f"the runs' steps ({measured:.4g} s measured against {predicted_before:.4g} s predicted) would take the "
             f"per-op overhead of {', '.join(types)} past x{OVERHEAD_RANGE if overhead > 1 else 1 / OVERHEAD_RANGE:g}"
